@@ -1,0 +1,905 @@
+//! The command line (SPEC §15). A stable contract: `--json` prints one JSON
+//! document; exit codes are 0 ok, 1 the call's result is a failure or unknown,
+//! 2 usage or environment error. Errors print a stable code and a message, never
+//! a backtrace or a local path.
+
+use std::ffi::OsString;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde_json::{json, Value};
+
+use crate::downstream::FaultPlan;
+use crate::engine::canonical::CallIdentity;
+use crate::engine::clock::{parse_rfc3339, rfc3339, Clock, ManualClock, SystemClock};
+use crate::engine::envelope::Envelope;
+use crate::engine::world::{World, DEMO_WORLD};
+use crate::engine::{
+    fresh_call_identity, DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest, Resolution, ResolveRequest,
+};
+
+/// toolgate: a durable tool-call dispatcher. Exactly one business effect per
+/// intent, and an explicit way out of OUTCOME_UNKNOWN.
+#[derive(Debug, Parser)]
+#[command(name = "toolgate", version, about, long_about = None)]
+pub struct Cli {
+    /// The ledger database.
+    #[arg(long, global = true, value_name = "PATH")]
+    pub db: Option<PathBuf>,
+    /// Fix the clock at this instant (RFC 3339), for tests and scripted demos.
+    #[arg(long, global = true, value_name = "RFC3339")]
+    pub now: Option<String>,
+    /// Operator identity for operator actions.
+    #[arg(long, global = true, value_name = "NAME")]
+    pub operator: Option<String>,
+    /// Refuse every state-changing action.
+    #[arg(long, global = true)]
+    pub read_only: bool,
+    /// Command (the console opens when none is given, once it lands).
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create a database and load a world file (the demo world by default).
+    Init {
+        /// World file (JSON); the demo world when absent.
+        #[arg(long, value_name = "FILE")]
+        world: Option<PathBuf>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Dispatch one tool call and print its envelope.
+    Dispatch(DispatchArgs),
+    /// Explicit status query for an operation (never executes the tool).
+    Query(QueryArgs),
+    /// Approve a pending approval request; the held call then runs.
+    Approve {
+        /// Approval id.
+        approval_id: String,
+        /// Approver (must be on the tenant's allowlist, not the requester).
+        #[arg(long)]
+        approver: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Deny a pending approval request.
+    Deny {
+        /// Approval id.
+        approval_id: String,
+        /// Approver.
+        #[arg(long)]
+        approver: String,
+        /// Why (mandatory).
+        #[arg(long)]
+        note: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List pending approval requests with their expiry.
+    Approvals {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Resolve an unknown / needs_review operation by a human decision.
+    Resolve(ResolveArgs),
+    /// Operations: list or show one (record, bindings, trace).
+    Ops {
+        /// What to do.
+        #[command(subcommand)]
+        what: OpsCommand,
+    },
+    /// Counts: operations and outbox rows by state, effects, duplicates.
+    Counts {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Grant a tool to a subject.
+    Grant(GrantArgs),
+    /// Revoke a tool from a subject (effective at the next check).
+    Revoke(GrantArgs),
+    /// List orders.
+    Orders {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Reaper pass: expired leases, retention purge.
+    Reap {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Worker pass: run every due outbox row.
+    Work {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Integrity and semantic audit of the database (or `--log`: the operator log).
+    Audit {
+        /// List the operator log instead.
+        #[arg(long)]
+        log: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `ops` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum OpsCommand {
+    /// List operations, newest first.
+    List {
+        /// Only this state.
+        #[arg(long)]
+        state: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one operation: record, bindings, attempts, trace timeline, operator log.
+    Show {
+        /// Operation id.
+        operation_id: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `dispatch` arguments.
+#[derive(Debug, Args)]
+pub struct DispatchArgs {
+    /// Tenant.
+    #[arg(long)]
+    pub tenant: String,
+    /// Subject.
+    #[arg(long)]
+    pub subject: String,
+    /// Tool name.
+    #[arg(long)]
+    pub tool: String,
+    /// Arguments as JSON text; `-` reads standard input.
+    #[arg(long, value_name = "JSON")]
+    pub args: Option<OsString>,
+    /// Read the arguments from a file.
+    #[arg(long, value_name = "FILE", conflicts_with = "args")]
+    pub args_file: Option<PathBuf>,
+    /// Idempotency key (8..255 chars), stable per business intent.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Call identity: call id (fresh when absent).
+    #[arg(long)]
+    pub call_id: Option<String>,
+    /// Call identity: response id.
+    #[arg(long)]
+    pub response_id: Option<String>,
+    /// Call identity: provider.
+    #[arg(long)]
+    pub provider: Option<String>,
+    /// Call identity: API family.
+    #[arg(long)]
+    pub api_family: Option<String>,
+    /// Call identity: adapter revision.
+    #[arg(long)]
+    pub adapter_revision: Option<String>,
+    /// An approval the caller holds.
+    #[arg(long)]
+    pub approval_id: Option<String>,
+    /// Operation deadline in milliseconds from now.
+    #[arg(long)]
+    pub deadline_ms: Option<u64>,
+    /// Downstream faults for this call's attempts, e.g. `rate_limit(2000),ok`.
+    #[arg(long)]
+    pub fault: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `query` arguments.
+#[derive(Debug, Args)]
+pub struct QueryArgs {
+    /// Tenant of the caller.
+    #[arg(long)]
+    pub tenant: String,
+    /// Subject of the caller.
+    #[arg(long)]
+    pub subject: String,
+    /// The opaque status_ref from the envelope.
+    #[arg(long)]
+    pub status_ref: String,
+    /// The request digest the caller expects.
+    #[arg(long = "expect-sha256")]
+    pub expect_sha256: String,
+    /// The idempotency key, to check the scope too.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Query call identity: call id.
+    #[arg(long)]
+    pub call_id: Option<String>,
+    /// Query call identity: provider.
+    #[arg(long)]
+    pub provider: Option<String>,
+    /// Query call identity: API family.
+    #[arg(long)]
+    pub api_family: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Resolution choices.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum ResolveAs {
+    /// The effect happened (needs --evidence RECEIPT_ID).
+    Succeeded,
+    /// No effect.
+    Failed,
+    /// The effect happened and was undone.
+    Compensated,
+}
+
+/// `resolve` arguments.
+#[derive(Debug, Args)]
+pub struct ResolveArgs {
+    /// Operation id.
+    pub operation_id: String,
+    /// The decision.
+    #[arg(long = "as", value_enum)]
+    pub resolution: ResolveAs,
+    /// Why (mandatory).
+    #[arg(long)]
+    pub note: String,
+    /// Receipt id (mandatory for succeeded).
+    #[arg(long)]
+    pub evidence: Option<String>,
+    /// The version you saw (refused if the operation changed since).
+    #[arg(long)]
+    pub seen_version: Option<i64>,
+    /// This action's own id (repeating it is harmless).
+    #[arg(long)]
+    pub action_id: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `grant` / `revoke` arguments.
+#[derive(Debug, Args)]
+pub struct GrantArgs {
+    /// Tenant.
+    #[arg(long)]
+    pub tenant: String,
+    /// Subject.
+    #[arg(long)]
+    pub subject: String,
+    /// Tool.
+    #[arg(long)]
+    pub tool: String,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A CLI failure: stable code + message, exit 2.
+#[derive(Debug)]
+pub struct CliError {
+    code: String,
+    message: String,
+    json: bool,
+}
+
+impl CliError {
+    fn new(code: &str, message: impl Into<String>) -> Self {
+        Self { code: code.to_string(), message: message.into(), json: false }
+    }
+}
+
+impl From<EngineError> for CliError {
+    fn from(e: EngineError) -> Self {
+        Self::new(e.code(), e.to_string())
+    }
+}
+
+/// Runs the CLI with the process arguments; returns the exit code.
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            return code;
+        }
+    };
+    let wants_json = command_wants_json(cli.command.as_ref());
+    match run(&cli) {
+        Ok(code) => code,
+        Err(mut e) => {
+            e.json |= wants_json;
+            if e.json {
+                println!("{}", json!({"error": {"code": e.code, "message": e.message}}));
+            } else {
+                eprintln!("error[{}]: {}", e.code, e.message);
+            }
+            2
+        }
+    }
+}
+
+fn command_wants_json(c: Option<&Command>) -> bool {
+    match c {
+        Some(
+            Command::Init { json, .. }
+            | Command::Approve { json, .. }
+            | Command::Deny { json, .. }
+            | Command::Approvals { json }
+            | Command::Counts { json }
+            | Command::Orders { json }
+            | Command::Reap { json }
+            | Command::Work { json }
+            | Command::Audit { json, .. },
+        ) => *json,
+        Some(Command::Dispatch(a)) => a.json,
+        Some(Command::Query(a)) => a.json,
+        Some(Command::Resolve(a)) => a.json,
+        Some(Command::Grant(a) | Command::Revoke(a)) => a.json,
+        Some(Command::Ops { what: OpsCommand::List { json, .. } | OpsCommand::Show { json, .. } }) => *json,
+        None => false,
+    }
+}
+
+fn clock_from(now: Option<&str>) -> Result<Arc<dyn Clock>, CliError> {
+    match now {
+        None => Ok(Arc::new(SystemClock)),
+        Some(s) => parse_rfc3339(s)
+            .map(|ms| Arc::new(ManualClock::new(ms)) as Arc<dyn Clock>)
+            .ok_or_else(|| CliError::new("BAD_TIME", "--now must be an RFC 3339 time, e.g. 2026-01-01T00:00:00Z")),
+    }
+}
+
+fn db_path(cli: &Cli) -> Result<&Path, CliError> {
+    cli.db.as_deref().ok_or_else(|| CliError::new("DB_REQUIRED", "--db PATH is required for this command"))
+}
+
+fn open(cli: &Cli) -> Result<Engine, CliError> {
+    let path = db_path(cli)?;
+    let clock = clock_from(cli.now.as_deref())?;
+    Ok(Engine::open(path, EngineOptions { clock, ..EngineOptions::default() })?)
+}
+
+fn refuse_read_only(cli: &Cli) -> Result<(), CliError> {
+    if cli.read_only {
+        return Err(CliError::new("READ_ONLY", "refused: --read-only is set"));
+    }
+    Ok(())
+}
+
+fn print_json(v: &impl serde::Serialize) {
+    println!("{}", serde_json::to_string_pretty(v).unwrap_or_else(|_| "null".into()));
+}
+
+fn run(cli: &Cli) -> Result<i32, CliError> {
+    let Some(command) = &cli.command else {
+        // Until the console lands, the bare command prints help.
+        use clap::CommandFactory;
+        let _ = Cli::command().print_help();
+        println!();
+        return Ok(0);
+    };
+    match command {
+        Command::Init { world, json } => {
+            refuse_read_only(cli)?;
+            let path = db_path(cli)?;
+            let text = match world {
+                Some(f) => std::fs::read(f).map_err(|e| {
+                    CliError::new("WORLD_UNREADABLE", format!("cannot read the world file: {}", e.kind()))
+                })?,
+                None => DEMO_WORLD.as_bytes().to_vec(),
+            };
+            let w = World::parse(&text)?;
+            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                if !parent.is_dir() {
+                    return Err(CliError::new(
+                        "DB_OPEN_FAILED",
+                        "cannot open the database: the parent directory does not exist",
+                    ));
+                }
+            }
+            let existed = path.exists();
+            let clock = clock_from(cli.now.as_deref())?;
+            let mut engine = Engine::create(path, EngineOptions { clock, ..EngineOptions::default() })?;
+            if let Err(e) = engine.load_world(&w) {
+                drop(engine);
+                if !existed {
+                    let _ = std::fs::remove_file(path);
+                    let _ = std::fs::remove_file(path.with_extension("db-wal"));
+                }
+                return Err(e.into());
+            }
+            let summary = json!({"tenants": w.tenants.len(), "subjects": w.subjects.len(), "grants": w.grants.len(), "orders": w.orders.len()});
+            if *json {
+                print_json(&json!({"initialized": true, "world": summary}));
+            } else {
+                println!(
+                    "initialized: {} tenants, {} subjects, {} grants, {} orders",
+                    w.tenants.len(),
+                    w.subjects.len(),
+                    w.grants.len(),
+                    w.orders.len()
+                );
+            }
+            Ok(0)
+        }
+        Command::Dispatch(a) => {
+            refuse_read_only(cli)?;
+            let arguments = read_args(a)?;
+            let mut engine = open(cli)?;
+            if let Some(f) = &a.fault {
+                engine.set_faults(FaultPlan::parse(f).map_err(|e| CliError::new("BAD_FAULT", e.to_string()))?);
+            }
+            let call = call_identity(
+                a.provider.as_deref(),
+                a.api_family.as_deref(),
+                a.response_id.as_deref(),
+                a.call_id.as_deref(),
+                a.adapter_revision.as_deref(),
+            );
+            let env = engine.dispatch(&DispatchRequest {
+                tenant: a.tenant.clone(),
+                subject: a.subject.clone(),
+                tool: a.tool.clone(),
+                arguments,
+                idempotency_key: a.key.clone(),
+                call: Some(call),
+                approval_id: a.approval_id.clone(),
+                deadline_ms: a.deadline_ms,
+            })?;
+            print_envelope(&env, a.json);
+            Ok(env.exit_code())
+        }
+        Command::Query(a) => {
+            refuse_read_only(cli)?;
+            let mut engine = open(cli)?;
+            let call = call_identity(a.provider.as_deref(), a.api_family.as_deref(), None, a.call_id.as_deref(), None);
+            let env = engine.query_operation_status(&QueryRequest {
+                tenant: a.tenant.clone(),
+                subject: a.subject.clone(),
+                status_ref: a.status_ref.clone(),
+                expected_request_sha256: a.expect_sha256.clone(),
+                idempotency_key: a.key.clone(),
+                call: Some(call),
+            })?;
+            print_envelope(&env, a.json);
+            Ok(env.exit_code())
+        }
+        Command::Approve { approval_id, approver, json } => {
+            refuse_read_only(cli)?;
+            let mut engine = open(cli)?;
+            let env = engine.approve(approval_id, approver)?;
+            print_envelope(&env, *json);
+            Ok(env.exit_code())
+        }
+        Command::Deny { approval_id, approver, note, json } => {
+            refuse_read_only(cli)?;
+            let mut engine = open(cli)?;
+            let out = engine.deny(approval_id, approver, note)?;
+            print_outcome(&out, *json);
+            Ok(i32::from(!out.applied))
+        }
+        Command::Approvals { json } => {
+            let mut engine = open(cli)?;
+            let now = engine.clock().now_ms();
+            let rows = engine.pending_approvals(1000)?;
+            let list: Vec<Value> = rows
+                .iter()
+                .map(|a| {
+                    json!({
+                        "approval_id": a.id, "tool": a.tool, "tenant": a.tenant, "subject": a.subject,
+                        "amount_minor": a.amount_minor, "created_at": rfc3339(a.created_at),
+                        "expires_at": rfc3339(a.expires_at), "expires_in_ms": a.expires_at - now,
+                        "expired": now >= a.expires_at, "request_sha256": a.request_sha256,
+                    })
+                })
+                .collect();
+            if *json {
+                print_json(&json!({"pending": list}));
+            } else if list.is_empty() {
+                println!("no pending approvals");
+            } else {
+                println!(
+                    "{:<30} {:<16} {:<8} {:<12} {:>12}  expires in",
+                    "approval", "tool", "tenant", "subject", "amount"
+                );
+                for a in &rows {
+                    let left = a.expires_at - now;
+                    let exp = if left <= 0 { "expired".to_string() } else { format!("{}s", left / 1000) };
+                    println!(
+                        "{:<30} {:<16} {:<8} {:<12} {:>12}  {exp}",
+                        a.id,
+                        a.tool,
+                        a.tenant,
+                        a.subject,
+                        a.amount_minor.map_or("-".into(), |v| v.to_string())
+                    );
+                }
+            }
+            Ok(0)
+        }
+        Command::Resolve(a) => {
+            refuse_read_only(cli)?;
+            let operator = cli
+                .operator
+                .clone()
+                .ok_or_else(|| CliError::new("OPERATOR_REQUIRED", "--operator NAME is required to resolve"))?;
+            let mut engine = open(cli)?;
+            let out = engine.resolve(&ResolveRequest {
+                operation_id: a.operation_id.clone(),
+                resolution: match a.resolution {
+                    ResolveAs::Succeeded => Resolution::Succeeded,
+                    ResolveAs::Failed => Resolution::Failed,
+                    ResolveAs::Compensated => Resolution::Compensated,
+                },
+                operator,
+                note: a.note.clone(),
+                evidence: a.evidence.clone(),
+                seen_version: a.seen_version,
+                action_id: a.action_id.clone(),
+            })?;
+            print_outcome(&out, a.json);
+            Ok(i32::from(!out.applied))
+        }
+        Command::Ops { what } => match what {
+            OpsCommand::List { state, limit, json } => {
+                let mut engine = open(cli)?;
+                let rows = engine.list_operations(state.as_deref(), (*limit).clamp(1, 10_000))?;
+                if *json {
+                    print_json(&json!({"operations": rows}));
+                } else {
+                    println!(
+                        "{:<28} {:<16} {:<13} {:<8} {:<10} {:<24}",
+                        "operation", "tool", "state", "version", "key", "updated"
+                    );
+                    for o in &rows {
+                        println!(
+                            "{:<28} {:<16} {:<13} {:<8} {:<10} {:<24}",
+                            o.id,
+                            o.tool,
+                            o.state,
+                            o.version,
+                            &o.key_sha256[..8],
+                            rfc3339(o.updated_at)
+                        );
+                    }
+                }
+                Ok(0)
+            }
+            OpsCommand::Show { operation_id, json } => {
+                let mut engine = open(cli)?;
+                let Some(d) = engine.operation_detail(operation_id)? else {
+                    return Err(CliError::new("NO_SUCH_OPERATION", "no such operation"));
+                };
+                if *json {
+                    let trace: Vec<Value> = d.trace.iter().map(trace_json).collect();
+                    print_json(
+                        &json!({"operation": d.operation, "outbox": d.outbox, "attempts": d.attempts, "trace": trace, "audit": d.audit}),
+                    );
+                } else {
+                    print_detail(&d);
+                }
+                Ok(0)
+            }
+        },
+        Command::Counts { json } => {
+            let mut engine = open(cli)?;
+            let c = engine.counts()?;
+            if *json {
+                print_json(&c);
+            } else {
+                println!("operations: {}", fmt_map(&c.operations));
+                println!("outbox:     {}", fmt_map(&c.outbox));
+                println!("downstream effects: {}", c.downstream_effects);
+                println!("side_effect_duplicates: {}", c.side_effect_duplicates);
+                println!("pending approvals: {}", c.pending_approvals);
+            }
+            Ok(0)
+        }
+        Command::Grant(g) | Command::Revoke(g) => {
+            refuse_read_only(cli)?;
+            let mut engine = open(cli)?;
+            let grant = matches!(command, Command::Grant(_));
+            let changed = if grant {
+                engine.grant(&g.tenant, &g.subject, &g.tool)?
+            } else {
+                engine.revoke(&g.tenant, &g.subject, &g.tool)?
+            };
+            let what = if grant { "granted" } else { "revoked" };
+            if g.json {
+                print_json(&json!({"action": what, "changed": changed}));
+            } else {
+                println!("{what}{}", if changed { "" } else { " (no change)" });
+            }
+            Ok(0)
+        }
+        Command::Orders { json } => {
+            let mut engine = open(cli)?;
+            let orders = engine.orders()?;
+            if *json {
+                print_json(&json!({"orders": orders}));
+            } else {
+                println!(
+                    "{:<12} {:<8} {:<12} {:<4} {:>10} {:>10}  status",
+                    "order", "tenant", "owner", "cur", "captured", "refunded"
+                );
+                for o in &orders {
+                    println!(
+                        "{:<12} {:<8} {:<12} {:<4} {:>10} {:>10}  {}",
+                        o.order_ref, o.tenant, o.owner, o.currency, o.captured_minor, o.refunded_minor, o.status
+                    );
+                }
+            }
+            Ok(0)
+        }
+        Command::Reap { json } => {
+            refuse_read_only(cli)?;
+            let mut engine = open(cli)?;
+            let r = engine.reap()?;
+            if *json {
+                print_json(&r);
+            } else {
+                println!(
+                    "reaped: {} back to accepted (never sent), {} re-queued with the same downstream key, {} parked as unknown, {} purged",
+                    r.requeued_unsent, r.requeued_same_key, r.parked_unknown, r.purged
+                );
+            }
+            Ok(0)
+        }
+        Command::Work { json } => {
+            refuse_read_only(cli)?;
+            let mut engine = open(cli)?;
+            let n = engine.work(10_000)?;
+            if *json {
+                print_json(&json!({"ran": n}));
+            } else {
+                println!("ran {n} outbox row(s)");
+            }
+            Ok(0)
+        }
+        Command::Audit { log, json } => {
+            let mut engine = open(cli)?;
+            if *log {
+                let rows = engine.audit_log(10_000)?;
+                if *json {
+                    print_json(&json!({"log": rows}));
+                } else {
+                    for r in &rows {
+                        println!(
+                            "{} #{:<5} {:<8} {:<10} {:<8} {:<28} {}",
+                            rfc3339(r.at),
+                            r.seq,
+                            r.result,
+                            r.action,
+                            r.actor,
+                            r.operation_id.as_deref().or(r.approval_id.as_deref()).unwrap_or("-"),
+                            r.reason
+                        );
+                    }
+                }
+                return Ok(0);
+            }
+            let findings = engine.audit()?;
+            if *json {
+                print_json(&json!({"ok": findings.is_empty(), "findings": findings}));
+            } else if findings.is_empty() {
+                println!("audit: no findings");
+            } else {
+                for f in &findings {
+                    println!("{:<22} {:<30} {}", f.check, f.reference, f.detail);
+                }
+                println!("audit: {} finding(s)", findings.len());
+            }
+            Ok(i32::from(!findings.is_empty()))
+        }
+    }
+}
+
+fn read_args(a: &DispatchArgs) -> Result<Vec<u8>, CliError> {
+    // The limit is enforced by the engine; this cap only stops a runaway pipe.
+    const READ_CAP: u64 = 8 * 1024 * 1024;
+    let read_all = |r: &mut dyn Read| -> Result<Vec<u8>, CliError> {
+        let mut buf = Vec::new();
+        r.take(READ_CAP)
+            .read_to_end(&mut buf)
+            .map_err(|e| CliError::new("ARGS_UNREADABLE", format!("cannot read the arguments: {}", e.kind())))?;
+        Ok(buf)
+    };
+    if let Some(f) = &a.args_file {
+        let mut file = std::fs::File::open(f)
+            .map_err(|e| CliError::new("ARGS_UNREADABLE", format!("cannot read the arguments file: {}", e.kind())))?;
+        return read_all(&mut file);
+    }
+    match &a.args {
+        None => Ok(b"{}".to_vec()),
+        Some(s) if s == "-" => read_all(&mut std::io::stdin()),
+        Some(s) => Ok(os_bytes(s)),
+    }
+}
+
+#[cfg(unix)]
+fn os_bytes(s: &OsString) -> Vec<u8> {
+    use std::os::unix::ffi::OsStrExt;
+    s.as_os_str().as_bytes().to_vec()
+}
+
+#[cfg(not(unix))]
+fn os_bytes(s: &OsString) -> Vec<u8> {
+    s.to_string_lossy().as_bytes().to_vec()
+}
+
+fn call_identity(
+    provider: Option<&str>,
+    family: Option<&str>,
+    response: Option<&str>,
+    call_id: Option<&str>,
+    adapter: Option<&str>,
+) -> CallIdentity {
+    let fresh = fresh_call_identity();
+    CallIdentity {
+        provider: provider.map_or(fresh.provider, str::to_string),
+        api_family: family.map_or(fresh.api_family, str::to_string),
+        response_id: response.map_or(fresh.response_id, str::to_string),
+        call_id: call_id.map_or(fresh.call_id, str::to_string),
+        adapter_revision: adapter.map_or(fresh.adapter_revision, str::to_string),
+    }
+}
+
+fn fmt_map(m: &std::collections::BTreeMap<String, i64>) -> String {
+    if m.is_empty() {
+        return "none".into();
+    }
+    m.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+}
+
+fn print_outcome(o: &crate::engine::OperatorOutcome, json: bool) {
+    if json {
+        print_json(o);
+    } else if o.applied {
+        println!("ok: {}", o.message);
+    } else {
+        println!("refused [{}]: {}", o.code, o.message);
+    }
+}
+
+/// Prints an envelope: the whole §4 envelope as JSON, or a summary for people.
+pub fn print_envelope(env: &Envelope, json: bool) {
+    if json {
+        print_json(env);
+        return;
+    }
+    let m = &env.model_result;
+    let exec = serde_json::to_value(m.execution).unwrap_or(Value::Null);
+    let status = serde_json::to_value(m.status).unwrap_or(Value::Null);
+    println!(
+        "status: {}   outcome: {}   delivery: {}",
+        status.as_str().unwrap_or("?"),
+        exec["outcome"].as_str().unwrap_or("?"),
+        exec["delivery"].as_str().unwrap_or("?")
+    );
+    if let Some(e) = &m.error {
+        let rec = serde_json::to_value(e.recovery).unwrap_or(Value::Null);
+        println!(
+            "error: {}   recovery: {}   retryable: {}{}",
+            e.code,
+            rec.as_str().unwrap_or("?"),
+            if e.retryable { "yes" } else { "no" },
+            e.retry_after_ms.map_or(String::new(), |ms| format!("   retry_after_ms: {ms}"))
+        );
+        println!("message: {}", e.message);
+        if let Some(d) = &e.detail {
+            println!("detail: {d}");
+        }
+    }
+    if let Some(d) = &m.data {
+        println!("data: {d}");
+    }
+    let a = &env.protected_audit;
+    if let Some(op) = &a.operation_id {
+        println!("operation: {op}");
+    }
+    if let Some(ap) = &a.approval_id {
+        println!("approval: {ap}");
+    }
+    if let Some(s) = &a.downstream.status_ref {
+        println!("status_ref: {s}");
+    }
+    if let Some(r) = &a.binding.request_sha256 {
+        println!("request_sha256: {r}");
+    }
+    if let Some(r) = &a.downstream.receipt_id {
+        println!("receipt: {r}");
+    }
+}
+
+fn trace_json(t: &crate::store::TraceRow) -> Value {
+    json!({
+        "seq": t.seq, "at": rfc3339(t.at), "operation_id": t.operation_id, "step": t.step, "tool": t.tool,
+        "code": t.code, "outcome": t.outcome, "delivery": t.delivery, "attempt": t.attempt,
+        "duration_us": t.duration_us, "fields": serde_json::from_str::<Value>(&t.fields).unwrap_or(Value::Null),
+    })
+}
+
+fn print_detail(d: &crate::engine::OperationDetail) {
+    let o = &d.operation;
+    println!("operation {}  ({} v{})", o.id, o.state, o.version);
+    println!(
+        "  tool {}  effect {}  revisions in{}/out{}/eff{}",
+        o.tool, o.effect, o.input_rev, o.output_rev, o.effect_rev
+    );
+    println!("  key_sha256      {}", o.key_sha256);
+    println!("  request_sha256  {}", o.request_sha256);
+    println!("  result_sha256   {}", o.result_sha256.as_deref().unwrap_or("-"));
+    println!("  call_binding    {}", o.call_binding_sha256);
+    println!("  status_ref      {}", o.status_ref);
+    println!(
+        "  downstream      request {}  receipt {}",
+        o.downstream_request_id.as_deref().unwrap_or("-"),
+        o.receipt_id.as_deref().unwrap_or("-")
+    );
+    if let Some(c) = &o.code {
+        println!("  code            {c}");
+    }
+    if let Some(r) = &o.resolution {
+        println!(
+            "  resolution      {r} by {} ({})",
+            o.resolved_by.as_deref().unwrap_or("?"),
+            o.resolution_note.as_deref().unwrap_or("")
+        );
+    }
+    if let Some(ob) = &d.outbox {
+        println!("  outbox          {} attempt {}/{}", ob.state, ob.attempt, ob.max_attempts);
+    }
+    println!("attempts:");
+    for a in &d.attempts {
+        println!(
+            "  #{} by {}  claimed {}  sent {}  -> {} {}",
+            a.attempt,
+            a.owner,
+            rfc3339(a.claimed_at),
+            a.sent_at.map_or("never".into(), rfc3339),
+            a.outcome.as_deref().unwrap_or("open"),
+            a.code.as_deref().unwrap_or("")
+        );
+    }
+    println!("trace:");
+    for t in &d.trace {
+        println!(
+            "  {} {:<16} {:<24} {:<12} {:<18} {}",
+            rfc3339(t.at),
+            t.step,
+            t.code.as_deref().unwrap_or("-"),
+            t.outcome.as_deref().unwrap_or("-"),
+            t.delivery.as_deref().unwrap_or("-"),
+            t.attempt.map_or(String::new(), |a| format!("attempt {a}"))
+        );
+    }
+    if !d.audit.is_empty() {
+        println!("operator log:");
+        for r in &d.audit {
+            println!("  {} {} {} by {}: {}", rfc3339(r.at), r.action, r.result, r.actor, r.reason);
+        }
+    }
+}

@@ -1,0 +1,399 @@
+//! Canonical JSON (RFC 8785), request/result/call-binding digests and the opaque
+//! `status_ref` (SPEC §3).
+//!
+//! Canonicalization itself is `serde_json_canonicalizer` (it passes the RFC 8785
+//! vectors, see `tests/it/canonical.rs`). What no crate does for us is the strict
+//! *parsing* in front of it: `serde_json` silently keeps the last of two duplicate
+//! keys, so [`parse_strict`] uses a small hand-written visitor that refuses them.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use hmac::{Hmac, Mac};
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+/// Largest JSON input accepted anywhere (arguments, world files are bigger and use their own).
+pub const MAX_INPUT_BYTES: usize = 64 * 1024;
+/// Deepest nesting accepted in arguments.
+pub const MAX_DEPTH: usize = 32;
+
+/// Why a JSON text was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CanonicalError {
+    /// The text is larger than the limit.
+    #[error("input is {size} bytes; the limit is {limit} bytes")]
+    TooLarge { size: usize, limit: usize },
+    /// Nested deeper than the limit.
+    #[error("input nests deeper than {limit} levels")]
+    TooDeep { limit: usize },
+    /// The same key twice in one object.
+    #[error("duplicate object key {key:?}")]
+    DuplicateKey { key: String },
+    /// Not JSON (includes NaN/Infinity, lone surrogates, invalid UTF-8).
+    #[error("not valid JSON: {0}")]
+    Syntax(String),
+    /// A number that has no finite IEEE-754 double form.
+    #[error("number out of range")]
+    NonFinite,
+}
+
+/// Parses a JSON text strictly: size and depth limits, no duplicate keys, no
+/// non-finite numbers, valid UTF-8 and no lone surrogates (serde_json refuses those).
+pub fn parse_strict(bytes: &[u8], max_bytes: usize, max_depth: usize) -> Result<Value, CanonicalError> {
+    if bytes.len() > max_bytes {
+        return Err(CanonicalError::TooLarge { size: bytes.len(), limit: max_bytes });
+    }
+    // Depth is checked on the raw text before parsing so that a hostile input
+    // never reaches a recursive parser deeper than the limit.
+    check_depth(bytes, max_depth)?;
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value = StrictSeed { depth: 0, max_depth }.deserialize(&mut de).map_err(|e| classify(&e))?;
+    de.end().map_err(|e| CanonicalError::Syntax(strip_position(&e)))?;
+    Ok(value)
+}
+
+fn classify(e: &serde_json::Error) -> CanonicalError {
+    let msg = e.to_string();
+    if let Some(rest) = msg.strip_prefix("duplicate object key ") {
+        let key = rest.split(" at line").next().unwrap_or(rest).trim_matches('"').to_string();
+        return CanonicalError::DuplicateKey { key };
+    }
+    if msg.starts_with("nesting too deep") {
+        return CanonicalError::TooDeep { limit: MAX_DEPTH };
+    }
+    if msg.starts_with("non-finite number") {
+        return CanonicalError::NonFinite;
+    }
+    CanonicalError::Syntax(strip_position(e))
+}
+
+fn strip_position(e: &serde_json::Error) -> String {
+    let msg = e.to_string();
+    match msg.find(" at line ") {
+        Some(i) => format!("{} (line {}, column {})", &msg[..i], e.line(), e.column()),
+        None => msg,
+    }
+}
+
+fn check_depth(bytes: &[u8], max_depth: usize) -> Result<(), CanonicalError> {
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for &b in bytes {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max_depth {
+                    return Err(CanonicalError::TooDeep { limit: max_depth });
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+struct StrictSeed {
+    depth: usize,
+    max_depth: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for StrictSeed {
+    type Value = Value;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(StrictVisitor { depth: self.depth, max_depth: self.max_depth })
+    }
+}
+
+struct StrictVisitor {
+    depth: usize,
+    max_depth: usize,
+}
+
+impl<'de> Visitor<'de> for StrictVisitor {
+    type Value = Value;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
+        serde_json::Number::from_f64(v).map(Value::Number).ok_or_else(|| E::custom("non-finite number"))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let depth = self.enter::<A::Error>()?;
+        let mut out = Vec::new();
+        while let Some(v) = seq.next_element_seed(StrictSeed { depth, max_depth: self.max_depth })? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let depth = self.enter::<A::Error>()?;
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if out.contains_key(&key) {
+                return Err(de::Error::custom(format!("duplicate object key {key:?}")));
+            }
+            let v = map.next_value_seed(StrictSeed { depth, max_depth: self.max_depth })?;
+            out.insert(key, v);
+        }
+        Ok(Value::Object(out))
+    }
+}
+
+impl StrictVisitor {
+    fn enter<E: de::Error>(&self) -> Result<usize, E> {
+        if self.depth + 1 > self.max_depth {
+            return Err(E::custom("nesting too deep"));
+        }
+        Ok(self.depth + 1)
+    }
+}
+
+/// The RFC 8785 canonical form of a value.
+pub fn canonical_string(value: &Value) -> String {
+    // serde_json_canonicalizer only fails on values serde_json cannot represent
+    // (non-string keys, non-finite floats), which a `Value` never holds.
+    serde_json_canonicalizer::to_string(value).unwrap_or_else(|_| value.to_string())
+}
+
+/// Canonicalizes a JSON text (strict parse, then RFC 8785).
+pub fn canonicalize_text(text: &[u8]) -> Result<String, CanonicalError> {
+    let v = parse_strict(text, usize::MAX, 256)?;
+    Ok(canonical_string(&v))
+}
+
+/// Lower-case hex SHA-256 of bytes.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// SHA-256 of the canonical form of a value.
+pub fn digest_value(value: &Value) -> String {
+    sha256_hex(canonical_string(value).as_bytes())
+}
+
+/// The contract revisions a request was made under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Revisions {
+    /// Input schema revision.
+    pub input: i64,
+    /// Output schema revision.
+    pub output: i64,
+    /// Effect (semantics) revision.
+    pub effect: i64,
+}
+
+/// The canonical request object whose digest is `request_sha256`. It excludes the
+/// call id, operation id and idempotency key on purpose (SPEC §3).
+pub fn request_object(tenant: &str, subject: &str, tool: &str, arguments: &Value, rev: Revisions) -> Value {
+    serde_json::json!({
+        "tenant": tenant,
+        "subject": subject,
+        "tool": tool,
+        "arguments": arguments,
+        "revisions": {"input": rev.input, "output": rev.output, "effect": rev.effect},
+    })
+}
+
+/// The call identity of one provider call (SPEC §2).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CallIdentity {
+    /// Model provider, e.g. `openai`.
+    pub provider: String,
+    /// API family, e.g. `responses`.
+    pub api_family: String,
+    /// Provider response id.
+    pub response_id: String,
+    /// Provider call id.
+    pub call_id: String,
+    /// Adapter revision.
+    pub adapter_revision: String,
+}
+
+/// Everything `call_binding_sha256` covers (SPEC §3).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BindingInput<'a> {
+    /// Tenant.
+    pub tenant: &'a str,
+    /// Subject.
+    pub subject: &'a str,
+    /// The call identity.
+    pub call: &'a CallIdentity,
+    /// Operation id.
+    pub operation_id: &'a str,
+    /// The idempotency key itself (so a package cannot move to another key).
+    pub idempotency_key: &'a str,
+    /// Contract revisions.
+    pub revisions: Revisions,
+    /// Request digest.
+    pub request_sha256: &'a str,
+    /// Result digest, once a result exists.
+    pub result_sha256: Option<&'a str>,
+    /// Downstream request id, once known.
+    pub downstream_request_id: Option<&'a str>,
+    /// Downstream receipt id, once known.
+    pub receipt_id: Option<&'a str>,
+    /// The opaque status reference.
+    pub status_ref: &'a str,
+}
+
+/// `call_binding_sha256` over a [`BindingInput`].
+pub fn call_binding_sha256(b: &BindingInput<'_>) -> String {
+    let v = serde_json::to_value(b).unwrap_or(Value::Null);
+    digest_value(&v)
+}
+
+/// Sorted map helper for stable JSON objects.
+pub type Fields = BTreeMap<String, Value>;
+
+type HmacSha256 = Hmac<Sha256>;
+
+const STATUS_REF_PREFIX: &str = "sr1_";
+const NONCE_HEX: usize = 32;
+const MAC_HEX: usize = 32;
+/// Length of every valid status_ref.
+pub const STATUS_REF_LEN: usize = STATUS_REF_PREFIX.len() + NONCE_HEX + MAC_HEX;
+
+/// Why a status_ref was refused (before any lookup).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum StatusRefError {
+    /// Wrong length, prefix or alphabet.
+    #[error("malformed status_ref")]
+    Malformed,
+    /// Well-formed but the MAC does not verify.
+    #[error("status_ref does not verify")]
+    Forged,
+}
+
+/// Mints `status_ref` values and checks them, under a per-database secret.
+#[derive(Clone)]
+pub struct StatusRefKey {
+    secret: Vec<u8>,
+}
+
+impl fmt::Debug for StatusRefKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("StatusRefKey(..)")
+    }
+}
+
+impl StatusRefKey {
+    /// A key from the database's secret bytes.
+    pub fn new(secret: &[u8]) -> Self {
+        Self { secret: secret.to_vec() }
+    }
+
+    fn mac(&self, nonce_hex: &str) -> [u8; 16] {
+        let mut mac = <HmacSha256 as Mac>::new_from_slice(&self.secret).unwrap_or_else(|_| {
+            // HMAC accepts keys of any length; this branch cannot run.
+            <HmacSha256 as Mac>::new_from_slice(b"0").expect("hmac key")
+        });
+        mac.update(b"toolgate status_ref v1\0");
+        mac.update(nonce_hex.as_bytes());
+        let full = mac.finalize().into_bytes();
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&full[..16]);
+        out
+    }
+
+    /// A fresh status_ref from 16 random bytes. It carries no tenant or subject.
+    pub fn mint(&self, nonce: [u8; 16]) -> String {
+        let nonce_hex = hex::encode(nonce);
+        let mac = hex::encode(self.mac(&nonce_hex));
+        format!("{STATUS_REF_PREFIX}{nonce_hex}{mac}")
+    }
+
+    /// Strict check: exact format, then a constant-time MAC comparison.
+    pub fn verify(&self, s: &str) -> Result<(), StatusRefError> {
+        if s.len() != STATUS_REF_LEN || !s.starts_with(STATUS_REF_PREFIX) {
+            return Err(StatusRefError::Malformed);
+        }
+        let body = &s[STATUS_REF_PREFIX.len()..];
+        if !body.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+            return Err(StatusRefError::Malformed);
+        }
+        let (nonce_hex, mac_hex) = body.split_at(NONCE_HEX);
+        let Ok(given) = hex::decode(mac_hex) else {
+            return Err(StatusRefError::Malformed);
+        };
+        let expected = self.mac(nonce_hex);
+        if bool::from(expected.as_slice().ct_eq(given.as_slice())) {
+            Ok(())
+        } else {
+            Err(StatusRefError::Forged)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[allow(clippy::needless_pass_by_value)]
+    fn check(input: &str, expect: Result<&str, CanonicalError>) {
+        let got = parse_strict(input.as_bytes(), MAX_INPUT_BYTES, MAX_DEPTH).map(|v| canonical_string(&v));
+        assert_eq!(got.as_deref().map_err(Clone::clone), expect, "input: {input}");
+    }
+
+    #[test]
+    fn strict_parse() {
+        check(r#"{"b":1,"a":[1.0,2e3]}"#, Ok(r#"{"a":[1,2000],"b":1}"#));
+        check(r#"{"a":1,"a":2}"#, Err(CanonicalError::DuplicateKey { key: "a".into() }));
+        check(r#"{"x":{"a":1,"a":1}}"#, Err(CanonicalError::DuplicateKey { key: "a".into() }));
+        check(r#"{"a": NaN}"#, Err(CanonicalError::Syntax("expected value (line 1, column 7)".into())));
+        check(&"[".repeat(33), Err(CanonicalError::TooDeep { limit: MAX_DEPTH }));
+        check(r#"["[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["]"#, Ok(r#"["[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["]"#));
+        assert!(matches!(parse_strict(br#""\ud800""#, 100, 4), Err(CanonicalError::Syntax(_))));
+        assert!(matches!(parse_strict(b"\"\xff\"", 100, 4), Err(CanonicalError::Syntax(_))));
+        assert!(matches!(parse_strict(b"1e999", 100, 4), Err(CanonicalError::Syntax(_) | CanonicalError::NonFinite)));
+        assert_eq!(parse_strict(&[b' '; 11], 10, 4), Err(CanonicalError::TooLarge { size: 11, limit: 10 }));
+    }
+
+    #[test]
+    fn status_ref_round_trip_and_mutation() {
+        let k = StatusRefKey::new(b"secret");
+        let s = k.mint([7; 16]);
+        assert_eq!(s.len(), STATUS_REF_LEN);
+        assert_eq!(k.verify(&s), Ok(()));
+        let mut bytes = s.clone().into_bytes();
+        let last = bytes.len() - 1;
+        bytes[last] = if bytes[last] == b'0' { b'1' } else { b'0' };
+        assert_eq!(k.verify(&String::from_utf8(bytes).unwrap()), Err(StatusRefError::Forged));
+        assert_eq!(k.verify("sr1_"), Err(StatusRefError::Malformed));
+        assert_eq!(k.verify(&s.to_uppercase()), Err(StatusRefError::Malformed));
+        assert_eq!(StatusRefKey::new(b"other").verify(&s), Err(StatusRefError::Forged));
+    }
+}

@@ -1,0 +1,1257 @@
+//! The dispatch pipeline (SPEC §5), the outbox worker and the reaper (§6).
+
+use std::panic::AssertUnwindSafe;
+use std::time::Instant;
+
+use rand::Rng;
+use serde_json::{json, Value};
+
+use super::canonical::{
+    call_binding_sha256, canonical_string, parse_strict, request_object, sha256_hex, BindingInput, CallIdentity,
+    Revisions, MAX_DEPTH, MAX_INPUT_BYTES,
+};
+use super::contracts::{ApprovalPolicy, Contract, Contracts, Effect};
+use super::envelope::{
+    Binding, Code, Delivery, Downstream as DownstreamInfo, Envelope, ErrorInfo, Execution, ModelResult, Outcome,
+    ProtectedAudit, Status,
+};
+use super::trace::TraceEvent;
+use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, Engine, EngineError};
+use crate::downstream::{DownstreamRequest, Reply};
+use crate::failpoint;
+use crate::store::{ApprovalRow, CallIdentityRow, CallKey, OperationRow, ReceiptRow, StoreError, Tx};
+
+/// One tool call as a harness sends it.
+#[derive(Debug, Clone, Default)]
+pub struct DispatchRequest {
+    /// Tenant.
+    pub tenant: String,
+    /// Subject (the principal the agent acts for).
+    pub subject: String,
+    /// Tool name.
+    pub tool: String,
+    /// Arguments, as the raw bytes of the JSON text the model produced (not
+    /// necessarily valid UTF-8: that is checked here, not assumed).
+    pub arguments: Vec<u8>,
+    /// Caller-generated idempotency key (8..255 chars), stable per business intent.
+    pub idempotency_key: Option<String>,
+    /// Call identity; a fresh one when absent.
+    pub call: Option<CallIdentity>,
+    /// An approval the caller holds.
+    pub approval_id: Option<String>,
+    /// Operation deadline from now; the tool's default when absent.
+    pub deadline_ms: Option<u64>,
+}
+
+/// What one reaper pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ReapReport {
+    /// Expired leases whose attempt was never sent: back to `accepted`.
+    pub requeued_unsent: usize,
+    /// Possibly-sent attempts re-queued because the downstream honours keys.
+    pub requeued_same_key: usize,
+    /// Possibly-sent attempts parked as `unknown`.
+    pub parked_unknown: usize,
+    /// Expired terminal records purged.
+    pub purged: usize,
+}
+
+/// A key is 8..=255 printable ASCII characters.
+fn valid_key(k: &str) -> bool {
+    (8..=255).contains(&k.len()) && k.bytes().all(|b| (0x21..=0x7e).contains(&b))
+}
+
+/// Full-jitter exponential backoff: uniform in [0, min(cap, base·2^(attempt-1))].
+pub(crate) fn backoff_ms(base: u64, cap: u64, attempt: u32) -> u64 {
+    let exp = base.saturating_mul(1u64 << attempt.saturating_sub(1).min(30));
+    let top = exp.min(cap);
+    if top == 0 {
+        0
+    } else {
+        rand::thread_rng().gen_range(0..=top)
+    }
+}
+
+/// Authorization of the current subject, read now (SPEC §1, §5.2).
+pub(crate) fn authorize(
+    tx: &Tx<'_>,
+    tenant: &str,
+    subject: &str,
+    tool: &str,
+    args: &Value,
+) -> Result<Option<Code>, StoreError> {
+    if tx.subject_tenant(subject)?.as_deref() != Some(tenant) || !tx.grant_active(tenant, subject, tool)? {
+        return Ok(Some(Code::PolicyDenied));
+    }
+    if let Some(order_ref) = args.get("order_ref").and_then(Value::as_str) {
+        // Not owned, cross-tenant and nonexistent look the same.
+        match tx.order(order_ref)? {
+            Some(o) if o.tenant == tenant && o.owner == subject => {}
+            _ => return Ok(Some(Code::NotFound)),
+        }
+    }
+    Ok(None)
+}
+
+/// Business rules (SPEC §1).
+pub(crate) fn business_rules(tx: &Tx<'_>, tool: &str, args: &Value) -> Result<Option<&'static str>, StoreError> {
+    if tool != "create_refund" {
+        return Ok(None);
+    }
+    let order_ref = args.get("order_ref").and_then(Value::as_str).unwrap_or_default();
+    let Some(o) = tx.order(order_ref)? else {
+        return Ok(Some("order_missing"));
+    };
+    let amount = args.get("amount_minor").and_then(Value::as_i64).unwrap_or(0);
+    let currency = args.get("currency").and_then(Value::as_str).unwrap_or_default();
+    if o.status == "refunded" {
+        return Ok(Some("order_not_refundable"));
+    }
+    if currency != o.currency {
+        return Ok(Some("currency_mismatch"));
+    }
+    if amount > o.captured_minor - o.refunded_minor {
+        return Ok(Some("amount_exceeds_remaining"));
+    }
+    Ok(None)
+}
+
+/// The call binding of an operation row as it stands.
+pub(crate) fn binding_of(op: &OperationRow) -> String {
+    let call = CallIdentity {
+        provider: op.call_provider.clone(),
+        api_family: op.call_api_family.clone(),
+        response_id: op.call_response_id.clone(),
+        call_id: op.call_id.clone(),
+        adapter_revision: op.adapter_revision.clone(),
+    };
+    call_binding_sha256(&BindingInput {
+        tenant: &op.tenant,
+        subject: &op.subject,
+        call: &call,
+        operation_id: &op.id,
+        idempotency_key: &op.idem_key,
+        revisions: revisions_of(op),
+        request_sha256: &op.request_sha256,
+        result_sha256: op.result_sha256.as_deref(),
+        downstream_request_id: op.downstream_request_id.as_deref(),
+        receipt_id: op.receipt_id.as_deref(),
+        status_ref: &op.status_ref,
+    })
+}
+
+pub(crate) fn revisions_of(op: &OperationRow) -> Revisions {
+    Revisions { input: op.input_rev, output: op.output_rev, effect: op.effect_rev }
+}
+
+/// Recomputes a row's digests and binding: any mismatch is tampering (SPEC §3).
+pub(crate) fn verify_row(op: &OperationRow) -> Result<(), &'static str> {
+    let canonical_ok =
+        |text: &str| parse_strict(text.as_bytes(), usize::MAX, 256).is_ok_and(|v| canonical_string(&v) == text);
+    if !canonical_ok(&op.request_json) {
+        return Err("request_json is not canonical");
+    }
+    if sha256_hex(op.request_json.as_bytes()) != op.request_sha256 {
+        return Err("request_sha256 does not recompute");
+    }
+    match (&op.result_json, &op.result_sha256) {
+        (Some(r), Some(h)) => {
+            if !canonical_ok(r) {
+                return Err("result_json is not canonical");
+            }
+            if &sha256_hex(r.as_bytes()) != h {
+                return Err("result_sha256 does not recompute");
+            }
+        }
+        (None, None) => {}
+        _ => return Err("result and result digest disagree"),
+    }
+    if binding_of(op) != op.call_binding_sha256 {
+        return Err("call_binding_sha256 does not recompute");
+    }
+    Ok(())
+}
+
+/// The envelope a caller gets for an operation in its current state.
+pub(crate) fn op_envelope(
+    op: &OperationRow,
+    delivery: Delivery,
+    principal_ref: String,
+    last_code: Option<&str>,
+) -> Envelope {
+    let call = CallIdentity {
+        provider: op.call_provider.clone(),
+        api_family: op.call_api_family.clone(),
+        response_id: op.call_response_id.clone(),
+        call_id: op.call_id.clone(),
+        adapter_revision: op.adapter_revision.clone(),
+    };
+    let audit = ProtectedAudit {
+        operation_id: Some(op.id.clone()),
+        principal_ref,
+        provider: Some(call),
+        tool: op.tool.clone(),
+        revisions: Some(revisions_of(op)),
+        binding: Binding {
+            request_sha256: Some(op.request_sha256.clone()),
+            result_sha256: op.result_sha256.clone(),
+            call_binding_sha256: Some(op.call_binding_sha256.clone()),
+        },
+        downstream: DownstreamInfo {
+            request_id: op.downstream_request_id.clone(),
+            receipt_id: op.receipt_id.clone(),
+            status_ref: Some(op.status_ref.clone()),
+        },
+        approval_id: op.approval_id.clone(),
+    };
+    // A copy parsed from the stored text: mutating it cannot change later replays.
+    let data = op.result_json.as_deref().and_then(|r| serde_json::from_str::<Value>(r).ok());
+    let stored_code = op.code.as_deref().and_then(Code::parse);
+    let (status, data, error, outcome, delivery) = match op.state.as_str() {
+        "succeeded" => (Status::Succeeded, data, None, Outcome::Committed, delivery),
+        "failed" => {
+            let code = stored_code.unwrap_or(Code::BusinessRuleViolation);
+            (Status::Failed, None, Some(ErrorInfo::new(code)), Outcome::NotStarted, delivery)
+        }
+        "resolved" => match op.resolution.as_deref() {
+            Some("succeeded") => (Status::Succeeded, data, None, Outcome::Committed, Delivery::HumanResolved),
+            Some("compensated") => (Status::Failed, data, None, Outcome::Committed, Delivery::HumanResolved),
+            _ => (Status::Failed, data, None, Outcome::NotStarted, Delivery::HumanResolved),
+        },
+        "accepted" => {
+            let code = last_code.and_then(Code::parse).filter(|c| c.retryable()).unwrap_or(Code::TimeoutBeforeExecute);
+            (Status::Failed, None, Some(ErrorInfo::new(code)), Outcome::NotStarted, delivery)
+        }
+        "needs_review" => {
+            let code = stored_code.filter(|c| c.catalog().1 == Outcome::Unknown).unwrap_or(Code::StatusConflict);
+            (Status::Unknown, None, Some(ErrorInfo::new(code)), Outcome::Unknown, delivery)
+        }
+        _ => {
+            // in_flight, unknown: never execute again, never reconcile implicitly.
+            let code = stored_code.filter(|c| c.catalog().1 == Outcome::Unknown).unwrap_or(Code::OutcomeUnknown);
+            (Status::Unknown, None, Some(ErrorInfo::new(code)), Outcome::Unknown, delivery)
+        }
+    };
+    Envelope {
+        model_result: ModelResult { status, data, error, execution: Execution { outcome, delivery } },
+        protected_audit: audit,
+    }
+}
+
+/// What the accept transaction decided.
+enum Decision {
+    /// Answer now.
+    Answer(Envelope, TraceEvent),
+    /// Run the outbox row of this operation now.
+    Execute(String),
+}
+
+/// What one claim decided.
+enum Claim {
+    /// We hold attempt `n`.
+    Claimed { attempt: i64, op: Box<OperationRow> },
+    /// Not ours to run (or nothing to run): here is the state.
+    Answer(Envelope),
+}
+
+/// What persisting a reply decided.
+enum Persisted {
+    Done(Envelope),
+    RetryAfter(u64),
+}
+
+impl Engine {
+    fn reject(
+        &mut self,
+        code: Code,
+        audit: ProtectedAudit,
+        mut ev: TraceEvent,
+        detail: Option<Value>,
+        t0: Instant,
+    ) -> Result<Envelope, EngineError> {
+        let mut env = error_envelope(code, audit);
+        if let Some(d) = detail {
+            env = with_detail(env, d);
+        }
+        ev.step = "rejected";
+        ev.duration_us = Some(t0.elapsed().as_micros() as i64);
+        let ev = ev.from_envelope(&env);
+        let now = self.clock.now_ms();
+        self.store.write(|tx| ev.write(tx, now))?;
+        Ok(env)
+    }
+
+    /// Dispatches one tool call through the whole pipeline (SPEC §5). Expected
+    /// outcomes, including every error of the catalog, come back as an [`Envelope`].
+    pub fn dispatch(&mut self, req: &DispatchRequest) -> Result<Envelope, EngineError> {
+        let t0 = Instant::now();
+        let contracts = self.contracts.clone();
+        let call = req.call.clone().unwrap_or_else(fresh_call_identity);
+        let principal_ref = self.principal_ref(&req.tenant, &req.subject);
+        let mut audit = ProtectedAudit {
+            principal_ref: principal_ref.clone(),
+            provider: Some(call.clone()),
+            tool: req.tool.clone(),
+            ..ProtectedAudit::default()
+        };
+        let mut ev = TraceEvent::step("received");
+        ev.call = Some(call.clone());
+        ev.tenant_ref = Some(self.hashed("tenant", &req.tenant));
+        ev.subject_ref = Some(self.hashed("subject", &req.subject));
+        ev.arguments_sha256 = Some(sha256_hex(&req.arguments));
+        ev.approval_id.clone_from(&req.approval_id);
+
+        // 1. Contract.
+        let Some(contract) = contracts.get(&req.tool) else {
+            return self.reject(Code::UnknownTool, audit, ev, None, t0);
+        };
+        ev.tool = Some(contract.name.clone());
+        ev.revisions = Some(contract.revisions);
+        ev.data_classification = Some(contract.data_classification.clone());
+        audit.revisions = Some(contract.revisions);
+        let args = match parse_strict(&req.arguments, MAX_INPUT_BYTES, MAX_DEPTH) {
+            Ok(a) => a,
+            Err(e) => {
+                let d = json!({"pointer": "", "reason": e.to_string()});
+                return self.reject(Code::InvalidArguments, audit, ev, Some(d), t0);
+            }
+        };
+        if let Err(v) = contract.check_input(&args) {
+            let d = json!({"pointer": v.pointer, "reason": v.reason});
+            return self.reject(Code::InvalidArguments, audit, ev, Some(d), t0);
+        }
+        let key = if contract.effect == Effect::Read {
+            req.idempotency_key.clone().unwrap_or_default()
+        } else {
+            match req.idempotency_key.as_deref() {
+                None | Some("") => return self.reject(Code::IdempotencyKeyRequired, audit, ev, None, t0),
+                Some(k) if !valid_key(k) => {
+                    let d =
+                        json!({"pointer": "/idempotency_key", "reason": "must be 8..255 printable ASCII characters"});
+                    return self.reject(Code::InvalidArguments, audit, ev, Some(d), t0);
+                }
+                Some(k) => k.to_string(),
+            }
+        };
+        if contract.effect == Effect::Read {
+            return self.read_tool(req, contract, &args, audit, ev, t0);
+        }
+        let key_sha256 = sha256_hex(key.as_bytes());
+        ev.key_sha256 = Some(key_sha256.clone());
+        let request = request_object(&req.tenant, &req.subject, &req.tool, &args, contract.revisions);
+        let request_json = canonical_string(&request);
+        let request_sha256 = sha256_hex(request_json.as_bytes());
+        ev.request_sha256 = Some(request_sha256.clone());
+        audit.binding.request_sha256 = Some(request_sha256.clone());
+
+        let now = self.clock.now_ms();
+        let deadline_ms = req.deadline_ms.unwrap_or(contract.retry.deadline_ms).min(24 * 3_600_000);
+        let ctx = AcceptCtx {
+            req,
+            contract,
+            args: &args,
+            call: &call,
+            key: &key,
+            key_sha256: &key_sha256,
+            request_json: &request_json,
+            request_sha256: &request_sha256,
+            now,
+            deadline_ms,
+            principal_ref: &principal_ref,
+            refs: &self.refs,
+        };
+        let decision = self.store.write(|tx| -> Result<Decision, EngineError> {
+            let d = accept(tx, &ctx, audit, ev)?;
+            if let Decision::Answer(env, ev) = &d {
+                // The decision's trace event commits with the decision itself.
+                let mut ev = ev.clone().from_envelope(env);
+                ev.duration_us = Some(t0.elapsed().as_micros() as i64);
+                ev.write(tx, now)?;
+            }
+            Ok(d)
+        })?;
+        match decision {
+            Decision::Answer(env, _) => Ok(env),
+            Decision::Execute(op_id) => self.run_operation(&op_id, &contracts),
+        }
+    }
+
+    fn read_tool(
+        &mut self,
+        req: &DispatchRequest,
+        contract: &Contract,
+        args: &Value,
+        audit: ProtectedAudit,
+        mut ev: TraceEvent,
+        t0: Instant,
+    ) -> Result<Envelope, EngineError> {
+        let now = self.clock.now_ms();
+        let (tenant, subject, tool) = (&req.tenant, &req.subject, &req.tool);
+        let found = self.store.read(|tx| -> Result<_, StoreError> {
+            if let Some(code) = authorize(tx, tenant, subject, tool, args)? {
+                return Ok(Err(code));
+            }
+            let order_ref = args.get("order_ref").and_then(Value::as_str).unwrap_or_default();
+            Ok(Ok(tx.order(order_ref)?))
+        })?;
+        let order = match found {
+            Err(code) => return self.reject(code, audit, ev, None, t0),
+            Ok(o) => o,
+        };
+        let data = order.map(|o| {
+            json!({
+                "order_ref": o.order_ref, "currency": o.currency, "captured_minor": o.captured_minor,
+                "refunded_minor": o.refunded_minor, "status": o.status,
+            })
+        });
+        let env = match data {
+            Some(d) if contract.check_output(&d).is_ok() => {
+                let mut audit = audit;
+                audit.binding.result_sha256 = Some(super::canonical::digest_value(&d));
+                Envelope {
+                    model_result: ModelResult {
+                        status: Status::Succeeded,
+                        data: Some(d),
+                        error: None,
+                        execution: Execution { outcome: Outcome::Committed, delivery: Delivery::Fresh },
+                    },
+                    protected_audit: audit,
+                }
+            }
+            // A read handler failure is safe to report: the contract says no write happened.
+            _ => error_envelope(Code::ToolError, audit),
+        };
+        ev.step = "read";
+        ev.duration_us = Some(t0.elapsed().as_micros() as i64);
+        let ev = ev.from_envelope(&env);
+        self.store.write(|tx| ev.write(tx, now))?;
+        Ok(env)
+    }
+
+    /// Runs the outbox row of one operation: claim, re-check, sent-marker,
+    /// downstream call, fenced persist; retries `retry_after` failures within the
+    /// deadline and the attempt cap.
+    pub(crate) fn run_operation(&mut self, op_id: &str, contracts: &Contracts) -> Result<Envelope, EngineError> {
+        let mut attempts_this_call: u32 = 0;
+        loop {
+            let t0 = Instant::now();
+            let now = self.clock.now_ms();
+            let worker = self.worker_id.clone();
+            let principal = |op: &OperationRow, e: &Engine| e.principal_ref(&op.tenant, &op.subject);
+            let op0 = self.store.read(|tx| tx.operation(op_id))?;
+            let Some(op0) = op0 else {
+                return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
+            };
+            let pref = principal(&op0, self);
+            let Some(contract) = contracts.get(&op0.tool) else {
+                return Err(EngineError::invalid("UNKNOWN_TOOL", "operation names a tool not in the catalog"));
+            };
+            let lease_ms = contract.retry.attempt_timeout_ms as i64 + 1_000;
+            let claim = self.store.write(|tx| claim(tx, op_id, contract, &worker, now, lease_ms, &pref))?;
+            let (attempt, op) = match claim {
+                Claim::Answer(env) => return Ok(env),
+                Claim::Claimed { attempt, op } => (attempt, op),
+            };
+            failpoint::hit("after_claim");
+            let sent = self.store.write(|tx| -> Result<bool, StoreError> {
+                let ok = tx.mark_sent(op_id, &worker, attempt, now)?;
+                if ok {
+                    let mut ev = TraceEvent::step("sent");
+                    ev.operation_id = Some(op_id.to_string());
+                    ev.tool = Some(op.tool.clone());
+                    ev.attempt = Some(attempt);
+                    ev.worker = Some(worker.clone());
+                    ev.deadline_left_ms = Some(op.deadline_at - now);
+                    ev.request_sha256 = Some(op.request_sha256.clone());
+                    ev.write(tx, now)?;
+                }
+                Ok(ok)
+            })?;
+            if !sent {
+                // Our lease was taken over before we sent anything: nothing left here.
+                let op = self.store.read(|tx| tx.operation(op_id))?;
+                return Ok(op.map_or_else(
+                    || error_envelope(Code::OutcomeUnknown, ProtectedAudit::default()),
+                    |o| op_envelope(&o, Delivery::Fresh, pref.clone(), None),
+                ));
+            }
+            failpoint::hit("after_sent");
+            let args: Value = serde_json::from_str::<Value>(&op.request_json)
+                .ok()
+                .and_then(|r| r.get("arguments").cloned())
+                .unwrap_or(Value::Null);
+            let dreq = DownstreamRequest {
+                // The business intent is the whole scope, not the key string alone.
+                intent: sha256_hex(format!("{}\0{}\0{}\0{}", op.tenant, op.subject, op.tool, op.idem_key).as_bytes()),
+                tool: op.tool.clone(),
+                arguments: args,
+                request_sha256: op.request_sha256.clone(),
+                timeout_ms: contract.retry.attempt_timeout_ms,
+            };
+            let key = op.downstream_key.clone();
+            let kind = contract.downstream;
+            let reply = {
+                let ds = self.downstream(kind);
+                std::panic::catch_unwind(AssertUnwindSafe(|| ds.execute(&key, &dreq)))
+            };
+            let reply = match reply {
+                Ok(Ok(r)) => Ok(r),
+                Ok(Err(e)) => Err(format!("downstream storage error: {e}")),
+                Err(_) => Err("handler panicked".to_string()),
+            };
+            failpoint::hit("before_persist");
+            attempts_this_call += 1;
+            let jitter = backoff_ms(contract.retry.backoff_base_ms, contract.retry.backoff_cap_ms, attempts_this_call);
+            let now = self.clock.now_ms();
+            let pctx = PersistCtx {
+                op: &op,
+                contract,
+                worker: &worker,
+                attempt,
+                now,
+                backoff_ms: jitter,
+                may_retry: attempts_this_call < contract.retry.max_attempts,
+                principal_ref: &pref,
+                duration_us: t0.elapsed().as_micros() as i64,
+            };
+            let step = self.store.write(|tx| persist(tx, &pctx, reply))?;
+            match step {
+                Persisted::Done(env) => return Ok(env),
+                Persisted::RetryAfter(ms) => self.clock.sleep_ms(ms),
+            }
+        }
+    }
+
+    /// Runs every due outbox row (the worker loop's body). Returns how many ran.
+    pub fn work(&mut self, limit: usize) -> Result<usize, EngineError> {
+        let contracts = self.contracts.clone();
+        let mut ran = 0;
+        while ran < limit {
+            let now = self.clock.now_ms();
+            let ready = self.store.read(|tx| tx.ready_outbox(now, 16))?;
+            if ready.is_empty() {
+                break;
+            }
+            for id in ready {
+                self.run_operation(&id, &contracts)?;
+                ran += 1;
+            }
+        }
+        Ok(ran)
+    }
+
+    /// One reaper pass (SPEC §6).
+    pub fn reap(&mut self) -> Result<ReapReport, EngineError> {
+        let now = self.clock.now_ms();
+        let contracts = self.contracts.clone();
+        Ok(self.store.write(|tx| -> Result<ReapReport, StoreError> {
+            let mut report = ReapReport::default();
+            for ob in tx.expired_leases(now)? {
+                let Some(mut op) = tx.operation(&ob.operation_id)? else { continue };
+                let attempts = tx.attempts(&ob.operation_id)?;
+                let current = attempts.iter().find(|a| a.attempt == ob.attempt);
+                let sent = current.is_some_and(|a| a.sent_at.is_some());
+                let honours = contracts.get(&op.tool).is_some_and(|c| c.downstream.honours_keys());
+                let mut ev = TraceEvent::step("reaped");
+                ev.operation_id = Some(op.id.clone());
+                ev.tool = Some(op.tool.clone());
+                ev.attempt = Some(ob.attempt);
+                ev.worker.clone_from(&ob.lease_owner);
+                if !sent {
+                    tx.finish_attempt(&op.id, ob.attempt, "not_sent", None, now)?;
+                    tx.release_outbox(&op.id, now, None)?;
+                    op.state = "accepted".into();
+                    ev.note = Some("lease expired before send: back to accepted".into());
+                    report.requeued_unsent += 1;
+                } else if honours {
+                    tx.finish_attempt(&op.id, ob.attempt, "unknown", Some("OUTCOME_UNKNOWN"), now)?;
+                    tx.release_outbox(&op.id, now, Some("OUTCOME_UNKNOWN"))?;
+                    op.state = "in_flight".into();
+                    ev.note = Some("lease expired after send: re-queued with the same downstream key".into());
+                    report.requeued_same_key += 1;
+                } else {
+                    tx.finish_attempt(&op.id, ob.attempt, "unknown", Some("OUTCOME_UNKNOWN"), now)?;
+                    tx.close_outbox(&op.id, "parked", Some("OUTCOME_UNKNOWN"))?;
+                    op.state = "unknown".into();
+                    op.code = Some(Code::OutcomeUnknown.as_str().into());
+                    ev.code = Some(Code::OutcomeUnknown);
+                    ev.outcome = Some("unknown");
+                    ev.timeout_stage = Some("response");
+                    ev.note = Some("lease expired after send, downstream does not de-duplicate: unknown".into());
+                    report.parked_unknown += 1;
+                }
+                op.updated_at = now;
+                tx.update_operation(&op)?;
+                ev.write(tx, now)?;
+            }
+            report.purged = tx.purge_expired(now)?;
+            Ok(report)
+        })?)
+    }
+}
+
+struct AcceptCtx<'a> {
+    req: &'a DispatchRequest,
+    contract: &'a Contract,
+    args: &'a Value,
+    call: &'a CallIdentity,
+    key: &'a str,
+    key_sha256: &'a str,
+    request_json: &'a str,
+    request_sha256: &'a str,
+    now: i64,
+    deadline_ms: u64,
+    principal_ref: &'a str,
+    refs: &'a super::canonical::StatusRefKey,
+}
+
+/// Steps 2–5 of the pipeline in one `BEGIN IMMEDIATE` transaction.
+fn accept(tx: &Tx<'_>, c: &AcceptCtx<'_>, audit: ProtectedAudit, mut ev: TraceEvent) -> Result<Decision, EngineError> {
+    let r = c.req;
+    let answer = |code: Code, audit: ProtectedAudit, ev: TraceEvent| Decision::Answer(error_envelope(code, audit), ev);
+    // 2. Authorization of the current subject (also for replays).
+    if let Some(code) = authorize(tx, &r.tenant, &r.subject, &r.tool, c.args)? {
+        ev.step = "authorization";
+        return Ok(answer(code, audit, ev));
+    }
+    // 3. Call identity, then the scope.
+    let ck = CallKey {
+        tenant: &r.tenant,
+        subject: &r.subject,
+        provider: &c.call.provider,
+        api_family: &c.call.api_family,
+        response_id: &c.call.response_id,
+        call_id: &c.call.call_id,
+    };
+    if let Some(bound) = tx.call_identity(&ck)? {
+        if bound.purpose != "dispatch" || bound.request_sha256 != c.request_sha256 || bound.key_sha256 != c.key_sha256 {
+            ev.step = "call_identity";
+            return Ok(answer(Code::CallIdConflict, audit, ev));
+        }
+    }
+    let existing = tx.operation_by_scope(&r.tenant, &r.subject, &r.tool, c.key)?;
+    ev.step = "idempotency";
+    if let Some(op) = existing {
+        ev.operation_id = Some(op.id.clone());
+        if op.request_sha256 != c.request_sha256 {
+            ev.note = Some("same key, different request".into());
+            return Ok(answer(Code::IdempotencyConflict, audit, ev));
+        }
+        if let Err(why) = verify_row(&op) {
+            ev.step = "tamper_detected";
+            ev.note = Some(why.into());
+            let env = with_detail(
+                error_envelope(Code::StatusConflict, audit),
+                json!({"reason": "stored record failed its integrity check"}),
+            );
+            return Ok(Decision::Answer(env, ev));
+        }
+        bind_call(tx, &ck, c, Some(&op.id))?;
+        let outbox = tx.outbox(&op.id)?;
+        let last_code = outbox.as_ref().and_then(|o| o.last_code.clone());
+        match op.state.as_str() {
+            "succeeded" | "failed" => {
+                ev.note = Some("replay".into());
+                return Ok(Decision::Answer(
+                    op_envelope(&op, Delivery::LocalReplay, c.principal_ref.to_string(), None),
+                    ev,
+                ));
+            }
+            "resolved" => {
+                ev.note = Some("replay of a human resolution".into());
+                return Ok(Decision::Answer(
+                    op_envelope(&op, Delivery::HumanResolved, c.principal_ref.to_string(), None),
+                    ev,
+                ));
+            }
+            _ => {}
+        }
+        // Not terminal. Only an operation whose every attempt is proven not sent may run again.
+        let attempts = tx.attempts(&op.id)?;
+        let proven_unsent = attempts.iter().all(crate::store::AttemptRow::proven_not_received);
+        let pending = outbox.as_ref().is_some_and(|o| o.state == "pending");
+        if op.state == "accepted" && proven_unsent && pending {
+            let due_at = outbox.as_ref().map_or(c.now, |o| o.available_at);
+            if due_at <= c.now {
+                // A new call refreshes the operation deadline: the old caller gave up.
+                let mut op = op;
+                op.deadline_at = c.now + c.deadline_ms as i64;
+                op.updated_at = c.now;
+                tx.update_operation(&op)?;
+                ev.note = Some("proven not sent and due: execute with the same downstream key".into());
+                ev.write(tx, c.now)?;
+                return Ok(Decision::Execute(op.id));
+            }
+            ev.note = Some("proven not sent, retry time not reached".into());
+            let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), last_code.as_deref());
+            return Ok(Decision::Answer(with_retry_after(env, (due_at - c.now) as u64), ev));
+        }
+        ev.note = Some("not terminal and possibly sent: unknown, never re-executed".into());
+        return Ok(Decision::Answer(op_envelope(&op, Delivery::LocalReplay, c.principal_ref.to_string(), None), ev));
+    }
+    // 4. Business rules, then approval for a new execution.
+    if let Some(rule) = business_rules(tx, &r.tool, c.args)? {
+        ev.step = "business_rules";
+        ev.note = Some(rule.into());
+        let env = with_detail(error_envelope(Code::BusinessRuleViolation, audit), json!({"rule": rule}));
+        return Ok(Decision::Answer(env, ev));
+    }
+    if let Some(d) = approval_gate(tx, c, &audit, &mut ev)? {
+        return Ok(d);
+    }
+    // 5. Accept: operation + outbox + call binding, all or nothing.
+    let op = new_operation(c, None);
+    tx.insert_operation(&op)?;
+    tx.insert_outbox(&op.id, i64::from(c.contract.retry.max_attempts), c.now)?;
+    bind_call(tx, &ck, c, Some(&op.id))?;
+    failpoint::hit("inside_accept");
+    ev.step = "accepted";
+    ev.operation_id = Some(op.id.clone());
+    ev.call_binding_sha256 = Some(op.call_binding_sha256.clone());
+    ev.deadline_left_ms = Some(c.deadline_ms as i64);
+    ev.write(tx, c.now)?;
+    Ok(Decision::Execute(op.id))
+}
+
+fn bind_call(tx: &Tx<'_>, ck: &CallKey<'_>, c: &AcceptCtx<'_>, op: Option<&str>) -> Result<(), StoreError> {
+    tx.bind_call_identity(
+        ck,
+        &CallIdentityRow {
+            purpose: "dispatch".into(),
+            request_sha256: c.request_sha256.to_string(),
+            key_sha256: c.key_sha256.to_string(),
+            operation_id: op.map(str::to_string),
+        },
+        c.now,
+    )
+}
+
+fn new_id(prefix: &str) -> String {
+    format!("{prefix}_{}", hex::encode(rand::random::<[u8; 12]>()))
+}
+
+/// A fresh ledger row for an accepted dispatch.
+fn new_operation(c: &AcceptCtx<'_>, approval_id: Option<&str>) -> OperationRow {
+    new_operation_for(
+        c.req,
+        c.contract,
+        c.call,
+        c.key,
+        c.key_sha256,
+        c.request_json,
+        c.request_sha256,
+        c.now,
+        c.deadline_ms,
+        c.refs,
+        approval_id,
+    )
+}
+
+/// A fresh ledger row for an accepted call (from a dispatch or an approval).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn new_operation_for(
+    req: &DispatchRequest,
+    contract: &Contract,
+    call: &CallIdentity,
+    key: &str,
+    key_sha256: &str,
+    request_json: &str,
+    request_sha256: &str,
+    now: i64,
+    deadline_ms: u64,
+    refs: &super::canonical::StatusRefKey,
+    approval_id: Option<&str>,
+) -> OperationRow {
+    let mut op = OperationRow {
+        id: new_id("op"),
+        tenant: req.tenant.clone(),
+        subject: req.subject.clone(),
+        tool: req.tool.clone(),
+        idem_key: key.to_string(),
+        key_sha256: key_sha256.to_string(),
+        request_sha256: request_sha256.to_string(),
+        request_json: request_json.to_string(),
+        input_rev: contract.revisions.input,
+        output_rev: contract.revisions.output,
+        effect_rev: contract.revisions.effect,
+        effect: contract.effect.as_str().to_string(),
+        state: "accepted".into(),
+        version: 1,
+        status_ref: refs.mint(rand::random()),
+        downstream_key: new_id("dk"),
+        code: None,
+        result_json: None,
+        result_sha256: None,
+        downstream_request_id: None,
+        receipt_id: None,
+        call_binding_sha256: String::new(),
+        call_provider: call.provider.clone(),
+        call_api_family: call.api_family.clone(),
+        call_response_id: call.response_id.clone(),
+        call_id: call.call_id.clone(),
+        adapter_revision: call.adapter_revision.clone(),
+        approval_id: approval_id.map(str::to_string),
+        resolution: None,
+        resolution_note: None,
+        resolved_by: None,
+        last_query_at: None,
+        last_query_result: None,
+        created_at: now,
+        updated_at: now,
+        deadline_at: now + deadline_ms as i64,
+        expires_at: now + contract.retention_ms as i64,
+    };
+    op.call_binding_sha256 = binding_of(&op);
+    op
+}
+
+/// Approval for a new execution (SPEC §9). `Some` answers the call now.
+fn approval_gate(
+    tx: &Tx<'_>,
+    c: &AcceptCtx<'_>,
+    audit: &ProtectedAudit,
+    ev: &mut TraceEvent,
+) -> Result<Option<Decision>, EngineError> {
+    let r = c.req;
+    let Some(tenant) = tx.tenant(&r.tenant)? else {
+        return Ok(Some(Decision::Answer(error_envelope(Code::PolicyDenied, audit.clone()), ev.clone())));
+    };
+    let amount = c.args.get("amount_minor").and_then(Value::as_i64);
+    let needed = match c.contract.approval {
+        ApprovalPolicy::Never => false,
+        ApprovalPolicy::Always => true,
+        ApprovalPolicy::AboveThreshold => amount.is_some_and(|a| a > tenant.approval_threshold_minor),
+    };
+    if !needed {
+        return Ok(None);
+    }
+    ev.step = "approval";
+    ev.policy_revision = Some(tenant.policy_revision);
+    let base = super::recovery::approval_base_sha256(
+        &r.tenant,
+        &r.subject,
+        &r.tool,
+        c.request_sha256,
+        c.key_sha256,
+        c.call,
+        c.contract.revisions,
+        tenant.policy_revision,
+    );
+    let latest = tx.latest_approval(&r.tenant, &r.subject, &r.tool, c.key)?;
+    if let Some(given) = &r.approval_id {
+        if latest.as_ref().map(|a| &a.id) != Some(given) {
+            ev.note = Some("approval id does not belong to this call".into());
+            return Ok(Some(Decision::Answer(error_envelope(Code::ApprovalInvalid, audit.clone()), ev.clone())));
+        }
+    }
+    if let Some(a) = latest {
+        ev.approval_id = Some(a.id.clone());
+        if a.request_sha256 != c.request_sha256 {
+            ev.note = Some("key already holds an approval request for a different request".into());
+            return Ok(Some(Decision::Answer(error_envelope(Code::IdempotencyConflict, audit.clone()), ev.clone())));
+        }
+        let detail = |a: &ApprovalRow| json!({"approval_id": a.id, "expires_at": super::clock::rfc3339(a.expires_at)});
+        match a.state.as_str() {
+            "pending" if c.now < a.expires_at => {
+                let env = with_detail(error_envelope(Code::ApprovalRequired, audit.clone()), detail(&a));
+                let mut env = env;
+                env.protected_audit.approval_id = Some(a.id.clone());
+                ev.note = Some("approval still pending".into());
+                return Ok(Some(Decision::Answer(env, ev.clone())));
+            }
+            "denied" => {
+                let mut env = with_detail(
+                    error_envelope(Code::ApprovalInvalid, audit.clone()),
+                    json!({"approval_id": a.id, "reason": "denied"}),
+                );
+                env.protected_audit.approval_id = Some(a.id.clone());
+                ev.note = Some("approval was denied".into());
+                return Ok(Some(Decision::Answer(env, ev.clone())));
+            }
+            "pending" => {
+                // Expired unapproved: mark it, then a new request below.
+                let mut expired = a.clone();
+                expired.state = "expired".into();
+                expired.decided_at = Some(c.now);
+                expired.decided_by = Some("system".into());
+                tx.decide_approval(&expired)?;
+            }
+            _ => {}
+        }
+    }
+    let approval = ApprovalRow {
+        id: new_id("apr"),
+        tenant: r.tenant.clone(),
+        subject: r.subject.clone(),
+        tool: r.tool.clone(),
+        idem_key: c.key.to_string(),
+        key_sha256: c.key_sha256.to_string(),
+        request_sha256: c.request_sha256.to_string(),
+        request_json: c.request_json.to_string(),
+        input_rev: c.contract.revisions.input,
+        output_rev: c.contract.revisions.output,
+        effect_rev: c.contract.revisions.effect,
+        policy_revision: tenant.policy_revision,
+        call_provider: c.call.provider.clone(),
+        call_api_family: c.call.api_family.clone(),
+        call_response_id: c.call.response_id.clone(),
+        call_id: c.call.call_id.clone(),
+        adapter_revision: c.call.adapter_revision.clone(),
+        amount_minor: amount,
+        base_sha256: base,
+        approval_sha256: None,
+        state: "pending".into(),
+        decided_by: None,
+        decided_at: None,
+        note: None,
+        operation_id: None,
+        deadline_ms: c.deadline_ms as i64,
+        created_at: c.now,
+        expires_at: c.now + super::recovery::APPROVAL_TTL_MS,
+    };
+    tx.insert_approval(&approval)?;
+    let ck = CallKey {
+        tenant: &r.tenant,
+        subject: &r.subject,
+        provider: &c.call.provider,
+        api_family: &c.call.api_family,
+        response_id: &c.call.response_id,
+        call_id: &c.call.call_id,
+    };
+    bind_call(tx, &ck, c, None)?;
+    ev.approval_id = Some(approval.id.clone());
+    ev.note = Some("approval requested".into());
+    let mut env = with_detail(
+        error_envelope(Code::ApprovalRequired, audit.clone()),
+        json!({"approval_id": approval.id, "expires_at": super::clock::rfc3339(approval.expires_at)}),
+    );
+    env.protected_audit.approval_id = Some(approval.id);
+    Ok(Some(Decision::Answer(env, ev.clone())))
+}
+
+/// Claims the outbox row and re-checks authorization, business state and
+/// contract revision before anything is sent.
+fn claim(
+    tx: &Tx<'_>,
+    op_id: &str,
+    contract: &Contract,
+    worker: &str,
+    now: i64,
+    lease_ms: i64,
+    pref: &str,
+) -> Result<Claim, EngineError> {
+    let Some(mut op) = tx.operation(op_id)? else {
+        return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
+    };
+    let Some(ob) = tx.outbox(op_id)? else {
+        return Ok(Claim::Answer(op_envelope(&op, Delivery::Fresh, pref.to_string(), None)));
+    };
+    // Someone else runs it (or ran it): report its state, not a fresh execution.
+    if ob.state != "pending" {
+        return Ok(Claim::Answer(op_envelope(&op, Delivery::LocalReplay, pref.to_string(), ob.last_code.as_deref())));
+    }
+    if ob.available_at > now {
+        let env = op_envelope(&op, Delivery::Fresh, pref.to_string(), ob.last_code.as_deref());
+        return Ok(Claim::Answer(with_retry_after(env, (ob.available_at - now) as u64)));
+    }
+    let mut ev = TraceEvent::step("claimed");
+    ev.operation_id = Some(op.id.clone());
+    ev.tool = Some(op.tool.clone());
+    ev.worker = Some(worker.to_string());
+    ev.deadline_left_ms = Some(op.deadline_at - now);
+    if now >= op.deadline_at {
+        // Nothing was sent and the deadline has passed: provably no effect.
+        let env = with_retry_after(
+            op_envelope(&op, Delivery::Fresh, pref.to_string(), Some(Code::TimeoutBeforeExecute.as_str())),
+            0,
+        );
+        ev.step = "deadline";
+        ev.timeout_stage = Some("before_send");
+        let ev = ev.from_envelope(&env);
+        ev.write(tx, now)?;
+        return Ok(Claim::Answer(env));
+    }
+    if let Err(why) = verify_row(&op) {
+        ev.step = "tamper_detected";
+        ev.note = Some(why.into());
+        ev.write(tx, now)?;
+        let env = with_detail(
+            error_envelope(
+                Code::StatusConflict,
+                ProtectedAudit { operation_id: Some(op.id.clone()), ..ProtectedAudit::default() },
+            ),
+            json!({"reason": "stored record failed its integrity check"}),
+        );
+        return Ok(Claim::Answer(env));
+    }
+    let Some(attempt) = tx.claim(op_id, worker, now, now + lease_ms)? else {
+        return Ok(Claim::Answer(op_envelope(&op, Delivery::LocalReplay, pref.to_string(), None)));
+    };
+    ev.attempt = Some(attempt);
+    // Re-check: authorization, business state and contract revision, read now.
+    let args: Value = serde_json::from_str::<Value>(&op.request_json)
+        .ok()
+        .and_then(|r| r.get("arguments").cloned())
+        .unwrap_or(Value::Null);
+    let mut failed: Option<(Code, &'static str)> = None;
+    if let Some(code) = authorize(tx, &op.tenant, &op.subject, &op.tool, &args)? {
+        failed = Some((code, "authorization"));
+    } else if revisions_of(&op) != contract.revisions {
+        failed = Some((Code::BusinessRuleViolation, "contract_revision_changed"));
+    } else if let Some(rule) = business_rules(tx, &op.tool, &args)? {
+        failed = Some((Code::BusinessRuleViolation, rule));
+    }
+    if let Some((code, why)) = failed {
+        tx.finish_attempt(op_id, attempt, "not_sent", Some(code.as_str()), now)?;
+        tx.close_outbox(op_id, "done", Some(code.as_str()))?;
+        op.state = "failed".into();
+        op.code = Some(code.as_str().into());
+        op.updated_at = now;
+        tx.update_operation(&op)?;
+        op.version += 1;
+        let env = op_envelope(&op, Delivery::Fresh, pref.to_string(), None);
+        ev.step = "recheck_failed";
+        ev.note = Some(why.into());
+        let ev = ev.from_envelope(&env);
+        ev.write(tx, now)?;
+        return Ok(Claim::Answer(env));
+    }
+    op.state = "in_flight".into();
+    op.updated_at = now;
+    tx.update_operation(&op)?;
+    op.version += 1;
+    ev.write(tx, now)?;
+    Ok(Claim::Claimed { attempt, op: Box::new(op) })
+}
+
+struct PersistCtx<'a> {
+    op: &'a OperationRow,
+    contract: &'a Contract,
+    worker: &'a str,
+    attempt: i64,
+    now: i64,
+    backoff_ms: u64,
+    may_retry: bool,
+    principal_ref: &'a str,
+    duration_us: i64,
+}
+
+/// Persists a reply, fenced on (owner, attempt): a zombie cannot write.
+fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Result<Persisted, EngineError> {
+    let op_id = c.op.id.as_str();
+    let mut ev = TraceEvent::step("downstream_reply");
+    ev.operation_id = Some(op_id.to_string());
+    ev.tool = Some(c.op.tool.clone());
+    ev.attempt = Some(c.attempt);
+    ev.worker = Some(c.worker.to_string());
+    ev.duration_us = Some(c.duration_us);
+    ev.deadline_left_ms = Some(c.op.deadline_at - c.now);
+    if !tx.holds_lease(op_id, c.worker, c.attempt)? {
+        // Late reply: evidence in the trace, never a state change.
+        ev.step = "late_reply";
+        ev.note = Some(match &reply {
+            Ok(Reply::Committed(r)) => {
+                ev.receipt_id = Some(r.receipt_id.clone());
+                ev.downstream_request_id = Some(r.request_id.clone());
+                "reply after the lease was lost: recorded as evidence only".to_string()
+            }
+            _ => "reply after the lease was lost".to_string(),
+        });
+        ev.write(tx, c.now)?;
+        let op = tx.operation(op_id)?;
+        return Ok(Persisted::Done(op.map_or_else(
+            || error_envelope(Code::OutcomeUnknown, ProtectedAudit::default()),
+            |o| op_envelope(&o, Delivery::Fresh, c.principal_ref.to_string(), None),
+        )));
+    }
+    let Some(mut op) = tx.operation(op_id)? else {
+        return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
+    };
+    op.updated_at = c.now;
+    let unknown = |op: &mut OperationRow,
+                   code: Code,
+                   ev: &mut TraceEvent,
+                   stage: Option<&'static str>,
+                   note: String|
+     -> Result<Persisted, EngineError> {
+        tx.finish_attempt(op_id, c.attempt, "unknown", Some(code.as_str()), c.now)?;
+        tx.close_outbox(op_id, "parked", Some(code.as_str()))?;
+        op.state = if code == Code::StatusConflict { "needs_review".into() } else { "unknown".into() };
+        op.code = Some(code.as_str().into());
+        tx.update_operation(op)?;
+        op.version += 1;
+        let env = op_envelope(op, Delivery::Fresh, c.principal_ref.to_string(), None);
+        ev.timeout_stage = stage;
+        ev.note = Some(note);
+        ev.clone().from_envelope(&env).write(tx, c.now)?;
+        Ok(Persisted::Done(env))
+    };
+    match reply {
+        Ok(Reply::Committed(r)) => {
+            ev.receipt_id = Some(r.receipt_id.clone());
+            ev.downstream_request_id = Some(r.request_id.clone());
+            ev.downstream_committed = Some(true);
+            if r.body_sha256 != op.request_sha256 {
+                return unknown(&mut op, Code::StatusConflict, &mut ev, None, "receipt is for another request".into());
+            }
+            if c.contract.check_output(&r.result).is_err() {
+                return unknown(
+                    &mut op,
+                    Code::OutputContractViolation,
+                    &mut ev,
+                    None,
+                    "reply broke the output contract".into(),
+                );
+            }
+            let result_json = canonical_string(&r.result);
+            op.result_sha256 = Some(sha256_hex(result_json.as_bytes()));
+            op.result_json = Some(result_json);
+            op.downstream_request_id = Some(r.request_id.clone());
+            op.receipt_id = Some(r.receipt_id.clone());
+            op.state = "succeeded".into();
+            op.code = None;
+            op.call_binding_sha256 = binding_of(&op);
+            tx.insert_receipt(&ReceiptRow {
+                receipt_id: r.receipt_id.clone(),
+                operation_id: op.id.clone(),
+                request_id: r.request_id.clone(),
+                body_sha256: r.body_sha256.clone(),
+                result_sha256: op.result_sha256.clone().unwrap_or_default(),
+                source: "reply".into(),
+                recorded_at: c.now,
+            })?;
+            apply_business_effect(tx, &op)?;
+            tx.finish_attempt(op_id, c.attempt, "committed", None, c.now)?;
+            tx.close_outbox(op_id, "done", None)?;
+            tx.update_operation(&op)?;
+            op.version += 1;
+            let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), None);
+            ev.write(tx, c.now)?;
+            let mut p = TraceEvent::step("persisted").from_envelope(&env);
+            p.tool = Some(op.tool.clone());
+            p.attempt = Some(c.attempt);
+            p.downstream_request_id = Some(r.request_id);
+            p.write(tx, c.now)?;
+            Ok(Persisted::Done(env))
+        }
+        Ok(Reply::Rejected { reason }) => {
+            tx.finish_attempt(op_id, c.attempt, "rejected", Some(Code::BusinessRuleViolation.as_str()), c.now)?;
+            tx.close_outbox(op_id, "done", Some(Code::BusinessRuleViolation.as_str()))?;
+            op.state = "failed".into();
+            op.code = Some(Code::BusinessRuleViolation.as_str().into());
+            tx.update_operation(&op)?;
+            op.version += 1;
+            let env = with_detail(
+                op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), None),
+                json!({"rule": "downstream_rejected"}),
+            );
+            ev.note = Some(format!("downstream rejected: {}", reason.chars().take(64).collect::<String>()));
+            ev.from_envelope(&env).write(tx, c.now)?;
+            Ok(Persisted::Done(env))
+        }
+        Ok(Reply::RateLimited { retry_after_ms }) => {
+            refused(tx, c, &mut op, ev, Code::RateLimit, c.backoff_ms.max(retry_after_ms), None)
+        }
+        Ok(Reply::Unavailable) => refused(tx, c, &mut op, ev, Code::ToolUnavailable, c.backoff_ms, None),
+        Ok(Reply::ConnectTimeout) => {
+            refused(tx, c, &mut op, ev, Code::TimeoutBeforeExecute, c.backoff_ms, Some("connect"))
+        }
+        Ok(Reply::TimedOut) => unknown(
+            &mut op,
+            Code::OutcomeUnknown,
+            &mut ev,
+            Some("response"),
+            "no reply in time: may have committed".into(),
+        ),
+        Ok(Reply::Malformed) => unknown(
+            &mut op,
+            Code::OutputContractViolation,
+            &mut ev,
+            None,
+            "unparseable reply: may have committed".into(),
+        ),
+        Err(why) => unknown(&mut op, Code::OutcomeUnknown, &mut ev, Some("handler"), why),
+    }
+}
+
+/// A refusal that proves nothing was received: retry within the deadline, or
+/// answer with `retry_after_ms`.
+fn refused(
+    tx: &Tx<'_>,
+    c: &PersistCtx<'_>,
+    op: &mut OperationRow,
+    mut ev: TraceEvent,
+    code: Code,
+    delay: u64,
+    stage: Option<&'static str>,
+) -> Result<Persisted, EngineError> {
+    let op_id = c.op.id.as_str();
+    tx.finish_attempt(op_id, c.attempt, "refused", Some(code.as_str()), c.now)?;
+    tx.release_outbox(op_id, c.now + delay as i64, Some(code.as_str()))?;
+    op.state = "accepted".into();
+    op.code = Some(code.as_str().into());
+    tx.update_operation(op)?;
+    op.version += 1;
+    ev.timeout_stage = stage;
+    ev.code = Some(code);
+    ev.outcome = Some("not_started");
+    ev.retry_after_ms = Some(delay);
+    ev.downstream_committed = Some(false);
+    let within_deadline = c.now + (delay as i64) < op.deadline_at;
+    if c.may_retry && within_deadline {
+        ev.note = Some("provably not received: retry after backoff".into());
+        ev.write(tx, c.now)?;
+        return Ok(Persisted::RetryAfter(delay));
+    }
+    ev.note =
+        Some(if within_deadline { "attempt cap reached".into() } else { "next retry would pass the deadline".into() });
+    let env =
+        with_retry_after(op_envelope(op, Delivery::Fresh, c.principal_ref.to_string(), Some(code.as_str())), delay);
+    ev.from_envelope(&env).write(tx, c.now)?;
+    Ok(Persisted::Done(env))
+}
+
+/// The business state change that goes with a committed effect.
+pub(crate) fn apply_business_effect(tx: &Tx<'_>, op: &OperationRow) -> Result<(), StoreError> {
+    if op.tool == "create_refund" {
+        let args: Value = serde_json::from_str::<Value>(&op.request_json)
+            .ok()
+            .and_then(|r| r.get("arguments").cloned())
+            .unwrap_or(Value::Null);
+        let order_ref = args.get("order_ref").and_then(Value::as_str).unwrap_or_default();
+        let amount = args.get("amount_minor").and_then(Value::as_i64).unwrap_or(0);
+        tx.apply_refund(order_ref, amount)?;
+    }
+    Ok(())
+}
+
+/// Retry-After beats backoff when larger; deadlines are never passed.
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_is_bounded_by_cap_and_exponent() {
+        for attempt in 1..10 {
+            for _ in 0..200 {
+                let d = backoff_ms(100, 2_000, attempt);
+                assert!(d <= (100u64 << (attempt - 1)).min(2_000), "attempt {attempt}: {d}");
+            }
+        }
+        assert_eq!(backoff_ms(0, 0, 3), 0);
+    }
+
+    #[test]
+    fn keys() {
+        for (k, ok) in [
+            ("", false),
+            ("short", false),
+            ("12345678", true),
+            ("has space!", false),
+            (&"k".repeat(255), true),
+            (&"k".repeat(256), false),
+        ] {
+            assert_eq!(valid_key(k), ok, "{k:?}");
+        }
+    }
+}

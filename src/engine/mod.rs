@@ -1,0 +1,318 @@
+//! The dispatcher engine: dispatch pipeline, ledger, outbox and leases, recovery
+//! (status queries, approvals, human review), contracts and canonical form.
+//!
+//! The engine is UI-free: the console and the CLI are two clients of this API.
+//! It never touches SQL directly: every read and write goes through
+//! [`crate::store::Tx`].
+
+pub mod canonical;
+pub mod clock;
+pub mod contracts;
+mod dispatch;
+pub mod envelope;
+mod recovery;
+mod trace;
+pub mod world;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use serde_json::Value;
+
+pub use dispatch::{DispatchRequest, ReapReport};
+pub use recovery::{AuditFinding, OperationDetail, OperatorOutcome, QueryRequest, Resolution, ResolveRequest};
+pub use trace::TraceEvent;
+
+use crate::downstream::{Downstream, DownstreamError, FaultPlan, Simulated};
+use crate::store::{OpenOptions, Store, StoreError, Sync};
+use canonical::{sha256_hex, CallIdentity, StatusRefKey};
+use clock::{Clock, SystemClock};
+use contracts::{ContractError, Contracts, DownstreamKind};
+use envelope::{Code, Delivery, Envelope, ErrorInfo, Execution, ModelResult, Outcome, ProtectedAudit, Status};
+
+/// Environment errors (the database or a provider's storage failed). Expected
+/// outcomes of a call (a conflict, a replay, an unknown outcome) are never errors:
+/// they are [`Envelope`]s.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// Storage.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A downstream's own storage.
+    #[error(transparent)]
+    Downstream(#[from] DownstreamError),
+    /// The contract catalog is broken.
+    #[error(transparent)]
+    Contract(#[from] ContractError),
+    /// A world file or operator request was refused.
+    #[error("{message}")]
+    Invalid {
+        /// Stable code.
+        code: &'static str,
+        /// Message (no local paths).
+        message: String,
+    },
+}
+
+impl EngineError {
+    /// Stable code for the CLI.
+    pub fn code(&self) -> &'static str {
+        match self {
+            EngineError::Store(e) => e.code(),
+            EngineError::Downstream(_) => "DOWNSTREAM_STORAGE",
+            EngineError::Contract(_) => "CONTRACT_INVALID",
+            EngineError::Invalid { code, .. } => code,
+        }
+    }
+
+    pub(crate) fn invalid(code: &'static str, message: impl Into<String>) -> Self {
+        EngineError::Invalid { code, message: message.into() }
+    }
+}
+
+/// How to open an engine.
+pub struct EngineOptions {
+    /// The clock.
+    pub clock: Arc<dyn Clock>,
+    /// Durability of the ledger.
+    pub sync: Sync,
+    /// This worker's lease-owner name.
+    pub worker_id: String,
+    /// The tool catalog.
+    pub contracts: Option<Arc<Contracts>>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            clock: Arc::new(SystemClock),
+            sync: Sync::Full,
+            worker_id: format!("w{}-{}", std::process::id(), hex::encode(rand::random::<[u8; 4]>())),
+            contracts: None,
+        }
+    }
+}
+
+/// Counts of what is in a database (`toolgate counts`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Counts {
+    /// Operations per state.
+    pub operations: std::collections::BTreeMap<String, i64>,
+    /// Outbox rows per state.
+    pub outbox: std::collections::BTreeMap<String, i64>,
+    /// Committed downstream effects.
+    pub downstream_effects: i64,
+    /// Intents with more than one effect (must be 0).
+    pub side_effect_duplicates: i64,
+    /// Pending approvals.
+    pub pending_approvals: i64,
+}
+
+/// The dispatcher. One per thread: it owns one connection (and one per provider).
+pub struct Engine {
+    pub(crate) store: Store,
+    pub(crate) contracts: Arc<Contracts>,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) refs: StatusRefKey,
+    pub(crate) salt: String,
+    pub(crate) worker_id: String,
+    pub(crate) payments: Simulated,
+    pub(crate) notifications: Simulated,
+    pub(crate) faults: Arc<Mutex<FaultPlan>>,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("worker_id", &self.worker_id).finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// Creates a new database (or opens an existing one) with its secrets.
+    pub fn create(path: &Path, opts: EngineOptions) -> Result<Self, EngineError> {
+        Self::open_with(path, opts, true)
+    }
+
+    /// Opens an existing database.
+    pub fn open(path: &Path, opts: EngineOptions) -> Result<Self, EngineError> {
+        Self::open_with(path, opts, false)
+    }
+
+    fn open_with(path: &Path, opts: EngineOptions, create: bool) -> Result<Self, EngineError> {
+        let mut store = Store::open(path, OpenOptions { create, sync: opts.sync })?;
+        let now = opts.clock.now_ms();
+        let (secret, salt) = store.write(|tx| -> Result<_, StoreError> {
+            let secret = tx.meta_init("status_ref_secret", &hex::encode(rand::random::<[u8; 32]>()))?;
+            let salt = tx.meta_init("export_salt", &hex::encode(rand::random::<[u8; 16]>()))?;
+            tx.meta_init("created_at", &now.to_string())?;
+            Ok((secret, salt))
+        })?;
+        let contracts = match opts.contracts {
+            Some(c) => c,
+            None => Arc::new(Contracts::builtin()?),
+        };
+        let faults = Arc::new(Mutex::new(FaultPlan::none()));
+        let payments = Simulated::open(DownstreamKind::Payments, path, opts.clock.clone(), faults.clone(), opts.sync)?;
+        let notifications =
+            Simulated::open(DownstreamKind::Notifications, path, opts.clock.clone(), faults.clone(), opts.sync)?;
+        Ok(Self {
+            store,
+            contracts,
+            clock: opts.clock,
+            refs: StatusRefKey::new(secret.as_bytes()),
+            salt,
+            worker_id: opts.worker_id,
+            payments,
+            notifications,
+            faults,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// The database path this engine is on.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The clock.
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    /// The tool catalog.
+    pub fn contracts(&self) -> &Contracts {
+        &self.contracts
+    }
+
+    /// Replaces the tool catalog (a contract revision change).
+    pub fn set_contracts(&mut self, contracts: Arc<Contracts>) {
+        self.contracts = contracts;
+    }
+
+    /// Sets the faults the next downstream calls meet.
+    pub fn set_faults(&self, plan: FaultPlan) {
+        if let Ok(mut f) = self.faults.lock() {
+            *f = plan;
+        }
+    }
+
+    /// Direct access to the store for read-only views (console, CLI listings).
+    pub fn store(&mut self) -> &mut Store {
+        &mut self.store
+    }
+
+    pub(crate) fn downstream(&mut self, kind: DownstreamKind) -> &mut dyn Downstream {
+        match kind {
+            DownstreamKind::Notifications => &mut self.notifications,
+            _ => &mut self.payments,
+        }
+    }
+
+    /// A hashed principal reference (tenant + subject), salted per database.
+    pub fn principal_ref(&self, tenant: &str, subject: &str) -> String {
+        let h = sha256_hex(format!("{}\0{tenant}\0{subject}", self.salt).as_bytes());
+        format!("pr_{}", &h[..16])
+    }
+
+    /// A salted hash of one identifier, for traces and exports.
+    pub fn hashed(&self, kind: &str, value: &str) -> String {
+        let h = sha256_hex(format!("{}\0{kind}\0{value}", self.salt).as_bytes());
+        format!("{kind}_{}", &h[..16])
+    }
+
+    /// Counts of operations, outbox rows, effects and duplicates.
+    pub fn counts(&mut self) -> Result<Counts, EngineError> {
+        Ok(self.store.read(|tx| -> Result<_, StoreError> {
+            Ok(Counts {
+                operations: tx.count_operations_by_state()?.into_iter().collect(),
+                outbox: tx.count_outbox_by_state()?.into_iter().collect(),
+                downstream_effects: tx.count_effects()?,
+                side_effect_duplicates: tx.side_effect_duplicates()?,
+                pending_approvals: tx.pending_approvals(i64::MAX)?.len() as i64,
+            })
+        })?)
+    }
+
+    /// Grants a tool to a subject.
+    pub fn grant(&mut self, tenant: &str, subject: &str, tool: &str) -> Result<bool, EngineError> {
+        self.check_principal(tenant, subject, tool)?;
+        let now = self.clock.now_ms();
+        Ok(self.store.write(|tx| tx.grant(tenant, subject, tool, now))?)
+    }
+
+    /// Revokes a tool from a subject. Takes effect on the next check: nothing is cached.
+    pub fn revoke(&mut self, tenant: &str, subject: &str, tool: &str) -> Result<bool, EngineError> {
+        self.check_principal(tenant, subject, tool)?;
+        let now = self.clock.now_ms();
+        Ok(self.store.write(|tx| tx.revoke(tenant, subject, tool, now))?)
+    }
+
+    fn check_principal(&mut self, tenant: &str, subject: &str, tool: &str) -> Result<(), EngineError> {
+        if self.contracts.get(tool).is_none() {
+            return Err(EngineError::invalid("UNKNOWN_TOOL", "no such tool"));
+        }
+        let t = self.store.read(|tx| tx.subject_tenant(subject))?;
+        if t.as_deref() != Some(tenant) {
+            return Err(EngineError::invalid("UNKNOWN_SUBJECT", "no such subject in that tenant"));
+        }
+        Ok(())
+    }
+
+    /// Bumps a tenant's policy revision: pending approvals bound to the old one
+    /// become invalid.
+    pub fn bump_policy_revision(&mut self, tenant: &str) -> Result<(), EngineError> {
+        let ok = self.store.write(|tx| tx.bump_policy_revision(tenant))?;
+        if ok {
+            Ok(())
+        } else {
+            Err(EngineError::invalid("UNKNOWN_TENANT", "no such tenant"))
+        }
+    }
+
+    fn new_id(prefix: &str) -> String {
+        format!("{prefix}_{}", hex::encode(rand::random::<[u8; 12]>()))
+    }
+}
+
+/// Builds an envelope for a code, with no operation.
+pub(crate) fn error_envelope(code: Code, audit: ProtectedAudit) -> Envelope {
+    let (_, outcome, _) = code.catalog();
+    Envelope {
+        model_result: ModelResult {
+            status: if outcome == Outcome::Unknown { Status::Unknown } else { Status::Failed },
+            data: None,
+            error: Some(ErrorInfo::new(code)),
+            execution: Execution { outcome, delivery: Delivery::Fresh },
+        },
+        protected_audit: audit,
+    }
+}
+
+/// Adds a detail object to an envelope's error.
+pub(crate) fn with_detail(mut env: Envelope, detail: Value) -> Envelope {
+    if let Some(e) = env.model_result.error.as_mut() {
+        e.detail = Some(detail);
+    }
+    env
+}
+
+/// Adds retry_after_ms to an envelope's error.
+pub(crate) fn with_retry_after(mut env: Envelope, ms: u64) -> Envelope {
+    if let Some(e) = env.model_result.error.as_mut() {
+        e.retry_after_ms = Some(ms);
+    }
+    env
+}
+
+/// The call identity used when a caller gives none: a fresh one, as a model's
+/// retry would carry.
+pub fn fresh_call_identity() -> CallIdentity {
+    CallIdentity {
+        provider: "cli".to_string(),
+        api_family: "toolgate".to_string(),
+        response_id: Engine::new_id("resp"),
+        call_id: Engine::new_id("call"),
+        adapter_revision: "1".to_string(),
+    }
+}

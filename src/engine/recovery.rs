@@ -1,0 +1,798 @@
+//! Recovery: explicit status queries (SPEC §8), approvals (§9), human review and
+//! the operator log (§10), and the integrity audit.
+
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use super::canonical::{canonical_string, digest_value, sha256_hex, CallIdentity, Revisions, StatusRefError};
+use super::dispatch::{
+    apply_business_effect, authorize, binding_of, op_envelope, revisions_of, verify_row, DispatchRequest,
+};
+use super::envelope::{Code, Delivery, Envelope, ProtectedAudit};
+use super::trace::TraceEvent;
+use super::{error_envelope, fresh_call_identity, with_detail, Engine, EngineError};
+use crate::downstream::Lookup;
+use crate::failpoint;
+use crate::store::{AuditRow, CallIdentityRow, CallKey, OperationRow, ReceiptRow, StoreError, Tx};
+
+/// How long an approval request stays open.
+pub const APPROVAL_TTL_MS: i64 = 15 * 60 * 1000;
+
+/// The digest an approval binds, before the approver is known.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn approval_base_sha256(
+    tenant: &str,
+    subject: &str,
+    tool: &str,
+    request_sha256: &str,
+    key_sha256: &str,
+    call: &CallIdentity,
+    rev: Revisions,
+    policy_revision: i64,
+) -> String {
+    digest_value(&json!({
+        "tenant": tenant, "subject": subject, "tool": tool, "request_sha256": request_sha256,
+        "key_sha256": key_sha256, "call": call, "revisions": rev, "policy_revision": policy_revision,
+    }))
+}
+
+/// An explicit status query (SPEC §8).
+#[derive(Debug, Clone, Default)]
+pub struct QueryRequest {
+    /// Tenant of the caller.
+    pub tenant: String,
+    /// Subject of the caller.
+    pub subject: String,
+    /// The opaque handle from the envelope.
+    pub status_ref: String,
+    /// The request digest the caller expects the operation to have.
+    pub expected_request_sha256: String,
+    /// The idempotency key, when the caller wants the scope checked too.
+    pub idempotency_key: Option<String>,
+    /// The query's own call identity (purpose `query_status`).
+    pub call: Option<CallIdentity>,
+}
+
+/// A human resolution.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Resolution {
+    /// The effect happened (evidence: a receipt id).
+    Succeeded,
+    /// No effect.
+    Failed,
+    /// The effect happened and was undone.
+    Compensated,
+}
+
+impl Resolution {
+    /// Stable string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Resolution::Succeeded => "succeeded",
+            Resolution::Failed => "failed",
+            Resolution::Compensated => "compensated",
+        }
+    }
+}
+
+/// An operator's resolution of an unknown or needs-review operation.
+#[derive(Debug, Clone)]
+pub struct ResolveRequest {
+    /// Operation.
+    pub operation_id: String,
+    /// Decision.
+    pub resolution: Resolution,
+    /// Who.
+    pub operator: String,
+    /// Why (mandatory).
+    pub note: String,
+    /// Receipt id (mandatory for `succeeded`).
+    pub evidence: Option<String>,
+    /// The version the operator saw; refused if the row changed since.
+    pub seen_version: Option<i64>,
+    /// The action's own id: repeating it returns the first outcome.
+    pub action_id: Option<String>,
+}
+
+/// The outcome of an operator action (deny, resolve).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OperatorOutcome {
+    /// Whether it was applied.
+    pub applied: bool,
+    /// `OK` or the refusal code.
+    pub code: String,
+    /// What happened.
+    pub message: String,
+    /// Operation concerned.
+    pub operation_id: Option<String>,
+    /// Approval concerned.
+    pub approval_id: Option<String>,
+}
+
+/// One finding of the integrity audit. References are opaque (operation or
+/// receipt ids); no tenant, subject or key appears.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AuditFinding {
+    /// Which check.
+    pub check: String,
+    /// Opaque reference.
+    pub reference: String,
+    /// What is wrong.
+    pub detail: String,
+}
+
+/// Everything known about one operation (`ops show`).
+#[derive(Debug, Clone, Serialize)]
+pub struct OperationDetail {
+    /// The ledger row.
+    pub operation: OperationRow,
+    /// The outbox row.
+    pub outbox: Option<crate::store::OutboxRow>,
+    /// Attempts.
+    pub attempts: Vec<crate::store::AttemptRow>,
+    /// The trace timeline.
+    pub trace: Vec<crate::store::TraceRow>,
+    /// Operator-log rows.
+    pub audit: Vec<AuditRow>,
+}
+
+fn refused(code: &str, message: impl Into<String>, op: Option<&str>, approval: Option<&str>) -> OperatorOutcome {
+    OperatorOutcome {
+        applied: false,
+        code: code.to_string(),
+        message: message.into(),
+        operation_id: op.map(str::to_string),
+        approval_id: approval.map(str::to_string),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn audit_row(
+    at: i64,
+    action_id: Option<&str>,
+    actor: &str,
+    action: &str,
+    op: Option<&str>,
+    approval: Option<&str>,
+    applied: bool,
+    reason: &str,
+    evidence: &Value,
+) -> AuditRow {
+    AuditRow {
+        seq: 0,
+        at,
+        action_id: action_id.map(str::to_string),
+        actor: actor.to_string(),
+        action: action.to_string(),
+        operation_id: op.map(str::to_string),
+        approval_id: approval.map(str::to_string),
+        result: if applied { "applied" } else { "refused" }.to_string(),
+        reason: reason.to_string(),
+        evidence: canonical_string(evidence),
+    }
+}
+
+fn args_of(request_json: &str) -> Value {
+    serde_json::from_str::<Value>(request_json).ok().and_then(|r| r.get("arguments").cloned()).unwrap_or(Value::Null)
+}
+
+enum QueryStep {
+    Answer(Envelope),
+    Lookup(Box<OperationRow>),
+}
+
+impl Engine {
+    /// `query_operation_status(status_ref, expected_request_sha256)`, in the order
+    /// of SPEC §8. It never executes the tool.
+    pub fn query_operation_status(&mut self, q: &QueryRequest) -> Result<Envelope, EngineError> {
+        let now = self.clock.now_ms();
+        let call = q.call.clone().unwrap_or_else(fresh_call_identity);
+        let pref = self.principal_ref(&q.tenant, &q.subject);
+        let audit =
+            ProtectedAudit { principal_ref: pref.clone(), provider: Some(call.clone()), ..ProtectedAudit::default() };
+        let mut ev = TraceEvent::step("query");
+        ev.call = Some(call.clone());
+        ev.tenant_ref = Some(self.hashed("tenant", &q.tenant));
+        ev.subject_ref = Some(self.hashed("subject", &q.subject));
+        // 1. Strict status_ref check, before any lookup.
+        if let Err(e) = self.refs.verify(&q.status_ref) {
+            let env = match e {
+                StatusRefError::Malformed => with_detail(
+                    error_envelope(Code::InvalidArguments, audit),
+                    json!({"pointer": "/status_ref", "reason": "malformed status_ref"}),
+                ),
+                StatusRefError::Forged => error_envelope(Code::NotFound, audit),
+            };
+            ev.note = Some(e.to_string());
+            let ev = ev.from_envelope(&env);
+            self.store.write(|tx| ev.write(tx, now))?;
+            return Ok(env);
+        }
+        let expected = q.expected_request_sha256.as_str();
+        if expected.len() != 64 || !expected.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+            let env = with_detail(
+                error_envelope(Code::InvalidArguments, audit),
+                json!({"pointer": "/expected_request_sha256", "reason": "must be 64 lower-case hex digits"}),
+            );
+            let ev = ev.from_envelope(&env);
+            self.store.write(|tx| ev.write(tx, now))?;
+            return Ok(env);
+        }
+        let contracts = self.contracts.clone();
+        let status_ref_sha = sha256_hex(q.status_ref.as_bytes());
+        let step = self.store.write(|tx| -> Result<QueryStep, EngineError> {
+            let answer = |env: Envelope, mut ev: TraceEvent| -> Result<QueryStep, EngineError> {
+                ev = ev.from_envelope(&env);
+                ev.write(tx, now)?;
+                Ok(QueryStep::Answer(env))
+            };
+            // 2. Current authorization.
+            let Some(op) = tx.operation_by_status_ref(&q.status_ref)? else {
+                return answer(error_envelope(Code::NotFound, audit.clone()), ev.clone());
+            };
+            if op.tenant != q.tenant || op.subject != q.subject {
+                return answer(error_envelope(Code::NotFound, audit.clone()), ev.clone());
+            }
+            if let Some(code) = authorize(tx, &op.tenant, &op.subject, &op.tool, &args_of(&op.request_json))? {
+                return answer(error_envelope(code, audit.clone()), ev.clone());
+            }
+            let mut ev = ev.clone();
+            ev.operation_id = Some(op.id.clone());
+            ev.tool = Some(op.tool.clone());
+            ev.request_sha256 = Some(op.request_sha256.clone());
+            // 3. Digest, scope, provider profile, contract revisions.
+            let contract_rev = contracts.get(&op.tool).map(|c| c.revisions);
+            let mismatch = if expected != op.request_sha256 {
+                Some("expected request digest does not match")
+            } else if q.idempotency_key.as_deref().is_some_and(|k| k != op.idem_key) {
+                Some("idempotency key does not match the operation's scope")
+            } else if call.provider != op.call_provider || call.api_family != op.call_api_family {
+                Some("provider profile does not match")
+            } else if contract_rev != Some(revisions_of(&op)) {
+                Some("contract revisions changed since the operation was accepted")
+            } else {
+                None
+            };
+            if let Some(why) = mismatch {
+                ev.note = Some(why.into());
+                let env = with_detail(error_envelope(Code::StatusConflict, audit.clone()), json!({"reason": why}));
+                return answer(env, ev);
+            }
+            // The query's own call identity, bound to the purpose query_status.
+            let ck = CallKey {
+                tenant: &q.tenant,
+                subject: &q.subject,
+                provider: &call.provider,
+                api_family: &call.api_family,
+                response_id: &call.response_id,
+                call_id: &call.call_id,
+            };
+            if let Some(bound) = tx.call_identity(&ck)? {
+                if bound.purpose != "query_status"
+                    || bound.request_sha256 != expected
+                    || bound.key_sha256 != status_ref_sha
+                {
+                    return answer(error_envelope(Code::CallIdConflict, audit.clone()), ev);
+                }
+            }
+            tx.bind_call_identity(
+                &ck,
+                &CallIdentityRow {
+                    purpose: "query_status".into(),
+                    request_sha256: expected.to_string(),
+                    key_sha256: status_ref_sha.clone(),
+                    operation_id: Some(op.id.clone()),
+                },
+                now,
+            )?;
+            if let Err(why) = verify_row(&op) {
+                ev.step = "tamper_detected";
+                ev.note = Some(why.into());
+                let env = with_detail(
+                    error_envelope(Code::StatusConflict, audit.clone()),
+                    json!({"reason": "stored record failed its integrity check"}),
+                );
+                return answer(env, ev);
+            }
+            match op.state.as_str() {
+                "succeeded" | "failed" => {
+                    let reconciled = op.last_query_result.as_deref() == Some("reconciled");
+                    let d = if reconciled { Delivery::ReceiptReconciled } else { Delivery::LocalReplay };
+                    answer(op_envelope(&op, d, pref.clone(), None), ev)
+                }
+                "resolved" => answer(op_envelope(&op, Delivery::HumanResolved, pref.clone(), None), ev),
+                _ => Ok(QueryStep::Lookup(Box::new(op))),
+            }
+        })?;
+        let op = match step {
+            QueryStep::Answer(env) => return Ok(env),
+            QueryStep::Lookup(op) => op,
+        };
+        // 4. Downstream lookup, outside any ledger transaction.
+        let Some(contract) = contracts.get(&op.tool) else {
+            return Err(EngineError::invalid("UNKNOWN_TOOL", "operation names a tool not in the catalog"));
+        };
+        let lookup = self.downstream(contract.downstream).lookup(&op.downstream_key)?;
+        let actor = pref.clone();
+        let out = self.store.write(|tx| -> Result<Envelope, EngineError> {
+            let Some(mut cur) = tx.operation(&op.id)? else {
+                return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
+            };
+            let mut ev = TraceEvent::step("query");
+            ev.operation_id = Some(cur.id.clone());
+            ev.tool = Some(cur.tool.clone());
+            ev.call = Some(call.clone());
+            ev.request_sha256 = Some(cur.request_sha256.clone());
+            if cur.version != op.version {
+                // Changed while we looked (a worker or another query finished it): report what it is now.
+                let env = op_envelope(&cur, Delivery::LocalReplay, pref.clone(), None);
+                ev.note = Some("changed during lookup".into());
+                ev.from_envelope(&env).write(tx, now)?;
+                return Ok(env);
+            }
+            cur.updated_at = now;
+            cur.last_query_at = Some(now);
+            let (result, env, reason) = match lookup {
+                Lookup::Found(r) => {
+                    ev.receipt_id = Some(r.receipt_id.clone());
+                    ev.downstream_request_id = Some(r.request_id.clone());
+                    let args = args_of(&cur.request_json);
+                    let matches = r.body_sha256 == cur.request_sha256
+                        && contract.check_output(&r.result).is_ok()
+                        && ["order_ref", "amount_minor", "currency", "template"]
+                            .iter()
+                            .all(|k| args.get(*k).is_none() || r.result.get(*k) == args.get(*k));
+                    if matches {
+                        failpoint::hit("inside_reconcile");
+                        let result_json = canonical_string(&r.result);
+                        cur.result_sha256 = Some(sha256_hex(result_json.as_bytes()));
+                        cur.result_json = Some(result_json);
+                        cur.downstream_request_id = Some(r.request_id.clone());
+                        cur.receipt_id = Some(r.receipt_id.clone());
+                        cur.state = "succeeded".into();
+                        cur.code = None;
+                        cur.last_query_result = Some("reconciled".into());
+                        cur.call_binding_sha256 = binding_of(&cur);
+                        tx.insert_receipt(&ReceiptRow {
+                            receipt_id: r.receipt_id.clone(),
+                            operation_id: cur.id.clone(),
+                            request_id: r.request_id.clone(),
+                            body_sha256: r.body_sha256.clone(),
+                            result_sha256: cur.result_sha256.clone().unwrap_or_default(),
+                            source: "query".into(),
+                            recorded_at: now,
+                        })?;
+                        apply_business_effect(tx, &cur)?;
+                        if let Some(ob) = tx.outbox(&cur.id)? {
+                            if ob.attempt > 0 {
+                                tx.finish_attempt(&cur.id, ob.attempt, "committed", None, now)?;
+                            }
+                        }
+                        tx.close_outbox(&cur.id, "done", None)?;
+                        ("reconciled", None, "receipt matches: backfilled")
+                    } else {
+                        cur.state = "needs_review".into();
+                        cur.code = Some(Code::StatusConflict.as_str().into());
+                        cur.last_query_result = Some("mismatch".into());
+                        tx.close_outbox(&cur.id, "parked", Some(Code::StatusConflict.as_str()))?;
+                        ("mismatch", Some(Code::StatusConflict), "receipt does not match the request: needs review")
+                    }
+                }
+                Lookup::NotFound => {
+                    cur.last_query_result = Some("not_found".into());
+                    ("not_found", None, "no receipt (yet): still unknown")
+                }
+                Lookup::Unavailable => {
+                    cur.last_query_result = Some("unavailable".into());
+                    ("unavailable", None, "lookup unavailable: still unknown")
+                }
+            };
+            let _ = env;
+            tx.update_operation(&cur)?;
+            cur.version += 1;
+            let delivery = if result == "reconciled" { Delivery::ReceiptReconciled } else { Delivery::LocalReplay };
+            let env = op_envelope(&cur, delivery, pref.clone(), None);
+            ev.note = Some(reason.into());
+            ev.from_envelope(&env).write(tx, now)?;
+            tx.insert_audit(&audit_row(
+                now,
+                None,
+                &actor,
+                "query",
+                Some(&cur.id),
+                None,
+                true,
+                reason,
+                &json!({"lookup": result, "receipt_id": cur.receipt_id, "version": cur.version}),
+            ))?;
+            Ok(env)
+        })?;
+        Ok(out)
+    }
+
+    /// Approves a pending request: the held call is accepted (operation + outbox in
+    /// one transaction) and executed now. Refusals are `APPROVAL_INVALID`.
+    pub fn approve(&mut self, approval_id: &str, approver: &str) -> Result<Envelope, EngineError> {
+        let now = self.clock.now_ms();
+        let contracts = self.contracts.clone();
+        let refs = self.refs.clone();
+        let decided = self.store.write(|tx| -> Result<Result<String, (Envelope, String)>, EngineError> {
+            let invalid = |why: &str, a: Option<&crate::store::ApprovalRow>| -> Result<Result<String, (Envelope, String)>, EngineError> {
+                tx.insert_audit(&audit_row(now, None, approver, "approve", None, Some(approval_id), false, why, &json!({
+                    "approval_state": a.map(|a| a.state.clone()),
+                    "expires_at": a.map(|a| a.expires_at),
+                })))?;
+                let mut env = with_detail(
+                    error_envelope(Code::ApprovalInvalid, ProtectedAudit::default()),
+                    json!({"approval_id": approval_id, "reason": why}),
+                );
+                env.protected_audit.approval_id = Some(approval_id.to_string());
+                if let Some(a) = a {
+                    env.protected_audit.tool.clone_from(&a.tool);
+                }
+                Ok(Err((env, why.to_string())))
+            };
+            let Some(mut a) = tx.approval(approval_id)? else {
+                return invalid("no such approval request", None);
+            };
+            if a.state != "pending" {
+                let why = format!("approval is {}", a.state);
+                return invalid(&why, Some(&a));
+            }
+            if now >= a.expires_at {
+                a.state = "expired".into();
+                a.decided_at = Some(now);
+                a.decided_by = Some("system".into());
+                tx.decide_approval(&a)?;
+                return invalid("approval expired (expiry is exclusive)", Some(&a));
+            }
+            if !tx.is_approver(&a.tenant, approver)? {
+                return invalid("approver is not on the tenant's allowlist", Some(&a));
+            }
+            if approver == a.subject {
+                return invalid("requester cannot approve their own request", Some(&a));
+            }
+            let Some(contract) = contracts.get(&a.tool) else {
+                return invalid("tool no longer exists", Some(&a));
+            };
+            let policy_rev = tx.tenant(&a.tenant)?.map_or(-1, |t| t.policy_revision);
+            let rev = Revisions { input: a.input_rev, output: a.output_rev, effect: a.effect_rev };
+            if policy_rev != a.policy_revision || contract.revisions != rev {
+                a.state = "invalidated".into();
+                a.decided_at = Some(now);
+                a.decided_by = Some("system".into());
+                tx.decide_approval(&a)?;
+                return invalid("policy or contract revision changed since the request", Some(&a));
+            }
+            let call = CallIdentity {
+                provider: a.call_provider.clone(),
+                api_family: a.call_api_family.clone(),
+                response_id: a.call_response_id.clone(),
+                call_id: a.call_id.clone(),
+                adapter_revision: a.adapter_revision.clone(),
+            };
+            let base = approval_base_sha256(&a.tenant, &a.subject, &a.tool, &a.request_sha256, &a.key_sha256, &call, rev, a.policy_revision);
+            if base != a.base_sha256 || sha256_hex(a.request_json.as_bytes()) != a.request_sha256 {
+                return invalid("approval record does not match its digest", Some(&a));
+            }
+            if tx.operation_by_scope(&a.tenant, &a.subject, &a.tool, &a.idem_key)?.is_some() {
+                return invalid("the intent already has an operation", Some(&a));
+            }
+            // Accept the held call.
+            let req = DispatchRequest {
+                tenant: a.tenant.clone(),
+                subject: a.subject.clone(),
+                tool: a.tool.clone(),
+                arguments: Vec::new(),
+                idempotency_key: Some(a.idem_key.clone()),
+                call: Some(call.clone()),
+                approval_id: Some(a.id.clone()),
+                deadline_ms: Some(a.deadline_ms as u64),
+            };
+            let op = super::dispatch::new_operation_for(&req, contract, &call, &a.idem_key, &a.key_sha256, &a.request_json, &a.request_sha256, now, a.deadline_ms as u64, &refs, Some(&a.id));
+            tx.insert_operation(&op)?;
+            tx.insert_outbox(&op.id, i64::from(contract.retry.max_attempts), now)?;
+            let ck = CallKey {
+                tenant: &a.tenant,
+                subject: &a.subject,
+                provider: &call.provider,
+                api_family: &call.api_family,
+                response_id: &call.response_id,
+                call_id: &call.call_id,
+            };
+            tx.bind_call_identity(
+                &ck,
+                &CallIdentityRow {
+                    purpose: "dispatch".into(),
+                    request_sha256: a.request_sha256.clone(),
+                    key_sha256: a.key_sha256.clone(),
+                    operation_id: Some(op.id.clone()),
+                },
+                now,
+            )?;
+            a.state = "approved".into();
+            a.decided_by = Some(approver.to_string());
+            a.decided_at = Some(now);
+            a.operation_id = Some(op.id.clone());
+            a.approval_sha256 = Some(digest_value(&json!({"base": a.base_sha256, "approver": approver})));
+            tx.decide_approval(&a)?;
+            tx.insert_audit(&audit_row(now, None, approver, "approve", Some(&op.id), Some(&a.id), true, "approved", &json!({
+                "approval_sha256": a.approval_sha256, "request_sha256": a.request_sha256, "expires_at": a.expires_at,
+                "amount_minor": a.amount_minor,
+            })))?;
+            let mut ev = TraceEvent::step("approval");
+            ev.operation_id = Some(op.id.clone());
+            ev.tool = Some(op.tool.clone());
+            ev.approval_id = Some(a.id.clone());
+            ev.policy_revision = Some(a.policy_revision);
+            ev.request_sha256 = Some(op.request_sha256.clone());
+            ev.call_binding_sha256 = Some(op.call_binding_sha256.clone());
+            ev.note = Some("approved: held call accepted".into());
+            ev.write(tx, now)?;
+            Ok(Ok(op.id))
+        })?;
+        match decided {
+            Ok(op_id) => self.run_operation(&op_id, &contracts),
+            Err((env, why)) => {
+                let mut ev = TraceEvent::step("approval");
+                ev.approval_id = Some(approval_id.to_string());
+                ev.note = Some(why);
+                let ev = ev.from_envelope(&env);
+                self.store.write(|tx| ev.write(tx, now))?;
+                Ok(env)
+            }
+        }
+    }
+
+    /// Denies a pending request (note mandatory).
+    pub fn deny(&mut self, approval_id: &str, approver: &str, note: &str) -> Result<OperatorOutcome, EngineError> {
+        let now = self.clock.now_ms();
+        Ok(self.store.write(|tx| -> Result<OperatorOutcome, StoreError> {
+            let refuse = |code: &str, why: &str| -> Result<OperatorOutcome, StoreError> {
+                tx.insert_audit(&audit_row(
+                    now,
+                    None,
+                    approver,
+                    "deny",
+                    None,
+                    Some(approval_id),
+                    false,
+                    why,
+                    &json!({}),
+                ))?;
+                Ok(refused(code, why, None, Some(approval_id)))
+            };
+            if note.trim().is_empty() {
+                return refuse("NOTE_REQUIRED", "a denial needs a note");
+            }
+            let Some(mut a) = tx.approval(approval_id)? else {
+                return refuse("APPROVAL_INVALID", "no such approval request");
+            };
+            if a.state != "pending" || now >= a.expires_at {
+                return refuse("APPROVAL_INVALID", "approval is not pending");
+            }
+            if !tx.is_approver(&a.tenant, approver)? || approver == a.subject {
+                return refuse("APPROVAL_INVALID", "approver is not allowed to decide this request");
+            }
+            a.state = "denied".into();
+            a.decided_by = Some(approver.to_string());
+            a.decided_at = Some(now);
+            a.note = Some(note.to_string());
+            tx.decide_approval(&a)?;
+            tx.insert_audit(&audit_row(
+                now,
+                None,
+                approver,
+                "deny",
+                None,
+                Some(approval_id),
+                true,
+                note,
+                &json!({
+                    "request_sha256": a.request_sha256, "expires_at": a.expires_at, "amount_minor": a.amount_minor,
+                }),
+            ))?;
+            let mut ev = TraceEvent::step("approval");
+            ev.approval_id = Some(a.id.clone());
+            ev.tool = Some(a.tool.clone());
+            ev.code = Some(Code::ApprovalInvalid);
+            ev.note = Some("denied".into());
+            ev.write(tx, now)?;
+            Ok(OperatorOutcome {
+                applied: true,
+                code: "OK".into(),
+                message: "denied".into(),
+                operation_id: None,
+                approval_id: Some(a.id),
+            })
+        })?)
+    }
+
+    /// Pending approval requests, soonest expiry first.
+    pub fn pending_approvals(&mut self, limit: i64) -> Result<Vec<crate::store::ApprovalRow>, EngineError> {
+        Ok(self.store.read(|tx| tx.pending_approvals(limit))?)
+    }
+
+    /// Resolves an `unknown` / `needs_review` operation by a recorded human decision.
+    pub fn resolve(&mut self, r: &ResolveRequest) -> Result<OperatorOutcome, EngineError> {
+        let now = self.clock.now_ms();
+        Ok(self.store.write(|tx| -> Result<OperatorOutcome, StoreError> {
+            if let Some(id) = &r.action_id {
+                if let Some(prev) = tx.audit_by_action_id(id)? {
+                    return Ok(OperatorOutcome {
+                        applied: prev.result == "applied",
+                        code: if prev.result == "applied" { "OK".into() } else { "REFUSED".into() },
+                        message: format!("action already recorded: {}", prev.reason),
+                        operation_id: prev.operation_id,
+                        approval_id: None,
+                    });
+                }
+            }
+            let op_ref = Some(r.operation_id.as_str());
+            let cur = tx.operation(&r.operation_id)?;
+            let snapshot = cur.as_ref().map(|o| json!({
+                "state": o.state, "version": o.version, "code": o.code, "last_query_at": o.last_query_at,
+                "last_query_result": o.last_query_result, "receipt_id": o.receipt_id,
+            }));
+            let refuse = |code: &str, why: String| -> Result<OperatorOutcome, StoreError> {
+                let ev = json!({"seen_version": r.seen_version, "current": snapshot, "resolution": r.resolution.as_str(), "evidence": r.evidence});
+                let op_exists = cur.is_some();
+                tx.insert_audit(&audit_row(now, r.action_id.as_deref(), &r.operator, "resolve", op_exists.then_some(r.operation_id.as_str()), None, false, &why, &ev))?;
+                Ok(refused(code, why, op_ref, None))
+            };
+            if r.operator.trim().is_empty() {
+                return refuse("OPERATOR_REQUIRED", "an operator identity is required".into());
+            }
+            if r.note.trim().is_empty() {
+                return refuse("NOTE_REQUIRED", "a resolution needs a note".into());
+            }
+            let Some(mut op) = cur.clone() else {
+                return refuse("NO_SUCH_OPERATION", "no such operation".into());
+            };
+            if !matches!(op.state.as_str(), "unknown" | "needs_review") {
+                return refuse("NOT_RESOLVABLE", format!("operation is {}; only unknown or needs_review can be resolved", op.state));
+            }
+            if let Some(seen) = r.seen_version {
+                if seen != op.version {
+                    return refuse("STALE_VERSION", format!("operation changed since you saw it (you saw version {seen}, it is now {})", op.version));
+                }
+            }
+            let evidence = r.evidence.as_deref().map(str::trim).filter(|e| !e.is_empty());
+            if r.resolution == Resolution::Succeeded && evidence.is_none() {
+                return refuse("EVIDENCE_REQUIRED", "resolving as succeeded needs a receipt id as evidence".into());
+            }
+            let result = json!({"resolution": r.resolution.as_str(), "receipt_id": evidence});
+            let result_json = canonical_string(&result);
+            op.result_sha256 = Some(sha256_hex(result_json.as_bytes()));
+            op.result_json = Some(result_json);
+            if let Some(e) = evidence {
+                op.receipt_id = Some(e.to_string());
+            }
+            op.state = "resolved".into();
+            op.resolution = Some(r.resolution.as_str().into());
+            op.resolution_note = Some(r.note.clone());
+            op.resolved_by = Some(r.operator.clone());
+            op.updated_at = now;
+            op.call_binding_sha256 = binding_of(&op);
+            if r.resolution == Resolution::Succeeded {
+                apply_business_effect(tx, &op)?;
+            }
+            tx.close_outbox(&op.id, "done", None)?;
+            if !tx.update_operation(&op)? {
+                return refuse("STALE_VERSION", "operation changed while resolving".into());
+            }
+            let ev = json!({"seen_version": r.seen_version, "before": snapshot, "resolution": r.resolution.as_str(), "evidence": evidence});
+            tx.insert_audit(&audit_row(now, r.action_id.as_deref(), &r.operator, "resolve", op_ref, None, true, &r.note, &ev))?;
+            let mut t = TraceEvent::step("resolution");
+            t.operation_id = Some(op.id.clone());
+            t.tool = Some(op.tool.clone());
+            t.delivery = Some("human_resolved");
+            t.receipt_id.clone_from(&op.receipt_id);
+            t.call_binding_sha256 = Some(op.call_binding_sha256.clone());
+            t.note = Some(format!("resolved as {}", r.resolution.as_str()));
+            t.write(tx, now)?;
+            Ok(OperatorOutcome {
+                applied: true,
+                code: "OK".into(),
+                message: format!("resolved as {}", r.resolution.as_str()),
+                operation_id: Some(op.id),
+                approval_id: None,
+            })
+        })?)
+    }
+
+    /// One operation with its outbox row, attempts, trace and operator log.
+    pub fn operation_detail(&mut self, id: &str) -> Result<Option<OperationDetail>, EngineError> {
+        Ok(self.store.read(|tx| -> Result<_, StoreError> {
+            let Some(operation) = tx.operation(id)? else { return Ok(None) };
+            Ok(Some(OperationDetail {
+                outbox: tx.outbox(id)?,
+                attempts: tx.attempts(id)?,
+                trace: tx.trace_for(id)?,
+                audit: tx.audit_for(id)?,
+                operation,
+            }))
+        })?)
+    }
+
+    /// Operations, newest first.
+    pub fn list_operations(&mut self, state: Option<&str>, limit: i64) -> Result<Vec<OperationRow>, EngineError> {
+        Ok(self.store.read(|tx| tx.list_operations(state, limit, None))?)
+    }
+
+    /// The operator log, newest first.
+    pub fn audit_log(&mut self, limit: i64) -> Result<Vec<AuditRow>, EngineError> {
+        Ok(self.store.read(|tx| tx.audit_log(limit))?)
+    }
+
+    /// The integrity and semantic audit (`toolgate audit`).
+    pub fn audit(&mut self) -> Result<Vec<AuditFinding>, EngineError> {
+        let refs = self.refs.clone();
+        Ok(self.store.read(|tx| -> Result<Vec<AuditFinding>, StoreError> {
+            let mut out = Vec::new();
+            let mut find = |check: &str, reference: &str, detail: &str| {
+                out.push(AuditFinding { check: check.into(), reference: reference.into(), detail: detail.into() });
+            };
+            for p in tx.sqlite_checks()? {
+                find("sqlite", "database", &p);
+            }
+            for op in tx.all_operations()? {
+                check_operation(tx, &op, &refs, &mut find)?;
+            }
+            for r in tx.orphan_receipts()? {
+                find("orphan_receipt", &r, "receipt does not belong to the operation it names");
+            }
+            let dups = tx.side_effect_duplicates()?;
+            if dups > 0 {
+                find("side_effect_duplicates", "downstream", &format!("{dups} intent(s) with more than one effect"));
+            }
+            Ok(out)
+        })?)
+    }
+}
+
+fn check_operation(
+    tx: &Tx<'_>,
+    op: &OperationRow,
+    refs: &super::canonical::StatusRefKey,
+    find: &mut impl FnMut(&str, &str, &str),
+) -> Result<(), StoreError> {
+    let r = op.id.as_str();
+    if let Err(why) = verify_row(op) {
+        find("digest", r, why);
+    }
+    if refs.verify(&op.status_ref).is_err() {
+        find("status_ref", r, "status_ref does not verify under this database's secret");
+    }
+    let ob = tx.outbox(&op.id)?;
+    let attempts = tx.attempts(&op.id)?;
+    match (op.state.as_str(), ob.as_ref().map(|o| o.state.as_str())) {
+        (_, None) => find("outbox", r, "operation has no outbox row"),
+        ("succeeded", _) if op.result_json.is_none() || op.receipt_id.is_none() => {
+            find("shape", r, "succeeded without result or receipt");
+        }
+        ("in_flight", Some("leased" | "pending")) | ("accepted", Some("pending")) => {}
+        ("in_flight" | "accepted", Some(s)) => find("lease", r, &format!("{} operation with outbox {s}", op.state)),
+        ("succeeded" | "failed" | "resolved", Some("leased" | "pending")) => {
+            find("lease", r, "terminal operation still queued");
+        }
+        ("unknown" | "needs_review", Some("leased" | "pending")) => find("lease", r, "unknown operation still queued"),
+        _ => {}
+    }
+    if let Some(o) = &ob {
+        if o.state == "leased" {
+            let holder = attempts.iter().find(|a| a.attempt == o.attempt);
+            if holder.is_none_or(|a| Some(&a.owner) != o.lease_owner.as_ref()) {
+                find("lease", r, "lease has no matching attempt row");
+            }
+        }
+        if o.attempt != attempts.len() as i64 {
+            find("lease", r, "attempt count disagrees with attempt rows");
+        }
+    }
+    if op.state == "succeeded" && op.code.is_some() {
+        find("shape", r, "succeeded with an error code");
+    }
+    Ok(())
+}

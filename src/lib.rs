@@ -1,0 +1,20 @@
+//! toolgate: a durable tool-call dispatcher that executes an AI agent's
+//! side-effecting tool calls exactly once in business effect, with a CLI (and,
+//! later, an operations console) over it.
+//!
+//! # Layout
+//! - [`engine`]: the dispatch pipeline, idempotency ledger, outbox, leases and the
+//!   reaper; recovery (explicit status queries, approvals, human review, audit);
+//!   contracts, canonical JSON, digests and `status_ref`. UI-free.
+//! - [`store`]: SQLite (rusqlite, WAL, `BEGIN IMMEDIATE`, STRICT tables,
+//!   embedded migrations). The only module with SQL.
+//! - [`downstream`]: the adapter trait and the simulated, durable payments and
+//!   notifications providers with their fault plans.
+//! - [`failpoint`]: named crash points for crash tests.
+//! - [`cli`]: the command line (the binary's only dependency on this crate).
+
+pub mod cli;
+pub mod downstream;
+pub mod engine;
+pub mod failpoint;
+pub mod store;

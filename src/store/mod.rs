@@ -1,0 +1,968 @@
+//! SQLite storage: connection set-up, embedded migrations and typed queries.
+//!
+//! **This is the only module with SQL.** The engine sees [`Store`] (open, run a
+//! transaction) and [`Tx`] (typed reads and writes inside one transaction), so a
+//! PostgreSQL backend can implement the same surface later.
+
+mod rows;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
+
+pub use rows::*;
+
+/// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
+const MIGRATIONS: [&str; 1] = [include_str!("migrations/0001_ledger.sql")];
+
+/// The schema version this build writes.
+pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+/// How long a writer waits for the lock before SQLite reports busy.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long we keep retrying `BEGIN IMMEDIATE` on busy before surfacing it.
+const BEGIN_RETRY_BUDGET: Duration = Duration::from_secs(60);
+
+/// Storage errors. Messages never include a local path.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database could not be opened or created.
+    #[error("cannot open the database: {0}")]
+    Open(String),
+    /// The database file does not exist (and we were not asked to create it).
+    #[error("no database at the given path (run `toolgate init` first)")]
+    Missing,
+    /// The file was written by a newer toolgate.
+    #[error("the database has schema version {found}, newer than this build's {supported}; refusing to open it (nothing was changed)")]
+    SchemaTooNew {
+        /// Version in the file.
+        found: i64,
+        /// Version this build knows.
+        supported: i64,
+    },
+    /// The file is not a toolgate database.
+    #[error("the file is not a toolgate database")]
+    NotToolgate,
+    /// Any other SQLite error.
+    #[error("database error: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+}
+
+impl StoreError {
+    /// Stable code for the CLI.
+    pub fn code(&self) -> &'static str {
+        match self {
+            StoreError::Open(_) => "DB_OPEN_FAILED",
+            StoreError::Missing => "DB_NOT_FOUND",
+            StoreError::SchemaTooNew { .. } => "DB_SCHEMA_TOO_NEW",
+            StoreError::NotToolgate => "DB_NOT_TOOLGATE",
+            StoreError::Sqlite(_) => "DB_ERROR",
+        }
+    }
+}
+
+/// Durability mode for the ledger (SPEC §6: FULL by default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sync {
+    /// fsync on every commit.
+    Full,
+    /// WAL NORMAL: survives process crashes, not power loss.
+    Normal,
+}
+
+/// How to open a store.
+#[derive(Debug, Clone, Copy)]
+pub struct OpenOptions {
+    /// Create the file if missing.
+    pub create: bool,
+    /// Durability.
+    pub sync: Sync,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        Self { create: false, sync: Sync::Full }
+    }
+}
+
+/// One connection to a toolgate database.
+pub struct Store {
+    conn: Connection,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Store(..)")
+    }
+}
+
+fn open_error(e: &rusqlite::Error) -> StoreError {
+    // rusqlite's messages for open failures do not include the path; keep only the
+    // SQLite description.
+    match e {
+        rusqlite::Error::SqliteFailure(err, _) => StoreError::Open(err.to_string()),
+        other => StoreError::Open(other.to_string()),
+    }
+}
+
+impl Store {
+    /// Opens (and migrates) a database file.
+    pub fn open(path: &Path, opts: OpenOptions) -> Result<Self, StoreError> {
+        if !opts.create && !path.exists() {
+            return Err(StoreError::Missing);
+        }
+        let mut flags =
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_URI;
+        if opts.create {
+            flags |= OpenFlags::SQLITE_OPEN_CREATE;
+        }
+        let conn = Connection::open_with_flags(path, flags).map_err(|e| open_error(&e))?;
+        Self::setup(conn, opts.sync)
+    }
+
+    fn setup(conn: Connection, sync: Sync) -> Result<Self, StoreError> {
+        conn.busy_timeout(BUSY_TIMEOUT)?;
+        // A file that is not SQLite fails on the first read.
+        let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(|e| match e {
+            rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::NotADatabase => {
+                StoreError::NotToolgate
+            }
+            other => open_error(&other),
+        })?;
+        if version > SCHEMA_VERSION {
+            return Err(StoreError::SchemaTooNew { found: version, supported: SCHEMA_VERSION });
+        }
+        let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
+        if !mode.eq_ignore_ascii_case("wal") && !mode.eq_ignore_ascii_case("memory") {
+            return Err(StoreError::Open(format!("could not enable WAL (journal_mode={mode})")));
+        }
+        conn.execute_batch(match sync {
+            Sync::Full => "PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;",
+            Sync::Normal => "PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON;",
+        })?;
+        conn.set_prepared_statement_cache_capacity(64);
+        let mut store = Self { conn };
+        store.migrate(version)?;
+        Ok(store)
+    }
+
+    fn migrate(&mut self, from: i64) -> Result<(), StoreError> {
+        if from == 0 {
+            // A non-empty file with user_version 0 is someone else's database.
+            let tables: i64 = self.conn.query_row(
+                "SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%'",
+                [],
+                |r| r.get(0),
+            )?;
+            if tables > 0 {
+                return Err(StoreError::NotToolgate);
+            }
+        }
+        for (i, sql) in MIGRATIONS.iter().enumerate().skip(from as usize) {
+            let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            // Re-check under the write lock: another process may have migrated.
+            let now: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+            if now > i as i64 {
+                tx.commit()?;
+                continue;
+            }
+            tx.execute_batch(sql)?;
+            tx.execute_batch(&format!("PRAGMA user_version = {}", i + 1))?;
+            tx.commit()?;
+        }
+        Ok(())
+    }
+
+    /// Runs `f` in a `BEGIN IMMEDIATE` transaction (the write lock is taken at the
+    /// start, so the reads inside see what the writes will be checked against).
+    /// Commits when `f` returns `Ok`, rolls back otherwise. Busy is retried.
+    pub fn write<T, E: From<StoreError>>(&mut self, f: impl FnOnce(&Tx<'_>) -> Result<T, E>) -> Result<T, E> {
+        let started = Instant::now();
+        let tx = loop {
+            match self.conn.transaction_with_behavior(TransactionBehavior::Immediate) {
+                Ok(tx) => break tx,
+                Err(rusqlite::Error::SqliteFailure(f, _))
+                    if matches!(f.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+                        && started.elapsed() < BEGIN_RETRY_BUDGET =>
+                {
+                    std::thread::sleep(Duration::from_millis(1 + rand::random::<u64>() % 10));
+                }
+                Err(e) => return Err(StoreError::from(e).into()),
+            }
+        };
+        let out = f(&Tx { conn: &tx })?;
+        tx.commit().map_err(StoreError::from)?;
+        Ok(out)
+    }
+
+    /// Runs `f` in a read transaction (one consistent snapshot).
+    pub fn read<T, E: From<StoreError>>(&mut self, f: impl FnOnce(&Tx<'_>) -> Result<T, E>) -> Result<T, E> {
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Deferred).map_err(StoreError::from)?;
+        let out = f(&Tx { conn: &tx })?;
+        tx.commit().map_err(StoreError::from)?;
+        Ok(out)
+    }
+
+    /// SQLite's `PRAGMA data_version`: changes when another connection commits.
+    pub fn data_version(&self) -> Result<i64, StoreError> {
+        Ok(self.conn.query_row("PRAGMA data_version", [], |r| r.get(0))?)
+    }
+}
+
+/// Typed queries inside one transaction.
+pub struct Tx<'a> {
+    conn: &'a Connection,
+}
+
+type R<T> = Result<T, StoreError>;
+
+impl Tx<'_> {
+    // ---------------------------------------------------------------- meta
+
+    /// A meta value.
+    pub fn meta(&self, key: &str) -> R<Option<String>> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT value FROM meta WHERE key = ?1")?
+            .query_row([key], |r| r.get(0))
+            .optional()?)
+    }
+
+    /// Sets a meta value if absent; returns the stored value.
+    pub fn meta_init(&self, key: &str, value: &str) -> R<String> {
+        self.conn
+            .prepare_cached("INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO NOTHING")?
+            .execute([key, value])?;
+        Ok(self.meta(key)?.unwrap_or_default())
+    }
+
+    /// Sets a meta value.
+    pub fn meta_set(&self, key: &str, value: &str) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            )?
+            .execute([key, value])?;
+        Ok(())
+    }
+
+    // --------------------------------------------------------------- world
+
+    /// Inserts a tenant.
+    pub fn insert_tenant(&self, id: &str, threshold: i64) -> R<()> {
+        self.conn
+            .prepare_cached("INSERT INTO tenants (id, approval_threshold_minor) VALUES (?1, ?2)")?
+            .execute(params![id, threshold])?;
+        Ok(())
+    }
+
+    /// Adds an approver to a tenant's allowlist.
+    pub fn insert_approver(&self, tenant: &str, approver: &str) -> R<()> {
+        self.conn
+            .prepare_cached("INSERT INTO approvers (tenant, approver) VALUES (?1, ?2)")?
+            .execute([tenant, approver])?;
+        Ok(())
+    }
+
+    /// Inserts a subject.
+    pub fn insert_subject(&self, id: &str, tenant: &str) -> R<()> {
+        self.conn.prepare_cached("INSERT INTO subjects (id, tenant) VALUES (?1, ?2)")?.execute([id, tenant])?;
+        Ok(())
+    }
+
+    /// Grants a tool (re-granting clears `revoked_at`). Returns whether anything changed.
+    pub fn grant(&self, tenant: &str, subject: &str, tool: &str, now: i64) -> R<bool> {
+        let n = self
+            .conn
+            .prepare_cached(
+                "INSERT INTO grants (tenant, subject, tool, granted_at) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (tenant, subject, tool) DO UPDATE SET granted_at = excluded.granted_at, revoked_at = NULL
+                 WHERE revoked_at IS NOT NULL",
+            )?
+            .execute(params![tenant, subject, tool, now])?;
+        Ok(n > 0)
+    }
+
+    /// Revokes a grant. Returns whether an active grant was revoked.
+    pub fn revoke(&self, tenant: &str, subject: &str, tool: &str, now: i64) -> R<bool> {
+        let n = self
+            .conn
+            .prepare_cached(
+                "UPDATE grants SET revoked_at = ?4 WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND revoked_at IS NULL",
+            )?
+            .execute(params![tenant, subject, tool, now])?;
+        Ok(n > 0)
+    }
+
+    /// Inserts an order.
+    pub fn insert_order(&self, o: &OrderRow) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO orders (order_ref, tenant, owner, currency, captured_minor, refunded_minor, status, revision)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            )?
+            .execute(params![
+                o.order_ref,
+                o.tenant,
+                o.owner,
+                o.currency,
+                o.captured_minor,
+                o.refunded_minor,
+                o.status,
+                o.revision
+            ])?;
+        Ok(())
+    }
+
+    /// The tenant a subject acts for.
+    pub fn subject_tenant(&self, subject: &str) -> R<Option<String>> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT tenant FROM subjects WHERE id = ?1")?
+            .query_row([subject], |r| r.get(0))
+            .optional()?)
+    }
+
+    /// Whether an unrevoked grant exists (read now, never cached).
+    pub fn grant_active(&self, tenant: &str, subject: &str, tool: &str) -> R<bool> {
+        Ok(self
+            .conn
+            .prepare_cached(
+                "SELECT 1 FROM grants g JOIN subjects s ON s.id = g.subject AND s.tenant = g.tenant
+                 WHERE g.tenant = ?1 AND g.subject = ?2 AND g.tool = ?3 AND g.revoked_at IS NULL",
+            )?
+            .query_row([tenant, subject, tool], |_| Ok(()))
+            .optional()?
+            .is_some())
+    }
+
+    /// A tenant.
+    pub fn tenant(&self, id: &str) -> R<Option<TenantRow>> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT id, approval_threshold_minor, policy_revision FROM tenants WHERE id = ?1")?
+            .query_row([id], |r| {
+                Ok(TenantRow { id: r.get(0)?, approval_threshold_minor: r.get(1)?, policy_revision: r.get(2)? })
+            })
+            .optional()?)
+    }
+
+    /// Bumps a tenant's policy revision (invalidates pending approvals).
+    pub fn bump_policy_revision(&self, tenant: &str) -> R<bool> {
+        Ok(self
+            .conn
+            .prepare_cached("UPDATE tenants SET policy_revision = policy_revision + 1 WHERE id = ?1")?
+            .execute([tenant])?
+            > 0)
+    }
+
+    /// Whether `approver` is on the tenant's allowlist.
+    pub fn is_approver(&self, tenant: &str, approver: &str) -> R<bool> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT 1 FROM approvers WHERE tenant = ?1 AND approver = ?2")?
+            .query_row([tenant, approver], |_| Ok(()))
+            .optional()?
+            .is_some())
+    }
+
+    /// An order.
+    pub fn order(&self, order_ref: &str) -> R<Option<OrderRow>> {
+        Ok(self
+            .conn
+            .prepare_cached(&format!("SELECT {ORDER_COLS} FROM orders WHERE order_ref = ?1"))?
+            .query_row([order_ref], OrderRow::from_row)
+            .optional()?)
+    }
+
+    /// All orders, in order_ref order.
+    pub fn orders(&self) -> R<Vec<OrderRow>> {
+        let mut st = self.conn.prepare_cached(&format!("SELECT {ORDER_COLS} FROM orders ORDER BY order_ref"))?;
+        let rows = st.query_map([], OrderRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Applies a committed refund to an order.
+    pub fn apply_refund(&self, order_ref: &str, amount: i64) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "UPDATE orders SET refunded_minor = min(captured_minor, refunded_minor + ?2),
+                   status = CASE WHEN refunded_minor + ?2 >= captured_minor THEN 'refunded' ELSE 'partially_refunded' END,
+                   revision = revision + 1
+                 WHERE order_ref = ?1",
+            )?
+            .execute(params![order_ref, amount])?;
+        Ok(())
+    }
+
+    // ------------------------------------------------------ call identities
+
+    /// A call identity's binding.
+    pub fn call_identity(&self, k: &CallKey<'_>) -> R<Option<CallIdentityRow>> {
+        Ok(self
+            .conn
+            .prepare_cached(
+                "SELECT purpose, request_sha256, key_sha256, operation_id FROM call_identities
+                 WHERE tenant = ?1 AND subject = ?2 AND provider = ?3 AND api_family = ?4 AND response_id = ?5 AND call_id = ?6",
+            )?
+            .query_row(params![k.tenant, k.subject, k.provider, k.api_family, k.response_id, k.call_id], |r| {
+                Ok(CallIdentityRow {
+                    purpose: r.get(0)?,
+                    request_sha256: r.get(1)?,
+                    key_sha256: r.get(2)?,
+                    operation_id: r.get(3)?,
+                })
+            })
+            .optional()?)
+    }
+
+    /// Binds a call identity on first use (no-op if already bound).
+    pub fn bind_call_identity(&self, k: &CallKey<'_>, row: &CallIdentityRow, now: i64) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO call_identities
+                   (tenant, subject, provider, api_family, response_id, call_id, purpose, request_sha256, key_sha256, operation_id, created_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
+                 ON CONFLICT DO UPDATE SET operation_id = coalesce(call_identities.operation_id, excluded.operation_id)",
+            )?
+            .execute(params![
+                k.tenant,
+                k.subject,
+                k.provider,
+                k.api_family,
+                k.response_id,
+                k.call_id,
+                row.purpose,
+                row.request_sha256,
+                row.key_sha256,
+                row.operation_id,
+                now
+            ])?;
+        Ok(())
+    }
+
+    // ----------------------------------------------------------- operations
+
+    /// The operation for a scope.
+    pub fn operation_by_scope(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Option<OperationRow>> {
+        Ok(self
+            .conn
+            .prepare_cached(&format!(
+                "SELECT {OP_COLS} FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4"
+            ))?
+            .query_row([tenant, subject, tool, key], OperationRow::from_row)
+            .optional()?)
+    }
+
+    /// An operation by id.
+    pub fn operation(&self, id: &str) -> R<Option<OperationRow>> {
+        Ok(self
+            .conn
+            .prepare_cached(&format!("SELECT {OP_COLS} FROM operations WHERE id = ?1"))?
+            .query_row([id], OperationRow::from_row)
+            .optional()?)
+    }
+
+    /// An operation by status_ref.
+    pub fn operation_by_status_ref(&self, status_ref: &str) -> R<Option<OperationRow>> {
+        Ok(self
+            .conn
+            .prepare_cached(&format!("SELECT {OP_COLS} FROM operations WHERE status_ref = ?1"))?
+            .query_row([status_ref], OperationRow::from_row)
+            .optional()?)
+    }
+
+    /// Inserts a new operation (unique scope enforced by the schema).
+    pub fn insert_operation(&self, o: &OperationRow) -> R<()> {
+        self.conn
+            .prepare_cached(&format!("INSERT INTO operations ({OP_COLS}) VALUES ({OP_PLACEHOLDERS})"))?
+            .execute(o.params().as_slice())?;
+        Ok(())
+    }
+
+    /// Writes back an operation, checking and bumping its version (optimistic
+    /// fence: refused when the row changed since it was read). Returns false when
+    /// the version did not match.
+    pub fn update_operation(&self, o: &OperationRow) -> R<bool> {
+        let n = self
+            .conn
+            .prepare_cached(
+                "UPDATE operations SET state = ?2, code = ?3, result_json = ?4, result_sha256 = ?5,
+                   downstream_request_id = ?6, receipt_id = ?7, call_binding_sha256 = ?8, approval_id = ?9,
+                   resolution = ?10, resolution_note = ?11, resolved_by = ?12, last_query_at = ?13,
+                   last_query_result = ?14, updated_at = ?15, deadline_at = ?16, version = version + 1
+                 WHERE id = ?1 AND version = ?17",
+            )?
+            .execute(params![
+                o.id,
+                o.state,
+                o.code,
+                o.result_json,
+                o.result_sha256,
+                o.downstream_request_id,
+                o.receipt_id,
+                o.call_binding_sha256,
+                o.approval_id,
+                o.resolution,
+                o.resolution_note,
+                o.resolved_by,
+                o.last_query_at,
+                o.last_query_result,
+                o.updated_at,
+                o.deadline_at,
+                o.version
+            ])?;
+        Ok(n == 1)
+    }
+
+    /// Operations, newest first, optionally by state, keyset-paged by (updated_at, id).
+    pub fn list_operations(
+        &self,
+        state: Option<&str>,
+        limit: i64,
+        before: Option<(i64, &str)>,
+    ) -> R<Vec<OperationRow>> {
+        let (b_at, b_id) = before.map_or((i64::MAX, ""), |(a, i)| (a, i));
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT {OP_COLS} FROM operations
+             WHERE (?1 IS NULL OR state = ?1) AND (updated_at < ?2 OR (updated_at = ?2 AND id < ?3) OR ?3 = '')
+             ORDER BY updated_at DESC, id DESC LIMIT ?4"
+        ))?;
+        let rows = st.query_map(params![state, b_at, b_id, limit], OperationRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Every operation id (for the integrity audit).
+    pub fn all_operations(&self) -> R<Vec<OperationRow>> {
+        let mut st = self.conn.prepare_cached(&format!("SELECT {OP_COLS} FROM operations ORDER BY created_at, id"))?;
+        let rows = st.query_map([], OperationRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Operation counts per state.
+    pub fn count_operations_by_state(&self) -> R<Vec<(String, i64)>> {
+        let mut st =
+            self.conn.prepare_cached("SELECT state, count(*) FROM operations GROUP BY state ORDER BY state")?;
+        let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Deletes terminal operations whose retention has passed. Never non-terminal ones.
+    pub fn purge_expired(&self, now: i64) -> R<usize> {
+        let cond = "SELECT id FROM operations WHERE expires_at <= ?1 AND state IN ('succeeded', 'failed', 'resolved')";
+        for table in ["attempts", "outbox", "receipts"] {
+            self.conn.prepare_cached(&format!("DELETE FROM {table} WHERE operation_id IN ({cond})"))?.execute([now])?;
+        }
+        self.conn
+            .prepare_cached(&format!("DELETE FROM call_identities WHERE operation_id IN ({cond})"))?
+            .execute([now])?;
+        Ok(self
+            .conn
+            .prepare_cached(
+                "DELETE FROM operations WHERE expires_at <= ?1 AND state IN ('succeeded', 'failed', 'resolved')",
+            )?
+            .execute([now])?)
+    }
+
+    // --------------------------------------------------------------- outbox
+
+    /// Inserts the outbox row of a newly accepted operation.
+    pub fn insert_outbox(&self, operation_id: &str, max_attempts: i64, available_at: i64) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO outbox (operation_id, state, attempt, max_attempts, available_at) VALUES (?1, 'pending', 0, ?2, ?3)",
+            )?
+            .execute(params![operation_id, max_attempts, available_at])?;
+        Ok(())
+    }
+
+    /// An outbox row.
+    pub fn outbox(&self, operation_id: &str) -> R<Option<OutboxRow>> {
+        Ok(self
+            .conn
+            .prepare_cached(&format!("SELECT {OUTBOX_COLS} FROM outbox WHERE operation_id = ?1"))?
+            .query_row([operation_id], OutboxRow::from_row)
+            .optional()?)
+    }
+
+    /// Claims a pending, due outbox row with a lease; bumps the attempt. Returns the
+    /// new attempt number, or `None` when someone else holds it or it is not due.
+    pub fn claim(&self, operation_id: &str, owner: &str, now: i64, lease_until: i64) -> R<Option<i64>> {
+        let attempt: Option<i64> = self
+            .conn
+            .prepare_cached(
+                "UPDATE outbox SET state = 'leased', attempt = attempt + 1, lease_owner = ?2, lease_until = ?4
+                 WHERE operation_id = ?1 AND state = 'pending' AND available_at <= ?3
+                 RETURNING attempt",
+            )?
+            .query_row(params![operation_id, owner, now, lease_until], |r| r.get(0))
+            .optional()?;
+        if let Some(a) = attempt {
+            self.conn
+                .prepare_cached(
+                    "INSERT INTO attempts (operation_id, attempt, owner, claimed_at) VALUES (?1, ?2, ?3, ?4)",
+                )?
+                .execute(params![operation_id, a, owner, now])?;
+        }
+        Ok(attempt)
+    }
+
+    /// Whether (owner, attempt) still holds the lease: the fence for every write a
+    /// worker makes about its attempt.
+    pub fn holds_lease(&self, operation_id: &str, owner: &str, attempt: i64) -> R<bool> {
+        Ok(self
+            .conn
+            .prepare_cached(
+                "SELECT 1 FROM outbox WHERE operation_id = ?1 AND state = 'leased' AND lease_owner = ?2 AND attempt = ?3",
+            )?
+            .query_row(params![operation_id, owner, attempt], |_| Ok(()))
+            .optional()?
+            .is_some())
+    }
+
+    /// The sent-marker, fenced on (owner, attempt). Returns false when the fence fails.
+    pub fn mark_sent(&self, operation_id: &str, owner: &str, attempt: i64, now: i64) -> R<bool> {
+        if !self.holds_lease(operation_id, owner, attempt)? {
+            return Ok(false);
+        }
+        let n = self
+            .conn
+            .prepare_cached(
+                "UPDATE attempts SET sent_at = ?3 WHERE operation_id = ?1 AND attempt = ?2 AND sent_at IS NULL AND owner = ?4",
+            )?
+            .execute(params![operation_id, attempt, now, owner])?;
+        Ok(n == 1)
+    }
+
+    /// Puts an outbox row back to pending, due at `available_at`.
+    pub fn release_outbox(&self, operation_id: &str, available_at: i64, last_code: Option<&str>) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "UPDATE outbox SET state = 'pending', lease_owner = NULL, lease_until = NULL, available_at = ?2,
+                   last_code = coalesce(?3, last_code) WHERE operation_id = ?1",
+            )?
+            .execute(params![operation_id, available_at, last_code])?;
+        Ok(())
+    }
+
+    /// Ends an outbox row: `done` (terminal) or `parked` (unknown: waits for a query or a human).
+    pub fn close_outbox(&self, operation_id: &str, state: &str, last_code: Option<&str>) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "UPDATE outbox SET state = ?2, lease_owner = NULL, lease_until = NULL, last_code = coalesce(?3, last_code)
+                 WHERE operation_id = ?1",
+            )?
+            .execute(params![operation_id, state, last_code])?;
+        Ok(())
+    }
+
+    /// Records how an attempt ended.
+    pub fn finish_attempt(
+        &self,
+        operation_id: &str,
+        attempt: i64,
+        outcome: &str,
+        code: Option<&str>,
+        now: i64,
+    ) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "UPDATE attempts SET outcome = ?3, code = ?4, finished_at = ?5 WHERE operation_id = ?1 AND attempt = ?2",
+            )?
+            .execute(params![operation_id, attempt, outcome, code, now])?;
+        Ok(())
+    }
+
+    /// All attempts of an operation, in order.
+    pub fn attempts(&self, operation_id: &str) -> R<Vec<AttemptRow>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT operation_id, attempt, owner, claimed_at, sent_at, finished_at, outcome, code
+             FROM attempts WHERE operation_id = ?1 ORDER BY attempt",
+        )?;
+        let rows = st.query_map([operation_id], |r| {
+            Ok(AttemptRow {
+                operation_id: r.get(0)?,
+                attempt: r.get(1)?,
+                owner: r.get(2)?,
+                claimed_at: r.get(3)?,
+                sent_at: r.get(4)?,
+                finished_at: r.get(5)?,
+                outcome: r.get(6)?,
+                code: r.get(7)?,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Due pending outbox rows whose operation deadline has not passed.
+    pub fn ready_outbox(&self, now: i64, limit: i64) -> R<Vec<String>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT o.operation_id FROM outbox o JOIN operations p ON p.id = o.operation_id
+             WHERE o.state = 'pending' AND o.available_at <= ?1 AND p.deadline_at > ?1
+             ORDER BY o.available_at, o.operation_id LIMIT ?2",
+        )?;
+        let rows = st.query_map(params![now, limit], |r| r.get(0))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Leases that have expired (`lease_until <= now`).
+    pub fn expired_leases(&self, now: i64) -> R<Vec<OutboxRow>> {
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT {OUTBOX_COLS} FROM outbox WHERE state = 'leased' AND lease_until <= ?1"
+        ))?;
+        let rows = st.query_map([now], OutboxRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Outbox counts per state.
+    pub fn count_outbox_by_state(&self) -> R<Vec<(String, i64)>> {
+        let mut st = self.conn.prepare_cached("SELECT state, count(*) FROM outbox GROUP BY state ORDER BY state")?;
+        let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    // ------------------------------------------------------------- receipts
+
+    /// Records a receipt the ledger has seen.
+    pub fn insert_receipt(&self, r: &ReceiptRow) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO receipts (receipt_id, operation_id, request_id, body_sha256, result_sha256, source, recorded_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT (receipt_id) DO NOTHING",
+            )?
+            .execute(params![r.receipt_id, r.operation_id, r.request_id, r.body_sha256, r.result_sha256, r.source, r.recorded_at])?;
+        Ok(())
+    }
+
+    /// Receipts whose operation does not exist or does not name them.
+    pub fn orphan_receipts(&self) -> R<Vec<String>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT r.receipt_id FROM receipts r LEFT JOIN operations o ON o.id = r.operation_id
+             WHERE o.id IS NULL OR o.receipt_id IS NOT r.receipt_id ORDER BY r.receipt_id",
+        )?;
+        let rows = st.query_map([], |r| r.get(0))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    // ---------------------------------------------------------------- trace
+
+    /// Appends a trace event.
+    pub fn insert_trace(&self, e: &TraceRow) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO trace_events (at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us, fields)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+            )?
+            .execute(params![
+                e.at,
+                e.operation_id,
+                e.step,
+                e.tool,
+                e.code,
+                e.outcome,
+                e.delivery,
+                e.attempt,
+                e.duration_us,
+                e.fields
+            ])?;
+        Ok(())
+    }
+
+    /// The trace of one operation.
+    pub fn trace_for(&self, operation_id: &str) -> R<Vec<TraceRow>> {
+        let mut st = self
+            .conn
+            .prepare_cached(&format!("SELECT {TRACE_COLS} FROM trace_events WHERE operation_id = ?1 ORDER BY seq"))?;
+        let rows = st.query_map([operation_id], TraceRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Trace events with seq > `after`, in order.
+    pub fn trace_since(&self, after_seq: i64, since_at: i64, limit: i64) -> R<Vec<TraceRow>> {
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT {TRACE_COLS} FROM trace_events WHERE seq > ?1 AND at >= ?2 ORDER BY seq LIMIT ?3"
+        ))?;
+        let rows = st.query_map(params![after_seq, since_at, limit], TraceRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    // ------------------------------------------------------------ approvals
+
+    /// Inserts an approval request.
+    pub fn insert_approval(&self, a: &ApprovalRow) -> R<()> {
+        self.conn
+            .prepare_cached(&format!("INSERT INTO approvals ({APPROVAL_COLS}) VALUES ({APPROVAL_PLACEHOLDERS})"))?
+            .execute(a.params().as_slice())?;
+        Ok(())
+    }
+
+    /// An approval request.
+    pub fn approval(&self, id: &str) -> R<Option<ApprovalRow>> {
+        Ok(self
+            .conn
+            .prepare_cached(&format!("SELECT {APPROVAL_COLS} FROM approvals WHERE id = ?1"))?
+            .query_row([id], ApprovalRow::from_row)
+            .optional()?)
+    }
+
+    /// The newest approval request for a scope.
+    pub fn latest_approval(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Option<ApprovalRow>> {
+        Ok(self
+            .conn
+            .prepare_cached(&format!(
+                "SELECT {APPROVAL_COLS} FROM approvals WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4
+                 ORDER BY created_at DESC, rowid DESC LIMIT 1"
+            ))?
+            .query_row([tenant, subject, tool, key], ApprovalRow::from_row)
+            .optional()?)
+    }
+
+    /// Records a decision on an approval; only from `pending`. Returns whether it applied.
+    pub fn decide_approval(&self, a: &ApprovalRow) -> R<bool> {
+        Ok(self
+            .conn
+            .prepare_cached(
+                "UPDATE approvals SET state = ?2, decided_by = ?3, decided_at = ?4, note = ?5, operation_id = ?6,
+                   approval_sha256 = ?7 WHERE id = ?1 AND state = 'pending'",
+            )?
+            .execute(params![a.id, a.state, a.decided_by, a.decided_at, a.note, a.operation_id, a.approval_sha256])?
+            == 1)
+    }
+
+    /// Pending approvals, soonest expiry first.
+    pub fn pending_approvals(&self, limit: i64) -> R<Vec<ApprovalRow>> {
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT {APPROVAL_COLS} FROM approvals WHERE state = 'pending' ORDER BY expires_at, id LIMIT ?1"
+        ))?;
+        let rows = st.query_map([limit], ApprovalRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    // ------------------------------------------------------------ audit log
+
+    /// Appends to the operator log (there is no update or delete).
+    pub fn insert_audit(&self, a: &AuditRow) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO audit_log (at, action_id, actor, action, operation_id, approval_id, result, reason, evidence)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+            )?
+            .execute(params![a.at, a.action_id, a.actor, a.action, a.operation_id, a.approval_id, a.result, a.reason, a.evidence])?;
+        Ok(())
+    }
+
+    /// The operator log, newest first.
+    pub fn audit_log(&self, limit: i64) -> R<Vec<AuditRow>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT seq, at, action_id, actor, action, operation_id, approval_id, result, reason, evidence
+             FROM audit_log ORDER BY seq DESC LIMIT ?1",
+        )?;
+        let rows = st.query_map([limit], AuditRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// The applied operator-log row carrying an action id, if any.
+    pub fn audit_by_action_id(&self, action_id: &str) -> R<Option<AuditRow>> {
+        Ok(self
+            .conn
+            .prepare_cached(
+                "SELECT seq, at, action_id, actor, action, operation_id, approval_id, result, reason, evidence
+                 FROM audit_log WHERE action_id = ?1",
+            )?
+            .query_row([action_id], AuditRow::from_row)
+            .optional()?)
+    }
+
+    /// The operator log rows about one operation.
+    pub fn audit_for(&self, operation_id: &str) -> R<Vec<AuditRow>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT seq, at, action_id, actor, action, operation_id, approval_id, result, reason, evidence
+             FROM audit_log WHERE operation_id = ?1 ORDER BY seq",
+        )?;
+        let rows = st.query_map([operation_id], AuditRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    // ------------------------------------------------------------ integrity
+
+    /// SQLite's own integrity and foreign-key checks; returns problems found.
+    pub fn sqlite_checks(&self) -> R<Vec<String>> {
+        let mut out = Vec::new();
+        let mut st = self.conn.prepare("PRAGMA integrity_check")?;
+        for r in st.query_map([], |r| r.get::<_, String>(0))? {
+            let r = r?;
+            if r != "ok" {
+                out.push(format!("integrity_check: {r}"));
+            }
+        }
+        let mut st = self.conn.prepare("PRAGMA foreign_key_check")?;
+        for r in st.query_map([], |r| r.get::<_, String>(0))? {
+            out.push(format!("foreign key violation in table {}", r?));
+        }
+        Ok(out)
+    }
+
+    // ------------------------------------------------------------- provider
+
+    /// The effect a provider committed under a downstream key (the first one).
+    pub fn provider_effect_by_key(&self, provider: &str, downstream_key: &str) -> R<Option<EffectRow>> {
+        Ok(self
+            .conn
+            .prepare_cached(&format!(
+                "SELECT {EFFECT_COLS} FROM provider_effects WHERE provider = ?1 AND downstream_key = ?2 ORDER BY seq LIMIT 1"
+            ))?
+            .query_row([provider, downstream_key], EffectRow::from_row)
+            .optional()?)
+    }
+
+    /// Commits a provider effect.
+    pub fn insert_provider_effect(&self, e: &EffectRow) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO provider_effects (provider, downstream_key, intent, body_sha256, request_id, receipt_id, result_json, committed_at, visible_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+            )?
+            .execute(params![
+                e.provider,
+                e.downstream_key,
+                e.intent,
+                e.body_sha256,
+                e.request_id,
+                e.receipt_id,
+                e.result_json,
+                e.committed_at,
+                e.visible_at
+            ])?;
+        Ok(())
+    }
+
+    /// Total committed provider effects.
+    pub fn count_effects(&self) -> R<i64> {
+        Ok(self.conn.prepare_cached("SELECT count(*) FROM provider_effects")?.query_row([], |r| r.get(0))?)
+    }
+
+    /// Effects committed for one business intent.
+    pub fn count_effects_for_intent(&self, intent: &str) -> R<i64> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT count(*) FROM provider_effects WHERE intent = ?1")?
+            .query_row([intent], |r| r.get(0))?)
+    }
+
+    /// Intents with more than one committed effect (must be 0 outside lab mode).
+    pub fn side_effect_duplicates(&self) -> R<i64> {
+        Ok(self
+            .conn
+            .prepare_cached(
+                "SELECT count(*) FROM (SELECT intent FROM provider_effects GROUP BY intent HAVING count(*) > 1)",
+            )?
+            .query_row([], |r| r.get(0))?)
+    }
+
+    /// Test and audit helper: run raw SQL. Not used by the engine.
+    #[doc(hidden)]
+    pub fn raw_execute(&self, sql: &str) -> R<usize> {
+        Ok(self.conn.execute(sql, [])?)
+    }
+}

@@ -1,0 +1,1 @@
+//! Recovery: status queries, approvals, human review, audit.
