@@ -1,6 +1,7 @@
 //! Shared fixtures: a fresh database with the demo world, a manual clock, and
 //! small helpers to dispatch and read counts.
 
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -17,7 +18,8 @@ pub const T0: i64 = 1_767_225_600_000;
 
 /// A temporary database with the demo world loaded.
 pub struct Fixture {
-    pub dir: TempDir,
+    /// Kept alive for the fixture's lifetime (the directory is removed on drop).
+    pub _dir: TempDir,
     pub path: PathBuf,
     pub clock: ManualClock,
 }
@@ -29,7 +31,7 @@ impl Fixture {
         let clock = ManualClock::new(T0);
         let mut e = Engine::create(&path, opts(&clock, "init")).unwrap();
         e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
-        Self { dir, path, clock }
+        Self { _dir: dir, path, clock }
     }
 
     /// A new engine (its own connections) on the fixture's database.
@@ -125,7 +127,7 @@ pub fn snapshot(path: &Path) -> Vec<String> {
                 let mut s = String::new();
                 for i in 0..n {
                     let v: rusqlite::types::Value = r.get(i)?;
-                    s.push_str(&format!("{v:?}|"));
+                    write!(s, "{v:?}|").unwrap();
                 }
                 Ok(s)
             })
