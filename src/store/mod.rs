@@ -112,6 +112,16 @@ impl Store {
         if !opts.create && !path.exists() {
             return Err(StoreError::Missing);
         }
+        // A non-empty file without the SQLite header is someone else's file: never
+        // let SQLite initialise it.
+        if let Ok(mut f) = std::fs::File::open(path) {
+            use std::io::Read;
+            let mut header = [0u8; 16];
+            let n = f.read(&mut header).unwrap_or(0);
+            if n > 0 && (n < 16 || &header != b"SQLite format 3\0") {
+                return Err(StoreError::NotToolgate);
+            }
+        }
         let mut flags =
             OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_URI;
         if opts.create {

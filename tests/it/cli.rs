@@ -1,1 +1,206 @@
-//! The CLI contract.
+//! The CLI contract: JSON envelopes, exit codes 0 / 1 / 2, stable error codes, no
+//! backtraces, no local paths.
+
+use std::path::Path;
+
+use assert_cmd::Command;
+use serde_json::Value;
+
+const NOW: &str = "2026-01-01T00:00:00Z";
+const ARGS: &str = r#"{"order_ref":"ord_1001","amount_minor":1000,"currency":"EUR","reason":"damaged"}"#;
+
+fn tg() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_toolgate"));
+    c.env_remove("RUST_BACKTRACE");
+    c
+}
+
+fn init(dir: &Path) -> std::path::PathBuf {
+    let db = dir.join("cli.db");
+    tg().args(["init", "--db"]).arg(&db).assert().success();
+    db
+}
+
+fn dispatch(db: &Path, key: &str, args: &str, extra: &[&str]) -> (i32, Value) {
+    let out = tg()
+        .args(["dispatch", "--db"])
+        .arg(db)
+        .args([
+            "--now",
+            NOW,
+            "--tenant",
+            "acme",
+            "--subject",
+            "agent_ana",
+            "--tool",
+            "create_refund",
+            "--key",
+            key,
+            "--args",
+            args,
+            "--json",
+        ])
+        .args(extra)
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+    (out.status.code().unwrap(), v)
+}
+
+#[test]
+fn dispatch_prints_the_envelope_and_exit_codes_follow_the_result() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = init(dir.path());
+    let (rc, v) = dispatch(&db, "cli-key-0001", ARGS, &[]);
+    assert_eq!(rc, 0);
+    assert_eq!(v["model_result"]["status"], "succeeded");
+    assert_eq!(v["model_result"]["execution"]["delivery"], "fresh");
+    assert_eq!(v["protected_audit"]["binding"]["request_sha256"].as_str().unwrap().len(), 64);
+    let (rc, v) = dispatch(&db, "cli-key-0001", ARGS, &[]);
+    assert_eq!((rc, v["model_result"]["execution"]["delivery"].as_str()), (0, Some("local_replay")));
+    let (rc, v) = dispatch(&db, "cli-key-0001", &ARGS.replace("1000", "1500"), &[]);
+    assert_eq!((rc, v["model_result"]["error"]["code"].as_str()), (1, Some("IDEMPOTENCY_CONFLICT")));
+    assert_eq!(v["model_result"]["error"]["retryable"], false);
+    let (rc, v) = dispatch(&db, "cli-key-0002", ARGS, &["--fault", "timeout_after_commit"]);
+    assert_eq!((rc, v["model_result"]["status"].as_str()), (1, Some("unknown")));
+
+    // Explicit query reconciles.
+    let out = tg()
+        .args(["query", "--db"])
+        .arg(&db)
+        .args(["--tenant", "acme", "--subject", "agent_ana", "--status-ref"])
+        .arg(v["protected_audit"]["downstream"]["status_ref"].as_str().unwrap())
+        .arg("--expect-sha256")
+        .arg(v["protected_audit"]["binding"]["request_sha256"].as_str().unwrap())
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let q: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(q["model_result"]["execution"]["delivery"], "receipt_reconciled");
+
+    let out = tg().args(["counts", "--json", "--db"]).arg(&db).output().unwrap();
+    let c: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(c["downstream_effects"], 2);
+    assert_eq!(c["side_effect_duplicates"], 0);
+    assert_eq!(c["operations"]["succeeded"], 2);
+
+    let op = v["protected_audit"]["operation_id"].as_str().unwrap();
+    let out = tg().args(["ops", "show", op, "--json", "--db"]).arg(&db).output().unwrap();
+    let d: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let steps: Vec<&str> = d["trace"].as_array().unwrap().iter().map(|t| t["step"].as_str().unwrap()).collect();
+    assert_eq!(steps, ["accepted", "claimed", "sent", "downstream_reply", "query"]);
+    assert!(d["operation"].get("idem_key").is_none(), "the raw key is never printed");
+    tg().args(["audit", "--db"]).arg(&db).assert().code(0).stdout("audit: no findings\n");
+}
+
+#[test]
+fn environment_errors_exit_2_with_a_code_and_no_path_or_backtrace() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let secret_dir = dir.path().to_str().unwrap().to_string();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["counts".into(), "--db".into(), file.join("x.db").display().to_string()], "DB_NOT_FOUND"),
+        (vec!["init".into(), "--db".into(), file.join("x.db").display().to_string()], "DB_OPEN_FAILED"),
+        (vec!["counts".into(), "--db".into(), file.display().to_string()], "DB_NOT_TOOLGATE"),
+        (vec!["counts".into()], "DB_REQUIRED"),
+        (vec!["counts".into(), "--db".into(), "x".into(), "--now".into(), "yesterday".into()], "BAD_TIME"),
+    ];
+    for (args, code) in cases {
+        let out = tg().args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.starts_with(&format!("error[{code}]: ")), "{args:?}: {err}");
+        assert!(!err.contains(&secret_dir), "{args:?} leaks a path: {err}");
+        assert!(!err.contains("panicked") && !err.contains("backtrace"), "{args:?}: {err}");
+    }
+    // JSON mode reports the same code as a document.
+    let out = tg().args(["counts", "--json", "--db"]).arg(file.join("y.db")).output().unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["error"]["code"], "DB_NOT_FOUND");
+}
+
+#[test]
+fn a_newer_schema_is_refused_by_the_cli_without_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = init(dir.path());
+    rusqlite::Connection::open(&db).unwrap().execute_batch("PRAGMA user_version = 42").unwrap();
+    let before = std::fs::read(&db).unwrap();
+    let out = tg().args(["counts", "--db"]).arg(&db).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).starts_with("error[DB_SCHEMA_TOO_NEW]"));
+    assert_eq!(std::fs::read(&db).unwrap(), before);
+}
+
+#[cfg(unix)]
+#[test]
+fn invalid_utf8_arguments_are_invalid_arguments() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().unwrap();
+    let db = init(dir.path());
+    let out = tg()
+        .args(["dispatch", "--db"])
+        .arg(&db)
+        .args([
+            "--tenant",
+            "acme",
+            "--subject",
+            "agent_ana",
+            "--tool",
+            "create_refund",
+            "--key",
+            "cli-key-0003",
+            "--json",
+            "--args",
+        ])
+        .arg(std::ffi::OsStr::from_bytes(b"{\"order_ref\":\"\xff\"}"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["model_result"]["error"]["code"], "INVALID_ARGUMENTS");
+}
+
+#[test]
+fn a_hostile_world_file_is_refused_and_no_database_is_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let world = dir.path().join("world.json");
+    std::fs::write(&world, r#"{"tenants":[],"tenants":[],"subjects":[],"grants":[],"orders":[]}"#).unwrap();
+    let db = dir.path().join("w.db");
+    let out = tg().args(["init", "--db"]).arg(&db).arg("--world").arg(&world).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).starts_with("error[WORLD_INVALID]"));
+    assert!(!db.exists());
+    std::fs::write(&world, r#"{"tenants":[{"id":"t","approvers":[],"approval_threshold_minor":1,"extra":1}],"subjects":[],"grants":[],"orders":[]}"#).unwrap();
+    let out = tg().args(["init", "--db"]).arg(&db).arg("--world").arg(&world).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown field"));
+}
+
+#[test]
+fn approvals_grant_revoke_and_read_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = init(dir.path());
+    let big = r#"{"order_ref":"ord_1002","amount_minor":60000,"currency":"EUR","reason":"damaged"}"#;
+    let (rc, v) = dispatch(&db, "cli-key-0004", big, &[]);
+    assert_eq!((rc, v["model_result"]["error"]["code"].as_str()), (1, Some("APPROVAL_REQUIRED")));
+    let id = v["protected_audit"]["approval_id"].as_str().unwrap().to_string();
+    let out = tg().args(["approvals", "--json", "--now", NOW, "--db"]).arg(&db).output().unwrap();
+    let p: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(p["pending"][0]["approval_id"], id.as_str());
+    assert_eq!(p["pending"][0]["expires_in_ms"], 900_000);
+    // Read-only refuses state changes.
+    let out = tg().args(["--read-only", "approve", &id, "--approver", "bob", "--db"]).arg(&db).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).starts_with("error[READ_ONLY]"));
+    let out =
+        tg().args(["approve", &id, "--approver", "bob", "--json", "--now", NOW, "--db"]).arg(&db).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    tg().args(["revoke", "--tenant", "acme", "--subject", "agent_ana", "--tool", "create_refund", "--db"])
+        .arg(&db)
+        .assert()
+        .success();
+    let (rc, v) = dispatch(&db, "cli-key-0004", big, &[]);
+    assert_eq!((rc, v["model_result"]["error"]["code"].as_str()), (1, Some("POLICY_DENIED")));
+    assert!(v["model_result"]["data"].is_null());
+}
