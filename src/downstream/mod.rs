@@ -106,6 +106,7 @@ pub struct Simulated {
     store: Store,
     clock: std::sync::Arc<dyn Clock>,
     faults: std::sync::Arc<Mutex<FaultPlan>>,
+    ids: crate::engine::ids::Ids,
 }
 
 impl std::fmt::Debug for Simulated {
@@ -122,9 +123,10 @@ impl Simulated {
         clock: std::sync::Arc<dyn Clock>,
         faults: std::sync::Arc<Mutex<FaultPlan>>,
         sync: Sync,
+        ids: crate::engine::ids::Ids,
     ) -> Result<Self, DownstreamError> {
         let store = Store::open(path, OpenOptions { create: false, sync })?;
-        Ok(Self { kind, store, clock, faults })
+        Ok(Self { kind, store, clock, faults, ids })
     }
 
     fn next_fault(&self) -> Fault {
@@ -152,9 +154,9 @@ impl Simulated {
                     });
                 }
             }
-            let request_id = format!("dreq_{}", random_hex(8));
-            let receipt_id = format!("rcpt_{}", random_hex(8));
-            let mut result = result_for(self.kind, req);
+            let request_id = self.ids.id_n::<8>("dreq");
+            let receipt_id = self.ids.id_n::<8>("rcpt");
+            let mut result = result_for(self.kind, req, &self.ids);
             let mut body = req.request_sha256.clone();
             if drift {
                 // Provider state drifted: the effect it recorded is not the one we asked for.
@@ -179,6 +181,8 @@ impl Simulated {
             tx.insert_provider_effect(&row)?;
             Ok(Ok(row))
         })?;
+        // The effect is durable downstream; the engine has not heard of it yet.
+        crate::failpoint::hit("after_provider_commit");
         Ok(effect.map(|e| receipt_of(&e)))
     }
 }
@@ -192,23 +196,18 @@ fn receipt_of(e: &EffectRow) -> Receipt {
     }
 }
 
-fn random_hex(bytes: usize) -> String {
-    let v: Vec<u8> = (0..bytes).map(|_| rand::random::<u8>()).collect();
-    hex::encode(v)
-}
-
-fn result_for(kind: DownstreamKind, req: &DownstreamRequest) -> Value {
+fn result_for(kind: DownstreamKind, req: &DownstreamRequest, ids: &crate::engine::ids::Ids) -> Value {
     let a = &req.arguments;
     match kind {
         DownstreamKind::Payments => serde_json::json!({
-            "refund_id": format!("re_{}", random_hex(8)),
+            "refund_id": ids.id_n::<8>("re"),
             "order_ref": a.get("order_ref").cloned().unwrap_or(Value::Null),
             "amount_minor": a.get("amount_minor").cloned().unwrap_or(Value::Null),
             "currency": a.get("currency").cloned().unwrap_or(Value::Null),
             "status": "succeeded",
         }),
         DownstreamKind::Notifications => serde_json::json!({
-            "message_id": format!("msg_{}", random_hex(8)),
+            "message_id": ids.id_n::<8>("msg"),
             "order_ref": a.get("order_ref").cloned().unwrap_or(Value::Null),
             "template": a.get("template").cloned().unwrap_or(Value::Null),
             "status": "sent",

@@ -3,7 +3,6 @@
 use std::panic::AssertUnwindSafe;
 use std::time::Instant;
 
-use rand::Rng;
 use serde_json::{json, Value};
 
 use super::canonical::{
@@ -62,14 +61,9 @@ fn valid_key(k: &str) -> bool {
 }
 
 /// Full-jitter exponential backoff: uniform in [0, min(cap, base·2^(attempt-1))].
-pub(crate) fn backoff_ms(base: u64, cap: u64, attempt: u32) -> u64 {
+pub(crate) fn backoff_ms(ids: &super::ids::Ids, base: u64, cap: u64, attempt: u32) -> u64 {
     let exp = base.saturating_mul(1u64 << attempt.saturating_sub(1).min(30));
-    let top = exp.min(cap);
-    if top == 0 {
-        0
-    } else {
-        rand::thread_rng().gen_range(0..=top)
-    }
+    ids.up_to(exp.min(cap))
 }
 
 /// Authorization of the current subject, read now (SPEC §1, §5.2).
@@ -359,6 +353,7 @@ impl Engine {
             deadline_ms,
             principal_ref: &principal_ref,
             refs: &self.refs,
+            ids: &self.ids,
         };
         let decision = self.store.write(|tx| -> Result<Decision, EngineError> {
             let d = accept(tx, &ctx, audit, ev)?;
@@ -488,7 +483,12 @@ impl Engine {
                 request_sha256: op.request_sha256.clone(),
                 timeout_ms: contract.retry.attempt_timeout_ms,
             };
-            let key = op.downstream_key.clone();
+            let key = if self.defenses_off.unique_downstream_key_per_attempt {
+                // Lab mode only: a new key per attempt defeats the provider's de-duplication.
+                format!("{}-a{attempt}", op.downstream_key)
+            } else {
+                op.downstream_key.clone()
+            };
             let kind = contract.downstream;
             let reply = {
                 let ds = self.downstream(kind);
@@ -501,7 +501,12 @@ impl Engine {
             };
             failpoint::hit("before_persist");
             attempts_this_call += 1;
-            let jitter = backoff_ms(contract.retry.backoff_base_ms, contract.retry.backoff_cap_ms, attempts_this_call);
+            let jitter = backoff_ms(
+                &self.ids,
+                contract.retry.backoff_base_ms,
+                contract.retry.backoff_cap_ms,
+                attempts_this_call,
+            );
             let now = self.clock.now_ms();
             let pctx = PersistCtx {
                 op: &op,
@@ -603,6 +608,7 @@ struct AcceptCtx<'a> {
     deadline_ms: u64,
     principal_ref: &'a str,
     refs: &'a super::canonical::StatusRefKey,
+    ids: &'a super::ids::Ids,
 }
 
 /// Steps 2–5 of the pipeline in one `BEGIN IMMEDIATE` transaction.
@@ -726,10 +732,6 @@ fn bind_call(tx: &Tx<'_>, ck: &CallKey<'_>, c: &AcceptCtx<'_>, op: Option<&str>)
     )
 }
 
-fn new_id(prefix: &str) -> String {
-    format!("{prefix}_{}", hex::encode(rand::random::<[u8; 12]>()))
-}
-
 /// A fresh ledger row for an accepted dispatch.
 fn new_operation(c: &AcceptCtx<'_>, approval_id: Option<&str>) -> OperationRow {
     new_operation_for(
@@ -743,6 +745,7 @@ fn new_operation(c: &AcceptCtx<'_>, approval_id: Option<&str>) -> OperationRow {
         c.now,
         c.deadline_ms,
         c.refs,
+        c.ids,
         approval_id,
     )
 }
@@ -760,10 +763,11 @@ pub(crate) fn new_operation_for(
     now: i64,
     deadline_ms: u64,
     refs: &super::canonical::StatusRefKey,
+    ids: &super::ids::Ids,
     approval_id: Option<&str>,
 ) -> OperationRow {
     let mut op = OperationRow {
-        id: new_id("op"),
+        id: ids.id("op"),
         tenant: req.tenant.clone(),
         subject: req.subject.clone(),
         tool: req.tool.clone(),
@@ -777,8 +781,8 @@ pub(crate) fn new_operation_for(
         effect: contract.effect.as_str().to_string(),
         state: "accepted".into(),
         version: 1,
-        status_ref: refs.mint(rand::random()),
-        downstream_key: new_id("dk"),
+        status_ref: refs.mint(ids.bytes::<16>()),
+        downstream_key: ids.id("dk"),
         code: None,
         result_json: None,
         result_sha256: None,
@@ -880,7 +884,7 @@ fn approval_gate(
         }
     }
     let approval = ApprovalRow {
-        id: new_id("apr"),
+        id: c.ids.id("apr"),
         tenant: r.tenant.clone(),
         subject: r.subject.clone(),
         tool: r.tool.clone(),
@@ -1232,13 +1236,14 @@ mod tests {
 
     #[test]
     fn backoff_is_bounded_by_cap_and_exponent() {
+        let ids = crate::engine::ids::Ids::seeded(7);
         for attempt in 1..10 {
             for _ in 0..200 {
-                let d = backoff_ms(100, 2_000, attempt);
+                let d = backoff_ms(&ids, 100, 2_000, attempt);
                 assert!(d <= (100u64 << (attempt - 1)).min(2_000), "attempt {attempt}: {d}");
             }
         }
-        assert_eq!(backoff_ms(0, 0, 3), 0);
+        assert_eq!(backoff_ms(&ids, 0, 0, 3), 0);
     }
 
     #[test]

@@ -10,6 +10,7 @@ pub mod clock;
 pub mod contracts;
 mod dispatch;
 pub mod envelope;
+pub mod ids;
 mod recovery;
 mod trace;
 pub mod world;
@@ -80,6 +81,11 @@ pub struct EngineOptions {
     pub worker_id: String,
     /// The tool catalog.
     pub contracts: Option<Arc<Contracts>>,
+    /// Seed for ids, secrets and jitter (deterministic runs); OS entropy when absent.
+    pub seed: Option<u64>,
+    /// Classroom / lab toggles that switch individual defenses off. All off (every
+    /// defense on) by default; never set them on a ledger that matters.
+    pub defenses_off: DefensesOff,
 }
 
 impl Default for EngineOptions {
@@ -89,8 +95,22 @@ impl Default for EngineOptions {
             sync: Sync::Full,
             worker_id: format!("w{}-{}", std::process::id(), hex::encode(rand::random::<[u8; 4]>())),
             contracts: None,
+            seed: None,
+            defenses_off: DefensesOff::default(),
         }
     }
+}
+
+/// Lab mode: each `true` switches one defense off so that a class (or a test of
+/// the checker) can watch duplicates appear. `DefensesOff::default()` is the
+/// production setting: every field `false`, every defense on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DefensesOff {
+    /// Every delivery attempt gets its own downstream idempotency key (the
+    /// operation's key plus the attempt number) instead of the operation's one
+    /// stable key. An attempt re-sent after a crash then looks like a new request
+    /// to the payments provider, which commits a second effect.
+    pub unique_downstream_key_per_attempt: bool,
 }
 
 /// Counts of what is in a database (`toolgate counts`).
@@ -119,6 +139,8 @@ pub struct Engine {
     pub(crate) payments: Simulated,
     pub(crate) notifications: Simulated,
     pub(crate) faults: Arc<Mutex<FaultPlan>>,
+    pub(crate) ids: ids::Ids,
+    pub(crate) defenses_off: DefensesOff,
     path: PathBuf,
 }
 
@@ -142,9 +164,10 @@ impl Engine {
     fn open_with(path: &Path, opts: EngineOptions, create: bool) -> Result<Self, EngineError> {
         let mut store = Store::open(path, OpenOptions { create, sync: opts.sync })?;
         let now = opts.clock.now_ms();
+        let ids = opts.seed.map_or_else(ids::Ids::default, ids::Ids::seeded);
         let (secret, salt) = store.write(|tx| -> Result<_, StoreError> {
-            let secret = tx.meta_init("status_ref_secret", &hex::encode(rand::random::<[u8; 32]>()))?;
-            let salt = tx.meta_init("export_salt", &hex::encode(rand::random::<[u8; 16]>()))?;
+            let secret = tx.meta_init("status_ref_secret", &hex::encode(ids.bytes::<32>()))?;
+            let salt = tx.meta_init("export_salt", &hex::encode(ids.bytes::<16>()))?;
             tx.meta_init("created_at", &now.to_string())?;
             Ok((secret, salt))
         })?;
@@ -153,9 +176,22 @@ impl Engine {
             None => Arc::new(Contracts::builtin()?),
         };
         let faults = Arc::new(Mutex::new(FaultPlan::none()));
-        let payments = Simulated::open(DownstreamKind::Payments, path, opts.clock.clone(), faults.clone(), opts.sync)?;
-        let notifications =
-            Simulated::open(DownstreamKind::Notifications, path, opts.clock.clone(), faults.clone(), opts.sync)?;
+        let payments = Simulated::open(
+            DownstreamKind::Payments,
+            path,
+            opts.clock.clone(),
+            faults.clone(),
+            opts.sync,
+            ids.clone(),
+        )?;
+        let notifications = Simulated::open(
+            DownstreamKind::Notifications,
+            path,
+            opts.clock.clone(),
+            faults.clone(),
+            opts.sync,
+            ids.clone(),
+        )?;
         Ok(Self {
             store,
             contracts,
@@ -166,6 +202,8 @@ impl Engine {
             payments,
             notifications,
             faults,
+            ids,
+            defenses_off: opts.defenses_off,
             path: path.to_path_buf(),
         })
     }
@@ -269,10 +307,6 @@ impl Engine {
             Err(EngineError::invalid("UNKNOWN_TENANT", "no such tenant"))
         }
     }
-
-    fn new_id(prefix: &str) -> String {
-        format!("{prefix}_{}", hex::encode(rand::random::<[u8; 12]>()))
-    }
 }
 
 /// Builds an envelope for a code, with no operation.
@@ -311,8 +345,8 @@ pub fn fresh_call_identity() -> CallIdentity {
     CallIdentity {
         provider: "cli".to_string(),
         api_family: "toolgate".to_string(),
-        response_id: Engine::new_id("resp"),
-        call_id: Engine::new_id("call"),
+        response_id: ids::Ids::default().id("resp"),
+        call_id: ids::Ids::default().id("call"),
         adapter_revision: "1".to_string(),
     }
 }

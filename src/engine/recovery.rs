@@ -417,6 +417,7 @@ impl Engine {
         let now = self.clock.now_ms();
         let contracts = self.contracts.clone();
         let refs = self.refs.clone();
+        let ids = self.ids.clone();
         let decided = self.store.write(|tx| -> Result<Result<String, (Envelope, String)>, EngineError> {
             let invalid = |why: &str, a: Option<&crate::store::ApprovalRow>| -> Result<Result<String, (Envelope, String)>, EngineError> {
                 tx.insert_audit(&audit_row(now, None, approver, "approve", None, Some(approval_id), false, why, &json!({
@@ -490,7 +491,7 @@ impl Engine {
                 approval_id: Some(a.id.clone()),
                 deadline_ms: Some(a.deadline_ms as u64),
             };
-            let op = super::dispatch::new_operation_for(&req, contract, &call, &a.idem_key, &a.key_sha256, &a.request_json, &a.request_sha256, now, a.deadline_ms as u64, &refs, Some(&a.id));
+            let op = super::dispatch::new_operation_for(&req, contract, &call, &a.idem_key, &a.key_sha256, &a.request_json, &a.request_sha256, now, a.deadline_ms as u64, &refs, &ids, Some(&a.id));
             tx.insert_operation(&op)?;
             tx.insert_outbox(&op.id, i64::from(contract.retry.max_attempts), now)?;
             let ck = CallKey {
