@@ -1,8 +1,12 @@
 //! Failpoints for crash tests: `TOOLGATE_FAILPOINT=NAME` makes the process abort
 //! (no unwinding, no destructors) when execution reaches the named point.
 //!
-//! Points: `inside_accept`, `after_claim`, `after_sent`, `before_persist`,
-//! `inside_reconcile`. The variable is read once per process.
+//! Points, in pipeline order: `inside_accept` (the accept transaction is open),
+//! `after_claim` (lease held, nothing sent), `after_sent` (sent-marker committed,
+//! downstream not called), `after_provider_commit` (inside the simulated provider,
+//! its effect committed), `before_persist` (reply in hand, not stored),
+//! `inside_reconcile` (a status query's backfill transaction is open). The
+//! variable is read once per process.
 
 use std::sync::OnceLock;
 

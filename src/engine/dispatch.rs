@@ -568,13 +568,16 @@ impl Engine {
                     op.state = "accepted".into();
                     ev.note = Some("lease expired before send: back to accepted".into());
                     report.requeued_unsent += 1;
-                } else if honours {
+                } else if honours && now < op.deadline_at {
                     tx.finish_attempt(&op.id, ob.attempt, "unknown", Some("OUTCOME_UNKNOWN"), now)?;
                     tx.release_outbox(&op.id, now, Some("OUTCOME_UNKNOWN"))?;
                     op.state = "in_flight".into();
                     ev.note = Some("lease expired after send: re-queued with the same downstream key".into());
                     report.requeued_same_key += 1;
                 } else {
+                    // Past the deadline nothing is sent again (SPEC §11), and a
+                    // re-queued row would never be picked up: the explicit status
+                    // query (or a human) settles it.
                     tx.finish_attempt(&op.id, ob.attempt, "unknown", Some("OUTCOME_UNKNOWN"), now)?;
                     tx.close_outbox(&op.id, "parked", Some("OUTCOME_UNKNOWN"))?;
                     op.state = "unknown".into();
@@ -582,12 +585,36 @@ impl Engine {
                     ev.code = Some(Code::OutcomeUnknown);
                     ev.outcome = Some("unknown");
                     ev.timeout_stage = Some("response");
-                    ev.note = Some("lease expired after send, downstream does not de-duplicate: unknown".into());
+                    ev.note = Some(if honours {
+                        "lease expired after send, deadline passed: unknown".into()
+                    } else {
+                        "lease expired after send, downstream does not de-duplicate: unknown".into()
+                    });
                     report.parked_unknown += 1;
                 }
                 op.updated_at = now;
                 tx.update_operation(&op)?;
                 ev.write(tx, now)?;
+            }
+            // Re-queued possibly-sent attempts whose deadline passed before a
+            // worker re-sent them: no worker picks them up any more, so they
+            // would be stuck in flight for ever. Park them for a status query.
+            for id in tx.overdue_in_flight(now)? {
+                let Some(mut op) = tx.operation(&id)? else { continue };
+                tx.close_outbox(&id, "parked", Some("OUTCOME_UNKNOWN"))?;
+                op.state = "unknown".into();
+                op.code = Some(Code::OutcomeUnknown.as_str().into());
+                op.updated_at = now;
+                tx.update_operation(&op)?;
+                let mut ev = TraceEvent::step("reaped");
+                ev.operation_id = Some(op.id.clone());
+                ev.tool = Some(op.tool.clone());
+                ev.code = Some(Code::OutcomeUnknown);
+                ev.outcome = Some("unknown");
+                ev.timeout_stage = Some("deadline");
+                ev.note = Some("deadline passed before a possibly-sent attempt was re-sent: unknown".into());
+                ev.write(tx, now)?;
+                report.parked_unknown += 1;
             }
             report.purged = tx.purge_expired(now)?;
             Ok(report)
@@ -1192,7 +1219,11 @@ fn refused(
     let op_id = c.op.id.as_str();
     tx.finish_attempt(op_id, c.attempt, "refused", Some(code.as_str()), c.now)?;
     tx.release_outbox(op_id, c.now + delay as i64, Some(code.as_str()))?;
-    op.state = "accepted".into();
+    // `accepted` promises that nothing was sent. After a re-queued possibly-sent
+    // attempt that is no longer true: the operation stays `in_flight` (callers see
+    // OUTCOME_UNKNOWN, and the reaper parks it if the deadline passes).
+    let earlier_possibly_received = tx.attempts(op_id)?.iter().any(|a| !a.proven_not_received());
+    op.state = if earlier_possibly_received { "in_flight".into() } else { "accepted".into() };
     op.code = Some(code.as_str().into());
     tx.update_operation(op)?;
     op.version += 1;

@@ -725,6 +725,18 @@ impl Tx<'_> {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
+    /// Operations re-queued after a possibly-sent attempt (`in_flight` with a
+    /// pending outbox row) whose deadline has passed: no worker will pick them up.
+    pub fn overdue_in_flight(&self, now: i64) -> R<Vec<String>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT o.operation_id FROM outbox o JOIN operations p ON p.id = o.operation_id
+             WHERE o.state = 'pending' AND p.state = 'in_flight' AND p.deadline_at <= ?1
+             ORDER BY o.operation_id",
+        )?;
+        let rows = st.query_map([now], |r| r.get(0))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
     /// Outbox counts per state.
     pub fn count_outbox_by_state(&self) -> R<Vec<(String, i64)>> {
         let mut st = self.conn.prepare_cached("SELECT state, count(*) FROM outbox GROUP BY state ORDER BY state")?;

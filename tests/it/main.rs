@@ -5,6 +5,8 @@
 
 mod canonical;
 mod cli;
+mod crash;
 mod dispatch;
+mod invariants;
 mod recovery;
 mod support;
