@@ -7,6 +7,8 @@ mod canonical;
 mod cli;
 mod crash;
 mod dispatch;
+mod failpoints;
 mod invariants;
+mod race;
 mod recovery;
 mod support;

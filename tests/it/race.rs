@@ -1,0 +1,157 @@
+//! Multi-process race: 4 OS processes × 2 threads (each thread its own engine
+//! and connections) dispatch the same 50 intents, and 10 conflicting ones, at one
+//! database at once. Exactly 50 effects, every conflict answered
+//! IDEMPOTENCY_CONFLICT, and no caller ever sees an error ("database is locked"
+//! or any other).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde_json::{json, Value};
+use toolgate::engine::clock::ManualClock;
+use toolgate::engine::envelope::Delivery;
+use toolgate::engine::{DispatchRequest, Engine};
+
+use crate::invariants::{check, Expect};
+use crate::support::{opts, refund_args, T0};
+
+const CHILD_ENV: &str = "TOOLGATE_RACE_CHILD";
+const PROCESSES: usize = 4;
+const THREADS: usize = 2;
+const INTENTS: usize = 50;
+const CONFLICTING: usize = 10;
+
+fn key(i: usize) -> String {
+    format!("race-intent-{i:03}")
+}
+
+/// Intent `i` refunds 100 + i; its conflicting twin reuses the key for 1100 + i.
+fn request(i: usize, conflicting: bool) -> DispatchRequest {
+    let amount = if conflicting { 1_100 + i } else { 100 + i };
+    DispatchRequest {
+        tenant: "acme".into(),
+        subject: "agent_ana".into(),
+        tool: "create_refund".into(),
+        arguments: refund_args("ord_1002", amount as i64).into_bytes(),
+        idempotency_key: Some(key(i)),
+        ..DispatchRequest::default()
+    }
+}
+
+#[test]
+fn four_processes_two_threads_each_make_exactly_one_effect_per_intent() {
+    let fx = crate::support::Fixture::new();
+    let go = fx.path().with_file_name("go");
+    let children: Vec<_> = (0..PROCESSES)
+        .map(|p| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "race::race_child", "--nocapture", "--test-threads=1", "-q"])
+                .env(CHILD_ENV, fx.path())
+                .env("TOOLGATE_RACE_GO", &go)
+                .env("TOOLGATE_RACE_PROCESS", p.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Every process has opened its engines and waits on this file: start together.
+    std::fs::write(&go, b"go").unwrap();
+    let mut results = Vec::new();
+    for c in children {
+        let out = c.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "a racing process failed ({}):\n{stdout}\n{stderr}", out.status);
+        assert!(!stderr.contains("locked") && !stdout.contains("locked"), "{stdout}\n{stderr}");
+        results
+            .extend(stdout.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str::<Value>(l).unwrap()));
+    }
+    let per_caller = INTENTS + CONFLICTING;
+    assert_eq!(results.len(), PROCESSES * THREADS * per_caller, "every call answered");
+    let errors: Vec<&Value> = results.iter().filter(|r| r["error"].is_string()).collect();
+    assert!(errors.is_empty(), "errors surfaced to callers: {errors:#?}");
+    let mut fresh: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &results {
+        let code = r["code"].as_str();
+        if r["conflicting"] == true {
+            assert_eq!(code, Some("IDEMPOTENCY_CONFLICT"), "{r}");
+            continue;
+        }
+        // The intent itself: executed here, replayed, or seen in flight elsewhere.
+        assert!(
+            (r["status"] == "succeeded" && code.is_none())
+                || (r["status"] == "unknown" && code == Some("OUTCOME_UNKNOWN")),
+            "{r}"
+        );
+        if r["delivery"] == json!(Delivery::Fresh) && r["status"] == "succeeded" {
+            *fresh.entry(r["key"].as_str().unwrap().to_string()).or_default() += 1;
+        }
+    }
+    assert_eq!(fresh.len(), INTENTS, "every intent executed by some caller");
+    assert!(fresh.values().all(|n| *n == 1), "one fresh execution per intent: {fresh:?}");
+    let mut e = fx.engine();
+    let counts = e.counts().unwrap();
+    assert_eq!(counts.downstream_effects, INTENTS as i64);
+    assert_eq!(counts.side_effect_duplicates, 0);
+    assert_eq!(counts.operations.get("succeeded"), Some(&(INTENTS as i64)));
+    let (v, _) = check(fx.path(), Expect { settled: true, queried: true });
+    assert!(v.is_empty(), "{v:#?}");
+    for i in 0..INTENTS {
+        let env = e.dispatch(&request(i, false)).unwrap();
+        assert_eq!(env.model_result.execution.delivery, Delivery::LocalReplay, "{i}");
+    }
+}
+
+#[test]
+fn race_child() {
+    // Not a test by itself: the entry point the race re-executes.
+    let Some(path) = std::env::var_os(CHILD_ENV) else { return };
+    let go = std::env::var_os("TOOLGATE_RACE_GO").unwrap();
+    let process: usize = std::env::var("TOOLGATE_RACE_PROCESS").unwrap().parse().unwrap();
+    let barrier = Arc::new(Barrier::new(THREADS));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let clock = ManualClock::new(T0);
+            let mut e = Engine::open(Path::new(&path), opts(&clock, &format!("race-p{process}-t{t}"))).unwrap();
+            let (go, barrier) = (go.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let mut order: Vec<usize> = (0..INTENTS).collect();
+                order.shuffle(&mut StdRng::seed_from_u64((process * THREADS + t) as u64));
+                while !Path::new(&go).exists() {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                barrier.wait();
+                let mut lines = Vec::new();
+                for i in order {
+                    // The conflicting twin goes right after this caller's own dispatch of
+                    // the intent, so the ledger holds the original: it must conflict.
+                    let twins: &[bool] = if i < CONFLICTING { &[false, true] } else { &[false] };
+                    for &conflicting in twins {
+                        let line = match e.dispatch(&request(i, conflicting)) {
+                            Ok(env) => json!({
+                                "key": key(i), "conflicting": conflicting,
+                                "status": env.model_result.status, "code": env.code().map(toolgate::engine::envelope::Code::as_str),
+                                "delivery": env.model_result.execution.delivery,
+                            }),
+                            Err(err) => json!({"key": key(i), "conflicting": conflicting, "error": err.to_string()}),
+                        };
+                        lines.push(line.to_string());
+                    }
+                }
+                lines
+            })
+        })
+        .collect();
+    for h in handles {
+        for l in h.join().unwrap() {
+            println!("{l}");
+        }
+    }
+}
