@@ -125,6 +125,12 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The scenarios of SPEC §13 as scripts: list them, or run them on fresh databases.
+    Scenario {
+        /// What to do.
+        #[command(subcommand)]
+        what: ScenarioCommand,
+    },
     /// Integrity and semantic audit of the database (or `--log`: the operator log).
     Audit {
         /// List the operator log instead.
@@ -155,6 +161,34 @@ pub enum OpsCommand {
     Show {
         /// Operation id.
         operation_id: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `scenario` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ScenarioCommand {
+    /// List the built-in scenarios.
+    List {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run scenarios step by step, each on a fresh database, and check every step
+    /// against its script. Exits 1 when any step fails.
+    Run {
+        /// A scenario number, or `all`.
+        #[arg(required_unless_present = "file", conflicts_with = "file")]
+        target: Option<String>,
+        /// Run this scenario file instead of a built-in one.
+        #[arg(long, value_name = "FILE")]
+        file: Option<PathBuf>,
+        /// Leave the database at PATH (for several scenarios: a directory, one
+        /// `scenario-NN.db` each). PATH must not exist yet.
+        #[arg(long, value_name = "PATH")]
+        keep_db: Option<PathBuf>,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -359,6 +393,7 @@ fn command_wants_json(c: Option<&Command>) -> bool {
         Some(Command::Resolve(a)) => a.json,
         Some(Command::Grant(a) | Command::Revoke(a)) => a.json,
         Some(Command::Ops { what: OpsCommand::List { json, .. } | OpsCommand::Show { json, .. } }) => *json,
+        Some(Command::Scenario { what: ScenarioCommand::List { json } | ScenarioCommand::Run { json, .. } }) => *json,
         None => false,
     }
 }
@@ -679,6 +714,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             }
             Ok(0)
         }
+        Command::Scenario { what } => scenario_command(what),
         Command::Audit { log, json } => {
             let mut engine = open(cli)?;
             if *log {
@@ -713,6 +749,85 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 println!("audit: {} finding(s)", findings.len());
             }
             Ok(i32::from(!findings.is_empty()))
+        }
+    }
+}
+
+impl From<crate::scenarios::ScenarioError> for CliError {
+    fn from(e: crate::scenarios::ScenarioError) -> Self {
+        Self::new(e.code(), e.to_string())
+    }
+}
+
+/// `toolgate scenario list|run`: each scenario runs on its own fresh database; a
+/// crash step really aborts a child `toolgate` process (this binary).
+fn scenario_command(what: &ScenarioCommand) -> Result<i32, CliError> {
+    use crate::scenarios::{self, report, CrashMode, RunOptions, ScenarioRun};
+    match what {
+        ScenarioCommand::List { json } => {
+            let all = scenarios::builtin()?;
+            if *json {
+                let list: Vec<Value> = all
+                    .iter()
+                    .map(|s| json!({"id": s.id, "slug": s.slug, "title": s.title, "summary": s.summary, "steps": s.steps.len()}))
+                    .collect();
+                print_json(&json!({"scenarios": list}));
+            } else {
+                print!("{}", report::list(&all));
+            }
+            Ok(0)
+        }
+        ScenarioCommand::Run { target, file, keep_db, json } => {
+            let scripts = match (file, target) {
+                (Some(f), _) => vec![scenarios::load_file(f)?],
+                (None, Some(t)) => scenarios::select(t)?,
+                (None, None) => return Err(CliError::new("USAGE", "give a scenario number, `all`, or --file FILE")),
+            };
+            let bin = std::env::current_exe().map_err(|e| {
+                CliError::new("NO_EXECUTABLE", format!("cannot locate the toolgate binary: {}", e.kind()))
+            })?;
+            if let Some(dir) = keep_db.as_ref().filter(|_| scripts.len() > 1) {
+                if dir.exists() {
+                    return Err(CliError::new("SCENARIO_DB", "the --keep-db path already exists; choose a new one"));
+                }
+                std::fs::create_dir_all(dir).map_err(|e| {
+                    CliError::new("SCENARIO_DB", format!("cannot create the --keep-db directory: {}", e.kind()))
+                })?;
+            }
+            let (mut passed, mut failed, mut reports) = (0, 0, Vec::new());
+            for (i, s) in scripts.iter().enumerate() {
+                let keep = keep_db.as_ref().map(|p| {
+                    if scripts.len() > 1 {
+                        p.join(format!("scenario-{:02}.db", s.id))
+                    } else {
+                        p.clone()
+                    }
+                });
+                let r = ScenarioRun::run(
+                    s,
+                    RunOptions { crash_mode: CrashMode::ChildProcess(bin.clone()), keep_db: keep },
+                )?;
+                if r.passed {
+                    passed += 1;
+                } else {
+                    failed += 1;
+                }
+                if *json {
+                    reports.push(r);
+                } else {
+                    if i > 0 {
+                        println!();
+                    }
+                    print!("{}", report::render(&r));
+                }
+            }
+            if *json {
+                print_json(&json!({"scenarios": reports, "passed": passed, "failed": failed}));
+            } else {
+                println!();
+                println!("{}", report::summary_line(passed, failed));
+            }
+            Ok(i32::from(failed > 0))
         }
     }
 }

@@ -11,10 +11,13 @@
 //! - [`downstream`]: the adapter trait and the simulated, durable payments and
 //!   notifications providers with their fault plans.
 //! - [`failpoint`]: named crash points for crash tests.
+//! - [`scenarios`]: the `create_refund` scenarios of SPEC §13 as data
+//!   (`assets/scenarios/`), and a stepper that runs them on a fresh database.
 //! - [`cli`]: the command line (the binary's only dependency on this crate).
 
 pub mod cli;
 pub mod downstream;
 pub mod engine;
 pub mod failpoint;
+pub mod scenarios;
 pub mod store;

@@ -11,4 +11,5 @@ mod failpoints;
 mod invariants;
 mod race;
 mod recovery;
+mod scenarios;
 mod support;
