@@ -100,6 +100,14 @@ struct Effect {
 ///    [`SETTLED`] states and no outbox row is pending or leased; with
 ///    [`Expect::queried`], an operation still `unknown` has no effect downstream.
 pub fn check(path: &Path, expect: Expect) -> (Vec<String>, Tally) {
+    let mut e = Engine::open(path, crate::support::opts(&toolgate::engine::clock::ManualClock::new(0), "checker"))
+        .expect("the database opens after the crash");
+    check_with(path, expect, &mut e)
+}
+
+/// [`check`] with an engine the caller already has open on `path` (its audit is
+/// read-only).
+pub fn check_with(path: &Path, expect: Expect, e: &mut Engine) -> (Vec<String>, Tally) {
     let mut v = Vec::new();
     let c = raw(path);
     let ops: Vec<Op> = {
@@ -317,8 +325,6 @@ pub fn check(path: &Path, expect: Expect) -> (Vec<String>, Tally) {
     }
 
     // 7. The engine's own audit.
-    let mut e = Engine::open(path, crate::support::opts(&toolgate::engine::clock::ManualClock::new(0), "checker"))
-        .expect("the database opens after the crash");
     for f in e.audit().unwrap() {
         v.push(format!("audit: {} {} {}", f.check, f.reference, f.detail));
     }

@@ -9,6 +9,7 @@ mod crash;
 mod dispatch;
 mod failpoints;
 mod invariants;
+mod props;
 mod race;
 mod recovery;
 mod scenarios;
