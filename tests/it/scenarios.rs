@@ -247,6 +247,24 @@ fn the_loader_refuses_bad_scripts_and_names_the_step_and_field() {
 }
 
 #[test]
+fn a_script_may_bring_its_own_world_and_a_broken_one_is_refused() {
+    // Scenario 1 with the demo world written inline passes as it does with "demo".
+    let mut v = builtin_json(1);
+    v["world"] = serde_json::from_str(toolgate::engine::world::DEMO_WORLD).unwrap();
+    let r = ScenarioRun::run(&parse(&v).unwrap(), opts(child())).unwrap();
+    assert!(r.passed, "{}", report::render(&r));
+    // A world in which ord_1001 belongs to someone else: the refund is NOT_FOUND.
+    v["world"]["orders"][0]["owner"] = json!("agent_ben");
+    let r = ScenarioRun::run(&parse(&v).unwrap(), opts(child())).unwrap();
+    assert_eq!(r.steps[0].code, Some(toolgate::engine::envelope::Code::NotFound));
+    assert!(!r.passed);
+    v["world"]["orders"][0]["owner"] = json!("nobody");
+    refused(&v, &["copy.json: world", "owner not in tenant"]);
+    v["world"] = json!(42);
+    refused(&v, &["copy.json: world", "\"demo\" or a world object"]);
+}
+
+#[test]
 fn duplicate_keys_are_refused_even_where_serde_would_keep_the_last() {
     let text = builtin_json(1).to_string().replacen(
         "\"key\":\"refund-s1-0001\"",
