@@ -140,6 +140,74 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Export the trace, one event per pipeline step (tenant and subject only as
+    /// salted hashes, arguments only as a digest).
+    Trace(TraceArgs),
+    /// Metrics computed from the database: the Prometheus text format, JSON, or a
+    /// `/metrics` endpoint (`--listen`).
+    Metrics(MetricsArgs),
+}
+
+/// `trace` arguments.
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    /// Only events at or after this time (RFC 3339).
+    #[arg(long, value_name = "RFC3339")]
+    pub since: Option<String>,
+    /// Only the events of one operation.
+    #[arg(long, value_name = "ID")]
+    pub operation: Option<String>,
+    /// `jsonl`: one JSON object per line with stable field names; `text`: for people.
+    #[arg(long, value_enum, default_value_t = TraceFormatArg::Text)]
+    pub format: TraceFormatArg,
+}
+
+/// `trace --format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TraceFormatArg {
+    /// One line per event.
+    Text,
+    /// JSON lines.
+    Jsonl,
+}
+
+/// `metrics` arguments.
+#[derive(Debug, Args)]
+pub struct MetricsArgs {
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = MetricsFormatArg::Prometheus)]
+    pub format: MetricsFormatArg,
+    /// Serve `GET /metrics` on this address (e.g. 127.0.0.1:9464; port 0 picks a
+    /// free one) until killed, instead of printing once.
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// Window of the rates and windowed percentiles (JSON), in minutes.
+    #[arg(long, default_value_t = 15)]
+    pub window_minutes: i64,
+    /// Rate bucket length, in minutes.
+    #[arg(long, default_value_t = 1)]
+    pub bucket_minutes: i64,
+    /// Only this tool.
+    #[arg(long)]
+    pub tool: Option<String>,
+    /// Only this tenant (matched by its salted hash; labels show the hash).
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Only tools of this risk.
+    #[arg(long)]
+    pub risk: Option<String>,
+    /// Only this tool version (`input.output.effect` revisions, e.g. 1.1.1).
+    #[arg(long)]
+    pub tool_version: Option<String>,
+}
+
+/// `metrics --format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MetricsFormatArg {
+    /// The Prometheus text exposition format.
+    Prometheus,
+    /// The whole snapshot as JSON (rates per bucket, percentiles per tool).
+    Json,
 }
 
 /// `ops` subcommands.
@@ -394,6 +462,8 @@ fn command_wants_json(c: Option<&Command>) -> bool {
         Some(Command::Grant(a) | Command::Revoke(a)) => a.json,
         Some(Command::Ops { what: OpsCommand::List { json, .. } | OpsCommand::Show { json, .. } }) => *json,
         Some(Command::Scenario { what: ScenarioCommand::List { json } | ScenarioCommand::Run { json, .. } }) => *json,
+        Some(Command::Trace(a)) => a.format == TraceFormatArg::Jsonl,
+        Some(Command::Metrics(a)) => a.format == MetricsFormatArg::Json,
         None => false,
     }
 }
@@ -414,7 +484,11 @@ fn db_path(cli: &Cli) -> Result<&Path, CliError> {
 fn open(cli: &Cli) -> Result<Engine, CliError> {
     let path = db_path(cli)?;
     let clock = clock_from(cli.now.as_deref())?;
-    Ok(Engine::open(path, EngineOptions { clock, ..EngineOptions::default() })?)
+    let engine = Engine::open(path, EngineOptions { clock, ..EngineOptions::default() })?;
+    // Diagnostics go to `<db>.log` (or $TOOLGATE_LOG), never to the terminal.
+    crate::telemetry::logging::init_for_db(path);
+    tracing::info!(read_only = cli.read_only, pid = std::process::id(), "cli opened the ledger");
+    Ok(engine)
 }
 
 fn refuse_read_only(cli: &Cli) -> Result<(), CliError> {
@@ -715,6 +789,8 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             Ok(0)
         }
         Command::Scenario { what } => scenario_command(what),
+        Command::Trace(a) => trace_command(cli, a),
+        Command::Metrics(a) => metrics_command(cli, a),
         Command::Audit { log, json } => {
             let mut engine = open(cli)?;
             if *log {
@@ -950,11 +1026,85 @@ pub fn print_envelope(env: &Envelope, json: bool) {
 }
 
 fn trace_json(t: &crate::store::TraceRow) -> Value {
-    json!({
-        "seq": t.seq, "at": rfc3339(t.at), "operation_id": t.operation_id, "step": t.step, "tool": t.tool,
-        "code": t.code, "outcome": t.outcome, "delivery": t.delivery, "attempt": t.attempt,
-        "duration_us": t.duration_us, "fields": serde_json::from_str::<Value>(&t.fields).unwrap_or(Value::Null),
+    crate::telemetry::export::event_json(t)
+}
+
+/// `toolgate trace`: the whole trace (or one operation's) as text or JSON lines.
+fn trace_command(cli: &Cli, a: &TraceArgs) -> Result<i32, CliError> {
+    use crate::telemetry::export::{self, Format};
+    let since = match &a.since {
+        None => i64::MIN,
+        Some(s) => parse_rfc3339(s)
+            .ok_or_else(|| CliError::new("BAD_TIME", "--since must be an RFC 3339 time, e.g. 2026-01-01T00:00:00Z"))?,
+    };
+    let format = match a.format {
+        TraceFormatArg::Text => Format::Text,
+        TraceFormatArg::Jsonl => Format::Jsonl,
+    };
+    let mut engine = open(cli)?;
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    let written = match &a.operation {
+        Some(id) => {
+            engine.store().read(|tx| tx.trace_for(id)).map_err(crate::telemetry::TelemetryError::from).and_then(
+                |rows| {
+                    for t in rows.iter().filter(|t| t.at >= since) {
+                        export::write_event(t, format, &mut out)?;
+                    }
+                    std::io::Write::flush(&mut out)?;
+                    Ok(rows.len() as u64)
+                },
+            )
+        }
+        None => export::export(engine.store(), since, format, &mut out),
+    };
+    match written {
+        Ok(_) => Ok(0),
+        Err(e) if e.is_broken_pipe() => Ok(0),
+        Err(e) => Err(CliError::new(e.code(), e.to_string())),
+    }
+}
+
+/// `toolgate metrics`: print once, or serve `/metrics` until killed.
+fn metrics_command(cli: &Cli, a: &MetricsArgs) -> Result<i32, CliError> {
+    use crate::telemetry::{http, metrics, prometheus};
+    let mut engine = open(cli)?;
+    let window = metrics::Window::with_buckets(a.window_minutes, a.bucket_minutes);
+    let slice = metrics::Slice {
+        tool: a.tool.clone(),
+        tenant_ref: a.tenant.as_deref().map(|t| engine.hashed("tenant", t)),
+        risk: a.risk.clone(),
+        version: a.tool_version.clone(),
+    };
+    let format = a.format;
+    let render = move |engine: &mut Engine| -> Result<String, EngineError> {
+        let snap = metrics::snapshot(engine, window, &slice)?;
+        Ok(match format {
+            MetricsFormatArg::Prometheus => prometheus::render(&snap),
+            MetricsFormatArg::Json => serde_json::to_string_pretty(&snap).unwrap_or_else(|_| "null".into()) + "\n",
+        })
+    };
+    let Some(addr) = &a.listen else {
+        print!("{}", render(&mut engine)?);
+        return Ok(0);
+    };
+    let listener = std::net::TcpListener::bind(addr.as_str())
+        .map_err(|e| CliError::new("LISTEN_FAILED", format!("cannot listen on {addr}: {}", e.kind())))?;
+    let local = listener.local_addr().map_err(|e| CliError::new("LISTEN_FAILED", e.kind().to_string()))?;
+    // The first line tells a caller (or a test that asked for port 0) where to scrape.
+    println!("listening on http://{local}/metrics");
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    tracing::info!(addr = %local, "serving /metrics");
+    let never = std::sync::atomic::AtomicBool::new(false);
+    let content_type = match format {
+        MetricsFormatArg::Prometheus => prometheus::CONTENT_TYPE,
+        MetricsFormatArg::Json => "application/json",
+    };
+    http::serve(&listener, &never, || {
+        render(&mut engine).map(|body| http::Response { status: 200, content_type, body })
     })
+    .map_err(|e| CliError::new("LISTEN_FAILED", e.kind().to_string()))?;
+    Ok(0)
 }
 
 fn print_detail(d: &crate::engine::OperationDetail) {
@@ -1002,13 +1152,14 @@ fn print_detail(d: &crate::engine::OperationDetail) {
     println!("trace:");
     for t in &d.trace {
         println!(
-            "  {} {:<16} {:<24} {:<12} {:<18} {}",
+            "  {} {:<16} {:<24} {:<12} {:<18} {:<9} {}",
             rfc3339(t.at),
             t.step,
             t.code.as_deref().unwrap_or("-"),
             t.outcome.as_deref().unwrap_or("-"),
             t.delivery.as_deref().unwrap_or("-"),
-            t.attempt.map_or(String::new(), |a| format!("attempt {a}"))
+            t.attempt.map_or(String::new(), |a| format!("attempt {a}")),
+            crate::telemetry::export::describe(t)
         );
     }
     if !d.audit.is_empty() {

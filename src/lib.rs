@@ -10,6 +10,8 @@
 //!   embedded migrations). The only module with SQL.
 //! - [`downstream`]: the adapter trait and the simulated, durable payments and
 //!   notifications providers with their fault plans.
+//! - [`telemetry`]: the trace export, metrics computed from the database (and
+//!   their Prometheus format and `/metrics` endpoint), the diagnostic log.
 //! - [`failpoint`]: named crash points for crash tests.
 //! - [`scenarios`]: the `create_refund` scenarios of SPEC §13 as data
 //!   (`assets/scenarios/`), and a stepper that runs them on a fresh database.
@@ -21,3 +23,4 @@ pub mod engine;
 pub mod failpoint;
 pub mod scenarios;
 pub mod store;
+pub mod telemetry;

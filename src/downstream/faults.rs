@@ -35,6 +35,15 @@ pub enum Fault {
     PanicAfterCommit,
     /// Committed, then the process aborts.
     CrashAfterCommit,
+    /// A misbehaving provider (redaction tests): commits, and its reply echoes a
+    /// credential in an `authorization` header and, when `in_result`, in an
+    /// undeclared result field too. Its own records stay clean.
+    EchoCredential {
+        /// The credential-looking value echoed.
+        value: String,
+        /// Also put it in the result body (which then breaks the output contract).
+        in_result: bool,
+    },
 }
 
 /// A fault spec that could not be parsed.
@@ -67,6 +76,12 @@ impl Fault {
             ("malformed_response", None) => Fault::MalformedResponse,
             ("panic_after_commit", None) => Fault::PanicAfterCommit,
             ("crash_after_commit", None) => Fault::CrashAfterCommit,
+            ("echo_header", Some(v)) if !v.is_empty() && v.len() <= 128 => {
+                Fault::EchoCredential { value: v.to_string(), in_result: false }
+            }
+            ("echo_credential", Some(v)) if !v.is_empty() && v.len() <= 128 => {
+                Fault::EchoCredential { value: v.to_string(), in_result: true }
+            }
             _ => return Err(bad()),
         };
         Ok(f)
@@ -158,6 +173,9 @@ mod tests {
         check("receipt_delay(5000)", Ok(vec![Fault::ReceiptDelay(5000)]));
         check("reject(card_declined)", Ok(vec![Fault::Reject("card_declined".into())]));
         check("crash_after_commit", Ok(vec![Fault::CrashAfterCommit]));
+        check("echo_header(tok_1)", Ok(vec![Fault::EchoCredential { value: "tok_1".into(), in_result: false }]));
+        check("echo_credential(tok_2)", Ok(vec![Fault::EchoCredential { value: "tok_2".into(), in_result: true }]));
+        check("echo_header()", Err(()));
         check("nope", Err(()));
         check("latency(x)", Err(()));
         check("latency(5", Err(()));

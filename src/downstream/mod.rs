@@ -34,7 +34,7 @@ pub struct DownstreamRequest {
 }
 
 /// Evidence of a committed effect.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct Receipt {
     /// Receipt id.
     pub receipt_id: String,
@@ -44,6 +44,24 @@ pub struct Receipt {
     pub body_sha256: String,
     /// The result body.
     pub result: Value,
+    /// Reply headers, as a provider's HTTP reply carries them. The engine never
+    /// stores, traces or logs them (they may echo credentials).
+    pub headers: Vec<(String, String)>,
+}
+
+/// Redacted on purpose: a receipt formatted into a log line or a panic message
+/// must not carry the result body or a header value.
+impl std::fmt::Debug for Receipt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let header_names: Vec<&str> = self.headers.iter().map(|(k, _)| k.as_str()).collect();
+        f.debug_struct("Receipt")
+            .field("receipt_id", &self.receipt_id)
+            .field("request_id", &self.request_id)
+            .field("body_sha256", &self.body_sha256)
+            .field("result", &"<redacted>")
+            .field("headers", &header_names)
+            .finish()
+    }
 }
 
 /// What an `execute` returned, as far as the caller can tell.
@@ -193,6 +211,7 @@ fn receipt_of(e: &EffectRow) -> Receipt {
         request_id: e.request_id.clone(),
         body_sha256: e.body_sha256.clone(),
         result: serde_json::from_str(&e.result_json).unwrap_or(Value::Null),
+        headers: vec![("x-request-id".to_string(), e.request_id.clone())],
     }
 }
 
@@ -242,6 +261,19 @@ impl Downstream for Simulated {
                 }
             }
             Fault::Reject(reason) => Reply::Rejected { reason },
+            Fault::EchoCredential { value, in_result } => match self.commit(key, req, 0, false)? {
+                Ok(mut r) => {
+                    // Only the reply on the wire carries it: the stored effect is clean.
+                    r.headers.push(("authorization".to_string(), format!("Bearer {value}")));
+                    if in_result {
+                        if let Some(obj) = r.result.as_object_mut() {
+                            obj.insert("card_token".to_string(), Value::String(value));
+                        }
+                    }
+                    Reply::Committed(r)
+                }
+                Err(reason) => Reply::Rejected { reason },
+            },
             Fault::RateLimit(ms) => Reply::RateLimited { retry_after_ms: ms },
             Fault::Unavailable => Reply::Unavailable,
             Fault::ConnectTimeout => Reply::ConnectTimeout,

@@ -14,7 +14,7 @@ use super::envelope::{
     Binding, Code, Delivery, Downstream as DownstreamInfo, Envelope, ErrorInfo, Execution, ModelResult, Outcome,
     ProtectedAudit, Status,
 };
-use super::trace::TraceEvent;
+use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, Engine, EngineError};
 use crate::downstream::{DownstreamRequest, Reply};
 use crate::failpoint;
@@ -269,7 +269,7 @@ impl Engine {
         }
         ev.step = "rejected";
         ev.duration_us = Some(t0.elapsed().as_micros() as i64);
-        let ev = ev.from_envelope(&env);
+        let ev = ev.from_envelope(&env).answering(Some(Answering { kind: "dispatch", started: t0 }));
         let now = self.clock.now_ms();
         self.store.write(|tx| ev.write(tx, now))?;
         Ok(env)
@@ -314,6 +314,7 @@ impl Engine {
             let d = json!({"pointer": v.pointer, "reason": v.reason});
             return self.reject(Code::InvalidArguments, audit, ev, Some(d), t0);
         }
+        ev.checks.push("contract");
         let key = if contract.effect == Effect::Read {
             req.idempotency_key.clone().unwrap_or_default()
         } else {
@@ -359,7 +360,7 @@ impl Engine {
             let d = accept(tx, &ctx, audit, ev)?;
             if let Decision::Answer(env, ev) = &d {
                 // The decision's trace event commits with the decision itself.
-                let mut ev = ev.clone().from_envelope(env);
+                let mut ev = ev.clone().from_envelope(env).answering(Some(Answering { kind: "dispatch", started: t0 }));
                 ev.duration_us = Some(t0.elapsed().as_micros() as i64);
                 ev.write(tx, now)?;
             }
@@ -367,7 +368,9 @@ impl Engine {
         })?;
         match decision {
             Decision::Answer(env, _) => Ok(env),
-            Decision::Execute(op_id) => self.run_operation(&op_id, &contracts),
+            Decision::Execute(op_id) => {
+                self.run_operation(&op_id, &contracts, Some(Answering { kind: "dispatch", started: t0 }))
+            }
         }
     }
 
@@ -417,17 +420,25 @@ impl Engine {
             _ => error_envelope(Code::ToolError, audit),
         };
         ev.step = "read";
+        ev.checks.push("authorization");
         ev.duration_us = Some(t0.elapsed().as_micros() as i64);
-        let ev = ev.from_envelope(&env);
+        let ev = ev.from_envelope(&env).answering(Some(Answering { kind: "dispatch", started: t0 }));
         self.store.write(|tx| ev.write(tx, now))?;
         Ok(env)
     }
 
     /// Runs the outbox row of one operation: claim, re-check, sent-marker,
     /// downstream call, fenced persist; retries `retry_after` failures within the
-    /// deadline and the attempt cap.
-    pub(crate) fn run_operation(&mut self, op_id: &str, contracts: &Contracts) -> Result<Envelope, EngineError> {
+    /// deadline and the attempt cap. `answer` is the call waiting for the result
+    /// (none for a worker pass): the event that ends the run answers it.
+    pub(crate) fn run_operation(
+        &mut self,
+        op_id: &str,
+        contracts: &Contracts,
+        answer: Option<Answering>,
+    ) -> Result<Envelope, EngineError> {
         let mut attempts_this_call: u32 = 0;
+        let salt = self.salt.clone();
         loop {
             let t0 = Instant::now();
             let now = self.clock.now_ms();
@@ -442,7 +453,8 @@ impl Engine {
                 return Err(EngineError::invalid("UNKNOWN_TOOL", "operation names a tool not in the catalog"));
             };
             let lease_ms = contract.retry.attempt_timeout_ms as i64 + 1_000;
-            let claim = self.store.write(|tx| claim(tx, op_id, contract, &worker, now, lease_ms, &pref))?;
+            let caller = Caller { principal_ref: &pref, salt: &salt, answer };
+            let claim = self.store.write(|tx| claim(tx, op_id, contract, &worker, now, lease_ms, &caller))?;
             let (attempt, op) = match claim {
                 Claim::Answer(env) => return Ok(env),
                 Claim::Claimed { attempt, op } => (attempt, op),
@@ -451,24 +463,29 @@ impl Engine {
             let sent = self.store.write(|tx| -> Result<bool, StoreError> {
                 let ok = tx.mark_sent(op_id, &worker, attempt, now)?;
                 if ok {
-                    let mut ev = TraceEvent::step("sent");
-                    ev.operation_id = Some(op_id.to_string());
-                    ev.tool = Some(op.tool.clone());
+                    let mut ev = TraceEvent::of_operation("sent", &op, &salt, now);
                     ev.attempt = Some(attempt);
                     ev.worker = Some(worker.clone());
-                    ev.deadline_left_ms = Some(op.deadline_at - now);
-                    ev.request_sha256 = Some(op.request_sha256.clone());
                     ev.write(tx, now)?;
                 }
                 Ok(ok)
             })?;
             if !sent {
                 // Our lease was taken over before we sent anything: nothing left here.
-                let op = self.store.read(|tx| tx.operation(op_id))?;
-                return Ok(op.map_or_else(
-                    || error_envelope(Code::OutcomeUnknown, ProtectedAudit::default()),
-                    |o| op_envelope(&o, Delivery::Fresh, pref.clone(), None),
-                ));
+                return self.store.write(|tx| -> Result<Envelope, EngineError> {
+                    let cur = tx.operation(op_id)?;
+                    let env = cur.as_ref().map_or_else(
+                        || error_envelope(Code::OutcomeUnknown, ProtectedAudit::default()),
+                        |o| op_envelope(o, Delivery::Fresh, pref.clone(), None),
+                    );
+                    let mut ev =
+                        TraceEvent::of_operation("send_aborted", cur.as_ref().unwrap_or(op.as_ref()), &salt, now);
+                    ev.attempt = Some(attempt);
+                    ev.worker = Some(worker.clone());
+                    ev.note = Some("lease taken over before the send: nothing was sent by this worker".into());
+                    ev.because("lease_lost").from_envelope(&env).answering(answer).write(tx, now)?;
+                    Ok(env)
+                });
             }
             failpoint::hit("after_sent");
             let args: Value = serde_json::from_str::<Value>(&op.request_json)
@@ -496,8 +513,14 @@ impl Engine {
             };
             let reply = match reply {
                 Ok(Ok(r)) => Ok(r),
-                Ok(Err(e)) => Err(format!("downstream storage error: {e}")),
-                Err(_) => Err("handler panicked".to_string()),
+                Ok(Err(e)) => {
+                    tracing::error!(op = op_id, attempt, error = %e, "downstream storage failed");
+                    Err("downstream storage error".to_string())
+                }
+                Err(_) => {
+                    tracing::error!(op = op_id, attempt, "downstream handler panicked");
+                    Err("handler panicked".to_string())
+                }
             };
             failpoint::hit("before_persist");
             attempts_this_call += 1;
@@ -518,6 +541,8 @@ impl Engine {
                 may_retry: attempts_this_call < contract.retry.max_attempts,
                 principal_ref: &pref,
                 duration_us: t0.elapsed().as_micros() as i64,
+                salt: &salt,
+                answer,
             };
             let step = self.store.write(|tx| persist(tx, &pctx, reply))?;
             match step {
@@ -538,7 +563,7 @@ impl Engine {
                 break;
             }
             for id in ready {
-                self.run_operation(&id, &contracts)?;
+                self.run_operation(&id, &contracts, None)?;
                 ran += 1;
             }
         }
@@ -549,6 +574,7 @@ impl Engine {
     pub fn reap(&mut self) -> Result<ReapReport, EngineError> {
         let now = self.clock.now_ms();
         let contracts = self.contracts.clone();
+        let salt = self.salt.clone();
         Ok(self.store.write(|tx| -> Result<ReapReport, StoreError> {
             let mut report = ReapReport::default();
             for ob in tx.expired_leases(now)? {
@@ -557,9 +583,7 @@ impl Engine {
                 let current = attempts.iter().find(|a| a.attempt == ob.attempt);
                 let sent = current.is_some_and(|a| a.sent_at.is_some());
                 let honours = contracts.get(&op.tool).is_some_and(|c| c.downstream.honours_keys());
-                let mut ev = TraceEvent::step("reaped");
-                ev.operation_id = Some(op.id.clone());
-                ev.tool = Some(op.tool.clone());
+                let mut ev = TraceEvent::of_operation("reaped", &op, &salt, now);
                 ev.attempt = Some(ob.attempt);
                 ev.worker.clone_from(&ob.lease_owner);
                 if !sent {
@@ -567,12 +591,14 @@ impl Engine {
                     tx.release_outbox(&op.id, now, None)?;
                     op.state = "accepted".into();
                     ev.note = Some("lease expired before send: back to accepted".into());
+                    ev.reason = Some("requeued_unsent");
                     report.requeued_unsent += 1;
                 } else if honours && now < op.deadline_at {
                     tx.finish_attempt(&op.id, ob.attempt, "unknown", Some("OUTCOME_UNKNOWN"), now)?;
                     tx.release_outbox(&op.id, now, Some("OUTCOME_UNKNOWN"))?;
                     op.state = "in_flight".into();
                     ev.note = Some("lease expired after send: re-queued with the same downstream key".into());
+                    ev.reason = Some("requeued_same_key");
                     report.requeued_same_key += 1;
                 } else {
                     // Past the deadline nothing is sent again (SPEC §11), and a
@@ -590,6 +616,7 @@ impl Engine {
                     } else {
                         "lease expired after send, downstream does not de-duplicate: unknown".into()
                     });
+                    ev.reason = Some("parked_unknown");
                     report.parked_unknown += 1;
                 }
                 op.updated_at = now;
@@ -606,17 +633,17 @@ impl Engine {
                 op.code = Some(Code::OutcomeUnknown.as_str().into());
                 op.updated_at = now;
                 tx.update_operation(&op)?;
-                let mut ev = TraceEvent::step("reaped");
-                ev.operation_id = Some(op.id.clone());
-                ev.tool = Some(op.tool.clone());
+                let mut ev = TraceEvent::of_operation("reaped", &op, &salt, now);
                 ev.code = Some(Code::OutcomeUnknown);
                 ev.outcome = Some("unknown");
                 ev.timeout_stage = Some("deadline");
                 ev.note = Some("deadline passed before a possibly-sent attempt was re-sent: unknown".into());
+                ev.reason = Some("parked_unknown");
                 ev.write(tx, now)?;
                 report.parked_unknown += 1;
             }
             report.purged = tx.purge_expired(now)?;
+            tx.prune_metric_minutes(crate::telemetry::metrics::minutes_retained_from(now))?;
             Ok(report)
         })?)
     }
@@ -645,8 +672,10 @@ fn accept(tx: &Tx<'_>, c: &AcceptCtx<'_>, audit: ProtectedAudit, mut ev: TraceEv
     // 2. Authorization of the current subject (also for replays).
     if let Some(code) = authorize(tx, &r.tenant, &r.subject, &r.tool, c.args)? {
         ev.step = "authorization";
+        ev.reason = Some("current_authorization");
         return Ok(answer(code, audit, ev));
     }
+    ev.checks.push("authorization");
     // 3. Call identity, then the scope.
     let ck = CallKey {
         tenant: &r.tenant,
@@ -659,20 +688,24 @@ fn accept(tx: &Tx<'_>, c: &AcceptCtx<'_>, audit: ProtectedAudit, mut ev: TraceEv
     if let Some(bound) = tx.call_identity(&ck)? {
         if bound.purpose != "dispatch" || bound.request_sha256 != c.request_sha256 || bound.key_sha256 != c.key_sha256 {
             ev.step = "call_identity";
+            ev.reason = Some("call_id_conflict");
             return Ok(answer(Code::CallIdConflict, audit, ev));
         }
     }
+    ev.checks.push("call_identity");
     let existing = tx.operation_by_scope(&r.tenant, &r.subject, &r.tool, c.key)?;
     ev.step = "idempotency";
     if let Some(op) = existing {
         ev.operation_id = Some(op.id.clone());
         if op.request_sha256 != c.request_sha256 {
             ev.note = Some("same key, different request".into());
+            ev.reason = Some("conflict");
             return Ok(answer(Code::IdempotencyConflict, audit, ev));
         }
         if let Err(why) = verify_row(&op) {
             ev.step = "tamper_detected";
             ev.note = Some(why.into());
+            ev.reason = Some("tampered");
             let env = with_detail(
                 error_envelope(Code::StatusConflict, audit),
                 json!({"reason": "stored record failed its integrity check"}),
@@ -680,11 +713,13 @@ fn accept(tx: &Tx<'_>, c: &AcceptCtx<'_>, audit: ProtectedAudit, mut ev: TraceEv
             return Ok(Decision::Answer(env, ev));
         }
         bind_call(tx, &ck, c, Some(&op.id))?;
+        ev.status_ref = Some(op.status_ref.clone());
         let outbox = tx.outbox(&op.id)?;
         let last_code = outbox.as_ref().and_then(|o| o.last_code.clone());
         match op.state.as_str() {
             "succeeded" | "failed" => {
                 ev.note = Some("replay".into());
+                ev.reason = Some("replay");
                 return Ok(Decision::Answer(
                     op_envelope(&op, Delivery::LocalReplay, c.principal_ref.to_string(), None),
                     ev,
@@ -692,6 +727,7 @@ fn accept(tx: &Tx<'_>, c: &AcceptCtx<'_>, audit: ProtectedAudit, mut ev: TraceEv
             }
             "resolved" => {
                 ev.note = Some("replay of a human resolution".into());
+                ev.reason = Some("replay_resolved");
                 return Ok(Decision::Answer(
                     op_envelope(&op, Delivery::HumanResolved, c.principal_ref.to_string(), None),
                     ev,
@@ -712,26 +748,34 @@ fn accept(tx: &Tx<'_>, c: &AcceptCtx<'_>, audit: ProtectedAudit, mut ev: TraceEv
                 op.updated_at = c.now;
                 tx.update_operation(&op)?;
                 ev.note = Some("proven not sent and due: execute with the same downstream key".into());
+                ev.reason = Some("proven_unsent_execute");
+                ev.deadline_left_ms = Some(c.deadline_ms as i64);
                 ev.write(tx, c.now)?;
                 return Ok(Decision::Execute(op.id));
             }
             ev.note = Some("proven not sent, retry time not reached".into());
+            ev.reason = Some("proven_unsent_not_due");
             let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), last_code.as_deref());
             return Ok(Decision::Answer(with_retry_after(env, (due_at - c.now) as u64), ev));
         }
         ev.note = Some("not terminal and possibly sent: unknown, never re-executed".into());
+        ev.reason = Some("in_progress");
         return Ok(Decision::Answer(op_envelope(&op, Delivery::LocalReplay, c.principal_ref.to_string(), None), ev));
     }
+    ev.checks.push("idempotency");
     // 4. Business rules, then approval for a new execution.
     if let Some(rule) = business_rules(tx, &r.tool, c.args)? {
         ev.step = "business_rules";
         ev.note = Some(rule.into());
+        ev.reason = Some(rule);
         let env = with_detail(error_envelope(Code::BusinessRuleViolation, audit), json!({"rule": rule}));
         return Ok(Decision::Answer(env, ev));
     }
+    ev.checks.push("business_rules");
     if let Some(d) = approval_gate(tx, c, &audit, &mut ev)? {
         return Ok(d);
     }
+    ev.checks.push("approval");
     // 5. Accept: operation + outbox + call binding, all or nothing.
     let op = new_operation(c, None);
     tx.insert_operation(&op)?;
@@ -741,6 +785,7 @@ fn accept(tx: &Tx<'_>, c: &AcceptCtx<'_>, audit: ProtectedAudit, mut ev: TraceEv
     ev.step = "accepted";
     ev.operation_id = Some(op.id.clone());
     ev.call_binding_sha256 = Some(op.call_binding_sha256.clone());
+    ev.status_ref = Some(op.status_ref.clone());
     ev.deadline_left_ms = Some(c.deadline_ms as i64);
     ev.write(tx, c.now)?;
     Ok(Decision::Execute(op.id))
@@ -872,13 +917,18 @@ fn approval_gate(
     if let Some(given) = &r.approval_id {
         if latest.as_ref().map(|a| &a.id) != Some(given) {
             ev.note = Some("approval id does not belong to this call".into());
+            ev.reason = Some("approval_mismatch");
             return Ok(Some(Decision::Answer(error_envelope(Code::ApprovalInvalid, audit.clone()), ev.clone())));
         }
     }
+    // A new request, unless one below answers; `approval_expired` when it
+    // replaces a request that lapsed unapproved.
+    ev.reason = Some("approval_required");
     if let Some(a) = latest {
         ev.approval_id = Some(a.id.clone());
         if a.request_sha256 != c.request_sha256 {
             ev.note = Some("key already holds an approval request for a different request".into());
+            ev.reason = Some("conflict");
             return Ok(Some(Decision::Answer(error_envelope(Code::IdempotencyConflict, audit.clone()), ev.clone())));
         }
         let detail = |a: &ApprovalRow| json!({"approval_id": a.id, "expires_at": super::clock::rfc3339(a.expires_at)});
@@ -888,6 +938,7 @@ fn approval_gate(
                 let mut env = env;
                 env.protected_audit.approval_id = Some(a.id.clone());
                 ev.note = Some("approval still pending".into());
+                ev.reason = Some("approval_pending");
                 return Ok(Some(Decision::Answer(env, ev.clone())));
             }
             "denied" => {
@@ -897,6 +948,7 @@ fn approval_gate(
                 );
                 env.protected_audit.approval_id = Some(a.id.clone());
                 ev.note = Some("approval was denied".into());
+                ev.reason = Some("approval_denied");
                 return Ok(Some(Decision::Answer(env, ev.clone())));
             }
             "pending" => {
@@ -906,6 +958,7 @@ fn approval_gate(
                 expired.decided_at = Some(c.now);
                 expired.decided_by = Some("system".into());
                 tx.decide_approval(&expired)?;
+                ev.reason = Some("approval_expired");
             }
             _ => {}
         }
@@ -951,13 +1004,24 @@ fn approval_gate(
     };
     bind_call(tx, &ck, c, None)?;
     ev.approval_id = Some(approval.id.clone());
-    ev.note = Some("approval requested".into());
+    ev.note = Some(if ev.reason == Some("approval_expired") {
+        "previous request expired unapproved: new approval requested".into()
+    } else {
+        "approval requested".into()
+    });
     let mut env = with_detail(
         error_envelope(Code::ApprovalRequired, audit.clone()),
         json!({"approval_id": approval.id, "expires_at": super::clock::rfc3339(approval.expires_at)}),
     );
     env.protected_audit.approval_id = Some(approval.id);
     Ok(Some(Decision::Answer(env, ev.clone())))
+}
+
+/// Who waits for a run of the outbox row: for the envelope and the trace.
+struct Caller<'a> {
+    principal_ref: &'a str,
+    salt: &'a str,
+    answer: Option<Answering>,
 }
 
 /// Claims the outbox row and re-checks authorization, business state and
@@ -969,27 +1033,33 @@ fn claim(
     worker: &str,
     now: i64,
     lease_ms: i64,
-    pref: &str,
+    caller: &Caller<'_>,
 ) -> Result<Claim, EngineError> {
+    let pref = caller.principal_ref;
     let Some(mut op) = tx.operation(op_id)? else {
         return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
     };
+    let mut ev = TraceEvent::of_operation("claimed", &op, caller.salt, now);
+    ev.worker = Some(worker.to_string());
+    // Nothing to claim: the answer is the operation's state, and the trace says why.
+    let skipped = |ev: &TraceEvent, env: Envelope, reason: &'static str| -> Result<Claim, EngineError> {
+        let mut ev = ev.clone().because(reason).from_envelope(&env).answering(caller.answer);
+        ev.step = "claim_skipped";
+        ev.write(tx, now)?;
+        Ok(Claim::Answer(env))
+    };
     let Some(ob) = tx.outbox(op_id)? else {
-        return Ok(Claim::Answer(op_envelope(&op, Delivery::Fresh, pref.to_string(), None)));
+        return skipped(&ev, op_envelope(&op, Delivery::Fresh, pref.to_string(), None), "no_outbox_row");
     };
     // Someone else runs it (or ran it): report its state, not a fresh execution.
     if ob.state != "pending" {
-        return Ok(Claim::Answer(op_envelope(&op, Delivery::LocalReplay, pref.to_string(), ob.last_code.as_deref())));
+        let env = op_envelope(&op, Delivery::LocalReplay, pref.to_string(), ob.last_code.as_deref());
+        return skipped(&ev, env, "not_pending");
     }
     if ob.available_at > now {
         let env = op_envelope(&op, Delivery::Fresh, pref.to_string(), ob.last_code.as_deref());
-        return Ok(Claim::Answer(with_retry_after(env, (ob.available_at - now) as u64)));
+        return skipped(&ev, with_retry_after(env, (ob.available_at - now) as u64), "not_due");
     }
-    let mut ev = TraceEvent::step("claimed");
-    ev.operation_id = Some(op.id.clone());
-    ev.tool = Some(op.tool.clone());
-    ev.worker = Some(worker.to_string());
-    ev.deadline_left_ms = Some(op.deadline_at - now);
     if now >= op.deadline_at {
         // Nothing was sent and the deadline has passed: provably no effect.
         let env = with_retry_after(
@@ -998,14 +1068,11 @@ fn claim(
         );
         ev.step = "deadline";
         ev.timeout_stage = Some("before_send");
-        let ev = ev.from_envelope(&env);
+        let ev = ev.because("deadline_passed").from_envelope(&env).answering(caller.answer);
         ev.write(tx, now)?;
         return Ok(Claim::Answer(env));
     }
     if let Err(why) = verify_row(&op) {
-        ev.step = "tamper_detected";
-        ev.note = Some(why.into());
-        ev.write(tx, now)?;
         let env = with_detail(
             error_envelope(
                 Code::StatusConflict,
@@ -1013,12 +1080,16 @@ fn claim(
             ),
             json!({"reason": "stored record failed its integrity check"}),
         );
+        ev.step = "tamper_detected";
+        ev.note = Some(why.into());
+        ev.because("tampered").from_envelope(&env).answering(caller.answer).write(tx, now)?;
         return Ok(Claim::Answer(env));
     }
     let Some(attempt) = tx.claim(op_id, worker, now, now + lease_ms)? else {
-        return Ok(Claim::Answer(op_envelope(&op, Delivery::LocalReplay, pref.to_string(), None)));
+        return skipped(&ev, op_envelope(&op, Delivery::LocalReplay, pref.to_string(), None), "lost_race");
     };
     ev.attempt = Some(attempt);
+    ev.reason = Some(if attempt > 1 { "retry" } else { "first_attempt" });
     // Re-check: authorization, business state and contract revision, read now.
     let args: Value = serde_json::from_str::<Value>(&op.request_json)
         .ok()
@@ -1043,7 +1114,8 @@ fn claim(
         let env = op_envelope(&op, Delivery::Fresh, pref.to_string(), None);
         ev.step = "recheck_failed";
         ev.note = Some(why.into());
-        let ev = ev.from_envelope(&env);
+        ev.deadline_left_ms = None;
+        let ev = ev.because(why).from_envelope(&env).answering(caller.answer);
         ev.write(tx, now)?;
         return Ok(Claim::Answer(env));
     }
@@ -1065,18 +1137,18 @@ struct PersistCtx<'a> {
     may_retry: bool,
     principal_ref: &'a str,
     duration_us: i64,
+    salt: &'a str,
+    answer: Option<Answering>,
 }
 
 /// Persists a reply, fenced on (owner, attempt): a zombie cannot write.
 fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Result<Persisted, EngineError> {
     let op_id = c.op.id.as_str();
-    let mut ev = TraceEvent::step("downstream_reply");
-    ev.operation_id = Some(op_id.to_string());
-    ev.tool = Some(c.op.tool.clone());
+    // Only ids and digests of the reply are traced: never its body or headers.
+    let mut ev = TraceEvent::of_operation("downstream_reply", c.op, c.salt, c.now);
     ev.attempt = Some(c.attempt);
     ev.worker = Some(c.worker.to_string());
     ev.duration_us = Some(c.duration_us);
-    ev.deadline_left_ms = Some(c.op.deadline_at - c.now);
     if !tx.holds_lease(op_id, c.worker, c.attempt)? {
         // Late reply: evidence in the trace, never a state change.
         ev.step = "late_reply";
@@ -1088,12 +1160,14 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             }
             _ => "reply after the lease was lost".to_string(),
         });
-        ev.write(tx, c.now)?;
         let op = tx.operation(op_id)?;
-        return Ok(Persisted::Done(op.map_or_else(
+        let env = op.map_or_else(
             || error_envelope(Code::OutcomeUnknown, ProtectedAudit::default()),
             |o| op_envelope(&o, Delivery::Fresh, c.principal_ref.to_string(), None),
-        )));
+        );
+        // The event records the reply as evidence; its code/outcome are what the caller got.
+        ev.because("lease_lost").from_envelope(&env).answering(c.answer).write(tx, c.now)?;
+        return Ok(Persisted::Done(env));
     }
     let Some(mut op) = tx.operation(op_id)? else {
         return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
@@ -1114,7 +1188,9 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
         let env = op_envelope(op, Delivery::Fresh, c.principal_ref.to_string(), None);
         ev.timeout_stage = stage;
         ev.note = Some(note);
-        ev.clone().from_envelope(&env).write(tx, c.now)?;
+        ev.deadline_left_ms = None;
+        let reason = if code == Code::StatusConflict { "needs_review" } else { "parked_unknown" };
+        ev.clone().because(reason).from_envelope(&env).answering(c.answer).write(tx, c.now)?;
         Ok(Persisted::Done(env))
     };
     match reply {
@@ -1157,15 +1233,15 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             tx.update_operation(&op)?;
             op.version += 1;
             let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), None);
+            ev.reason = Some("committed");
             ev.write(tx, c.now)?;
-            let mut p = TraceEvent::step("persisted").from_envelope(&env);
-            p.tool = Some(op.tool.clone());
+            let mut p = TraceEvent::of_operation("persisted", &op, c.salt, c.now);
             p.attempt = Some(c.attempt);
-            p.downstream_request_id = Some(r.request_id);
-            p.write(tx, c.now)?;
+            p.worker = Some(c.worker.to_string());
+            p.because("committed").from_envelope(&env).answering(c.answer).write(tx, c.now)?;
             Ok(Persisted::Done(env))
         }
-        Ok(Reply::Rejected { reason }) => {
+        Ok(Reply::Rejected { reason: _ }) => {
             tx.finish_attempt(op_id, c.attempt, "rejected", Some(Code::BusinessRuleViolation.as_str()), c.now)?;
             tx.close_outbox(op_id, "done", Some(Code::BusinessRuleViolation.as_str()))?;
             op.state = "failed".into();
@@ -1176,8 +1252,10 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
                 op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), None),
                 json!({"rule": "downstream_rejected"}),
             );
-            ev.note = Some(format!("downstream rejected: {}", reason.chars().take(64).collect::<String>()));
-            ev.from_envelope(&env).write(tx, c.now)?;
+            // The provider's own reason text is a raw reply: it stays out of the trace and the log.
+            ev.note = Some("downstream rejected the request: no effect".into());
+            ev.deadline_left_ms = None;
+            ev.because("rejected").from_envelope(&env).answering(c.answer).write(tx, c.now)?;
             Ok(Persisted::Done(env))
         }
         Ok(Reply::RateLimited { retry_after_ms }) => {
@@ -1235,14 +1313,15 @@ fn refused(
     let within_deadline = c.now + (delay as i64) < op.deadline_at;
     if c.may_retry && within_deadline {
         ev.note = Some("provably not received: retry after backoff".into());
-        ev.write(tx, c.now)?;
+        ev.because("retry_scheduled").write(tx, c.now)?;
         return Ok(Persisted::RetryAfter(delay));
     }
     ev.note =
         Some(if within_deadline { "attempt cap reached".into() } else { "next retry would pass the deadline".into() });
+    ev.reason = Some(if within_deadline { "attempts_exhausted" } else { "deadline_exhausted" });
     let env =
         with_retry_after(op_envelope(op, Delivery::Fresh, c.principal_ref.to_string(), Some(code.as_str())), delay);
-    ev.from_envelope(&env).write(tx, c.now)?;
+    ev.from_envelope(&env).answering(c.answer).write(tx, c.now)?;
     Ok(Persisted::Done(env))
 }
 

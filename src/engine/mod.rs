@@ -255,8 +255,7 @@ impl Engine {
 
     /// A salted hash of one identifier, for traces and exports.
     pub fn hashed(&self, kind: &str, value: &str) -> String {
-        let h = sha256_hex(format!("{}\0{kind}\0{value}", self.salt).as_bytes());
-        format!("{kind}_{}", &h[..16])
+        trace::salted(&self.salt, kind, value)
     }
 
     /// Counts of operations, outbox rows, effects and duplicates.

@@ -9,7 +9,7 @@ use super::dispatch::{
     apply_business_effect, authorize, binding_of, op_envelope, revisions_of, verify_row, DispatchRequest,
 };
 use super::envelope::{Code, Delivery, Envelope, ProtectedAudit};
-use super::trace::TraceEvent;
+use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, Engine, EngineError};
 use crate::downstream::Lookup;
 use crate::failpoint;
@@ -186,7 +186,9 @@ impl Engine {
     /// `query_operation_status(status_ref, expected_request_sha256)`, in the order
     /// of SPEC §8. It never executes the tool.
     pub fn query_operation_status(&mut self, q: &QueryRequest) -> Result<Envelope, EngineError> {
+        let started = Some(Answering::now("query"));
         let now = self.clock.now_ms();
+        let salt = self.salt.clone();
         let call = q.call.clone().unwrap_or_else(fresh_call_identity);
         let pref = self.principal_ref(&q.tenant, &q.subject);
         let audit =
@@ -205,7 +207,11 @@ impl Engine {
                 StatusRefError::Forged => error_envelope(Code::NotFound, audit),
             };
             ev.note = Some(e.to_string());
-            let ev = ev.from_envelope(&env);
+            ev.reason = Some(match e {
+                StatusRefError::Malformed => "status_ref_malformed",
+                StatusRefError::Forged => "status_ref_forged",
+            });
+            let ev = ev.from_envelope(&env).answering(started);
             self.store.write(|tx| ev.write(tx, now))?;
             return Ok(env);
         }
@@ -215,7 +221,7 @@ impl Engine {
                 error_envelope(Code::InvalidArguments, audit),
                 json!({"pointer": "/expected_request_sha256", "reason": "must be 64 lower-case hex digits"}),
             );
-            let ev = ev.from_envelope(&env);
+            let ev = ev.because("bad_expected_digest").from_envelope(&env).answering(started);
             self.store.write(|tx| ev.write(tx, now))?;
             return Ok(env);
         }
@@ -223,24 +229,24 @@ impl Engine {
         let status_ref_sha = sha256_hex(q.status_ref.as_bytes());
         let step = self.store.write(|tx| -> Result<QueryStep, EngineError> {
             let answer = |env: Envelope, mut ev: TraceEvent| -> Result<QueryStep, EngineError> {
-                ev = ev.from_envelope(&env);
+                ev = ev.from_envelope(&env).answering(started);
                 ev.write(tx, now)?;
                 Ok(QueryStep::Answer(env))
             };
             // 2. Current authorization.
+            // Refusals before authorization name no operation: nothing leaks to the trace either.
             let Some(op) = tx.operation_by_status_ref(&q.status_ref)? else {
-                return answer(error_envelope(Code::NotFound, audit.clone()), ev.clone());
+                return answer(error_envelope(Code::NotFound, audit.clone()), ev.clone().because("no_such_operation"));
             };
             if op.tenant != q.tenant || op.subject != q.subject {
-                return answer(error_envelope(Code::NotFound, audit.clone()), ev.clone());
+                return answer(error_envelope(Code::NotFound, audit.clone()), ev.clone().because("other_principal"));
             }
             if let Some(code) = authorize(tx, &op.tenant, &op.subject, &op.tool, &args_of(&op.request_json))? {
-                return answer(error_envelope(code, audit.clone()), ev.clone());
+                let ev = ev.clone().because("current_authorization");
+                return answer(error_envelope(code, audit.clone()), ev);
             }
-            let mut ev = ev.clone();
-            ev.operation_id = Some(op.id.clone());
-            ev.tool = Some(op.tool.clone());
-            ev.request_sha256 = Some(op.request_sha256.clone());
+            // From here on the event carries the operation's fields and the query's own call identity.
+            let mut ev = TraceEvent { call: Some(call.clone()), ..TraceEvent::of_operation("query", &op, &salt, now) };
             // 3. Digest, scope, provider profile, contract revisions.
             let contract_rev = contracts.get(&op.tool).map(|c| c.revisions);
             let mismatch = if expected != op.request_sha256 {
@@ -256,6 +262,7 @@ impl Engine {
             };
             if let Some(why) = mismatch {
                 ev.note = Some(why.into());
+                ev.reason = Some("scope_mismatch");
                 let env = with_detail(error_envelope(Code::StatusConflict, audit.clone()), json!({"reason": why}));
                 return answer(env, ev);
             }
@@ -273,7 +280,7 @@ impl Engine {
                     || bound.request_sha256 != expected
                     || bound.key_sha256 != status_ref_sha
                 {
-                    return answer(error_envelope(Code::CallIdConflict, audit.clone()), ev);
+                    return answer(error_envelope(Code::CallIdConflict, audit.clone()), ev.because("call_id_conflict"));
                 }
             }
             tx.bind_call_identity(
@@ -293,15 +300,17 @@ impl Engine {
                     error_envelope(Code::StatusConflict, audit.clone()),
                     json!({"reason": "stored record failed its integrity check"}),
                 );
-                return answer(env, ev);
+                return answer(env, ev.because("tampered"));
             }
             match op.state.as_str() {
                 "succeeded" | "failed" => {
                     let reconciled = op.last_query_result.as_deref() == Some("reconciled");
                     let d = if reconciled { Delivery::ReceiptReconciled } else { Delivery::LocalReplay };
-                    answer(op_envelope(&op, d, pref.clone(), None), ev)
+                    answer(op_envelope(&op, d, pref.clone(), None), ev.because("replay"))
                 }
-                "resolved" => answer(op_envelope(&op, Delivery::HumanResolved, pref.clone(), None), ev),
+                "resolved" => {
+                    answer(op_envelope(&op, Delivery::HumanResolved, pref.clone(), None), ev.because("replay_resolved"))
+                }
                 _ => Ok(QueryStep::Lookup(Box::new(op))),
             }
         })?;
@@ -319,16 +328,12 @@ impl Engine {
             let Some(mut cur) = tx.operation(&op.id)? else {
                 return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
             };
-            let mut ev = TraceEvent::step("query");
-            ev.operation_id = Some(cur.id.clone());
-            ev.tool = Some(cur.tool.clone());
-            ev.call = Some(call.clone());
-            ev.request_sha256 = Some(cur.request_sha256.clone());
+            let mut ev = TraceEvent { call: Some(call.clone()), ..TraceEvent::of_operation("query", &cur, &salt, now) };
             if cur.version != op.version {
                 // Changed while we looked (a worker or another query finished it): report what it is now.
                 let env = op_envelope(&cur, Delivery::LocalReplay, pref.clone(), None);
                 ev.note = Some("changed during lookup".into());
-                ev.from_envelope(&env).write(tx, now)?;
+                ev.because("changed_during_lookup").from_envelope(&env).answering(started).write(tx, now)?;
                 return Ok(env);
             }
             cur.updated_at = now;
@@ -394,7 +399,11 @@ impl Engine {
             let delivery = if result == "reconciled" { Delivery::ReceiptReconciled } else { Delivery::LocalReplay };
             let env = op_envelope(&cur, delivery, pref.clone(), None);
             ev.note = Some(reason.into());
-            ev.from_envelope(&env).write(tx, now)?;
+            ev.reason = Some(result);
+            // The receipt ids were set from the lookup; the digests come from the row as it is now.
+            ev.result_sha256.clone_from(&cur.result_sha256);
+            ev.call_binding_sha256 = Some(cur.call_binding_sha256.clone());
+            ev.from_envelope(&env).answering(started).write(tx, now)?;
             tx.insert_audit(&audit_row(
                 now,
                 None,
@@ -414,12 +423,14 @@ impl Engine {
     /// Approves a pending request: the held call is accepted (operation + outbox in
     /// one transaction) and executed now. Refusals are `APPROVAL_INVALID`.
     pub fn approve(&mut self, approval_id: &str, approver: &str) -> Result<Envelope, EngineError> {
+        let started = Some(Answering::now("approve"));
         let now = self.clock.now_ms();
+        let salt = self.salt.clone();
         let contracts = self.contracts.clone();
         let refs = self.refs.clone();
         let ids = self.ids.clone();
         let decided = self.store.write(|tx| -> Result<Result<String, (Envelope, String)>, EngineError> {
-            let invalid = |why: &str, a: Option<&crate::store::ApprovalRow>| -> Result<Result<String, (Envelope, String)>, EngineError> {
+            let invalid = |why: &str, reason: &'static str, a: Option<&crate::store::ApprovalRow>| -> Result<Result<String, (Envelope, String)>, EngineError> {
                 tx.insert_audit(&audit_row(now, None, approver, "approve", None, Some(approval_id), false, why, &json!({
                     "approval_state": a.map(|a| a.state.clone()),
                     "expires_at": a.map(|a| a.expires_at),
@@ -432,30 +443,34 @@ impl Engine {
                 if let Some(a) = a {
                     env.protected_audit.tool.clone_from(&a.tool);
                 }
+                let mut ev = a.map_or_else(|| TraceEvent::step("approval"), |a| TraceEvent::of_approval("approval", a, &salt));
+                ev.approval_id = Some(approval_id.to_string());
+                ev.note = Some(why.to_string());
+                ev.because(reason).from_envelope(&env).answering(started).write(tx, now)?;
                 Ok(Err((env, why.to_string())))
             };
             let Some(mut a) = tx.approval(approval_id)? else {
-                return invalid("no such approval request", None);
+                return invalid("no such approval request", "no_such_approval", None);
             };
             if a.state != "pending" {
                 let why = format!("approval is {}", a.state);
-                return invalid(&why, Some(&a));
+                return invalid(&why, "not_pending", Some(&a));
             }
             if now >= a.expires_at {
                 a.state = "expired".into();
                 a.decided_at = Some(now);
                 a.decided_by = Some("system".into());
                 tx.decide_approval(&a)?;
-                return invalid("approval expired (expiry is exclusive)", Some(&a));
+                return invalid("approval expired (expiry is exclusive)", "approval_expired", Some(&a));
             }
             if !tx.is_approver(&a.tenant, approver)? {
-                return invalid("approver is not on the tenant's allowlist", Some(&a));
+                return invalid("approver is not on the tenant's allowlist", "not_allowlisted", Some(&a));
             }
             if approver == a.subject {
-                return invalid("requester cannot approve their own request", Some(&a));
+                return invalid("requester cannot approve their own request", "self_approval", Some(&a));
             }
             let Some(contract) = contracts.get(&a.tool) else {
-                return invalid("tool no longer exists", Some(&a));
+                return invalid("tool no longer exists", "unknown_tool", Some(&a));
             };
             let policy_rev = tx.tenant(&a.tenant)?.map_or(-1, |t| t.policy_revision);
             let rev = Revisions { input: a.input_rev, output: a.output_rev, effect: a.effect_rev };
@@ -464,7 +479,7 @@ impl Engine {
                 a.decided_at = Some(now);
                 a.decided_by = Some("system".into());
                 tx.decide_approval(&a)?;
-                return invalid("policy or contract revision changed since the request", Some(&a));
+                return invalid("policy or contract revision changed since the request", "revision_changed", Some(&a));
             }
             let call = CallIdentity {
                 provider: a.call_provider.clone(),
@@ -475,10 +490,10 @@ impl Engine {
             };
             let base = approval_base_sha256(&a.tenant, &a.subject, &a.tool, &a.request_sha256, &a.key_sha256, &call, rev, a.policy_revision);
             if base != a.base_sha256 || sha256_hex(a.request_json.as_bytes()) != a.request_sha256 {
-                return invalid("approval record does not match its digest", Some(&a));
+                return invalid("approval record does not match its digest", "tampered", Some(&a));
             }
             if tx.operation_by_scope(&a.tenant, &a.subject, &a.tool, &a.idem_key)?.is_some() {
-                return invalid("the intent already has an operation", Some(&a));
+                return invalid("the intent already has an operation", "already_accepted", Some(&a));
             }
             // Accept the held call.
             let req = DispatchRequest {
@@ -522,33 +537,23 @@ impl Engine {
                 "approval_sha256": a.approval_sha256, "request_sha256": a.request_sha256, "expires_at": a.expires_at,
                 "amount_minor": a.amount_minor,
             })))?;
-            let mut ev = TraceEvent::step("approval");
-            ev.operation_id = Some(op.id.clone());
-            ev.tool = Some(op.tool.clone());
-            ev.approval_id = Some(a.id.clone());
+            let mut ev = TraceEvent::of_operation("approval", &op, &salt, now);
             ev.policy_revision = Some(a.policy_revision);
-            ev.request_sha256 = Some(op.request_sha256.clone());
-            ev.call_binding_sha256 = Some(op.call_binding_sha256.clone());
             ev.note = Some("approved: held call accepted".into());
-            ev.write(tx, now)?;
+            ev.because("approved").write(tx, now)?;
             Ok(Ok(op.id))
         })?;
         match decided {
-            Ok(op_id) => self.run_operation(&op_id, &contracts),
-            Err((env, why)) => {
-                let mut ev = TraceEvent::step("approval");
-                ev.approval_id = Some(approval_id.to_string());
-                ev.note = Some(why);
-                let ev = ev.from_envelope(&env);
-                self.store.write(|tx| ev.write(tx, now))?;
-                Ok(env)
-            }
+            Ok(op_id) => self.run_operation(&op_id, &contracts, started),
+            // The refusal's trace event was written with the refusal.
+            Err((env, _)) => Ok(env),
         }
     }
 
     /// Denies a pending request (note mandatory).
     pub fn deny(&mut self, approval_id: &str, approver: &str, note: &str) -> Result<OperatorOutcome, EngineError> {
         let now = self.clock.now_ms();
+        let salt = self.salt.clone();
         Ok(self.store.write(|tx| -> Result<OperatorOutcome, StoreError> {
             let refuse = |code: &str, why: &str| -> Result<OperatorOutcome, StoreError> {
                 tx.insert_audit(&audit_row(
@@ -594,12 +599,10 @@ impl Engine {
                     "request_sha256": a.request_sha256, "expires_at": a.expires_at, "amount_minor": a.amount_minor,
                 }),
             ))?;
-            let mut ev = TraceEvent::step("approval");
-            ev.approval_id = Some(a.id.clone());
-            ev.tool = Some(a.tool.clone());
+            let mut ev = TraceEvent::of_approval("approval", &a, &salt);
             ev.code = Some(Code::ApprovalInvalid);
             ev.note = Some("denied".into());
-            ev.write(tx, now)?;
+            ev.because("denied").write(tx, now)?;
             Ok(OperatorOutcome {
                 applied: true,
                 code: "OK".into(),
@@ -618,6 +621,7 @@ impl Engine {
     /// Resolves an `unknown` / `needs_review` operation by a recorded human decision.
     pub fn resolve(&mut self, r: &ResolveRequest) -> Result<OperatorOutcome, EngineError> {
         let now = self.clock.now_ms();
+        let salt = self.salt.clone();
         Ok(self.store.write(|tx| -> Result<OperatorOutcome, StoreError> {
             if let Some(id) = &r.action_id {
                 if let Some(prev) = tx.audit_by_action_id(id)? {
@@ -640,6 +644,12 @@ impl Engine {
                 let ev = json!({"seen_version": r.seen_version, "current": snapshot, "resolution": r.resolution.as_str(), "evidence": r.evidence});
                 let op_exists = cur.is_some();
                 tx.insert_audit(&audit_row(now, r.action_id.as_deref(), &r.operator, "resolve", op_exists.then_some(r.operation_id.as_str()), None, false, &why, &ev))?;
+                if let Some(op) = &cur {
+                    // A refused attempt is part of the operation's story too (the operator log has who and why).
+                    let mut t = TraceEvent::of_operation("resolution", op, &salt, now);
+                    t.note = Some(format!("refused: {}", code.to_ascii_lowercase()));
+                    t.because("refused").write(tx, now)?;
+                }
                 Ok(refused(code, why, op_ref, None))
             };
             if r.operator.trim().is_empty() {
@@ -685,14 +695,11 @@ impl Engine {
             }
             let ev = json!({"seen_version": r.seen_version, "before": snapshot, "resolution": r.resolution.as_str(), "evidence": evidence});
             tx.insert_audit(&audit_row(now, r.action_id.as_deref(), &r.operator, "resolve", op_ref, None, true, &r.note, &ev))?;
-            let mut t = TraceEvent::step("resolution");
-            t.operation_id = Some(op.id.clone());
-            t.tool = Some(op.tool.clone());
+            let mut t = TraceEvent::of_operation("resolution", &op, &salt, now);
             t.delivery = Some("human_resolved");
-            t.receipt_id.clone_from(&op.receipt_id);
-            t.call_binding_sha256 = Some(op.call_binding_sha256.clone());
+            t.outcome = Some(if r.resolution == Resolution::Failed { "not_started" } else { "committed" });
             t.note = Some(format!("resolved as {}", r.resolution.as_str()));
-            t.write(tx, now)?;
+            t.because(r.resolution.as_str()).write(tx, now)?;
             Ok(OperatorOutcome {
                 applied: true,
                 code: "OK".into(),

@@ -1,18 +1,29 @@
 //! Trace events: one per pipeline step, with the SPEC §12 fields. Arguments appear
-//! only as a digest plus their data classification; tenant and subject only hashed.
+//! only as a digest plus their data classification; tenant and subject only as
+//! salted hashes; provider replies and result bodies only as digests.
+//!
+//! Every call into the engine that returns an envelope (a dispatch, a status
+//! query, an approval) marks exactly one of its events as the *answer*, with the
+//! code, outcome and delivery the caller got and the whole call's latency: the
+//! metrics count calls by those events (see [`crate::telemetry::metrics`]).
+
+use std::time::Instant;
 
 use serde::Serialize;
 use serde_json::Value;
 
-use super::canonical::canonical_string;
+use super::canonical::{canonical_string, sha256_hex, CallIdentity, Revisions};
 use super::envelope::{Code, Envelope};
-use crate::store::{StoreError, TraceRow, Tx};
+use crate::store::{ApprovalRow, OperationRow, StoreError, TraceRow, Tx};
 
 /// The fields of one trace event. `None` fields are left out.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct TraceEvent {
-    /// Pipeline step (`received`, `validated`, `authorized`, `idempotency`, `approval`,
-    /// `accepted`, `claimed`, `sent`, `downstream_reply`, `persisted`, `query`, `resolution`, ...).
+    /// Pipeline step (`rejected`, `read`, `authorization`, `call_identity`,
+    /// `idempotency`, `business_rules`, `approval`, `accepted`, `claimed`,
+    /// `claim_skipped`, `deadline`, `recheck_failed`, `sent`, `send_aborted`,
+    /// `downstream_reply`, `late_reply`, `persisted`, `reaped`, `query`,
+    /// `resolution`, `tamper_detected`).
     #[serde(skip)]
     pub step: &'static str,
     /// Operation id.
@@ -33,18 +44,31 @@ pub struct TraceEvent {
     /// Attempt.
     #[serde(skip)]
     pub attempt: Option<i64>,
-    /// Duration of the step.
+    /// Duration of the step itself.
     #[serde(skip)]
     pub duration_us: Option<i64>,
+    /// The API call this event answers (`dispatch`, `query`, `approve`).
+    #[serde(skip)]
+    pub answer: Option<&'static str>,
+    /// The whole call's latency, on the answer event.
+    #[serde(skip)]
+    pub latency_us: Option<i64>,
+    /// Salted hash of the tenant.
+    #[serde(skip)]
+    pub tenant_ref: Option<String>,
+    /// Where a timeout happened: `before_send`, `connect`, `response`, `handler`.
+    #[serde(skip)]
+    pub timeout_stage: Option<&'static str>,
+    /// A low-cardinality classification of the decision (`replay`, `retry`,
+    /// `attempts_exhausted`, `reconciled`, ...). Never free text.
+    #[serde(skip)]
+    pub reason: Option<&'static str>,
     /// Call identity: provider / api family / response id / call id / adapter revision.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub call: Option<super::canonical::CallIdentity>,
+    pub call: Option<CallIdentity>,
     /// Contract revisions.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub revisions: Option<super::canonical::Revisions>,
-    /// Salted hash of the tenant.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tenant_ref: Option<String>,
+    pub revisions: Option<Revisions>,
     /// Salted hash of the subject.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub subject_ref: Option<String>,
@@ -60,6 +84,11 @@ pub struct TraceEvent {
     /// Data classification of the arguments.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data_classification: Option<String>,
+    /// The pipeline checks this call passed before the step that decided it
+    /// (`contract`, `authorization`, `call_identity`, `idempotency`,
+    /// `business_rules`, `approval`): the steps folded into the decision event.
+    #[serde(rename = "checks_passed", skip_serializing_if = "Vec::is_empty")]
+    pub checks: Vec<&'static str>,
     /// Approval id.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub approval_id: Option<String>,
@@ -69,9 +98,6 @@ pub struct TraceEvent {
     /// Milliseconds left before the operation deadline.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub deadline_left_ms: Option<i64>,
-    /// Where a timeout happened: `before_send`, `connect`, `response`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub timeout_stage: Option<&'static str>,
     /// Recovery of the code.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub recovery: Option<String>,
@@ -81,6 +107,10 @@ pub struct TraceEvent {
     /// Downstream receipt id.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub receipt_id: Option<String>,
+    /// The opaque status reference (useless without current authorization and
+    /// the expected request digest).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status_ref: Option<String>,
     /// Result digest.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub result_sha256: Option<String>,
@@ -96,9 +126,33 @@ pub struct TraceEvent {
     /// Worker (lease owner).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub worker: Option<String>,
-    /// Free-form, non-sensitive note (a decision, a reason class).
+    /// Free-form, non-sensitive note written by the engine (never a provider's
+    /// or a caller's text).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+}
+
+/// The call an event answers and when that call started.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Answering {
+    /// `dispatch`, `query` or `approve`.
+    pub kind: &'static str,
+    /// When the call started.
+    pub started: Instant,
+}
+
+impl Answering {
+    /// A call of `kind` that started now.
+    pub(crate) fn now(kind: &'static str) -> Self {
+        Self { kind, started: Instant::now() }
+    }
+}
+
+/// A salted hash of one identifier (`tenant_…`, `subject_…`): stable within one
+/// database, unlinkable across databases.
+pub(crate) fn salted(salt: &str, kind: &str, value: &str) -> String {
+    let h = sha256_hex(format!("{salt}\0{kind}\0{value}").as_bytes());
+    format!("{kind}_{}", &h[..16])
 }
 
 impl TraceEvent {
@@ -108,7 +162,83 @@ impl TraceEvent {
         Self { step, ..Self::default() }
     }
 
-    /// Fills code, outcome, delivery and recovery from an envelope.
+    /// An event about an operation, with every identity, revision, digest and
+    /// downstream field the row holds (tenant and subject salted-hashed).
+    #[must_use]
+    pub(crate) fn of_operation(step: &'static str, op: &OperationRow, salt: &str, now: i64) -> Self {
+        let open = matches!(op.state.as_str(), "accepted" | "in_flight");
+        Self {
+            step,
+            operation_id: Some(op.id.clone()),
+            tool: Some(op.tool.clone()),
+            tenant_ref: Some(salted(salt, "tenant", &op.tenant)),
+            subject_ref: Some(salted(salt, "subject", &op.subject)),
+            call: Some(CallIdentity {
+                provider: op.call_provider.clone(),
+                api_family: op.call_api_family.clone(),
+                response_id: op.call_response_id.clone(),
+                call_id: op.call_id.clone(),
+                adapter_revision: op.adapter_revision.clone(),
+            }),
+            revisions: Some(Revisions { input: op.input_rev, output: op.output_rev, effect: op.effect_rev }),
+            key_sha256: Some(op.key_sha256.clone()),
+            request_sha256: Some(op.request_sha256.clone()),
+            approval_id: op.approval_id.clone(),
+            deadline_left_ms: open.then_some(op.deadline_at - now),
+            downstream_request_id: op.downstream_request_id.clone(),
+            receipt_id: op.receipt_id.clone(),
+            status_ref: Some(op.status_ref.clone()),
+            result_sha256: op.result_sha256.clone(),
+            call_binding_sha256: Some(op.call_binding_sha256.clone()),
+            ..Self::default()
+        }
+    }
+
+    /// An event about an approval request (and the operation it created, if any).
+    #[must_use]
+    pub(crate) fn of_approval(step: &'static str, a: &ApprovalRow, salt: &str) -> Self {
+        Self {
+            step,
+            operation_id: a.operation_id.clone(),
+            tool: Some(a.tool.clone()),
+            tenant_ref: Some(salted(salt, "tenant", &a.tenant)),
+            subject_ref: Some(salted(salt, "subject", &a.subject)),
+            call: Some(CallIdentity {
+                provider: a.call_provider.clone(),
+                api_family: a.call_api_family.clone(),
+                response_id: a.call_response_id.clone(),
+                call_id: a.call_id.clone(),
+                adapter_revision: a.adapter_revision.clone(),
+            }),
+            revisions: Some(Revisions { input: a.input_rev, output: a.output_rev, effect: a.effect_rev }),
+            key_sha256: Some(a.key_sha256.clone()),
+            request_sha256: Some(a.request_sha256.clone()),
+            approval_id: Some(a.id.clone()),
+            policy_revision: Some(a.policy_revision),
+            ..Self::default()
+        }
+    }
+
+    /// Marks this event as the answer to a call (when there is one): the call
+    /// kind and its latency so far.
+    #[must_use]
+    pub(crate) fn answering(mut self, a: Option<Answering>) -> Self {
+        if let Some(a) = a {
+            self.answer = Some(a.kind);
+            self.latency_us = Some(a.started.elapsed().as_micros() as i64);
+        }
+        self
+    }
+
+    /// Sets the decision class.
+    #[must_use]
+    pub(crate) fn because(mut self, reason: &'static str) -> Self {
+        self.reason = Some(reason);
+        self
+    }
+
+    /// Fills code, outcome, delivery and recovery from an envelope, and every
+    /// audit field the event does not have yet.
     #[must_use]
     pub fn from_envelope(mut self, env: &Envelope) -> Self {
         let v = serde_json::to_value(env.model_result.execution).unwrap_or(Value::Null);
@@ -130,22 +260,26 @@ impl TraceEvent {
             self.recovery = serde_json::to_value(e.recovery).ok().and_then(|v| v.as_str().map(str::to_string));
             self.retry_after_ms = e.retry_after_ms;
         }
-        if let Some(b) = &env.protected_audit.binding.call_binding_sha256 {
-            self.call_binding_sha256 = Some(b.clone());
-        }
-        if let Some(r) = &env.protected_audit.binding.result_sha256 {
-            self.result_sha256 = Some(r.clone());
-        }
-        if let Some(r) = &env.protected_audit.downstream.receipt_id {
-            self.receipt_id = Some(r.clone());
-        }
-        if self.operation_id.is_none() {
-            self.operation_id.clone_from(&env.protected_audit.operation_id);
+        let a = &env.protected_audit;
+        fill(&mut self.call_binding_sha256, a.binding.call_binding_sha256.as_ref());
+        fill(&mut self.result_sha256, a.binding.result_sha256.as_ref());
+        fill(&mut self.request_sha256, a.binding.request_sha256.as_ref());
+        fill(&mut self.receipt_id, a.downstream.receipt_id.as_ref());
+        fill(&mut self.downstream_request_id, a.downstream.request_id.as_ref());
+        fill(&mut self.status_ref, a.downstream.status_ref.as_ref());
+        fill(&mut self.operation_id, a.operation_id.as_ref());
+        fill(&mut self.approval_id, a.approval_id.as_ref());
+        fill(&mut self.call, a.provider.as_ref());
+        fill(&mut self.revisions, a.revisions.as_ref());
+        if self.tool.is_none() && !a.tool.is_empty() {
+            self.tool = Some(a.tool.clone());
         }
         self
     }
 
-    /// Writes the event inside a transaction.
+    /// Writes the event inside a transaction (the rollups the metrics read are
+    /// updated by the same insert), and mirrors its redacted summary to the
+    /// diagnostic log.
     pub(crate) fn write(&self, tx: &Tx<'_>, at: i64) -> Result<(), StoreError> {
         let fields = canonical_string(&serde_json::to_value(self).unwrap_or(Value::Null));
         tx.insert_trace(&TraceRow {
@@ -160,6 +294,43 @@ impl TraceEvent {
             attempt: self.attempt,
             duration_us: self.duration_us,
             fields,
-        })
+            answer: self.answer.map(str::to_string),
+            latency_us: self.latency_us,
+            tenant_ref: self.tenant_ref.clone(),
+            tool_version: self.revisions.map(|r| format!("{}.{}.{}", r.input, r.output, r.effect)),
+            timeout_stage: self.timeout_stage.map(str::to_string),
+            reason: self.reason.map(str::to_string),
+        })?;
+        self.log();
+        Ok(())
+    }
+
+    /// The diagnostic log line: only fields that are safe by construction (ids,
+    /// codes, classes, digests' owners), never arguments or bodies.
+    fn log(&self) {
+        let op = self.operation_id.as_deref().unwrap_or("-");
+        let tool = self.tool.as_deref().unwrap_or("-");
+        let code = self.code.map_or("-", Code::as_str);
+        let outcome = self.outcome.unwrap_or("-");
+        let delivery = self.delivery.unwrap_or("-");
+        let reason = self.reason.unwrap_or("-");
+        let stage = self.timeout_stage.unwrap_or("-");
+        let attempt = self.attempt.unwrap_or(0);
+        let step = self.step;
+        if let Some(call) = self.answer {
+            let latency_us = self.latency_us.unwrap_or(0);
+            tracing::info!(
+                target: "toolgate::trace",
+                call, step, op, tool, code, outcome, delivery, reason, stage, attempt, latency_us, "answered"
+            );
+        } else {
+            tracing::debug!(target: "toolgate::trace", step, op, tool, code, outcome, delivery, reason, stage, attempt, "step");
+        }
+    }
+}
+
+fn fill<T: Clone>(slot: &mut Option<T>, from: Option<&T>) {
+    if slot.is_none() {
+        slot.clone_from(&from.cloned());
     }
 }

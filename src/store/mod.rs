@@ -14,7 +14,8 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBeha
 pub use rows::*;
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 1] = [include_str!("migrations/0001_ledger.sql")];
+const MIGRATIONS: [&str; 2] =
+    [include_str!("migrations/0001_ledger.sql"), include_str!("migrations/0002_observability.sql")];
 
 /// The schema version this build writes.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
@@ -773,8 +774,9 @@ impl Tx<'_> {
     pub fn insert_trace(&self, e: &TraceRow) -> R<()> {
         self.conn
             .prepare_cached(
-                "INSERT INTO trace_events (at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us, fields)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+                "INSERT INTO trace_events (at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us, fields,
+                   answer, latency_us, tenant_ref, tool_version, timeout_stage, reason)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
             )?
             .execute(params![
                 e.at,
@@ -786,7 +788,13 @@ impl Tx<'_> {
                 e.delivery,
                 e.attempt,
                 e.duration_us,
-                e.fields
+                e.fields,
+                e.answer,
+                e.latency_us,
+                e.tenant_ref,
+                e.tool_version,
+                e.timeout_stage,
+                e.reason
             ])?;
         Ok(())
     }
@@ -986,5 +994,97 @@ impl Tx<'_> {
     #[doc(hidden)]
     pub fn raw_execute(&self, sql: &str) -> R<usize> {
         Ok(self.conn.execute(sql, [])?)
+    }
+}
+
+// ---------------------------------------------------------- observability
+//
+// Metrics read the rollups that the `trace_events_rollup` trigger (migration
+// 0002) keeps in the same transaction as each trace insert, plus a few small
+// reads of the ledger's own state. Nothing here scans the whole trace.
+
+const METRIC_DIMS: &str =
+    "answer, step, tool, tenant_ref, tool_version, code, outcome, delivery, timeout_stage, reason, events, latency_sum_us";
+
+impl Tx<'_> {
+    /// All-time event counts, one row per series.
+    pub fn metric_totals(&self) -> R<Vec<MetricRow>> {
+        let mut st = self.conn.prepare_cached(&format!("SELECT NULL, {METRIC_DIMS} FROM metric_totals"))?;
+        let rows = st.query_map([], MetricRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Per-minute event counts for minutes in `[from_minute, to_minute)`.
+    pub fn metric_minutes(&self, from_minute: i64, to_minute: i64) -> R<Vec<MetricRow>> {
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT minute, {METRIC_DIMS} FROM metric_minutes WHERE minute >= ?1 AND minute < ?2 ORDER BY minute"
+        ))?;
+        let rows = st.query_map(params![from_minute, to_minute], MetricRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// The all-time latency histogram of answered calls.
+    pub fn latency_totals(&self) -> R<Vec<LatencyRow>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT NULL, answer, tool, tenant_ref, tool_version, bucket_us, count FROM latency_totals",
+        )?;
+        let rows = st.query_map([], LatencyRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// The latency histogram of calls answered in minutes `[from_minute, to_minute)`.
+    pub fn latency_minutes(&self, from_minute: i64, to_minute: i64) -> R<Vec<LatencyRow>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT minute, answer, tool, tenant_ref, tool_version, bucket_us, count FROM latency_minutes
+             WHERE minute >= ?1 AND minute < ?2",
+        )?;
+        let rows = st.query_map(params![from_minute, to_minute], LatencyRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Non-terminal operations per state, tool, tenant and contract revisions,
+    /// with the oldest one's creation time (served by the `operations_state` index).
+    pub fn open_operations(&self) -> R<Vec<OpenOperationsRow>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT state, tool, tenant, input_rev || '.' || output_rev || '.' || effect_rev, count(*), min(created_at)
+             FROM operations WHERE state IN ('accepted', 'in_flight', 'unknown', 'needs_review')
+             GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4",
+        )?;
+        let rows = st.query_map([], |r| {
+            Ok(OpenOperationsRow {
+                state: r.get(0)?,
+                tool: r.get(1)?,
+                tenant: r.get(2)?,
+                tool_version: r.get(3)?,
+                count: r.get(4)?,
+                oldest_created_at: r.get(5)?,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Approval requests per tool, tenant and effective state: a pending request
+    /// whose expiry has passed (`now >= expires_at`, exclusive) counts as `expired`.
+    pub fn approval_states(&self, now: i64) -> R<Vec<ApprovalStateRow>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT tool, tenant, CASE WHEN state = 'pending' AND expires_at <= ?1 THEN 'expired' ELSE state END, count(*)
+             FROM approvals GROUP BY 1, 2, 3 ORDER BY 1, 2, 3",
+        )?;
+        let rows = st.query_map([now], |r| {
+            Ok(ApprovalStateRow { tool: r.get(0)?, tenant: r.get(1)?, state: r.get(2)?, count: r.get(3)? })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Deletes per-minute rollups older than `before_minute` (the all-time totals stay).
+    pub fn prune_metric_minutes(&self, before_minute: i64) -> R<usize> {
+        let a = self.conn.prepare_cached("DELETE FROM metric_minutes WHERE minute < ?1")?.execute([before_minute])?;
+        let b = self.conn.prepare_cached("DELETE FROM latency_minutes WHERE minute < ?1")?.execute([before_minute])?;
+        Ok(a + b)
+    }
+
+    /// The newest trace sequence number (0 when the trace is empty).
+    pub fn last_trace_seq(&self) -> R<i64> {
+        Ok(self.conn.prepare_cached("SELECT coalesce(max(seq), 0) FROM trace_events")?.query_row([], |r| r.get(0))?)
     }
 }

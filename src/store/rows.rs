@@ -344,7 +344,8 @@ pub struct ReceiptRow {
 }
 
 pub(crate) const TRACE_COLS: &str =
-    "seq, at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us, fields";
+    "seq, at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us, \
+    fields, answer, latency_us, tenant_ref, tool_version, timeout_stage, reason";
 
 /// One trace event.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -371,6 +372,19 @@ pub struct TraceRow {
     pub duration_us: Option<i64>,
     /// The other §12 fields, canonical JSON.
     pub fields: String,
+    /// The API call this event answers (`dispatch`, `query`, `approve`), on
+    /// exactly one event per call.
+    pub answer: Option<String>,
+    /// The whole call's latency, on answer events.
+    pub latency_us: Option<i64>,
+    /// Salted hash of the tenant.
+    pub tenant_ref: Option<String>,
+    /// Contract revisions as `input.output.effect`.
+    pub tool_version: Option<String>,
+    /// Where a timeout happened.
+    pub timeout_stage: Option<String>,
+    /// Low-cardinality classification of the step's decision.
+    pub reason: Option<String>,
 }
 
 impl TraceRow {
@@ -387,6 +401,12 @@ impl TraceRow {
             attempt: r.get(8)?,
             duration_us: r.get(9)?,
             fields: r.get(10)?,
+            answer: r.get(11)?,
+            latency_us: r.get(12)?,
+            tenant_ref: r.get(13)?,
+            tool_version: r.get(14)?,
+            timeout_stage: r.get(15)?,
+            reason: r.get(16)?,
         })
     }
 }
@@ -610,4 +630,121 @@ impl EffectRow {
             visible_at: r.get(8)?,
         })
     }
+}
+
+// ---------------------------------------------------------- observability
+
+/// One series of the trace rollups (`metric_totals` / `metric_minutes`). Absent
+/// dimensions are empty strings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MetricRow {
+    /// The minute (`at / 60000`), for per-minute rows.
+    pub minute: Option<i64>,
+    /// The API call answered (`dispatch`, `query`, `approve`), or empty.
+    pub answer: String,
+    /// Pipeline step.
+    pub step: String,
+    /// Tool.
+    pub tool: String,
+    /// Salted hash of the tenant.
+    pub tenant_ref: String,
+    /// Contract revisions `input.output.effect`.
+    pub tool_version: String,
+    /// Code.
+    pub code: String,
+    /// Outcome.
+    pub outcome: String,
+    /// Delivery.
+    pub delivery: String,
+    /// Timeout stage.
+    pub timeout_stage: String,
+    /// Decision class.
+    pub reason: String,
+    /// Events in the series.
+    pub events: i64,
+    /// Sum of the answer latencies in the series.
+    pub latency_sum_us: i64,
+}
+
+impl MetricRow {
+    pub(crate) fn from_row(r: &Row<'_>) -> rusqlite::Result<Self> {
+        Ok(Self {
+            minute: r.get(0)?,
+            answer: r.get(1)?,
+            step: r.get(2)?,
+            tool: r.get(3)?,
+            tenant_ref: r.get(4)?,
+            tool_version: r.get(5)?,
+            code: r.get(6)?,
+            outcome: r.get(7)?,
+            delivery: r.get(8)?,
+            timeout_stage: r.get(9)?,
+            reason: r.get(10)?,
+            events: r.get(11)?,
+            latency_sum_us: r.get(12)?,
+        })
+    }
+}
+
+/// One latency bucket of answered calls (`latency_totals` / `latency_minutes`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LatencyRow {
+    /// The minute, for per-minute rows.
+    pub minute: Option<i64>,
+    /// The API call answered.
+    pub answer: String,
+    /// Tool.
+    pub tool: String,
+    /// Salted hash of the tenant.
+    pub tenant_ref: String,
+    /// Contract revisions.
+    pub tool_version: String,
+    /// Upper bound of the bucket (latency rounded up to 3 significant digits).
+    pub bucket_us: i64,
+    /// Calls in the bucket.
+    pub count: i64,
+}
+
+impl LatencyRow {
+    pub(crate) fn from_row(r: &Row<'_>) -> rusqlite::Result<Self> {
+        Ok(Self {
+            minute: r.get(0)?,
+            answer: r.get(1)?,
+            tool: r.get(2)?,
+            tenant_ref: r.get(3)?,
+            tool_version: r.get(4)?,
+            bucket_us: r.get(5)?,
+            count: r.get(6)?,
+        })
+    }
+}
+
+/// Non-terminal operations of one state, tool, tenant and contract revision.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OpenOperationsRow {
+    /// State (`accepted`, `in_flight`, `unknown`, `needs_review`).
+    pub state: String,
+    /// Tool.
+    pub tool: String,
+    /// Tenant (raw: hash it before exporting).
+    pub tenant: String,
+    /// Contract revisions.
+    pub tool_version: String,
+    /// How many.
+    pub count: i64,
+    /// Creation time of the oldest.
+    pub oldest_created_at: i64,
+}
+
+/// Approval requests of one tool, tenant and effective state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ApprovalStateRow {
+    /// Tool.
+    pub tool: String,
+    /// Tenant (raw: hash it before exporting).
+    pub tenant: String,
+    /// `pending`, `approved`, `denied`, `expired`, `invalidated`.
+    pub state: String,
+    /// How many.
+    pub count: i64,
 }
