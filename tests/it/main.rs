@@ -8,6 +8,7 @@ mod cli;
 mod crash;
 mod dispatch;
 mod failpoints;
+mod hostile;
 mod invariants;
 mod observability;
 mod props;
