@@ -636,7 +636,7 @@ impl ScenarioRun {
                         CrashReport {
                             mode: CrashKind::InProcess,
                             aborted: false,
-                            detail: "simulated in process: the provider committed, the reply was dropped and the engine closed".into(),
+                            detail: "in this process: the provider committed (timeout_after_commit), the reply was dropped and the engine closed".into(),
                         }
                     }
                 };

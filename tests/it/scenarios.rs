@@ -94,7 +94,7 @@ fn the_stepper_runs_one_step_at_a_time_and_simulates_the_crash_in_process() {
     assert_eq!(first.step, 1);
     let crash = first.crash.unwrap();
     assert_eq!(crash.mode, CrashKind::InProcess);
-    assert!(crash.detail.contains("simulated"));
+    assert!(crash.detail.contains("in this process"), "{}", crash.detail);
     // The simulation loses the reply of a committed call: the ledger says unknown
     // (a real crash leaves in_flight); the script states both.
     assert_eq!(first.transition.to, "unknown");
@@ -146,6 +146,26 @@ fn a_wrong_expectation_fails_naming_the_step_and_the_field() {
         assert!(table.contains(&format!("✗ {field}: expected")), "{what}:\n{table}");
         assert!(table.contains("FAIL"), "{table}");
     }
+}
+
+#[test]
+fn a_step_that_cannot_run_fails_and_stops_the_run() {
+    // Step 3 of scenario 6 is POLICY_DENIED: its envelope has no status_ref to query.
+    let mut v = builtin_json(6);
+    v["steps"][3]["status_ref_from"] = json!(3);
+    let script = parse(&v).unwrap();
+    let mut run = ScenarioRun::new(&script, opts(child())).unwrap();
+    for _ in 0..3 {
+        assert!(run.step().unwrap().passed);
+    }
+    let stuck = run.step().unwrap();
+    assert!(!stuck.passed);
+    assert_eq!(stuck.failures[0].field, "status_ref_from");
+    assert!(stuck.failures[0].actual.contains("step 3 returned no status_ref"), "{:?}", stuck.failures);
+    assert!(run.step().is_none(), "the run stops at a step that could not run");
+    let r = run.report();
+    assert!(!r.passed);
+    assert!(report::render(&r).contains(&format!("3 of {} steps passed (stopped after step 4)", script.steps.len())));
 }
 
 /// Loads a mutated copy of a built-in scenario and expects a refusal whose
