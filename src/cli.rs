@@ -131,6 +131,22 @@ pub enum Command {
         #[command(subcommand)]
         what: ScenarioCommand,
     },
+    /// Generate the demo database deterministically (the committed `demo.db`).
+    DemoDb {
+        /// Where to write it (must not exist).
+        #[arg(long, value_name = "PATH")]
+        out: PathBuf,
+        /// Seed for ids and secrets.
+        #[arg(long, default_value_t = crate::demo::DEMO_SEED)]
+        seed: u64,
+    },
+    /// The console on a working copy of the demo database, with simulated agents
+    /// dispatching refunds (a few with faults) so the panes move.
+    Demo {
+        /// Agents in the load generator.
+        #[arg(long, default_value_t = 2)]
+        agents: usize,
+    },
     /// Integrity and semantic audit of the database (or `--log`: the operator log).
     Audit {
         /// List the operator log instead.
@@ -456,6 +472,7 @@ fn command_wants_json(c: Option<&Command>) -> bool {
             | Command::Work { json }
             | Command::Audit { json, .. },
         ) => *json,
+        Some(Command::DemoDb { .. } | Command::Demo { .. }) => false,
         Some(Command::Dispatch(a)) => a.json,
         Some(Command::Query(a)) => a.json,
         Some(Command::Resolve(a)) => a.json,
@@ -498,19 +515,67 @@ fn refuse_read_only(cli: &Cli) -> Result<(), CliError> {
     Ok(())
 }
 
+/// Opens the console: on `--db PATH` in place, or on a working copy of the demo
+/// database re-based to now (the committed file is never written).
+fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
+    use std::io::IsTerminal;
+    if !std::io::stdout().is_terminal() {
+        return Err(CliError::new("NOT_A_TERMINAL", "the console needs a terminal; see `toolgate --help` for the commands"));
+    }
+    let scratch = tempfile_dir()?;
+    let (db, label) = if let (Some(p), 0) = (&cli.db, agents) {
+        if !p.exists() {
+            return Err(CliError::new("DB_NOT_FOUND", "no database at the given path (run `toolgate init` first)"));
+        }
+        (p.clone(), p.file_name().map_or_else(|| "ledger".into(), |n| n.to_string_lossy().into_owned()))
+    } else {
+        let now = chrono::Utc::now().timestamp_millis();
+        (crate::demo::working_copy(&scratch, now)?, "demo.db (working copy)".to_string())
+    };
+    let operator = cli.operator.clone().or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into());
+    // The console owns the terminal: diagnostics go to the database's log file only.
+    crate::telemetry::logging::init_for_db(&db);
+    let load = (agents > 0).then(|| crate::load::spawn_agents(&db, agents));
+    let result = crate::tui::run(&crate::tui::ConsoleOptions {
+        db,
+        db_label: label,
+        operator,
+        read_only: cli.read_only,
+        workers: true,
+        scratch: scratch.clone(),
+    });
+    if let Some(l) = load {
+        l.stop();
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    result.map_err(|e| match e {
+        crate::tui::ConsoleError::Engine(e) => CliError::from(e),
+        crate::tui::ConsoleError::Terminal(e) => CliError::new("TERMINAL", format!("terminal error: {}", e.kind())),
+    })?;
+    Ok(0)
+}
+
+fn tempfile_dir() -> Result<PathBuf, CliError> {
+    let dir = std::env::temp_dir().join(format!("toolgate-console-{}-{}", std::process::id(), hex::encode(rand::random::<[u8; 4]>())));
+    std::fs::create_dir_all(&dir).map_err(|e| CliError::new("TEMP_DIR", format!("cannot create a working directory: {}", e.kind())))?;
+    Ok(dir)
+}
+
 fn print_json(v: &impl serde::Serialize) {
     println!("{}", serde_json::to_string_pretty(v).unwrap_or_else(|_| "null".into()));
 }
 
 fn run(cli: &Cli) -> Result<i32, CliError> {
     let Some(command) = &cli.command else {
-        // Until the console lands, the bare command prints help.
-        use clap::CommandFactory;
-        let _ = Cli::command().print_help();
-        println!();
-        return Ok(0);
+        return console(cli, 0);
     };
     match command {
+        Command::DemoDb { out, seed } => {
+            crate::demo::generate(out, *seed)?;
+            println!("demo database written (seed {seed})");
+            Ok(0)
+        }
+        Command::Demo { agents } => console(cli, *agents),
         Command::Init { world, json } => {
             refuse_read_only(cli)?;
             let path = db_path(cli)?;
@@ -592,6 +657,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 expected_request_sha256: a.expect_sha256.clone(),
                 idempotency_key: a.key.clone(),
                 call: Some(call),
+                operator: cli.operator.clone(),
             })?;
             print_envelope(&env, a.json);
             Ok(env.exit_code())

@@ -15,12 +15,19 @@
 //! - [`failpoint`]: named crash points for crash tests.
 //! - [`scenarios`]: the `create_refund` scenarios of SPEC §13 as data
 //!   (`assets/scenarios/`), and a stepper that runs them on a fresh database.
+//! - [`tui`]: the operations console (ratatui): panes, keys, popups, the
+//!   walkthrough; a client of the engine that never writes the database itself.
+//! - [`demo`]: the deterministic demo database and its re-based working copy.
+//! - [`load`]: simulated agents that dispatch like real harnesses.
 //! - [`cli`]: the command line (the binary's only dependency on this crate).
 
 pub mod cli;
+pub mod demo;
 pub mod downstream;
 pub mod engine;
 pub mod failpoint;
+pub mod load;
 pub mod scenarios;
 pub mod store;
 pub mod telemetry;
+pub mod tui;

@@ -13,6 +13,7 @@ pub mod envelope;
 pub mod ids;
 mod recovery;
 mod trace;
+pub mod views;
 pub mod world;
 
 use std::path::{Path, PathBuf};

@@ -51,6 +51,8 @@ pub struct QueryRequest {
     pub idempotency_key: Option<String>,
     /// The query's own call identity (purpose `query_status`).
     pub call: Option<CallIdentity>,
+    /// The operator who asked, when a human triggered it (recorded in the operator log).
+    pub operator: Option<String>,
 }
 
 /// A human resolution.
@@ -123,7 +125,7 @@ pub struct AuditFinding {
 }
 
 /// Everything known about one operation (`ops show`).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct OperationDetail {
     /// The ledger row.
     pub operation: OperationRow,
@@ -323,7 +325,7 @@ impl Engine {
             return Err(EngineError::invalid("UNKNOWN_TOOL", "operation names a tool not in the catalog"));
         };
         let lookup = self.downstream(contract.downstream).lookup(&op.downstream_key)?;
-        let actor = pref.clone();
+        let actor = q.operator.clone().unwrap_or_else(|| pref.clone());
         let out = self.store.write(|tx| -> Result<Envelope, EngineError> {
             let Some(mut cur) = tx.operation(&op.id)? else {
                 return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
@@ -418,6 +420,27 @@ impl Engine {
             Ok(env)
         })?;
         Ok(out)
+    }
+
+    /// An operator's explicit status query on an operation: the query runs as the
+    /// operation's own principal and provider profile (authorization is still
+    /// re-checked), with a fresh call identity, and the operator is logged.
+    pub fn operator_query(&mut self, operation_id: &str, operator: &str) -> Result<Envelope, EngineError> {
+        let Some(op) = self.store.read(|tx| tx.operation(operation_id))? else {
+            return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
+        };
+        let mut call = fresh_call_identity();
+        call.provider.clone_from(&op.call_provider);
+        call.api_family.clone_from(&op.call_api_family);
+        self.query_operation_status(&QueryRequest {
+            tenant: op.tenant.clone(),
+            subject: op.subject.clone(),
+            status_ref: op.status_ref.clone(),
+            expected_request_sha256: op.request_sha256.clone(),
+            idempotency_key: None,
+            call: Some(call),
+            operator: Some(operator.to_string()),
+        })
     }
 
     /// Approves a pending request: the held call is accepted (operation + outbox in

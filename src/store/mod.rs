@@ -5,6 +5,7 @@
 //! PostgreSQL backend can implement the same surface later.
 
 mod rows;
+mod views;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -12,10 +13,14 @@ use std::time::{Duration, Instant};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
 
 pub use rows::*;
+pub use views::{Cursor, LiveRow, OpsView};
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 2] =
-    [include_str!("migrations/0001_ledger.sql"), include_str!("migrations/0002_observability.sql")];
+const MIGRATIONS: [&str; 3] = [
+    include_str!("migrations/0001_ledger.sql"),
+    include_str!("migrations/0002_observability.sql"),
+    include_str!("migrations/0003_counters.sql"),
+];
 
 /// The schema version this build writes.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
@@ -213,6 +218,12 @@ impl Store {
         let out = f(&Tx { conn: &tx })?;
         tx.commit().map_err(StoreError::from)?;
         Ok(out)
+    }
+
+    /// Folds the write-ahead log into the main file.
+    pub fn checkpoint(&mut self) -> Result<(), StoreError> {
+        self.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+        Ok(())
     }
 
     /// SQLite's `PRAGMA data_version`: changes when another connection commits.
@@ -554,7 +565,8 @@ impl Tx<'_> {
     /// Operation counts per state.
     pub fn count_operations_by_state(&self) -> R<Vec<(String, i64)>> {
         let mut st =
-            self.conn.prepare_cached("SELECT state, count(*) FROM operations GROUP BY state ORDER BY state")?;
+            // Kept by triggers (migration 0003): constant time on any ledger size.
+            self.conn.prepare_cached("SELECT state, n FROM state_counts WHERE n > 0 ORDER BY state")?;
         let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
@@ -969,7 +981,7 @@ impl Tx<'_> {
 
     /// Total committed provider effects.
     pub fn count_effects(&self) -> R<i64> {
-        Ok(self.conn.prepare_cached("SELECT count(*) FROM provider_effects")?.query_row([], |r| r.get(0))?)
+        Ok(self.conn.prepare_cached("SELECT effects FROM effect_totals WHERE id = 1")?.query_row([], |r| r.get(0))?)
     }
 
     /// Effects committed for one business intent.
@@ -985,7 +997,7 @@ impl Tx<'_> {
         Ok(self
             .conn
             .prepare_cached(
-                "SELECT count(*) FROM (SELECT intent FROM provider_effects GROUP BY intent HAVING count(*) > 1)",
+                "SELECT duplicates FROM effect_totals WHERE id = 1",
             )?
             .query_row([], |r| r.get(0))?)
     }

@@ -5,7 +5,9 @@
 
 mod canonical;
 mod cli;
+mod console;
 mod crash;
+mod demo;
 mod dispatch;
 mod failpoints;
 mod hostile;

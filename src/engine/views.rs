@@ -1,0 +1,57 @@
+//! Read-only views for clients that show the ledger (the console): paged,
+//! index-backed, only what is visible.
+
+use super::{Engine, EngineError};
+use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow, OpsView, StoreError};
+
+/// The numbers in the console's header.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeaderCounts {
+    /// Operations per state.
+    pub by_state: Vec<(String, i64)>,
+    /// Pending approvals.
+    pub pending_approvals: i64,
+    /// Intents with more than one effect.
+    pub side_effect_duplicates: i64,
+    /// Time of the oldest unknown / needs-review operation.
+    pub oldest_unknown_at: Option<i64>,
+}
+
+impl Engine {
+    /// A page of the ledger or of the unknown queue.
+    pub fn ops_page(&mut self, view: OpsView, filter: &str, cursor: Option<&Cursor>, limit: i64) -> Result<Vec<OperationRow>, EngineError> {
+        Ok(self.store.read(|tx| tx.ops_page(view, filter, cursor, limit))?)
+    }
+
+    /// A page of in-flight and waiting outbox rows.
+    pub fn live_page(&mut self, filter: &str, cursor: Option<&Cursor>, limit: i64) -> Result<Vec<LiveRow>, EngineError> {
+        Ok(self.store.read(|tx| tx.live_page(filter, cursor, limit))?)
+    }
+
+    /// A page of pending approvals.
+    pub fn approvals_page(&mut self, filter: &str, cursor: Option<&Cursor>, limit: i64) -> Result<Vec<ApprovalRow>, EngineError> {
+        Ok(self.store.read(|tx| tx.approvals_page(filter, cursor, limit))?)
+    }
+
+    /// A page of the operator log.
+    pub fn audit_page(&mut self, before_seq: Option<i64>, limit: i64) -> Result<Vec<AuditRow>, EngineError> {
+        Ok(self.store.read(|tx| tx.audit_page(before_seq, limit))?)
+    }
+
+    /// Header counts.
+    pub fn header_counts(&mut self) -> Result<HeaderCounts, EngineError> {
+        Ok(self.store.read(|tx| -> Result<HeaderCounts, StoreError> {
+            Ok(HeaderCounts {
+                by_state: tx.count_operations_by_state()?,
+                pending_approvals: tx.count_pending_approvals()?,
+                side_effect_duplicates: tx.side_effect_duplicates()?,
+                oldest_unknown_at: tx.oldest_unknown_at()?,
+            })
+        })?)
+    }
+
+    /// SQLite's data version: changes when any other connection commits.
+    pub fn data_version(&mut self) -> Result<i64, EngineError> {
+        Ok(self.store.data_version()?)
+    }
+}

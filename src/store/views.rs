@@ -1,0 +1,165 @@
+//! Read queries for the console's panes: keyset-paged, index-backed, only the
+//! rows that are visible.
+
+use rusqlite::{params, OptionalExtension};
+
+use super::rows::{ApprovalRow, OperationRow, APPROVAL_COLS, OP_COLS};
+use super::{StoreError, Tx};
+
+type R<T> = Result<T, StoreError>;
+
+/// A row of the live-operations pane: an outbox row with its operation.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct LiveRow {
+    /// Operation.
+    pub operation_id: String,
+    /// Tool.
+    pub tool: String,
+    /// Tenant.
+    pub tenant: String,
+    /// Subject.
+    pub subject: String,
+    /// Ledger state.
+    pub state: String,
+    /// Outbox state (`pending` or `leased`).
+    pub outbox_state: String,
+    /// Attempts so far.
+    pub attempt: i64,
+    /// Attempt cap.
+    pub max_attempts: i64,
+    /// Lease holder.
+    pub lease_owner: Option<String>,
+    /// Lease end.
+    pub lease_until: Option<i64>,
+    /// Next retry not before.
+    pub available_at: i64,
+    /// Last code.
+    pub last_code: Option<String>,
+    /// Operation deadline.
+    pub deadline_at: i64,
+}
+
+/// Which operations a page shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpsView {
+    /// Every operation (the ledger).
+    All,
+    /// `unknown` and `needs_review`.
+    Unknown,
+}
+
+/// The sort key of the last row of a page (for the next page).
+pub type Cursor = (i64, String);
+
+impl Tx<'_> {
+    /// One page of operations, newest first, after `cursor`, matching `filter`
+    /// (an exact tenant, subject, state or tool, or an id prefix; empty = all).
+    pub fn ops_page(&self, view: OpsView, filter: &str, cursor: Option<&Cursor>, limit: i64) -> R<Vec<OperationRow>> {
+        let (at, id) = cursor.map_or((i64::MAX, String::new()), |(a, i)| (*a, i.clone()));
+        let states = match view {
+            OpsView::All => "",
+            OpsView::Unknown => "AND state IN ('unknown', 'needs_review')",
+        };
+        let sql = format!(
+            "SELECT {OP_COLS} FROM operations
+             WHERE (updated_at < ?1 OR (updated_at = ?1 AND id < ?2) OR ?2 = '') {states}
+               AND (?3 = '' OR tenant = ?3 OR subject = ?3 OR state = ?3 OR tool = ?3 OR id LIKE ?3 || '%')
+             ORDER BY updated_at DESC, id DESC LIMIT ?4"
+        );
+        let mut st = self.conn.prepare_cached(&sql)?;
+        let rows = st.query_map(params![at, id, filter, limit], OperationRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// In-flight and waiting outbox rows, soonest first.
+    pub fn live_page(&self, filter: &str, offset_key: Option<&Cursor>, limit: i64) -> R<Vec<LiveRow>> {
+        let (at, id) = offset_key.map_or((i64::MIN, String::new()), |(a, i)| (*a, i.clone()));
+        let mut st = self.conn.prepare_cached(
+            "SELECT o.operation_id, p.tool, p.tenant, p.subject, p.state, o.state, o.attempt, o.max_attempts,
+                    o.lease_owner, o.lease_until, o.available_at, o.last_code, p.deadline_at
+             FROM outbox o JOIN operations p ON p.id = o.operation_id
+             WHERE o.state IN ('leased', 'pending')
+               AND (o.available_at > ?1 OR (o.available_at = ?1 AND o.operation_id > ?2))
+               AND (?3 = '' OR p.tenant = ?3 OR p.subject = ?3 OR p.state = ?3 OR p.tool = ?3 OR p.id LIKE ?3 || '%')
+             ORDER BY o.available_at, o.operation_id LIMIT ?4",
+        )?;
+        let rows = st.query_map(params![at, id, filter, limit], |r| {
+            Ok(LiveRow {
+                operation_id: r.get(0)?,
+                tool: r.get(1)?,
+                tenant: r.get(2)?,
+                subject: r.get(3)?,
+                state: r.get(4)?,
+                outbox_state: r.get(5)?,
+                attempt: r.get(6)?,
+                max_attempts: r.get(7)?,
+                lease_owner: r.get(8)?,
+                lease_until: r.get(9)?,
+                available_at: r.get(10)?,
+                last_code: r.get(11)?,
+                deadline_at: r.get(12)?,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Pending approvals matching `filter`, soonest expiry first, after `cursor`.
+    pub fn approvals_page(&self, filter: &str, cursor: Option<&Cursor>, limit: i64) -> R<Vec<ApprovalRow>> {
+        let (at, id) = cursor.map_or((i64::MIN, String::new()), |(a, i)| (*a, i.clone()));
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT {APPROVAL_COLS} FROM approvals
+             WHERE state = 'pending' AND (expires_at > ?1 OR (expires_at = ?1 AND id > ?2))
+               AND (?3 = '' OR tenant = ?3 OR subject = ?3 OR tool = ?3 OR id LIKE ?3 || '%')
+             ORDER BY expires_at, id LIMIT ?4"
+        ))?;
+        let rows = st.query_map(params![at, id, filter, limit], ApprovalRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Operator-log rows, newest first, before `before_seq`.
+    pub fn audit_page(&self, before_seq: Option<i64>, limit: i64) -> R<Vec<super::AuditRow>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT seq, at, action_id, actor, action, operation_id, approval_id, result, reason, evidence
+             FROM audit_log WHERE seq < ?1 ORDER BY seq DESC LIMIT ?2",
+        )?;
+        let rows = st.query_map(params![before_seq.unwrap_or(i64::MAX), limit], super::AuditRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Count of pending approvals.
+    pub fn count_pending_approvals(&self) -> R<i64> {
+        Ok(self.conn.prepare_cached("SELECT count(*) FROM approvals WHERE state = 'pending'")?.query_row([], |r| r.get(0))?)
+    }
+
+    /// The age anchor of the oldest unknown / needs-review operation.
+    pub fn oldest_unknown_at(&self) -> R<Option<i64>> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT min(updated_at) FROM operations WHERE state IN ('unknown', 'needs_review')")?
+            .query_row([], |r| r.get(0))
+            .optional()?
+            .flatten())
+    }
+
+    /// Shifts every stored time by `delta_ms` (the demo's working copy is re-based
+    /// to now so countdowns are live).
+    pub fn rebase_times(&self, delta_ms: i64) -> R<()> {
+        let cols: [(&str, &[&str]); 9] = [
+            ("grants", &["granted_at", "revoked_at"]),
+            ("operations", &["created_at", "updated_at", "deadline_at", "expires_at", "last_query_at"]),
+            ("outbox", &["lease_until", "available_at"]),
+            ("attempts", &["claimed_at", "sent_at", "finished_at"]),
+            ("call_identities", &["created_at"]),
+            ("receipts", &["recorded_at"]),
+            ("trace_events", &["at"]),
+            ("approvals", &["decided_at", "created_at", "expires_at"]),
+            ("provider_effects", &["committed_at", "visible_at"]),
+        ];
+        for (table, columns) in cols {
+            let sets: Vec<String> = columns.iter().map(|c| format!("{c} = {c} + ?1")).collect();
+            self.conn.execute(&format!("UPDATE {table} SET {}", sets.join(", ")), [delta_ms])?;
+        }
+        // The audit log is append-only even here: its times stay as recorded.
+        Ok(())
+    }
+}

@@ -1,0 +1,974 @@
+//! The console's state and its update function (The Elm Architecture): an
+//! [`Action`] changes view state only; anything that touches the ledger becomes a
+//! [`Request`] for the engine thread, whose answers come back as actions.
+
+use crate::engine::envelope::Envelope;
+use crate::engine::views::HeaderCounts;
+use crate::engine::{OperationDetail, Resolution};
+use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow};
+
+/// The panes, in tab order (number keys 1..=6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Pane {
+    /// In-flight and waiting attempts.
+    Live,
+    /// The idempotency ledger.
+    Ledger,
+    /// Pending approvals.
+    Approvals,
+    /// Outcome-unknown queue (with needs-review).
+    Unknown,
+    /// Operator log.
+    Audit,
+    /// Scenario walkthrough.
+    Walkthrough,
+}
+
+impl Pane {
+    /// All panes in tab order.
+    pub const ALL: [Pane; 6] = [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown, Pane::Audit, Pane::Walkthrough];
+
+    /// Tab title.
+    pub fn title(self) -> &'static str {
+        match self {
+            Pane::Live => "Live",
+            Pane::Ledger => "Ledger",
+            Pane::Approvals => "Approvals",
+            Pane::Unknown => "Unknown",
+            Pane::Audit => "Audit",
+            Pane::Walkthrough => "Walkthrough",
+        }
+    }
+
+    fn index(self) -> usize {
+        Pane::ALL.iter().position(|p| *p == self).unwrap_or(0)
+    }
+}
+
+/// Input modes: each has its own keymap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Browsing a pane.
+    Normal,
+    /// Typing a filter.
+    Filter,
+    /// The help overlay.
+    Help,
+    /// The detail view of one operation.
+    Detail,
+    /// A confirm dialog.
+    Confirm,
+    /// A form (resolve / deny note).
+    Form,
+}
+
+/// What the user (or the engine thread) asked for.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Leave the console.
+    Quit,
+    /// Next / previous pane.
+    NextPane,
+    /// Previous pane.
+    PrevPane,
+    /// Jump to a pane.
+    SelectPane(Pane),
+    /// Selection up.
+    Up,
+    /// Selection down.
+    Down,
+    /// A page down (next keyset page at the bottom).
+    PageDown,
+    /// A page up.
+    PageUp,
+    /// First row.
+    Top,
+    /// Last fetched row.
+    Bottom,
+    /// Enter: the detail view.
+    OpenDetail,
+    /// Esc: back / close.
+    Back,
+    /// `/`: start typing a filter.
+    StartFilter,
+    /// A typed character (filter or form).
+    Input(char),
+    /// Backspace (filter or form).
+    Backspace,
+    /// Enter in a text field.
+    Submit,
+    /// Tab in a form / dialog: next field or button.
+    NextField,
+    /// Shift-Tab: previous field or button.
+    PrevField,
+    /// Left/right in a choice.
+    ChoiceLeft,
+    /// Left/right in a choice.
+    ChoiceRight,
+    /// `?`
+    ToggleHelp,
+    /// space: pause / resume live refresh.
+    TogglePause,
+    /// `y`: copy the selected id.
+    Copy,
+    /// `q`: status query on the selected unknown operation.
+    AskQuery,
+    /// `a`: approve the selected request.
+    AskApprove,
+    /// `d`: deny the selected request (note).
+    AskDeny,
+    /// `r`: resolve the selected operation (popup).
+    AskResolve,
+    /// `n`: next walkthrough step.
+    ScenarioNext,
+    /// Walkthrough: choose the previous / next scenario.
+    ScenarioPick(i32),
+    /// Mouse wheel.
+    Scroll(i32),
+    /// Mouse click at (column, row).
+    Click(u16, u16),
+    /// Terminal resized.
+    Resize(u16, u16),
+    /// Clock tick (countdowns).
+    Tick(i64),
+    /// An answer from the engine thread.
+    Engine(EngineEvent),
+}
+
+/// A page of rows for one pane.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Rows {
+    /// Live pane rows.
+    Live(Vec<LiveRow>),
+    /// Ledger / unknown rows.
+    Ops(Vec<OperationRow>),
+    /// Pending approvals.
+    Approvals(Vec<ApprovalRow>),
+    /// Operator log.
+    Audit(Vec<AuditRow>),
+    /// Nothing fetched yet.
+    Empty,
+}
+
+impl Rows {
+    fn len(&self) -> usize {
+        match self {
+            Rows::Live(r) => r.len(),
+            Rows::Ops(r) => r.len(),
+            Rows::Approvals(r) => r.len(),
+            Rows::Audit(r) => r.len(),
+            Rows::Empty => 0,
+        }
+    }
+}
+
+/// What the engine thread sends back.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    /// A fresh page for a pane, with the header counts.
+    Page {
+        /// For this pane.
+        pane: Pane,
+        /// The rows.
+        rows: Rows,
+        /// Header counts.
+        header: HeaderCounts,
+    },
+    /// The detail of one operation.
+    Detail(Box<OperationDetail>),
+    /// An operator action finished.
+    Done {
+        /// Applied or not.
+        ok: bool,
+        /// One line for the status bar.
+        summary: String,
+    },
+    /// A walkthrough step ran.
+    Walkthrough(WalkthroughView),
+    /// Something failed in the engine thread.
+    Error(String),
+}
+
+/// What the walkthrough pane shows.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WalkthroughView {
+    /// Available scenarios: (number, title).
+    pub scenarios: Vec<(String, String)>,
+    /// Index of the chosen one.
+    pub selected: usize,
+    /// Steps run so far, as table cells.
+    pub steps: Vec<WalkStep>,
+    /// Whether the script has more steps.
+    pub more: bool,
+    /// How a crash step runs here.
+    pub crash_note: String,
+    /// While a scenario runs, the panes show its scratch database.
+    pub db_label: Option<String>,
+}
+
+/// One executed walkthrough step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WalkStep {
+    /// Step number.
+    pub n: usize,
+    /// Action.
+    pub action: String,
+    /// Transition (from → to).
+    pub transition: String,
+    /// Retryable?
+    pub retryable: String,
+    /// What the user sees.
+    pub user_sees: String,
+    /// Effect count after the step.
+    pub effects: i64,
+    /// PASS / FAIL.
+    pub verdict: String,
+}
+
+/// Requests for the engine thread. The console never writes the database itself.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Request {
+    /// Fetch the visible page of a pane.
+    Fetch {
+        /// Pane.
+        pane: Pane,
+        /// Filter text.
+        filter: String,
+        /// Keyset cursor (the last row of the previous page).
+        cursor: Option<Cursor>,
+        /// Rows that fit on screen.
+        limit: i64,
+    },
+    /// Load one operation's detail.
+    Detail(String),
+    /// Explicit status query.
+    Query {
+        /// Operation.
+        operation_id: String,
+    },
+    /// Approve.
+    Approve {
+        /// Approval id the operator saw.
+        approval_id: String,
+    },
+    /// Deny with a note.
+    Deny {
+        /// Approval id.
+        approval_id: String,
+        /// Note.
+        note: String,
+    },
+    /// Resolve by a human decision.
+    Resolve {
+        /// Operation.
+        operation_id: String,
+        /// Decision.
+        resolution: Resolution,
+        /// Note.
+        note: String,
+        /// Receipt id evidence.
+        evidence: Option<String>,
+        /// Version the operator saw.
+        seen_version: i64,
+    },
+    /// Pause / resume live refresh.
+    SetLive(bool),
+    /// Walkthrough: choose a scenario (restarts it).
+    ScenarioSelect(usize),
+    /// Walkthrough: run the next step.
+    ScenarioStep,
+}
+
+/// A state-changing action waiting for confirmation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Confirm {
+    /// Dialog title.
+    pub title: String,
+    /// Evidence lines shown to the operator.
+    pub evidence: Vec<String>,
+    /// What runs on confirm.
+    pub request: Request,
+    /// Focus: false = Cancel (the default), true = Confirm.
+    pub on_confirm: bool,
+}
+
+/// Which form is open.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FormKind {
+    /// Deny an approval.
+    Deny {
+        /// Approval.
+        approval_id: String,
+    },
+    /// Resolve an operation.
+    Resolve {
+        /// Operation.
+        operation_id: String,
+        /// Version seen.
+        seen_version: i64,
+        /// Last query result, for the evidence line.
+        last_query: String,
+    },
+}
+
+/// A text form: resolution choice, receipt id, note.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Form {
+    /// What the form is for.
+    pub kind: FormKind,
+    /// Resolution choice index (0 succeeded, 1 failed, 2 compensated).
+    pub choice: usize,
+    /// Receipt id (succeeded only).
+    pub evidence: String,
+    /// Note (mandatory).
+    pub note: String,
+    /// Focused field: 0 choice, 1 evidence, 2 note.
+    pub field: usize,
+    /// A validation message.
+    pub error: Option<String>,
+}
+
+/// The console's whole view state.
+#[derive(Debug, Clone)]
+pub struct App {
+    /// Database label for the header.
+    pub db_label: String,
+    /// Operator identity.
+    pub operator: String,
+    /// Read-only: state-changing keys are hidden and refused.
+    pub read_only: bool,
+    /// Monochrome (NO_COLOR).
+    pub no_color: bool,
+    /// Live refresh on?
+    pub live: bool,
+    /// Current pane.
+    pub pane: Pane,
+    /// Current mode.
+    pub mode: Mode,
+    /// Rows of the current pane.
+    pub rows: Rows,
+    /// Selected row.
+    pub selected: usize,
+    /// Keyset cursors of the pages above the current one.
+    pub page_stack: Vec<Option<Cursor>>,
+    /// Cursor of the current page.
+    pub cursor: Option<Cursor>,
+    /// Filter being typed or applied.
+    pub filter: String,
+    /// Header counts.
+    pub header: HeaderCounts,
+    /// Detail view contents.
+    pub detail: Option<Box<OperationDetail>>,
+    /// Detail scroll.
+    pub detail_scroll: u16,
+    /// Confirm dialog.
+    pub confirm: Option<Confirm>,
+    /// Open form.
+    pub form: Option<Form>,
+    /// Mode to return to from help.
+    pub help_return: Mode,
+    /// Status-bar line and whether it is an error.
+    pub status: Option<(String, bool)>,
+    /// Now, for countdowns.
+    pub now_ms: i64,
+    /// Terminal size.
+    pub size: (u16, u16),
+    /// Walkthrough.
+    pub walkthrough: WalkthroughView,
+    /// Set when the user quits.
+    pub quit: bool,
+    /// Text waiting to be copied (OSC 52) by the event loop.
+    pub clipboard: Option<String>,
+}
+
+/// Rows of chrome around a pane's table: header (3), tabs (1), table border and
+/// header (3), footer (2).
+pub const CHROME_ROWS: u16 = 9;
+
+impl App {
+    /// A fresh console.
+    pub fn new(db_label: impl Into<String>, operator: impl Into<String>, read_only: bool, no_color: bool, now_ms: i64) -> Self {
+        Self {
+            db_label: db_label.into(),
+            operator: operator.into(),
+            read_only,
+            no_color,
+            live: true,
+            pane: Pane::Unknown,
+            mode: Mode::Normal,
+            rows: Rows::Empty,
+            selected: 0,
+            page_stack: Vec::new(),
+            cursor: None,
+            filter: String::new(),
+            header: HeaderCounts::default(),
+            detail: None,
+            detail_scroll: 0,
+            confirm: None,
+            form: None,
+            help_return: Mode::Normal,
+            status: None,
+            now_ms,
+            size: (80, 24),
+            walkthrough: WalkthroughView::default(),
+            quit: false,
+            clipboard: None,
+        }
+    }
+
+    /// How many table rows fit.
+    pub fn visible_rows(&self) -> i64 {
+        i64::from(self.size.1.saturating_sub(CHROME_ROWS).max(1))
+    }
+
+    /// The request that fetches the current view.
+    pub fn fetch(&self) -> Request {
+        Request::Fetch { pane: self.pane, filter: self.filter.clone(), cursor: self.cursor.clone(), limit: self.visible_rows() }
+    }
+
+    fn row_count(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// The id the selected row is about (operation or approval).
+    pub fn selected_id(&self) -> Option<String> {
+        match &self.rows {
+            Rows::Live(r) => r.get(self.selected).map(|x| x.operation_id.clone()),
+            Rows::Ops(r) => r.get(self.selected).map(|x| x.id.clone()),
+            Rows::Approvals(r) => r.get(self.selected).map(|x| x.id.clone()),
+            Rows::Audit(r) => r.get(self.selected).and_then(|x| x.operation_id.clone().or_else(|| x.approval_id.clone())),
+            Rows::Empty => None,
+        }
+    }
+
+    fn selected_op(&self) -> Option<&OperationRow> {
+        match &self.rows {
+            Rows::Ops(r) => r.get(self.selected),
+            _ => None,
+        }
+    }
+
+    fn selected_approval(&self) -> Option<&ApprovalRow> {
+        match &self.rows {
+            Rows::Approvals(r) => r.get(self.selected),
+            _ => None,
+        }
+    }
+
+    fn switch_pane(&mut self, pane: Pane) -> Option<Request> {
+        if self.pane == pane {
+            return None;
+        }
+        self.pane = pane;
+        self.rows = Rows::Empty;
+        self.selected = 0;
+        self.cursor = None;
+        self.page_stack.clear();
+        Some(self.fetch())
+    }
+
+    fn say(&mut self, text: impl Into<String>, error: bool) {
+        self.status = Some((text.into(), error));
+    }
+
+    fn refuse_read_only(&mut self) -> bool {
+        if self.read_only {
+            self.say("read-only: state-changing actions are disabled", true);
+        }
+        self.read_only
+    }
+
+    fn ago(&self, at: Option<i64>) -> String {
+        at.map_or_else(|| "never".to_string(), |t| format!("{} ago", super::ui::human_ms(self.now_ms - t)))
+    }
+
+    /// Handles one action; returns a request for the engine thread, if any.
+    pub fn update(&mut self, action: Action) -> Option<Request> {
+        if self.mode == Mode::Help && !matches!(action, Action::ToggleHelp | Action::Back | Action::Tick(_) | Action::Engine(_) | Action::Resize(..)) {
+            self.mode = self.help_return;
+        }
+        match action {
+            Action::Quit => {
+                self.quit = true;
+                None
+            }
+            Action::Tick(now) => {
+                self.now_ms = now;
+                None
+            }
+            Action::Resize(w, h) => {
+                let grew = h > self.size.1;
+                self.size = (w, h);
+                grew.then(|| self.fetch())
+            }
+            Action::Engine(ev) => self.on_engine(ev),
+            Action::ToggleHelp => {
+                if self.mode == Mode::Help {
+                    self.mode = self.help_return;
+                } else {
+                    self.help_return = self.mode;
+                    self.mode = Mode::Help;
+                }
+                None
+            }
+            Action::NextPane => self.switch_pane(Pane::ALL[(self.pane.index() + 1) % Pane::ALL.len()]),
+            Action::PrevPane => self.switch_pane(Pane::ALL[(self.pane.index() + Pane::ALL.len() - 1) % Pane::ALL.len()]),
+            Action::SelectPane(p) => self.switch_pane(p),
+            Action::Up | Action::Scroll(-1) => {
+                if self.mode == Mode::Detail {
+                    self.detail_scroll = self.detail_scroll.saturating_sub(1);
+                } else {
+                    self.selected = self.selected.saturating_sub(1);
+                }
+                None
+            }
+            Action::Down | Action::Scroll(1) => {
+                if self.mode == Mode::Detail {
+                    self.detail_scroll = self.detail_scroll.saturating_add(1);
+                } else if self.selected + 1 < self.row_count() {
+                    self.selected += 1;
+                }
+                None
+            }
+            Action::Scroll(_) => None,
+            Action::Top => {
+                self.selected = 0;
+                if self.cursor.is_some() {
+                    self.cursor = None;
+                    self.page_stack.clear();
+                    return Some(self.fetch());
+                }
+                None
+            }
+            Action::Bottom => {
+                self.selected = self.row_count().saturating_sub(1);
+                None
+            }
+            Action::PageDown => self.page_down(),
+            Action::PageUp => self.page_up(),
+            Action::Click(_, row) => {
+                // Table body starts below header (3), tabs (1), border + column header (2).
+                let first = 6u16;
+                if row >= first {
+                    let i = usize::from(row - first);
+                    if i < self.row_count() {
+                        self.selected = i;
+                    }
+                }
+                None
+            }
+            Action::OpenDetail => {
+                let id = match &self.rows {
+                    Rows::Approvals(r) => r.get(self.selected).and_then(|a| a.operation_id.clone()),
+                    _ => self.selected_id().filter(|id| id.starts_with("op_")),
+                };
+                if let Some(id) = id {
+                    self.mode = Mode::Detail;
+                    self.detail = None;
+                    self.detail_scroll = 0;
+                    Some(Request::Detail(id))
+                } else {
+                    self.say("no operation selected", true);
+                    None
+                }
+            }
+            Action::Back => {
+                match self.mode {
+                    Mode::Detail | Mode::Help => self.mode = Mode::Normal,
+                    Mode::Filter => {
+                        self.mode = Mode::Normal;
+                    }
+                    Mode::Confirm => {
+                        self.confirm = None;
+                        self.mode = Mode::Normal;
+                        self.say("cancelled", false);
+                    }
+                    Mode::Form => {
+                        self.form = None;
+                        self.mode = Mode::Normal;
+                        self.say("cancelled", false);
+                    }
+                    Mode::Normal => {
+                        if !self.filter.is_empty() {
+                            self.filter.clear();
+                            self.cursor = None;
+                            self.page_stack.clear();
+                            return Some(self.fetch());
+                        }
+                    }
+                }
+                None
+            }
+            Action::StartFilter => {
+                self.mode = Mode::Filter;
+                None
+            }
+            Action::Input(c) => self.on_input(c),
+            Action::Backspace => {
+                match self.mode {
+                    Mode::Filter => {
+                        self.filter.pop();
+                    }
+                    Mode::Form => {
+                        if let Some(f) = self.form.as_mut() {
+                            match f.field {
+                                1 => {
+                                    f.evidence.pop();
+                                }
+                                2 => {
+                                    f.note.pop();
+                                }
+                                _ => {}
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+                None
+            }
+            Action::Submit => self.on_submit(),
+            Action::NextField | Action::PrevField | Action::ChoiceLeft | Action::ChoiceRight => {
+                self.on_navigate(&action);
+                None
+            }
+            Action::TogglePause => {
+                self.live = !self.live;
+                self.say(if self.live { "live refresh resumed" } else { "paused: the panes stop refreshing" }, false);
+                Some(Request::SetLive(self.live))
+            }
+            Action::Copy => {
+                if let Some(id) = self.selected_id() {
+                    self.say(format!("copied {id}"), false);
+                    self.clipboard = Some(id);
+                }
+                None
+            }
+            Action::AskQuery => self.ask_query(),
+            Action::AskApprove => self.ask_approve(),
+            Action::AskDeny => {
+                if self.refuse_read_only() {
+                    return None;
+                }
+                let Some(a) = self.selected_approval() else {
+                    self.say("select a pending approval (pane 3) to deny", true);
+                    return None;
+                };
+                let approval_id = a.id.clone();
+                self.form = Some(Form { kind: FormKind::Deny { approval_id }, choice: 1, evidence: String::new(), note: String::new(), field: 2, error: None });
+                self.mode = Mode::Form;
+                None
+            }
+            Action::AskResolve => {
+                if self.refuse_read_only() {
+                    return None;
+                }
+                let Some(op) = self.selected_op().filter(|o| matches!(o.state.as_str(), "unknown" | "needs_review")) else {
+                    self.say("select an unknown or needs_review operation (pane 4) to resolve", true);
+                    return None;
+                };
+                let kind = FormKind::Resolve {
+                    operation_id: op.id.clone(),
+                    seen_version: op.version,
+                    last_query: format!(
+                        "{} ({})",
+                        op.last_query_result.clone().unwrap_or_else(|| "no query yet".into()),
+                        self.ago(op.last_query_at)
+                    ),
+                };
+                self.form = Some(Form { kind, choice: 1, evidence: String::new(), note: String::new(), field: 0, error: None });
+                self.mode = Mode::Form;
+                None
+            }
+            Action::ScenarioNext => {
+                if self.pane != Pane::Walkthrough {
+                    return None;
+                }
+                Some(Request::ScenarioStep)
+            }
+            Action::ScenarioPick(d) => {
+                if self.pane != Pane::Walkthrough || self.walkthrough.scenarios.is_empty() {
+                    return None;
+                }
+                let n = self.walkthrough.scenarios.len() as i32;
+                let i = (self.walkthrough.selected as i32 + d).rem_euclid(n) as usize;
+                Some(Request::ScenarioSelect(i))
+            }
+        }
+    }
+
+    fn page_down(&mut self) -> Option<Request> {
+        let key = match &self.rows {
+            Rows::Live(r) => r.last().map(|x| (x.available_at, x.operation_id.clone())),
+            Rows::Ops(r) => r.last().map(|x| (x.updated_at, x.id.clone())),
+            Rows::Approvals(r) => r.last().map(|x| (x.expires_at, x.id.clone())),
+            Rows::Audit(r) => r.last().map(|x| (x.seq, String::new())),
+            Rows::Empty => None,
+        };
+        if (self.row_count() as i64) < self.visible_rows() || key.is_none() {
+            self.selected = self.row_count().saturating_sub(1);
+            return None;
+        }
+        self.page_stack.push(self.cursor.take());
+        self.cursor = key;
+        self.selected = 0;
+        Some(self.fetch())
+    }
+
+    fn page_up(&mut self) -> Option<Request> {
+        self.selected = 0;
+        let prev = self.page_stack.pop()?;
+        self.cursor = prev;
+        Some(self.fetch())
+    }
+
+    fn on_engine(&mut self, ev: EngineEvent) -> Option<Request> {
+        match ev {
+            EngineEvent::Page { pane, rows, header } => {
+                self.header = header;
+                if pane == self.pane {
+                    // Keep the selection on the same row when rows move.
+                    let keep = row_key(&self.rows, self.selected);
+                    self.rows = rows;
+                    if let Some(k) = keep {
+                        if let Some(i) = (0..self.row_count()).find(|i| row_key(&self.rows, *i).as_deref() == Some(k.as_str())) {
+                            self.selected = i;
+                        }
+                    }
+                    if self.selected >= self.row_count() {
+                        self.selected = self.row_count().saturating_sub(1);
+                    }
+                }
+                None
+            }
+            EngineEvent::Detail(d) => {
+                self.detail = Some(d);
+                None
+            }
+            EngineEvent::Done { ok, summary } => {
+                self.say(summary, !ok);
+                Some(self.fetch())
+            }
+            EngineEvent::Walkthrough(w) => {
+                self.walkthrough = w;
+                None
+            }
+            EngineEvent::Error(e) => {
+                self.say(e, true);
+                None
+            }
+        }
+    }
+
+    fn ask_query(&mut self) -> Option<Request> {
+        if self.refuse_read_only() {
+            return None;
+        }
+        let Some(op) = self.selected_op().filter(|o| !matches!(o.state.as_str(), "succeeded" | "failed" | "resolved")) else {
+            self.say("select an unknown operation (pane 4) to query its status", true);
+            return None;
+        };
+        let evidence = vec![
+            format!("operation   {}", op.id),
+            format!("state       {} (version {})", op.state, op.version),
+            format!("status_ref  {}…", &op.status_ref[..op.status_ref.len().min(20)]),
+            format!("last query  {} ({})", op.last_query_result.as_deref().unwrap_or("none"), self.ago(op.last_query_at)),
+            "asks the provider for a receipt; never executes the tool".to_string(),
+        ];
+        self.confirm = Some(Confirm {
+            title: "Status query".into(),
+            evidence,
+            request: Request::Query { operation_id: op.id.clone() },
+            on_confirm: false,
+        });
+        self.mode = Mode::Confirm;
+        None
+    }
+
+    fn ask_approve(&mut self) -> Option<Request> {
+        if self.refuse_read_only() {
+            return None;
+        }
+        let Some(a) = self.selected_approval() else {
+            self.say("select a pending approval (pane 3) to approve", true);
+            return None;
+        };
+        let left = a.expires_at - self.now_ms;
+        let evidence = vec![
+            format!("approval    {}", a.id),
+            format!("tool        {}  tenant {}  requester {}", a.tool, a.tenant, a.subject),
+            format!("amount      {}", a.amount_minor.map_or_else(|| "-".to_string(), |v| v.to_string())),
+            format!("request     {}…", &a.request_sha256[..16]),
+            format!("expires in  {}", if left <= 0 { "expired".into() } else { super::ui::human_ms(left) }),
+            format!("approver    {}", self.operator),
+        ];
+        self.confirm = Some(Confirm {
+            title: "Approve and execute".into(),
+            evidence,
+            request: Request::Approve { approval_id: a.id.clone() },
+            on_confirm: false,
+        });
+        self.mode = Mode::Confirm;
+        None
+    }
+
+    fn on_input(&mut self, c: char) -> Option<Request> {
+        match self.mode {
+            Mode::Filter => {
+                if self.filter.len() < 80 && !c.is_control() {
+                    self.filter.push(c);
+                }
+                None
+            }
+            Mode::Form => {
+                if let Some(f) = self.form.as_mut() {
+                    let target = match f.field {
+                        1 => Some(&mut f.evidence),
+                        2 => Some(&mut f.note),
+                        _ => None,
+                    };
+                    if let Some(t) = target {
+                        if t.len() < 200 && !c.is_control() {
+                            t.push(c);
+                        }
+                    }
+                }
+                None
+            }
+            _ => None,
+        }
+    }
+
+    fn on_navigate(&mut self, action: &Action) {
+        match self.mode {
+            Mode::Confirm => {
+                if let Some(c) = self.confirm.as_mut() {
+                    c.on_confirm = !c.on_confirm;
+                }
+            }
+            Mode::Form => {
+                if let Some(f) = self.form.as_mut() {
+                    let fields: &[usize] = match f.kind {
+                        FormKind::Deny { .. } => &[2],
+                        FormKind::Resolve { .. } => {
+                            if f.choice == 0 {
+                                &[0, 1, 2]
+                            } else {
+                                &[0, 2]
+                            }
+                        }
+                    };
+                    let pos = fields.iter().position(|x| *x == f.field).unwrap_or(0);
+                    match action {
+                        Action::NextField => f.field = fields[(pos + 1) % fields.len()],
+                        Action::PrevField => f.field = fields[(pos + fields.len() - 1) % fields.len()],
+                        Action::ChoiceLeft if f.field == 0 => f.choice = (f.choice + 2) % 3,
+                        Action::ChoiceRight if f.field == 0 => f.choice = (f.choice + 1) % 3,
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn on_submit(&mut self) -> Option<Request> {
+        match self.mode {
+            Mode::Filter => {
+                self.mode = Mode::Normal;
+                self.cursor = None;
+                self.page_stack.clear();
+                self.selected = 0;
+                Some(self.fetch())
+            }
+            Mode::Confirm => {
+                let c = self.confirm.take()?;
+                self.mode = Mode::Normal;
+                if c.on_confirm {
+                    self.say(format!("{}: sent", c.title), false);
+                    Some(c.request)
+                } else {
+                    self.say("cancelled", false);
+                    None
+                }
+            }
+            Mode::Form => {
+                let f = self.form.clone()?;
+                if f.note.trim().is_empty() {
+                    if let Some(form) = self.form.as_mut() {
+                        form.error = Some("a note is required".into());
+                        form.field = 2;
+                    }
+                    return None;
+                }
+                let (title, evidence, request) = match &f.kind {
+                    FormKind::Deny { approval_id } => (
+                        "Deny approval".to_string(),
+                        vec![format!("approval    {approval_id}"), format!("note        {}", f.note)],
+                        Request::Deny { approval_id: approval_id.clone(), note: f.note.clone() },
+                    ),
+                    FormKind::Resolve { operation_id, seen_version, last_query } => {
+                        let resolution = [Resolution::Succeeded, Resolution::Failed, Resolution::Compensated][f.choice];
+                        let evidence = (f.choice == 0).then(|| f.evidence.trim().to_string());
+                        if evidence.as_deref().is_some_and(str::is_empty) {
+                            if let Some(form) = self.form.as_mut() {
+                                form.error = Some("succeeded needs a receipt id as evidence".into());
+                                form.field = 1;
+                            }
+                            return None;
+                        }
+                        (
+                            "Resolve operation".to_string(),
+                            vec![
+                                format!("operation   {operation_id} (version {seen_version})"),
+                                format!("resolve as  {}", resolution.as_str()),
+                                format!("evidence    {}", evidence.clone().unwrap_or_else(|| "-".into())),
+                                format!("last query  {last_query}"),
+                                format!("note        {}", f.note),
+                            ],
+                            Request::Resolve {
+                                operation_id: operation_id.clone(),
+                                resolution,
+                                note: f.note.clone(),
+                                evidence,
+                                seen_version: *seen_version,
+                            },
+                        )
+                    }
+                };
+                self.form = None;
+                self.confirm = Some(Confirm { title, evidence, request, on_confirm: false });
+                self.mode = Mode::Confirm;
+                None
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A stable key for row `i` (to keep the selection when rows move).
+fn row_key(rows: &Rows, i: usize) -> Option<String> {
+    match rows {
+        Rows::Live(r) => r.get(i).map(|x| x.operation_id.clone()),
+        Rows::Ops(r) => r.get(i).map(|x| x.id.clone()),
+        Rows::Approvals(r) => r.get(i).map(|x| x.id.clone()),
+        Rows::Audit(r) => r.get(i).map(|x| x.seq.to_string()),
+        Rows::Empty => None,
+    }
+}
+
+/// Applies an envelope to a one-line summary for the status bar.
+pub fn summarize(env: &Envelope) -> (bool, String) {
+    let m = &env.model_result;
+    let exec = serde_json::to_value(m.execution).unwrap_or_default();
+    let status = serde_json::to_value(m.status).unwrap_or_default();
+    let mut s = format!(
+        "{} · {} · {}",
+        status.as_str().unwrap_or("?"),
+        exec["outcome"].as_str().unwrap_or("?"),
+        exec["delivery"].as_str().unwrap_or("?")
+    );
+    if let Some(e) = &m.error {
+        s = format!("{} · {s}", e.code);
+    }
+    (m.error.is_none(), s)
+}

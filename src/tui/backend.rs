@@ -1,0 +1,234 @@
+//! The engine side of the console: a thread that owns an [`Engine`], answers
+//! [`Request`]s, and watches `PRAGMA data_version` to refresh the visible page
+//! when any process commits. Plus the worker/reaper thread. The console itself
+//! never touches the database.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::app::{summarize, Action, EngineEvent, Pane, Request, Rows};
+use super::walkthrough::Walkthrough;
+use crate::engine::{Engine, EngineError, EngineOptions, ResolveRequest};
+use crate::store::OpsView;
+
+/// How the console's engine threads are set up.
+#[derive(Clone)]
+pub struct BackendOptions {
+    /// Database.
+    pub path: PathBuf,
+    /// Operator identity (approver name, resolver).
+    pub operator: String,
+    /// Run the outbox workers and the reaper in this process.
+    pub workers: bool,
+    /// Where the walkthrough's own scratch databases go.
+    pub scratch: PathBuf,
+    /// The `toolgate` binary, for scenario steps that need a real child process.
+    pub exe: Option<PathBuf>,
+}
+
+/// Handles to the running threads.
+pub struct Backend {
+    /// Send requests here.
+    pub requests: mpsc::Sender<Request>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Backend {
+    /// Stops the threads and waits for them.
+    pub fn shutdown(self) {
+        self.stop.store(true, Ordering::SeqCst);
+        drop(self.requests);
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+const POLL: Duration = Duration::from_millis(200);
+const MAX_STALE: Duration = Duration::from_secs(5);
+
+/// Starts the engine thread (and the worker thread when asked).
+pub fn spawn(opts: &BackendOptions, events: UnboundedSender<Action>) -> Result<Backend, EngineError> {
+    let (tx, rx) = mpsc::channel::<Request>();
+    let stop = Arc::new(AtomicBool::new(false));
+    // Open once here so a broken database fails before the terminal is taken over.
+    let engine = Engine::open(&opts.path, EngineOptions { worker_id: format!("console-{}", std::process::id()), ..EngineOptions::default() })?;
+    let mut threads = Vec::new();
+    let o = opts.clone();
+    let ev = events.clone();
+    threads.push(std::thread::spawn(move || serve(engine, &o, &rx, &ev)));
+    if opts.workers {
+        let worker = Engine::open(&opts.path, EngineOptions { worker_id: format!("console-worker-{}", std::process::id()), ..EngineOptions::default() })?;
+        let s = stop.clone();
+        threads.push(std::thread::spawn(move || work(worker, &s, &events)));
+    }
+    Ok(Backend { requests: tx, stop, threads })
+}
+
+fn work(mut engine: Engine, stop: &AtomicBool, events: &UnboundedSender<Action>) {
+    while !stop.load(Ordering::SeqCst) {
+        if let Err(e) = engine.reap().and_then(|_| engine.work(64)) {
+            let _ = events.send(Action::Engine(EngineEvent::Error(format!("worker: {e}"))));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+struct View {
+    pane: Pane,
+    filter: String,
+    cursor: Option<crate::store::Cursor>,
+    limit: i64,
+}
+
+fn fetch(engine: &mut Engine, v: &View) -> Result<EngineEvent, EngineError> {
+    let rows = match v.pane {
+        Pane::Live => Rows::Live(engine.live_page(&v.filter, v.cursor.as_ref(), v.limit)?),
+        Pane::Ledger => Rows::Ops(engine.ops_page(OpsView::All, &v.filter, v.cursor.as_ref(), v.limit)?),
+        Pane::Unknown => Rows::Ops(engine.ops_page(OpsView::Unknown, &v.filter, v.cursor.as_ref(), v.limit)?),
+        Pane::Approvals => Rows::Approvals(engine.approvals_page(&v.filter, v.cursor.as_ref(), v.limit)?),
+        Pane::Audit => Rows::Audit(engine.audit_page(v.cursor.as_ref().map(|c| c.0), v.limit)?),
+        Pane::Walkthrough => Rows::Empty,
+    };
+    Ok(EngineEvent::Page { pane: v.pane, rows, header: engine.header_counts()? })
+}
+
+fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>, events: &UnboundedSender<Action>) {
+    let mut view = View { pane: Pane::Unknown, filter: String::new(), cursor: None, limit: 20 };
+    let mut live = true;
+    let mut seen_version = -1;
+    let mut last_fetch = Instant::now();
+    let mut walk = Walkthrough::new(opts.scratch.clone(), opts.exe.clone());
+    // While a walkthrough runs, every pane shows the scenario's own database.
+    let mut scenario: Option<(PathBuf, Engine)> = None;
+    let send = |e: EngineEvent| events.send(Action::Engine(e)).is_ok();
+    if !send(walk.view()) {
+        return;
+    }
+    loop {
+        let mut refresh = false;
+        let received = rx.recv_timeout(POLL);
+        let eng: &mut Engine = match scenario.as_mut() {
+            Some((_, e)) => e,
+            None => &mut engine,
+        };
+        match received {
+            Ok(req) => {
+                let walk_step = matches!(req, Request::ScenarioStep | Request::ScenarioSelect(_));
+                let (ev, then_refresh) = handle(eng, opts, &mut view, &mut live, &mut walk, req);
+                if let Some(ev) = ev {
+                    if !send(ev) {
+                        return;
+                    }
+                }
+                refresh = then_refresh;
+                if walk_step {
+                    let path = walk.db_path();
+                    let same = matches!((&path, &scenario), (Some(p), Some((q, _))) if p == q);
+                    if !same {
+                        scenario = path.and_then(|p| {
+                            Engine::open(&p, EngineOptions { worker_id: "console-walkthrough".into(), ..EngineOptions::default() })
+                                .ok()
+                                .map(|e| (p, e))
+                        });
+                    }
+                    refresh = true;
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                if live {
+                    let v = eng.data_version().unwrap_or(-2);
+                    refresh = v != seen_version || last_fetch.elapsed() > MAX_STALE;
+                    seen_version = v;
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        if refresh {
+            last_fetch = Instant::now();
+            let eng: &mut Engine = match scenario.as_mut() {
+                Some((_, e)) => e,
+                None => &mut engine,
+            };
+            let ev = fetch(eng, &view).unwrap_or_else(|e| EngineEvent::Error(e.to_string()));
+            if !send(ev) {
+                return;
+            }
+        }
+    }
+}
+
+fn handle(
+    engine: &mut Engine,
+    opts: &BackendOptions,
+    view: &mut View,
+    live: &mut bool,
+    walk: &mut Walkthrough,
+    req: Request,
+) -> (Option<EngineEvent>, bool) {
+    let done = |r: Result<(bool, String), EngineError>| match r {
+        Ok((ok, summary)) => EngineEvent::Done { ok, summary },
+        Err(e) => EngineEvent::Done { ok: false, summary: format!("{}: {e}", e.code()) },
+    };
+    match req {
+        Request::Fetch { pane, filter, cursor, limit } => {
+            *view = View { pane, filter, cursor, limit };
+            (None, true)
+        }
+        Request::SetLive(on) => {
+            *live = on;
+            (None, on)
+        }
+        Request::Detail(id) => match engine.operation_detail(&id) {
+            Ok(Some(d)) => (Some(EngineEvent::Detail(Box::new(d))), false),
+            Ok(None) => (Some(EngineEvent::Error("no such operation".into())), false),
+            Err(e) => (Some(EngineEvent::Error(e.to_string())), false),
+        },
+        Request::Query { operation_id } => {
+            let r = engine.operator_query(&operation_id, &opts.operator).map(|env| {
+                let (_, s) = summarize(&env);
+                (true, format!("query {operation_id}: {s}"))
+            });
+            (Some(done(r)), true)
+        }
+        Request::Approve { approval_id } => {
+            let r = engine.approve(&approval_id, &opts.operator).map(|env| {
+                let (ok, s) = summarize(&env);
+                (ok, format!("approve {approval_id}: {s}"))
+            });
+            (Some(done(r)), true)
+        }
+        Request::Deny { approval_id, note } => {
+            let r = engine.deny(&approval_id, &opts.operator, &note).map(|o| (o.applied, format!("deny {approval_id}: {}", o.message)));
+            (Some(done(r)), true)
+        }
+        Request::Resolve { operation_id, resolution, note, evidence, seen_version } => {
+            let r = engine
+                .resolve(&ResolveRequest {
+                    operation_id: operation_id.clone(),
+                    resolution,
+                    operator: opts.operator.clone(),
+                    note,
+                    evidence,
+                    seen_version: Some(seen_version),
+                    action_id: None,
+                })
+                .map(|o| (o.applied, format!("resolve {operation_id}: {} {}", if o.applied { "" } else { &o.code }, o.message)));
+            (Some(done(r)), true)
+        }
+        Request::ScenarioSelect(i) => {
+            walk.select(i);
+            (Some(walk.view()), false)
+        }
+        Request::ScenarioStep => {
+            walk.step();
+            (Some(walk.view()), false)
+        }
+    }
+}

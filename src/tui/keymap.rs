@@ -1,0 +1,180 @@
+//! Keymaps per mode. The help overlay is generated from these tables, so what
+//! `?` shows is exactly what the keys do.
+
+use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+
+use super::app::{Action, Mode, Pane};
+
+/// One binding.
+#[derive(Debug, Clone)]
+pub struct Binding {
+    /// Keys as shown in help.
+    pub keys: &'static str,
+    /// What it does.
+    pub help: &'static str,
+    /// Changes the ledger (hidden and refused in read-only mode).
+    pub changes_state: bool,
+    matches: fn(&KeyEvent) -> Option<Action>,
+}
+
+fn ch(k: &KeyEvent, c: char) -> bool {
+    k.code == KeyCode::Char(c) && !k.modifiers.contains(KeyModifiers::CONTROL)
+}
+
+fn ctrl_c(k: &KeyEvent) -> bool {
+    k.code == KeyCode::Char('c') && k.modifiers.contains(KeyModifiers::CONTROL)
+}
+
+macro_rules! bind {
+    ($keys:expr, $help:expr, $state:expr, $f:expr) => {
+        Binding { keys: $keys, help: $help, changes_state: $state, matches: $f }
+    };
+}
+
+/// Keys that work in every mode.
+fn global() -> Vec<Binding> {
+    vec![bind!("Ctrl-C", "quit", false, |k| ctrl_c(k).then_some(Action::Quit))]
+}
+
+/// Normal-mode bindings (browsing panes).
+pub fn normal() -> Vec<Binding> {
+    vec![
+        bind!("1-6", "switch pane (Live, Ledger, Approvals, Unknown, Audit, Walkthrough)", false, |k| match k.code {
+            KeyCode::Char(c @ '1'..='6') => Some(Action::SelectPane(Pane::ALL[(c as usize) - ('1' as usize)])),
+            _ => None,
+        }),
+        bind!("Tab / Shift-Tab", "next / previous pane", false, |k| match k.code {
+            KeyCode::Tab => Some(Action::NextPane),
+            KeyCode::BackTab => Some(Action::PrevPane),
+            _ => None,
+        }),
+        bind!("j k / Down Up", "move the selection", false, |k| match k.code {
+            KeyCode::Down => Some(Action::Down),
+            KeyCode::Up => Some(Action::Up),
+            _ if ch(k, 'j') => Some(Action::Down),
+            _ if ch(k, 'k') => Some(Action::Up),
+            _ => None,
+        }),
+        bind!("PgDn PgUp / Ctrl-F Ctrl-B", "next / previous page (keyset paging)", false, |k| match k.code {
+            KeyCode::PageDown => Some(Action::PageDown),
+            KeyCode::PageUp => Some(Action::PageUp),
+            KeyCode::Char('f') if k.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::PageDown),
+            KeyCode::Char('b') if k.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::PageUp),
+            _ => None,
+        }),
+        bind!("g G / Home End", "first / last row", false, |k| match k.code {
+            KeyCode::Home => Some(Action::Top),
+            KeyCode::End => Some(Action::Bottom),
+            _ if ch(k, 'g') => Some(Action::Top),
+            _ if ch(k, 'G') => Some(Action::Bottom),
+            _ => None,
+        }),
+        bind!("Enter", "detail: record, bindings, trace timeline, operator log", false, |k| {
+            (k.code == KeyCode::Enter).then_some(Action::OpenDetail)
+        }),
+        bind!("q", "status query on the selected unknown operation", true, |k| ch(k, 'q').then_some(Action::AskQuery)),
+        bind!("a", "approve the selected request", true, |k| ch(k, 'a').then_some(Action::AskApprove)),
+        bind!("d", "deny the selected request (note)", true, |k| ch(k, 'd').then_some(Action::AskDeny)),
+        bind!("r", "resolve the selected operation (succeeded / failed / compensated)", true, |k| {
+            ch(k, 'r').then_some(Action::AskResolve)
+        }),
+        bind!("n", "walkthrough: run the next step", false, |k| ch(k, 'n').then_some(Action::ScenarioNext)),
+        bind!("[ ]", "walkthrough: previous / next scenario", false, |k| {
+            if ch(k, '[') {
+                Some(Action::ScenarioPick(-1))
+            } else if ch(k, ']') {
+                Some(Action::ScenarioPick(1))
+            } else {
+                None
+            }
+        }),
+        bind!("/", "filter by id, tenant, subject, state or tool", false, |k| ch(k, '/').then_some(Action::StartFilter)),
+        bind!("y", "copy the selected id (OSC 52)", false, |k| ch(k, 'y').then_some(Action::Copy)),
+        bind!("space", "pause / resume live refresh", false, |k| ch(k, ' ').then_some(Action::TogglePause)),
+        bind!("?", "this help", false, |k| ch(k, '?').then_some(Action::ToggleHelp)),
+        bind!("Esc", "back; clear the filter", false, |k| (k.code == KeyCode::Esc).then_some(Action::Back)),
+        bind!("Q", "quit", false, |k| ch(k, 'Q').then_some(Action::Quit)),
+    ]
+}
+
+fn detail() -> Vec<Binding> {
+    vec![
+        bind!("j k / Down Up", "scroll", false, |k| match k.code {
+            KeyCode::Down => Some(Action::Down),
+            KeyCode::Up => Some(Action::Up),
+            _ if ch(k, 'j') => Some(Action::Down),
+            _ if ch(k, 'k') => Some(Action::Up),
+            _ => None,
+        }),
+        bind!("Esc / Enter", "back", false, |k| matches!(k.code, KeyCode::Esc | KeyCode::Enter).then_some(Action::Back)),
+        bind!("y", "copy the operation id", false, |k| ch(k, 'y').then_some(Action::Copy)),
+        bind!("?", "help", false, |k| ch(k, '?').then_some(Action::ToggleHelp)),
+        bind!("Q", "quit", false, |k| ch(k, 'Q').then_some(Action::Quit)),
+    ]
+}
+
+fn text_entry() -> Vec<Binding> {
+    vec![
+        bind!("Enter", "apply / submit", false, |k| (k.code == KeyCode::Enter).then_some(Action::Submit)),
+        bind!("Esc", "cancel", false, |k| (k.code == KeyCode::Esc).then_some(Action::Back)),
+        bind!("Backspace", "delete", false, |k| (k.code == KeyCode::Backspace).then_some(Action::Backspace)),
+        bind!("Tab / Shift-Tab", "next / previous field", false, |k| match k.code {
+            KeyCode::Tab => Some(Action::NextField),
+            KeyCode::BackTab => Some(Action::PrevField),
+            _ => None,
+        }),
+        bind!("Left Right", "change the choice", false, |k| match k.code {
+            KeyCode::Left => Some(Action::ChoiceLeft),
+            KeyCode::Right => Some(Action::ChoiceRight),
+            _ => None,
+        }),
+        bind!("any character", "type", false, |k| match k.code {
+            KeyCode::Char(c) if !k.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::Input(c)),
+            _ => None,
+        }),
+    ]
+}
+
+fn confirm() -> Vec<Binding> {
+    vec![
+        bind!("Tab / Left Right / h l", "move between Cancel and Confirm (Cancel is the default)", false, |k| match k.code {
+            KeyCode::Tab | KeyCode::BackTab | KeyCode::Left | KeyCode::Right => Some(Action::NextField),
+            _ if ch(k, 'h') || ch(k, 'l') => Some(Action::NextField),
+            _ => None,
+        }),
+        bind!("Enter", "choose the focused button", false, |k| (k.code == KeyCode::Enter).then_some(Action::Submit)),
+        bind!("Esc / n", "cancel", false, |k| (k.code == KeyCode::Esc || ch(k, 'n')).then_some(Action::Back)),
+    ]
+}
+
+fn help() -> Vec<Binding> {
+    vec![bind!("? / Esc / Q", "close help", false, |k| {
+        (ch(k, '?') || k.code == KeyCode::Esc || ch(k, 'Q')).then_some(Action::ToggleHelp)
+    })]
+}
+
+/// The bindings of a mode (without the global ones).
+pub fn bindings(mode: Mode) -> Vec<Binding> {
+    match mode {
+        Mode::Normal => normal(),
+        Mode::Detail => detail(),
+        Mode::Filter | Mode::Form => text_entry(),
+        Mode::Confirm => confirm(),
+        // Any other key closes help and does what it does in the mode below.
+        Mode::Help => help().into_iter().chain(normal()).collect(),
+    }
+}
+
+/// Looks a key up in the current mode's keymap.
+pub fn lookup(mode: Mode, key: &KeyEvent, read_only: bool) -> Option<Action> {
+    global()
+        .iter()
+        .chain(bindings(mode).iter())
+        .filter(|b| !(read_only && b.changes_state))
+        .find_map(|b| (b.matches)(key))
+}
+
+/// Help lines for a mode: (keys, what), state-changing ones hidden in read-only.
+pub fn help_lines(mode: Mode, read_only: bool) -> Vec<(&'static str, &'static str)> {
+    bindings(mode).into_iter().chain(global()).filter(|b| !(read_only && b.changes_state)).map(|b| (b.keys, b.help)).collect()
+}

@@ -1,0 +1,180 @@
+//! The operations console (ratatui + crossterm on tokio), The Elm Architecture:
+//! crossterm events → keymap (per mode) → [`app::Action`] → [`app::App::update`]
+//! → engine [`app::Request`]s on a channel → answers back as actions; rendering is
+//! a pure function of the app ([`ui::render`]).
+//!
+//! The engine runs in its own threads ([`backend`]); this module never touches
+//! the database.
+
+pub mod app;
+pub mod backend;
+pub mod keymap;
+pub mod ui;
+pub mod walkthrough;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use futures_util::StreamExt;
+use ratatui::crossterm::event::{
+    DisableMouseCapture, EnableMouseCapture, Event, EventStream, KeyEventKind, MouseButton, MouseEventKind,
+};
+use ratatui::crossterm::execute;
+
+use app::{Action, App};
+
+use crate::engine::EngineError;
+
+/// Why the console stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ConsoleError {
+    /// The engine could not start.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The terminal failed.
+    #[error("terminal: {0}")]
+    Terminal(#[from] std::io::Error),
+}
+
+/// What the console opens.
+#[derive(Debug, Clone)]
+pub struct ConsoleOptions {
+    /// Database (a real ledger, or the demo's working copy).
+    pub db: PathBuf,
+    /// How the header names it.
+    pub db_label: String,
+    /// Operator identity.
+    pub operator: String,
+    /// Hide and refuse state-changing actions.
+    pub read_only: bool,
+    /// Run outbox workers and the reaper in this process.
+    pub workers: bool,
+    /// Scratch directory for walkthrough databases.
+    pub scratch: PathBuf,
+}
+
+/// Most frames per second when the engine is busy.
+const FRAME: Duration = Duration::from_millis(33);
+
+/// Maps a terminal event to an action through the current mode's keymap.
+pub fn map_event(app: &App, ev: &Event) -> Option<Action> {
+    match ev {
+        Event::Key(k) if k.kind == KeyEventKind::Press => keymap::lookup(app.mode, k, app.read_only),
+        Event::Mouse(m) => match m.kind {
+            MouseEventKind::ScrollDown => Some(Action::Scroll(1)),
+            MouseEventKind::ScrollUp => Some(Action::Scroll(-1)),
+            MouseEventKind::Down(MouseButton::Left) => Some(Action::Click(m.column, m.row)),
+            _ => None,
+        },
+        Event::Resize(w, h) => Some(Action::Resize(*w, *h)),
+        _ => None,
+    }
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+/// Copies text to the terminal's clipboard with OSC 52.
+fn osc52(text: &str) {
+    let b64 = base64::engine::general_purpose::STANDARD.encode(text);
+    let mut out = std::io::stdout();
+    let _ = write!(out, "\x1b]52;c;{b64}\x07");
+    let _ = out.flush();
+}
+
+/// Runs the console until the user quits. The terminal is restored on every
+/// exit path, and on panic (ratatui's hook, extended to mouse capture).
+pub fn run(opts: &ConsoleOptions) -> Result<(), ConsoleError> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
+    rt.block_on(run_async(opts))
+}
+
+async fn run_async(opts: &ConsoleOptions) -> Result<(), ConsoleError> {
+    let (ev_tx, mut ev_rx) = tokio::sync::mpsc::unbounded_channel::<Action>();
+    // Start the engine before taking over the terminal: a bad database is a plain error.
+    let backend = backend::spawn(
+        &backend::BackendOptions {
+            path: opts.db.clone(),
+            operator: opts.operator.clone(),
+            workers: opts.workers && !opts.read_only,
+            scratch: opts.scratch.clone(),
+            exe: std::env::current_exe().ok(),
+        },
+        ev_tx,
+    )?;
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    let mut terminal = ratatui::try_init()?;
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let _ = execute!(std::io::stdout(), DisableMouseCapture);
+        ratatui::restore();
+        hook(info);
+    }));
+    let _ = execute!(std::io::stdout(), EnableMouseCapture);
+    let result = event_loop(&mut terminal, opts, no_color, &backend, &mut ev_rx).await;
+    let _ = execute!(std::io::stdout(), DisableMouseCapture);
+    ratatui::restore();
+    backend.shutdown();
+    result
+}
+
+async fn event_loop(
+    terminal: &mut ratatui::DefaultTerminal,
+    opts: &ConsoleOptions,
+    no_color: bool,
+    backend: &backend::Backend,
+    ev_rx: &mut tokio::sync::mpsc::UnboundedReceiver<Action>,
+) -> Result<(), ConsoleError> {
+    let mut app = App::new(opts.db_label.clone(), opts.operator.clone(), opts.read_only, no_color, now_ms());
+    let size = terminal.size()?;
+    app.size = (size.width, size.height);
+    let _ = backend.requests.send(app.fetch());
+    let mut events = EventStream::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut last_tick_second = 0;
+    let mut dirty = true;
+    let mut last_draw = Instant::now().checked_sub(FRAME).unwrap_or_else(Instant::now);
+    loop {
+        if dirty && last_draw.elapsed() >= FRAME {
+            terminal.draw(|f| ui::render(&app, f))?;
+            last_draw = Instant::now();
+            dirty = false;
+        }
+        let action = tokio::select! {
+            ev = events.next() => match ev {
+                Some(Ok(e)) => {
+                    // Input draws at once; engine answers are capped at FRAME.
+                    last_draw = Instant::now().checked_sub(FRAME).unwrap_or_else(Instant::now);
+                    map_event(&app, &e)
+                }
+                Some(Err(e)) => return Err(e.into()),
+                None => Some(Action::Quit),
+            },
+            a = ev_rx.recv() => a,
+            _ = tick.tick() => {
+                let now = now_ms();
+                // Countdowns move once a second.
+                if now / 1000 == last_tick_second {
+                    None
+                } else {
+                    last_tick_second = now / 1000;
+                    Some(Action::Tick(now))
+                }
+            }
+        };
+        let Some(action) = action else { continue };
+        dirty = true;
+        if let Some(req) = app.update(action) {
+            let _ = backend.requests.send(req);
+        }
+        if let Some(text) = app.clipboard.take() {
+            osc52(&text);
+        }
+        if app.quit {
+            return Ok(());
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! Rendering: a pure function of [`App`] (no I/O, no engine calls).
+
+mod detail;
+mod panes;
+mod popups;
+
+use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Paragraph, Tabs};
+use ratatui::Frame;
+
+use super::app::{App, Mode, Pane};
+
+/// Colours, or their absence (NO_COLOR).
+#[derive(Debug, Clone, Copy)]
+pub struct Theme {
+    mono: bool,
+}
+
+impl Theme {
+    /// The theme for an app.
+    pub fn of(app: &App) -> Self {
+        Self { mono: app.no_color }
+    }
+    fn fg(self, c: Color) -> Style {
+        if self.mono {
+            Style::default()
+        } else {
+            Style::default().fg(c)
+        }
+    }
+    /// Good news.
+    pub fn ok(self) -> Style {
+        self.fg(Color::Green)
+    }
+    /// Bad news (bold even without colour).
+    pub fn bad(self) -> Style {
+        self.fg(Color::Red).add_modifier(Modifier::BOLD)
+    }
+    /// Needs attention.
+    pub fn warn(self) -> Style {
+        self.fg(Color::Yellow)
+    }
+    /// Secondary text.
+    pub fn dim(self) -> Style {
+        if self.mono {
+            Style::default()
+        } else {
+            Style::default().fg(Color::DarkGray)
+        }
+    }
+    /// Titles and keys.
+    pub fn accent(self) -> Style {
+        self.fg(Color::Cyan).add_modifier(Modifier::BOLD)
+    }
+    /// The selected row.
+    pub fn selected(self) -> Style {
+        Style::default().add_modifier(Modifier::REVERSED)
+    }
+    /// A ledger state's style.
+    pub fn state(self, s: &str) -> Style {
+        match s {
+            "succeeded" | "resolved" => self.ok(),
+            "unknown" | "needs_review" => self.bad(),
+            "failed" => self.warn(),
+            "in_flight" | "accepted" => self.fg(Color::Blue),
+            _ => Style::default(),
+        }
+    }
+}
+
+/// `1h02m`, `5m03s`, `12s`, `450ms`; negative durations are shown as `-…`.
+pub fn human_ms(ms: i64) -> String {
+    if ms < 0 {
+        return format!("-{}", human_ms(-ms));
+    }
+    let s = ms / 1000;
+    if s >= 3600 {
+        format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
+    } else if s >= 60 {
+        format!("{}m{:02}s", s / 60, s % 60)
+    } else if s > 0 {
+        format!("{s}s")
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+/// Shortens `s` to `n` characters with a trailing `…`.
+pub fn short(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        let mut t: String = s.chars().take(n.saturating_sub(1)).collect();
+        t.push('…');
+        t
+    }
+}
+
+/// Draws the whole console.
+pub fn render(app: &App, frame: &mut Frame) {
+    let t = Theme::of(app);
+    let [header, tabs, body, footer] =
+        Layout::vertical([Constraint::Length(3), Constraint::Length(1), Constraint::Min(3), Constraint::Length(2)])
+            .areas(frame.area());
+    render_header(app, frame, header, t);
+    render_tabs(app, frame, tabs, t);
+    if app.mode == Mode::Detail {
+        detail::render(app, frame, body, t);
+    } else {
+        panes::render(app, frame, body, t);
+    }
+    render_footer(app, frame, footer, t);
+    match app.mode {
+        Mode::Help => popups::help(app, frame, t),
+        Mode::Confirm => popups::confirm(app, frame, t),
+        Mode::Form => popups::form(app, frame, t),
+        _ => {}
+    }
+}
+
+fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    let live = if app.live { Span::styled("● LIVE", t.ok()) } else { Span::styled("‖ PAUSED", t.warn()) };
+    let mut l1 = vec![
+        Span::styled("toolgate ", t.accent()),
+        Span::raw(format!("{}  ", app.walkthrough.db_label.as_deref().unwrap_or(&app.db_label))),
+        Span::styled("operator ", t.dim()),
+        Span::raw(format!("{}  ", app.operator)),
+        live,
+    ];
+    if app.read_only {
+        l1.push(Span::styled("  READ-ONLY", t.warn()));
+    }
+    let count = |s: &str| app.header.by_state.iter().find(|(k, _)| k == s).map_or(0, |(_, v)| *v);
+    let mut l2 = Vec::new();
+    let narrow = area.width < 100;
+    for (s, abbr) in [
+        ("accepted", "acc"),
+        ("in_flight", "flight"),
+        ("succeeded", "ok"),
+        ("failed", "failed"),
+        ("unknown", "unknown"),
+        ("needs_review", "review"),
+        ("resolved", "resolved"),
+    ] {
+        l2.push(Span::styled(format!("{} ", if narrow { abbr } else { s }), t.dim()));
+        l2.push(Span::styled(format!("{}  ", count(s)), t.state(s)));
+    }
+    let dups = app.header.side_effect_duplicates;
+    let dup_style = if dups == 0 { t.ok() } else { t.bad() };
+    let mut l3 = vec![
+        Span::styled("duplicate effects ", t.dim()),
+        Span::styled(format!(" {dups} "), dup_style.add_modifier(Modifier::REVERSED)),
+        Span::styled("   pending approvals ", t.dim()),
+        Span::raw(app.header.pending_approvals.to_string()),
+    ];
+    if let Some(at) = app.header.oldest_unknown_at {
+        l3.push(Span::styled("   oldest unknown ", t.dim()));
+        l3.push(Span::styled(human_ms(app.now_ms - at), t.bad()));
+    }
+    if !app.filter.is_empty() || app.mode == Mode::Filter {
+        l3.push(Span::styled("   filter ", t.dim()));
+        l3.push(Span::styled(format!("/{}", app.filter), t.accent()));
+        if app.mode == Mode::Filter {
+            l3.push(Span::styled("▏", t.accent()));
+        }
+    }
+    frame.render_widget(Paragraph::new(vec![Line::from(l1), Line::from(l2), Line::from(l3)]), area);
+}
+
+fn render_tabs(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    let titles: Vec<Line> = Pane::ALL.iter().enumerate().map(|(i, p)| Line::from(format!("{} {}", i + 1, p.title()))).collect();
+    let idx = Pane::ALL.iter().position(|p| *p == app.pane).unwrap_or(0);
+    let tabs = Tabs::new(titles).select(idx).highlight_style(t.accent().add_modifier(Modifier::REVERSED)).divider("│");
+    frame.render_widget(tabs, area);
+}
+
+fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    let hints: &[(&str, &str, bool)] = match (app.mode, app.pane) {
+        (Mode::Detail, _) => &[("Esc", "back", false), ("j/k", "scroll", false), ("y", "copy id", false)],
+        (Mode::Filter, _) => &[("Enter", "apply", false), ("Esc", "done", false)],
+        (_, Pane::Unknown) => &[("q", "query", true), ("r", "resolve", true), ("Enter", "detail", false), ("/", "filter", false)],
+        (_, Pane::Approvals) => &[("a", "approve", true), ("d", "deny", true), ("Enter", "detail", false), ("/", "filter", false)],
+        (_, Pane::Walkthrough) => &[("n", "next step", false), ("[ ]", "scenario", false)],
+        _ => &[("Enter", "detail", false), ("/", "filter", false), ("PgDn", "page", false)],
+    };
+    let mut spans = Vec::new();
+    for (k, what, changes) in hints {
+        if *changes && app.read_only {
+            continue;
+        }
+        spans.push(Span::styled(format!(" {k} "), t.accent()));
+        spans.push(Span::raw(format!("{what} ")));
+    }
+    spans.push(Span::styled(" ? ", t.accent()));
+    spans.push(Span::raw("help "));
+    spans.push(Span::styled(" Q ", t.accent()));
+    spans.push(Span::raw("quit"));
+    let status = match &app.status {
+        Some((s, true)) => Line::from(Span::styled(s.clone(), t.bad())),
+        Some((s, false)) => Line::from(Span::styled(s.clone(), t.ok())),
+        None => Line::from(""),
+    };
+    frame.render_widget(Paragraph::new(vec![status, Line::from(spans)]), area);
+}

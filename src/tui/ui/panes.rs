@@ -1,0 +1,345 @@
+//! The pane tables, one function per pane. Each shows only the fetched (visible)
+//! page.
+
+use ratatui::layout::{Constraint, Rect};
+use ratatui::style::Style;
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row, Table, TableState, Wrap};
+use ratatui::Frame;
+
+use super::{human_ms, short, Theme};
+use crate::engine::clock::rfc3339;
+use crate::tui::app::{App, Pane, Rows};
+
+/// Draws the current pane.
+pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    match app.pane {
+        Pane::Live => live(app, frame, area, t),
+        Pane::Ledger => ledger(app, frame, area, t),
+        Pane::Approvals => approvals(app, frame, area, t),
+        Pane::Unknown => unknown(app, frame, area, t),
+        Pane::Audit => audit(app, frame, area, t),
+        Pane::Walkthrough => walkthrough(app, frame, area, t),
+    }
+}
+
+fn table<'a>(app: &App, title: &str, header: Vec<&'a str>, rows: Vec<Row<'a>>, widths: Vec<Constraint>, t: Theme) -> (Table<'a>, TableState) {
+    let empty = rows.is_empty();
+    let page = if app.page_stack.is_empty() { String::new() } else { format!(" · page {}", app.page_stack.len() + 1) };
+    let table = Table::new(rows, widths)
+        .header(Row::new(header).style(t.dim()))
+        .block(Block::default().borders(Borders::TOP).title(Span::styled(format!(" {title}{page} "), t.accent())))
+        .row_highlight_style(t.selected())
+        .column_spacing(1);
+    let mut state = TableState::default();
+    if !empty {
+        state.select(Some(app.selected));
+    }
+    (table, state)
+}
+
+fn empty_note(frame: &mut Frame, area: Rect, text: &str, t: Theme) {
+    if area.height > 3 {
+        let inner = Rect { x: area.x + 2, y: area.y + 2, width: area.width.saturating_sub(4), height: 1 };
+        frame.render_widget(Paragraph::new(Span::styled(text.to_string(), t.dim())), inner);
+    }
+}
+
+fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    let Rows::Live(rows) = &app.rows else {
+        return loading(app, frame, area, "Live operations", t);
+    };
+    let now = app.now_ms;
+    let body: Vec<Row> = rows
+        .iter()
+        .map(|r| {
+            let lease = match (r.outbox_state.as_str(), r.lease_until) {
+                ("leased", Some(u)) if u > now => Cell::from(human_ms(u - now)),
+                ("leased", Some(_)) => Cell::from(Span::styled("expired", t.bad())),
+                _ => Cell::from("-"),
+            };
+            let next = if r.outbox_state == "pending" {
+                if r.available_at > now { human_ms(r.available_at - now) } else { "due".into() }
+            } else {
+                "-".into()
+            };
+            Row::new(vec![
+                Cell::from(short(&r.operation_id, 16)),
+                Cell::from(short(&r.tool, 15)),
+                Cell::from(Span::styled(r.state.clone(), t.state(&r.state))),
+                Cell::from(format!("{}/{}", r.attempt, r.max_attempts)),
+                lease,
+                Cell::from(next),
+                Cell::from(short(r.last_code.as_deref().unwrap_or("-"), 22)),
+                Cell::from(short(r.lease_owner.as_deref().unwrap_or("-"), 14)),
+                Cell::from(human_ms(r.deadline_at - now)),
+            ])
+        })
+        .collect();
+    let (tb, mut st) = table(
+        app,
+        &format!("Live operations: in-flight and waiting attempts ({})", rows.len()),
+        vec!["operation", "tool", "state", "attempt", "lease", "next retry", "last code", "worker", "deadline"],
+        body,
+        vec![
+            Constraint::Length(16),
+            Constraint::Length(15),
+            Constraint::Length(12),
+            Constraint::Length(7),
+            Constraint::Length(8),
+            Constraint::Length(10),
+            Constraint::Length(22),
+            Constraint::Length(14),
+            Constraint::Length(9),
+        ],
+        t,
+    );
+    frame.render_stateful_widget(tb, area, &mut st);
+    if rows.is_empty() {
+        empty_note(frame, area, "nothing in flight: every accepted operation has settled", t);
+    }
+}
+
+fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    let Rows::Ops(rows) = &app.rows else {
+        return loading(app, frame, area, "Idempotency ledger", t);
+    };
+    let now = app.now_ms;
+    let body: Vec<Row> = rows
+        .iter()
+        .map(|o| {
+            Row::new(vec![
+                Cell::from(short(&o.id, 16)),
+                Cell::from(format!("{}/{}", short(&o.tenant, 8), short(&o.subject, 10))),
+                Cell::from(short(&o.tool, 15)),
+                Cell::from(o.key_sha256[..8].to_string()),
+                Cell::from(o.request_sha256[..8].to_string()),
+                Cell::from(Span::styled(o.state.clone(), t.state(&o.state))),
+                Cell::from(short(o.receipt_id.as_deref().or(o.code.as_deref()).unwrap_or("-"), 22)),
+                Cell::from(human_ms(o.expires_at - now)),
+            ])
+        })
+        .collect();
+    let (tb, mut st) = table(
+        app,
+        "Idempotency ledger (newest first)",
+        vec!["operation", "scope tenant/subject", "tool", "key#", "digest", "state", "result ref / code", "expires"],
+        body,
+        vec![
+            Constraint::Length(16),
+            Constraint::Length(19),
+            Constraint::Length(15),
+            Constraint::Length(8),
+            Constraint::Length(8),
+            Constraint::Length(12),
+            Constraint::Length(22),
+            Constraint::Length(8),
+        ],
+        t,
+    );
+    frame.render_stateful_widget(tb, area, &mut st);
+    if rows.is_empty() {
+        empty_note(frame, area, "no operations match", t);
+    }
+}
+
+fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    let Rows::Approvals(rows) = &app.rows else {
+        return loading(app, frame, area, "Pending approvals", t);
+    };
+    let now = app.now_ms;
+    let body: Vec<Row> = rows
+        .iter()
+        .map(|a| {
+            let left = a.expires_at - now;
+            let exp_style = if left < 60_000 { t.bad() } else { Style::default() };
+            let exp = if left <= 0 { "expired".to_string() } else { human_ms(left) };
+            Row::new(vec![
+                Cell::from(short(&a.id, 16)),
+                Cell::from(short(&a.tool, 15)),
+                Cell::from(short(&a.tenant, 8)),
+                Cell::from(short(&a.subject, 12)),
+                Cell::from(a.amount_minor.map_or("-".into(), |v| v.to_string())),
+                Cell::from(a.request_sha256[..8].to_string()),
+                Cell::from(Span::styled(exp, exp_style)),
+            ])
+        })
+        .collect();
+    let (tb, mut st) = table(
+        app,
+        &format!("Pending approvals ({})", rows.len()),
+        vec!["approval", "tool", "tenant", "requester", "amount", "digest", "expires in"],
+        body,
+        vec![
+            Constraint::Length(16),
+            Constraint::Length(15),
+            Constraint::Length(8),
+            Constraint::Length(12),
+            Constraint::Length(10),
+            Constraint::Length(8),
+            Constraint::Length(10),
+        ],
+        t,
+    );
+    frame.render_stateful_widget(tb, area, &mut st);
+    if rows.is_empty() {
+        empty_note(frame, area, "no approval is waiting", t);
+    }
+}
+
+fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    let Rows::Ops(rows) = &app.rows else {
+        return loading(app, frame, area, "Outcome unknown", t);
+    };
+    let now = app.now_ms;
+    let body: Vec<Row> = rows
+        .iter()
+        .map(|o| {
+            let last = match (&o.last_query_result, o.last_query_at) {
+                (Some(r), Some(at)) => format!("{r}, {} ago", human_ms(now - at)),
+                _ => "never queried".into(),
+            };
+            Row::new(vec![
+                Cell::from(short(&o.id, 16)),
+                Cell::from(short(&o.tool, 15)),
+                Cell::from(Span::styled(o.state.clone(), t.state(&o.state))),
+                Cell::from(short(o.code.as_deref().unwrap_or("-"), 18)),
+                Cell::from(human_ms(now - o.updated_at)),
+                Cell::from(short(&o.status_ref, 14)),
+                Cell::from(short(&last, 26)),
+            ])
+        })
+        .collect();
+    let (tb, mut st) = table(
+        app,
+        &format!("Outcome unknown: leaves only by a status query or a human decision ({})", rows.len()),
+        vec!["operation", "tool", "state", "code", "since", "status_ref", "last query"],
+        body,
+        vec![
+            Constraint::Length(16),
+            Constraint::Length(15),
+            Constraint::Length(12),
+            Constraint::Length(18),
+            Constraint::Length(7),
+            Constraint::Length(14),
+            Constraint::Min(20),
+        ],
+        t,
+    );
+    frame.render_stateful_widget(tb, area, &mut st);
+    if rows.is_empty() {
+        empty_note(frame, area, "the queue is empty: no operation waits for a status query or review", t);
+    }
+}
+
+fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    let Rows::Audit(rows) = &app.rows else {
+        return loading(app, frame, area, "Operator log", t);
+    };
+    let body: Vec<Row> = rows
+        .iter()
+        .map(|r| {
+            let res = if r.result == "applied" { t.ok() } else { t.bad() };
+            Row::new(vec![
+                Cell::from(r.seq.to_string()),
+                Cell::from(rfc3339(r.at).chars().skip(11).take(12).collect::<String>()),
+                Cell::from(short(&r.actor, 16)),
+                Cell::from(r.action.clone()),
+                Cell::from(Span::styled(r.result.clone(), res)),
+                Cell::from(short(r.operation_id.as_deref().or(r.approval_id.as_deref()).unwrap_or("-"), 16)),
+                Cell::from(short(&r.reason, 40)),
+            ])
+        })
+        .collect();
+    let (tb, mut st) = table(
+        app,
+        "Operator log (append-only, newest first)",
+        vec!["#", "time (UTC)", "actor", "action", "result", "target", "reason"],
+        body,
+        vec![
+            Constraint::Length(5),
+            Constraint::Length(12),
+            Constraint::Length(16),
+            Constraint::Length(8),
+            Constraint::Length(8),
+            Constraint::Length(16),
+            Constraint::Min(20),
+        ],
+        t,
+    );
+    frame.render_stateful_widget(tb, area, &mut st);
+    if rows.is_empty() {
+        empty_note(frame, area, "no operator action yet", t);
+    }
+}
+
+fn walkthrough(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    let w = &app.walkthrough;
+    if w.scenarios.is_empty() {
+        let p = Paragraph::new(vec![
+            Line::from(Span::styled(" Scenario walkthrough ", t.accent())),
+            Line::from(""),
+            Line::from(Span::styled("  loading scenarios…", t.dim())),
+        ]);
+        frame.render_widget(p, area);
+        return;
+    }
+    let (num, title) = w.scenarios.get(w.selected).cloned().unwrap_or_default();
+    let mut lines = vec![
+        Line::from(vec![
+            Span::styled(format!(" Scenario {num}: {title} "), t.accent()),
+            Span::styled(format!("  ({} of {}, [ ] to choose)", w.selected + 1, w.scenarios.len()), t.dim()),
+        ]),
+        Line::from(Span::styled(format!(" {}", w.crash_note), t.dim())),
+    ];
+    if w.more {
+        lines.push(Line::from(Span::styled(" press n for the next step", t.dim())));
+    } else {
+        lines.push(Line::from(Span::styled(" finished: [ ] for another scenario", t.dim())));
+    }
+    let [top, rest] = ratatui::layout::Layout::vertical([Constraint::Length(3), Constraint::Min(1)]).areas(area);
+    frame.render_widget(Paragraph::new(lines).wrap(Wrap { trim: false }), top);
+    let body: Vec<Row> = w
+        .steps
+        .iter()
+        .map(|s| {
+            let v = if s.verdict == "PASS" { t.ok() } else { t.bad() };
+            Row::new(vec![
+                Cell::from(s.n.to_string()),
+                Cell::from(short(&s.action, 22)),
+                Cell::from(short(&s.transition, 26)),
+                Cell::from(s.retryable.clone()),
+                Cell::from(short(&s.user_sees, 44)),
+                Cell::from(s.effects.to_string()),
+                Cell::from(Span::styled(s.verdict.clone(), v)),
+            ])
+        })
+        .collect();
+    let n = body.len();
+    let tb = Table::new(
+        body,
+        vec![
+            Constraint::Length(3),
+            Constraint::Length(22),
+            Constraint::Length(26),
+            Constraint::Length(9),
+            Constraint::Min(20),
+            Constraint::Length(7),
+            Constraint::Length(4),
+        ],
+    )
+    .header(Row::new(vec!["#", "action", "transition", "retryable", "what the user sees", "effects", ""]).style(t.dim()))
+    .block(Block::default().borders(Borders::TOP))
+    .column_spacing(1);
+    let mut st = TableState::default();
+    if n > 0 {
+        st.select(Some(n - 1));
+    }
+    frame.render_stateful_widget(tb, rest, &mut st);
+}
+
+fn loading(app: &App, frame: &mut Frame, area: Rect, title: &str, t: Theme) {
+    let _ = app;
+    let p = Paragraph::new(vec![Line::from(Span::styled(format!(" {title} "), t.accent())), Line::from(""), Line::from(Span::styled("  loading…", t.dim()))]);
+    frame.render_widget(p, area);
+}

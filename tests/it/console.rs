@@ -1,0 +1,344 @@
+//! The console: screens (insta snapshots at 80×24 and 140×40), colours, key
+//! handling (the engine requests each key emits), the walkthrough, and a smoke
+//! test of the real binary in a pseudo-terminal.
+
+use ratatui::backend::TestBackend;
+use ratatui::buffer::Buffer;
+use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+use ratatui::style::Color;
+use ratatui::Terminal;
+use toolgate::engine::{Engine, EngineOptions, Resolution};
+use toolgate::store::OpsView;
+use toolgate::tui::app::{Action, App, EngineEvent, Mode, Pane, Request, Rows};
+use toolgate::tui::{keymap, ui};
+
+/// A working copy of the committed demo database, re-based to a fixed instant, so
+/// screens are deterministic.
+const NOW: i64 = 1_800_000_000_000;
+
+struct Demo {
+    _dir: tempfile::TempDir,
+    engine: Engine,
+}
+
+fn demo() -> Demo {
+    let dir = tempfile::tempdir().unwrap();
+    let path = toolgate::demo::working_copy(dir.path(), NOW).unwrap();
+    let clock = toolgate::engine::clock::ManualClock::new(NOW);
+    let engine = Engine::open(&path, EngineOptions { clock: std::sync::Arc::new(clock), ..EngineOptions::default() }).unwrap();
+    Demo { _dir: dir, engine }
+}
+
+fn page(d: &mut Demo, pane: Pane, limit: i64) -> EngineEvent {
+    let e = &mut d.engine;
+    let rows = match pane {
+        Pane::Live => Rows::Live(e.live_page("", None, limit).unwrap()),
+        Pane::Ledger => Rows::Ops(e.ops_page(OpsView::All, "", None, limit).unwrap()),
+        Pane::Unknown => Rows::Ops(e.ops_page(OpsView::Unknown, "", None, limit).unwrap()),
+        Pane::Approvals => Rows::Approvals(e.approvals_page("", None, limit).unwrap()),
+        Pane::Audit => Rows::Audit(e.audit_page(None, limit).unwrap()),
+        Pane::Walkthrough => Rows::Empty,
+    };
+    EngineEvent::Page { pane, rows, header: e.header_counts().unwrap() }
+}
+
+fn app_on(d: &mut Demo, pane: Pane, w: u16, h: u16) -> App {
+    let mut app = App::new("demo.db (working copy)", "alice", false, false, NOW);
+    app.size = (w, h);
+    app.update(Action::SelectPane(pane));
+    let limit = app.visible_rows();
+    app.update(Action::Engine(page(d, pane, limit)));
+    app
+}
+
+fn draw(app: &App, w: u16, h: u16) -> Buffer {
+    let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
+    t.draw(|f| ui::render(app, f)).unwrap();
+    t.backend().buffer().clone()
+}
+
+fn text(b: &Buffer) -> String {
+    let mut s = String::new();
+    for y in 0..b.area.height {
+        let line: String = (0..b.area.width).map(|x| b[(x, y)].symbol().to_string()).collect();
+        s.push_str(line.trim_end());
+        s.push('\n');
+    }
+    s
+}
+
+fn key(c: char) -> Action {
+    keymap::lookup(Mode::Normal, &KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE), false).unwrap()
+}
+
+fn press(app: &mut App, code: KeyCode) -> Option<Request> {
+    let action = keymap::lookup(app.mode, &KeyEvent::new(code, KeyModifiers::NONE), app.read_only)?;
+    app.update(action)
+}
+
+#[test]
+fn every_pane_at_two_sizes() {
+    let mut d = demo();
+    for (w, h) in [(80u16, 24u16), (140, 40)] {
+        for pane in [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown, Pane::Audit] {
+            let app = app_on(&mut d, pane, w, h);
+            insta::assert_snapshot!(format!("pane_{}_{w}x{h}", pane.title().to_lowercase()), text(&draw(&app, w, h)));
+        }
+    }
+}
+
+#[test]
+fn popups_and_detail_at_two_sizes() {
+    let mut d = demo();
+    for (w, h) in [(80u16, 24u16), (140, 40)] {
+        let mut app = app_on(&mut d, Pane::Approvals, w, h);
+        app.update(key('a'));
+        insta::assert_snapshot!(format!("confirm_approve_{w}x{h}"), text(&draw(&app, w, h)));
+        app.update(Action::Back);
+        app.update(key('d'));
+        for c in "too much".chars() {
+            app.update(Action::Input(c));
+        }
+        insta::assert_snapshot!(format!("form_deny_{w}x{h}"), text(&draw(&app, w, h)));
+
+        let mut app = app_on(&mut d, Pane::Unknown, w, h);
+        app.update(key('r'));
+        insta::assert_snapshot!(format!("form_resolve_{w}x{h}"), text(&draw(&app, w, h)));
+        app.update(Action::Back);
+        app.update(key('?'));
+        insta::assert_snapshot!(format!("help_{w}x{h}"), text(&draw(&app, w, h)));
+        app.update(Action::ToggleHelp);
+        let req = app.update(Action::OpenDetail);
+        let Some(Request::Detail(id)) = req else { panic!("detail request expected, got {req:?}") };
+        let detail = d.engine.operation_detail(&id).unwrap().unwrap();
+        app.update(Action::Engine(EngineEvent::Detail(Box::new(detail))));
+        insta::assert_snapshot!(format!("detail_{w}x{h}"), text(&draw(&app, w, h)));
+    }
+}
+
+fn cell_with(b: &Buffer, needle: &str) -> (u16, u16) {
+    for y in 0..b.area.height {
+        let line: String = (0..b.area.width).map(|x| b[(x, y)].symbol().to_string()).collect();
+        if let Some(i) = line.find(needle) {
+            return (line[..i].chars().count() as u16, y);
+        }
+    }
+    panic!("{needle:?} not on screen")
+}
+
+#[test]
+fn the_duplicate_counter_is_green_at_zero_and_red_otherwise() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 140, 40);
+    let b = draw(&app, 140, 40);
+    let (x, y) = cell_with(&b, "duplicate effects");
+    let counter = (x + 18..x + 22).find(|cx| b[(*cx, y)].symbol() == "0").unwrap();
+    assert_eq!(b[(counter, y)].style().fg, Some(Color::Green));
+    app.header.side_effect_duplicates = 2;
+    let b = draw(&app, 140, 40);
+    let counter = (x + 18..x + 22).find(|cx| b[(*cx, y)].symbol() == "2").unwrap();
+    assert_eq!(b[(counter, y)].style().fg, Some(Color::Red));
+    // NO_COLOR: no colours at all, the counter still stands out (reversed, bold).
+    app.no_color = true;
+    let b = draw(&app, 140, 40);
+    assert!(b.content.iter().all(|c| c.style().fg.is_none() || c.style().fg == Some(Color::Reset)));
+}
+
+#[test]
+fn approval_expiring_within_a_minute_is_red() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Approvals, 140, 40);
+    let Rows::Approvals(rows) = &app.rows else { panic!() };
+    let exp = rows[0].expires_at;
+    app.update(Action::Tick(exp - 30_000));
+    let b = draw(&app, 140, 40);
+    let (x, y) = cell_with(&b, "30s");
+    assert_eq!(b[(x, y)].style().fg, Some(Color::Red));
+    app.update(Action::Tick(exp - 300_000));
+    let b = draw(&app, 140, 40);
+    let (x, y) = cell_with(&b, "5m00s");
+    assert_ne!(b[(x, y)].style().fg, Some(Color::Red));
+}
+
+#[test]
+fn approve_sends_the_id_the_operator_saw_and_confirm_defaults_to_cancel() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Approvals, 140, 40);
+    app.update(Action::Down);
+    let Rows::Approvals(rows) = &app.rows else { panic!() };
+    let seen = rows[app.selected].id.clone();
+    assert_eq!(app.update(key('a')), None, "opening the dialog sends nothing");
+    assert_eq!(app.mode, Mode::Confirm);
+    assert_eq!(press(&mut app, KeyCode::Enter), None, "Enter on the default button cancels");
+    assert_eq!(app.mode, Mode::Normal);
+    app.update(key('a'));
+    press(&mut app, KeyCode::Tab);
+    assert_eq!(press(&mut app, KeyCode::Enter), Some(Request::Approve { approval_id: seen }));
+}
+
+#[test]
+fn query_and_resolve_send_what_was_shown() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 140, 40);
+    let Rows::Ops(rows) = &app.rows else { panic!() };
+    let op = rows[0].clone();
+    app.update(key('q'));
+    press(&mut app, KeyCode::Right);
+    assert_eq!(press(&mut app, KeyCode::Enter), Some(Request::Query { operation_id: op.id.clone() }));
+    // Resolve: failed, with a note; the dialog carries the version seen.
+    app.update(key('r'));
+    press(&mut app, KeyCode::Enter);
+    assert!(app.form.as_ref().unwrap().error.as_deref().unwrap().contains("note"), "a note is required");
+    for c in "provider has no record".chars() {
+        press(&mut app, KeyCode::Char(c));
+    }
+    press(&mut app, KeyCode::Enter);
+    assert_eq!(app.mode, Mode::Confirm);
+    press(&mut app, KeyCode::Tab);
+    assert_eq!(
+        press(&mut app, KeyCode::Enter),
+        Some(Request::Resolve {
+            operation_id: op.id.clone(),
+            resolution: Resolution::Failed,
+            note: "provider has no record".into(),
+            evidence: None,
+            seen_version: op.version,
+        })
+    );
+    // Succeeded needs a receipt id.
+    app.update(key('r'));
+    press(&mut app, KeyCode::Left);
+    press(&mut app, KeyCode::Tab);
+    press(&mut app, KeyCode::Tab);
+    for c in "ok".chars() {
+        press(&mut app, KeyCode::Char(c));
+    }
+    press(&mut app, KeyCode::Enter);
+    assert!(app.form.as_ref().unwrap().error.as_deref().unwrap().contains("receipt"));
+}
+
+#[test]
+fn read_only_hides_and_refuses_state_changes() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Approvals, 140, 40);
+    app.read_only = true;
+    for c in ['q', 'a', 'd', 'r'] {
+        let k = KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE);
+        assert_eq!(keymap::lookup(Mode::Normal, &k, true), None, "{c} is not bound in read-only");
+    }
+    assert_eq!(app.update(Action::AskApprove), None);
+    assert_eq!(app.mode, Mode::Normal);
+    assert!(keymap::help_lines(Mode::Normal, true).iter().all(|(k, _)| !["q", "a", "d", "r"].contains(k)));
+    assert!(!text(&draw(&app, 140, 40)).contains(" a approve"));
+}
+
+#[test]
+fn panes_filter_copy_pause_and_quit() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Ledger, 140, 40);
+    assert!(matches!(app.update(key('5')), Some(Request::Fetch { pane: Pane::Audit, .. })));
+    assert!(matches!(press(&mut app, KeyCode::Tab), Some(Request::Fetch { pane: Pane::Walkthrough, .. })));
+    app.update(key('2'));
+    app.update(key('/'));
+    for c in "unknown".chars() {
+        press(&mut app, KeyCode::Char(c));
+    }
+    let req = press(&mut app, KeyCode::Enter);
+    assert!(matches!(req, Some(Request::Fetch { pane: Pane::Ledger, ref filter, .. }) if filter == "unknown"), "{req:?}");
+    app.update(Action::Engine(page(&mut d, Pane::Ledger, 30)));
+    app.update(key('y'));
+    assert!(app.clipboard.as_deref().is_some_and(|c| c.starts_with("op_")));
+    assert_eq!(app.update(key(' ')), Some(Request::SetLive(false)));
+    assert!(text(&draw(&app, 140, 40)).contains("PAUSED"));
+    app.update(key('Q'));
+    assert!(app.quit);
+    let ctrl_c = KeyEvent::new(KeyCode::Char('c'), KeyModifiers::CONTROL);
+    assert_eq!(keymap::lookup(Mode::Form, &ctrl_c, false), Some(Action::Quit));
+}
+
+#[test]
+fn walkthrough_steps_scenario_4_to_the_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = toolgate::tui::walkthrough::Walkthrough::new(dir.path().to_path_buf(), None);
+    let mut app = App::new("demo", "alice", false, false, NOW);
+    app.size = (140, 40);
+    app.update(Action::SelectPane(Pane::Walkthrough));
+    let EngineEvent::Walkthrough(v) = w.view() else { panic!() };
+    let four = v.scenarios.iter().position(|(n, _)| n == "4").unwrap();
+    w.select(four);
+    for _ in 0..40 {
+        w.step();
+        let EngineEvent::Walkthrough(v) = w.view() else { panic!() };
+        if !v.more {
+            break;
+        }
+    }
+    app.update(Action::Engine(w.view()));
+    let screen = text(&draw(&app, 140, 40));
+    assert!(!app.walkthrough.more);
+    assert!(app.walkthrough.steps.len() >= 6, "{screen}");
+    assert!(app.walkthrough.steps.iter().all(|s| s.verdict == "PASS"), "{screen}");
+    assert!(screen.contains("simulated in process"), "the screen says how the crash ran");
+    assert!(screen.contains("receipt_rec"), "{screen}");
+    assert_eq!(app.walkthrough.steps.last().unwrap().effects, app.walkthrough.steps.iter().map(|s| s.effects).max().unwrap());
+}
+
+#[cfg(unix)]
+#[test]
+fn smoke_the_real_binary_in_a_pseudo_terminal() {
+    use std::io::{Read, Write};
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    let pty = portable_pty::native_pty_system();
+    let pair = pty.openpty(portable_pty::PtySize { rows: 40, cols: 140, pixel_width: 0, pixel_height: 0 }).unwrap();
+    let mut cmd = portable_pty::CommandBuilder::new(env!("CARGO_BIN_EXE_toolgate"));
+    cmd.args(["--operator", "smoke"]);
+    cmd.env("TERM", "xterm-256color");
+    let mut child = pair.slave.spawn_command(cmd).unwrap();
+    drop(pair.slave);
+    let parser = Arc::new(Mutex::new(vt100::Parser::new(40, 140, 0)));
+    let mut reader = pair.master.try_clone_reader().unwrap();
+    let p = parser.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 8192];
+        while let Ok(n) = reader.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            p.lock().unwrap().process(&buf[..n]);
+        }
+    });
+    let mut writer = pair.master.take_writer().unwrap();
+    let screen = || parser.lock().unwrap().screen().contents();
+    let wait_for = |needle: &str| {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(20) {
+            if screen().contains(needle) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("{needle:?} never appeared:\n{}", screen());
+    };
+    wait_for("Outcome unknown");
+    wait_for("OUTCOME_UNKNOWN");
+    writer.write_all(b"?").unwrap();
+    wait_for("Keys (? or Esc to close)");
+    writer.write_all(b"2").unwrap();
+    wait_for("Idempotency ledger");
+    writer.write_all(b"q").unwrap();
+    wait_for("Status query");
+    writer.write_all(b"\r").unwrap();
+    wait_for("cancelled");
+    writer.write_all(b"Q").unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "the console did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "clean exit: {status:?}");
+}
