@@ -520,7 +520,10 @@ fn refuse_read_only(cli: &Cli) -> Result<(), CliError> {
 fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
     use std::io::IsTerminal;
     if !std::io::stdout().is_terminal() {
-        return Err(CliError::new("NOT_A_TERMINAL", "the console needs a terminal; see `toolgate --help` for the commands"));
+        return Err(CliError::new(
+            "NOT_A_TERMINAL",
+            "the console needs a terminal; see `toolgate --help` for the commands",
+        ));
     }
     let scratch = tempfile_dir()?;
     let (db, label) = if let (Some(p), 0) = (&cli.db, agents) {
@@ -556,8 +559,13 @@ fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
 }
 
 fn tempfile_dir() -> Result<PathBuf, CliError> {
-    let dir = std::env::temp_dir().join(format!("toolgate-console-{}-{}", std::process::id(), hex::encode(rand::random::<[u8; 4]>())));
-    std::fs::create_dir_all(&dir).map_err(|e| CliError::new("TEMP_DIR", format!("cannot create a working directory: {}", e.kind())))?;
+    let dir = std::env::temp_dir().join(format!(
+        "toolgate-console-{}-{}",
+        std::process::id(),
+        hex::encode(rand::random::<[u8; 4]>())
+    ));
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| CliError::new("TEMP_DIR", format!("cannot create a working directory: {}", e.kind())))?;
     Ok(dir)
 }
 

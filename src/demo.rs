@@ -26,8 +26,10 @@ fn refund(tenant: &str, subject: &str, order: &str, amount: i64, currency: &str,
         tenant: tenant.into(),
         subject: subject.into(),
         tool: "create_refund".into(),
-        arguments: format!(r#"{{"order_ref":"{order}","amount_minor":{amount},"currency":"{currency}","reason":"damaged"}}"#)
-            .into_bytes(),
+        arguments: format!(
+            r#"{{"order_ref":"{order}","amount_minor":{amount},"currency":"{currency}","reason":"damaged"}}"#
+        )
+        .into_bytes(),
         idempotency_key: Some(key.into()),
         call: None,
         approval_id: None,
@@ -65,7 +67,8 @@ impl Gen {
     fn query(&mut self, env: &Envelope, tenant: &str, subject: &str) -> Result<Envelope, EngineError> {
         self.clock.advance(5_000);
         self.n += 1;
-        let mut call = with_call(DispatchRequest::default(), self.n).call.unwrap_or_else(crate::engine::fresh_call_identity);
+        let mut call =
+            with_call(DispatchRequest::default(), self.n).call.unwrap_or_else(crate::engine::fresh_call_identity);
         call.call_id = format!("call_demo_q{:03}", self.n);
         self.engine.query_operation_status(&QueryRequest {
             tenant: tenant.into(),
@@ -108,15 +111,18 @@ pub fn generate(out: &Path, seed: u64) -> Result<(), EngineError> {
     // Unknown, receipt available: a status query will reconcile it.
     g.run(refund("acme", "agent_ana", "ord_1004", 1000, "EUR", "demo-refund-0005"), "timeout_after_commit")?;
     // Unknown, receipt not yet available (the provider shows it an hour later).
-    let delayed = g.run(refund("acme", "agent_ana", "ord_1001", 1500, "EUR", "demo-refund-0006"), "receipt_delay(3600000)")?;
+    let delayed =
+        g.run(refund("acme", "agent_ana", "ord_1001", 1500, "EUR", "demo-refund-0006"), "receipt_delay(3600000)")?;
     g.query(&delayed, "acme", "agent_ana")?;
     // Unknown, mismatching receipt (provider drift), not queried yet.
     g.run(refund("globex", "agent_gus", "ord_3001", 800, "GBP", "demo-refund-0007"), "mismatch_after_commit")?;
     // Needs review: a mismatching receipt that a query already found.
-    let drift = g.run(refund("acme", "agent_ben", "ord_2001", 400, "EUR", "demo-refund-0008"), "mismatch_after_commit")?;
+    let drift =
+        g.run(refund("acme", "agent_ben", "ord_2001", 400, "EUR", "demo-refund-0008"), "mismatch_after_commit")?;
     g.query(&drift, "acme", "agent_ben")?;
     // Resolved by a human: no reply, no receipt, the provider confirmed nothing happened.
-    let lost = g.run(refund("acme", "agent_ana", "ord_1004", 300, "EUR", "demo-refund-0009"), "timeout_before_commit")?;
+    let lost =
+        g.run(refund("acme", "agent_ana", "ord_1004", 300, "EUR", "demo-refund-0009"), "timeout_before_commit")?;
     g.query(&lost, "acme", "agent_ana")?;
     g.clock.advance(60_000);
     if let Some(op) = lost.protected_audit.operation_id.clone() {
@@ -181,7 +187,9 @@ pub fn generate(out: &Path, seed: u64) -> Result<(), EngineError> {
 /// never opened for writing.
 pub fn working_copy(dir: &Path, now_ms: i64) -> Result<PathBuf, EngineError> {
     let path = dir.join("demo.db");
-    std::fs::write(&path, DEMO_DB).map_err(|e| EngineError::invalid("DEMO_COPY_FAILED", format!("cannot write the working copy: {}", e.kind())))?;
+    std::fs::write(&path, DEMO_DB).map_err(|e| {
+        EngineError::invalid("DEMO_COPY_FAILED", format!("cannot write the working copy: {}", e.kind()))
+    })?;
     let mut store = Store::open(&path, OpenOptions { create: false, sync: Sync::Normal })?;
     store.write(|tx| -> Result<(), StoreError> {
         let until = tx.meta("demo_generated_until")?.and_then(|v| v.parse::<i64>().ok()).unwrap_or(DEMO_T0);

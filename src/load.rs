@@ -51,7 +51,9 @@ pub fn spawn_agents(path: &Path, n: usize) -> Agents {
             let stop = stop.clone();
             let calls = calls.clone();
             std::thread::spawn(move || {
-                let Ok(mut engine) = Engine::open(&path, EngineOptions { worker_id: format!("agent-{i}"), ..EngineOptions::default() }) else {
+                let Ok(mut engine) =
+                    Engine::open(&path, EngineOptions { worker_id: format!("agent-{i}"), ..EngineOptions::default() })
+                else {
                     return;
                 };
                 let mut rng = StdRng::from_entropy();
@@ -74,8 +76,10 @@ fn one_intent(engine: &mut Engine, rng: &mut StdRng, agent: usize, stop: &Atomic
         tenant: tenant.into(),
         subject: subject.into(),
         tool: "create_refund".into(),
-        arguments: format!(r#"{{"order_ref":"{order}","amount_minor":{amount},"currency":"{currency}","reason":"duplicate"}}"#)
-            .into_bytes(),
+        arguments: format!(
+            r#"{{"order_ref":"{order}","amount_minor":{amount},"currency":"{currency}","reason":"duplicate"}}"#
+        )
+        .into_bytes(),
         idempotency_key: Some(key),
         ..DispatchRequest::default()
     };
@@ -96,7 +100,8 @@ fn one_intent(engine: &mut Engine, rng: &mut StdRng, agent: usize, stop: &Atomic
     // Now and then a confused model re-sends the key with another amount: a conflict.
     if rng.gen_bool(0.05) {
         let mut other = req.clone();
-        other.arguments = String::from_utf8_lossy(&req.arguments).replace("amount_minor\":", "amount_minor\":1").into_bytes();
+        other.arguments =
+            String::from_utf8_lossy(&req.arguments).replace("amount_minor\":", "amount_minor\":1").into_bytes();
         let _ = engine.dispatch(&other);
     }
     if env.code() == Some(Code::OutcomeUnknown) && rng.gen_bool(0.5) && !stop.load(Ordering::SeqCst) {

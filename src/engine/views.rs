@@ -19,17 +19,33 @@ pub struct HeaderCounts {
 
 impl Engine {
     /// A page of the ledger or of the unknown queue.
-    pub fn ops_page(&mut self, view: OpsView, filter: &str, cursor: Option<&Cursor>, limit: i64) -> Result<Vec<OperationRow>, EngineError> {
+    pub fn ops_page(
+        &mut self,
+        view: OpsView,
+        filter: &str,
+        cursor: Option<&Cursor>,
+        limit: i64,
+    ) -> Result<Vec<OperationRow>, EngineError> {
         Ok(self.store.read(|tx| tx.ops_page(view, filter, cursor, limit))?)
     }
 
     /// A page of in-flight and waiting outbox rows.
-    pub fn live_page(&mut self, filter: &str, cursor: Option<&Cursor>, limit: i64) -> Result<Vec<LiveRow>, EngineError> {
+    pub fn live_page(
+        &mut self,
+        filter: &str,
+        cursor: Option<&Cursor>,
+        limit: i64,
+    ) -> Result<Vec<LiveRow>, EngineError> {
         Ok(self.store.read(|tx| tx.live_page(filter, cursor, limit))?)
     }
 
     /// A page of pending approvals.
-    pub fn approvals_page(&mut self, filter: &str, cursor: Option<&Cursor>, limit: i64) -> Result<Vec<ApprovalRow>, EngineError> {
+    pub fn approvals_page(
+        &mut self,
+        filter: &str,
+        cursor: Option<&Cursor>,
+        limit: i64,
+    ) -> Result<Vec<ApprovalRow>, EngineError> {
         Ok(self.store.read(|tx| tx.approvals_page(filter, cursor, limit))?)
     }
 

@@ -996,9 +996,7 @@ impl Tx<'_> {
     pub fn side_effect_duplicates(&self) -> R<i64> {
         Ok(self
             .conn
-            .prepare_cached(
-                "SELECT duplicates FROM effect_totals WHERE id = 1",
-            )?
+            .prepare_cached("SELECT duplicates FROM effect_totals WHERE id = 1")?
             .query_row([], |r| r.get(0))?)
     }
 

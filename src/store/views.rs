@@ -128,7 +128,10 @@ impl Tx<'_> {
 
     /// Count of pending approvals.
     pub fn count_pending_approvals(&self) -> R<i64> {
-        Ok(self.conn.prepare_cached("SELECT count(*) FROM approvals WHERE state = 'pending'")?.query_row([], |r| r.get(0))?)
+        Ok(self
+            .conn
+            .prepare_cached("SELECT count(*) FROM approvals WHERE state = 'pending'")?
+            .query_row([], |r| r.get(0))?)
     }
 
     /// The age anchor of the oldest unknown / needs-review operation.

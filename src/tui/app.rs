@@ -26,7 +26,8 @@ pub enum Pane {
 
 impl Pane {
     /// All panes in tab order.
-    pub const ALL: [Pane; 6] = [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown, Pane::Audit, Pane::Walkthrough];
+    pub const ALL: [Pane; 6] =
+        [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown, Pane::Audit, Pane::Walkthrough];
 
     /// Tab title.
     pub fn title(self) -> &'static str {
@@ -387,7 +388,13 @@ pub const CHROME_ROWS: u16 = 9;
 
 impl App {
     /// A fresh console.
-    pub fn new(db_label: impl Into<String>, operator: impl Into<String>, read_only: bool, no_color: bool, now_ms: i64) -> Self {
+    pub fn new(
+        db_label: impl Into<String>,
+        operator: impl Into<String>,
+        read_only: bool,
+        no_color: bool,
+        now_ms: i64,
+    ) -> Self {
         Self {
             db_label: db_label.into(),
             operator: operator.into(),
@@ -423,7 +430,12 @@ impl App {
 
     /// The request that fetches the current view.
     pub fn fetch(&self) -> Request {
-        Request::Fetch { pane: self.pane, filter: self.filter.clone(), cursor: self.cursor.clone(), limit: self.visible_rows() }
+        Request::Fetch {
+            pane: self.pane,
+            filter: self.filter.clone(),
+            cursor: self.cursor.clone(),
+            limit: self.visible_rows(),
+        }
     }
 
     fn row_count(&self) -> usize {
@@ -436,7 +448,9 @@ impl App {
             Rows::Live(r) => r.get(self.selected).map(|x| x.operation_id.clone()),
             Rows::Ops(r) => r.get(self.selected).map(|x| x.id.clone()),
             Rows::Approvals(r) => r.get(self.selected).map(|x| x.id.clone()),
-            Rows::Audit(r) => r.get(self.selected).and_then(|x| x.operation_id.clone().or_else(|| x.approval_id.clone())),
+            Rows::Audit(r) => {
+                r.get(self.selected).and_then(|x| x.operation_id.clone().or_else(|| x.approval_id.clone()))
+            }
             Rows::Empty => None,
         }
     }
@@ -484,7 +498,12 @@ impl App {
 
     /// Handles one action; returns a request for the engine thread, if any.
     pub fn update(&mut self, action: Action) -> Option<Request> {
-        if self.mode == Mode::Help && !matches!(action, Action::ToggleHelp | Action::Back | Action::Tick(_) | Action::Engine(_) | Action::Resize(..)) {
+        if self.mode == Mode::Help
+            && !matches!(
+                action,
+                Action::ToggleHelp | Action::Back | Action::Tick(_) | Action::Engine(_) | Action::Resize(..)
+            )
+        {
             self.mode = self.help_return;
         }
         match action {
@@ -512,7 +531,9 @@ impl App {
                 None
             }
             Action::NextPane => self.switch_pane(Pane::ALL[(self.pane.index() + 1) % Pane::ALL.len()]),
-            Action::PrevPane => self.switch_pane(Pane::ALL[(self.pane.index() + Pane::ALL.len() - 1) % Pane::ALL.len()]),
+            Action::PrevPane => {
+                self.switch_pane(Pane::ALL[(self.pane.index() + Pane::ALL.len() - 1) % Pane::ALL.len()])
+            }
             Action::SelectPane(p) => self.switch_pane(p),
             Action::Up | Action::Scroll(-1) => {
                 if self.mode == Mode::Detail {
@@ -654,7 +675,14 @@ impl App {
                     return None;
                 };
                 let approval_id = a.id.clone();
-                self.form = Some(Form { kind: FormKind::Deny { approval_id }, choice: 1, evidence: String::new(), note: String::new(), field: 2, error: None });
+                self.form = Some(Form {
+                    kind: FormKind::Deny { approval_id },
+                    choice: 1,
+                    evidence: String::new(),
+                    note: String::new(),
+                    field: 2,
+                    error: None,
+                });
                 self.mode = Mode::Form;
                 None
             }
@@ -662,7 +690,8 @@ impl App {
                 if self.refuse_read_only() {
                     return None;
                 }
-                let Some(op) = self.selected_op().filter(|o| matches!(o.state.as_str(), "unknown" | "needs_review")) else {
+                let Some(op) = self.selected_op().filter(|o| matches!(o.state.as_str(), "unknown" | "needs_review"))
+                else {
                     self.say("select an unknown or needs_review operation (pane 4) to resolve", true);
                     return None;
                 };
@@ -675,7 +704,8 @@ impl App {
                         self.ago(op.last_query_at)
                     ),
                 };
-                self.form = Some(Form { kind, choice: 1, evidence: String::new(), note: String::new(), field: 0, error: None });
+                self.form =
+                    Some(Form { kind, choice: 1, evidence: String::new(), note: String::new(), field: 0, error: None });
                 self.mode = Mode::Form;
                 None
             }
@@ -730,7 +760,9 @@ impl App {
                     let keep = row_key(&self.rows, self.selected);
                     self.rows = rows;
                     if let Some(k) = keep {
-                        if let Some(i) = (0..self.row_count()).find(|i| row_key(&self.rows, *i).as_deref() == Some(k.as_str())) {
+                        if let Some(i) =
+                            (0..self.row_count()).find(|i| row_key(&self.rows, *i).as_deref() == Some(k.as_str()))
+                        {
                             self.selected = i;
                         }
                     }
@@ -763,7 +795,8 @@ impl App {
         if self.refuse_read_only() {
             return None;
         }
-        let Some(op) = self.selected_op().filter(|o| !matches!(o.state.as_str(), "succeeded" | "failed" | "resolved")) else {
+        let Some(op) = self.selected_op().filter(|o| !matches!(o.state.as_str(), "succeeded" | "failed" | "resolved"))
+        else {
             self.say("select an unknown operation (pane 4) to query its status", true);
             return None;
         };
@@ -771,7 +804,11 @@ impl App {
             format!("operation   {}", op.id),
             format!("state       {} (version {})", op.state, op.version),
             format!("status_ref  {}…", &op.status_ref[..op.status_ref.len().min(20)]),
-            format!("last query  {} ({})", op.last_query_result.as_deref().unwrap_or("none"), self.ago(op.last_query_at)),
+            format!(
+                "last query  {} ({})",
+                op.last_query_result.as_deref().unwrap_or("none"),
+                self.ago(op.last_query_at)
+            ),
             "asks the provider for a receipt; never executes the tool".to_string(),
         ];
         self.confirm = Some(Confirm {

@@ -58,13 +58,19 @@ pub fn spawn(opts: &BackendOptions, events: UnboundedSender<Action>) -> Result<B
     let (tx, rx) = mpsc::channel::<Request>();
     let stop = Arc::new(AtomicBool::new(false));
     // Open once here so a broken database fails before the terminal is taken over.
-    let engine = Engine::open(&opts.path, EngineOptions { worker_id: format!("console-{}", std::process::id()), ..EngineOptions::default() })?;
+    let engine = Engine::open(
+        &opts.path,
+        EngineOptions { worker_id: format!("console-{}", std::process::id()), ..EngineOptions::default() },
+    )?;
     let mut threads = Vec::new();
     let o = opts.clone();
     let ev = events.clone();
     threads.push(std::thread::spawn(move || serve(engine, &o, &rx, &ev)));
     if opts.workers {
-        let worker = Engine::open(&opts.path, EngineOptions { worker_id: format!("console-worker-{}", std::process::id()), ..EngineOptions::default() })?;
+        let worker = Engine::open(
+            &opts.path,
+            EngineOptions { worker_id: format!("console-worker-{}", std::process::id()), ..EngineOptions::default() },
+        )?;
         let s = stop.clone();
         threads.push(std::thread::spawn(move || work(worker, &s, &events)));
     }
@@ -133,9 +139,12 @@ fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>
                     let same = matches!((&path, &scenario), (Some(p), Some((q, _))) if p == q);
                     if !same {
                         scenario = path.and_then(|p| {
-                            Engine::open(&p, EngineOptions { worker_id: "console-walkthrough".into(), ..EngineOptions::default() })
-                                .ok()
-                                .map(|e| (p, e))
+                            Engine::open(
+                                &p,
+                                EngineOptions { worker_id: "console-walkthrough".into(), ..EngineOptions::default() },
+                            )
+                            .ok()
+                            .map(|e| (p, e))
                         });
                     }
                     refresh = true;
@@ -205,7 +214,9 @@ fn handle(
             (Some(done(r)), true)
         }
         Request::Deny { approval_id, note } => {
-            let r = engine.deny(&approval_id, &opts.operator, &note).map(|o| (o.applied, format!("deny {approval_id}: {}", o.message)));
+            let r = engine
+                .deny(&approval_id, &opts.operator, &note)
+                .map(|o| (o.applied, format!("deny {approval_id}: {}", o.message)));
             (Some(done(r)), true)
         }
         Request::Resolve { operation_id, resolution, note, evidence, seen_version } => {
@@ -219,7 +230,12 @@ fn handle(
                     seen_version: Some(seen_version),
                     action_id: None,
                 })
-                .map(|o| (o.applied, format!("resolve {operation_id}: {} {}", if o.applied { "" } else { &o.code }, o.message)));
+                .map(|o| {
+                    (
+                        o.applied,
+                        format!("resolve {operation_id}: {} {}", if o.applied { "" } else { &o.code }, o.message),
+                    )
+                });
             (Some(done(r)), true)
         }
         Request::ScenarioSelect(i) => {

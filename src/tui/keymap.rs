@@ -88,7 +88,8 @@ pub fn normal() -> Vec<Binding> {
                 None
             }
         }),
-        bind!("/", "filter by id, tenant, subject, state or tool", false, |k| ch(k, '/').then_some(Action::StartFilter)),
+        bind!("/", "filter by id, tenant, subject, state or tool", false, |k| ch(k, '/')
+            .then_some(Action::StartFilter)),
         bind!("y", "copy the selected id (OSC 52)", false, |k| ch(k, 'y').then_some(Action::Copy)),
         bind!("space", "pause / resume live refresh", false, |k| ch(k, ' ').then_some(Action::TogglePause)),
         bind!("?", "this help", false, |k| ch(k, '?').then_some(Action::ToggleHelp)),
@@ -106,7 +107,8 @@ fn detail() -> Vec<Binding> {
             _ if ch(k, 'k') => Some(Action::Up),
             _ => None,
         }),
-        bind!("Esc / Enter", "back", false, |k| matches!(k.code, KeyCode::Esc | KeyCode::Enter).then_some(Action::Back)),
+        bind!("Esc / Enter", "back", false, |k| matches!(k.code, KeyCode::Esc | KeyCode::Enter)
+            .then_some(Action::Back)),
         bind!("y", "copy the operation id", false, |k| ch(k, 'y').then_some(Action::Copy)),
         bind!("?", "help", false, |k| ch(k, '?').then_some(Action::ToggleHelp)),
         bind!("Q", "quit", false, |k| ch(k, 'Q').then_some(Action::Quit)),
@@ -137,7 +139,9 @@ fn text_entry() -> Vec<Binding> {
 
 fn confirm() -> Vec<Binding> {
     vec![
-        bind!("Tab / Left Right / h l", "move between Cancel and Confirm (Cancel is the default)", false, |k| match k.code {
+        bind!("Tab / Left Right / h l", "move between Cancel and Confirm (Cancel is the default)", false, |k| match k
+            .code
+        {
             KeyCode::Tab | KeyCode::BackTab | KeyCode::Left | KeyCode::Right => Some(Action::NextField),
             _ if ch(k, 'h') || ch(k, 'l') => Some(Action::NextField),
             _ => None,
@@ -176,5 +180,10 @@ pub fn lookup(mode: Mode, key: &KeyEvent, read_only: bool) -> Option<Action> {
 
 /// Help lines for a mode: (keys, what), state-changing ones hidden in read-only.
 pub fn help_lines(mode: Mode, read_only: bool) -> Vec<(&'static str, &'static str)> {
-    bindings(mode).into_iter().chain(global()).filter(|b| !(read_only && b.changes_state)).map(|b| (b.keys, b.help)).collect()
+    bindings(mode)
+        .into_iter()
+        .chain(global())
+        .filter(|b| !(read_only && b.changes_state))
+        .map(|b| (b.keys, b.help))
+        .collect()
 }

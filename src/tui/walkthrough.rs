@@ -59,7 +59,10 @@ impl Walkthrough {
                 self.error = Some(format!("cannot create a scratch directory: {}", e.kind()));
                 return;
             }
-            match ScenarioRun::new(script, RunOptions { crash_mode: CrashMode::InProcess, keep_db: Some(dir.join("walkthrough.db")) }) {
+            match ScenarioRun::new(
+                script,
+                RunOptions { crash_mode: CrashMode::InProcess, keep_db: Some(dir.join("walkthrough.db")) },
+            ) {
                 Ok(r) => {
                     self.run = Some(r);
                     self.error = None;
@@ -82,7 +85,8 @@ impl Walkthrough {
 
     /// What the pane shows now.
     pub fn view(&self) -> EngineEvent {
-        let steps: Vec<WalkStep> = self.run.as_ref().map(|r| r.observations().iter().map(walk_step).collect()).unwrap_or_default();
+        let steps: Vec<WalkStep> =
+            self.run.as_ref().map(|r| r.observations().iter().map(walk_step).collect()).unwrap_or_default();
         let more = self.run.as_ref().is_none_or(|r| !r.is_finished());
         let crash_note = self.error.clone().unwrap_or_else(|| {
             "crash steps are simulated in process here (the console cannot abort itself); `toolgate scenario run` uses a real child-process abort".to_string()

@@ -25,7 +25,8 @@ fn demo() -> Demo {
     let dir = tempfile::tempdir().unwrap();
     let path = toolgate::demo::working_copy(dir.path(), NOW).unwrap();
     let clock = toolgate::engine::clock::ManualClock::new(NOW);
-    let engine = Engine::open(&path, EngineOptions { clock: std::sync::Arc::new(clock), ..EngineOptions::default() }).unwrap();
+    let engine =
+        Engine::open(&path, EngineOptions { clock: std::sync::Arc::new(clock), ..EngineOptions::default() }).unwrap();
     Demo { _dir: dir, engine }
 }
 
@@ -244,7 +245,10 @@ fn panes_filter_copy_pause_and_quit() {
         press(&mut app, KeyCode::Char(c));
     }
     let req = press(&mut app, KeyCode::Enter);
-    assert!(matches!(req, Some(Request::Fetch { pane: Pane::Ledger, ref filter, .. }) if filter == "unknown"), "{req:?}");
+    assert!(
+        matches!(req, Some(Request::Fetch { pane: Pane::Ledger, ref filter, .. }) if filter == "unknown"),
+        "{req:?}"
+    );
     app.update(Action::Engine(page(&mut d, Pane::Ledger, 30)));
     app.update(key('y'));
     assert!(app.clipboard.as_deref().is_some_and(|c| c.starts_with("op_")));
@@ -280,7 +284,10 @@ fn walkthrough_steps_scenario_4_to_the_end() {
     assert!(app.walkthrough.steps.iter().all(|s| s.verdict == "PASS"), "{screen}");
     assert!(screen.contains("simulated in process"), "the screen says how the crash ran");
     assert!(screen.contains("receipt_rec"), "{screen}");
-    assert_eq!(app.walkthrough.steps.last().unwrap().effects, app.walkthrough.steps.iter().map(|s| s.effects).max().unwrap());
+    assert_eq!(
+        app.walkthrough.steps.last().unwrap().effects,
+        app.walkthrough.steps.iter().map(|s| s.effects).max().unwrap()
+    );
 }
 
 #[cfg(unix)]

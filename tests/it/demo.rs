@@ -69,21 +69,34 @@ fn the_demo_holds_every_state_and_the_working_copy_is_rebased() {
     let now = 1_900_000_000_000;
     let path = toolgate::demo::working_copy(dir.path(), now).unwrap();
     let c = raw(&path);
-    let states: Vec<String> =
-        c.prepare("SELECT DISTINCT state FROM operations ORDER BY 1").unwrap().query_map([], |r| r.get(0)).unwrap().map(Result::unwrap).collect();
+    let states: Vec<String> = c
+        .prepare("SELECT DISTINCT state FROM operations ORDER BY 1")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
     for s in ["accepted", "failed", "needs_review", "resolved", "succeeded", "unknown"] {
         assert!(states.iter().any(|x| x == s), "missing {s}: {states:?}");
     }
-    let pending: i64 = c.query_row("SELECT count(*) FROM approvals WHERE state = 'pending' AND expires_at > ?1", [now], |r| r.get(0)).unwrap();
+    let pending: i64 = c
+        .query_row("SELECT count(*) FROM approvals WHERE state = 'pending' AND expires_at > ?1", [now], |r| r.get(0))
+        .unwrap();
     assert!(pending >= 2, "live pending approvals after re-basing");
     let latest: i64 = c.query_row("SELECT max(updated_at) FROM operations", [], |r| r.get(0)).unwrap();
     assert!(latest <= now && now - latest < 3_600_000, "re-based to now");
     // Unknowns cover: receipt available, not yet available, mismatching.
-    let replays: i64 = c.query_row("SELECT count(*) FROM trace_events WHERE delivery = 'local_replay'", [], |r| r.get(0)).unwrap();
-    let conflicts: i64 = c.query_row("SELECT count(*) FROM trace_events WHERE code = 'IDEMPOTENCY_CONFLICT'", [], |r| r.get(0)).unwrap();
+    let replays: i64 =
+        c.query_row("SELECT count(*) FROM trace_events WHERE delivery = 'local_replay'", [], |r| r.get(0)).unwrap();
+    let conflicts: i64 =
+        c.query_row("SELECT count(*) FROM trace_events WHERE code = 'IDEMPOTENCY_CONFLICT'", [], |r| r.get(0)).unwrap();
     assert!(replays >= 1 && conflicts >= 1);
     let dups: i64 = c
-        .query_row("SELECT count(*) FROM (SELECT intent FROM provider_effects GROUP BY intent HAVING count(*) > 1)", [], |r| r.get(0))
+        .query_row(
+            "SELECT count(*) FROM (SELECT intent FROM provider_effects GROUP BY intent HAVING count(*) > 1)",
+            [],
+            |r| r.get(0),
+        )
         .unwrap();
     assert_eq!(dups, 0);
 }

@@ -12,7 +12,8 @@ use crate::tui::app::App;
 
 /// Draws the detail view.
 pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
-    let block = Block::default().borders(Borders::TOP).title(Span::styled(" Operation detail (Esc: back) ", t.accent()));
+    let block =
+        Block::default().borders(Borders::TOP).title(Span::styled(" Operation detail (Esc: back) ", t.accent()));
     let Some(d) = &app.detail else {
         frame.render_widget(Paragraph::new("  loading…").block(block), area);
         return;
@@ -25,7 +26,10 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             Span::styled(o.state.clone(), t.state(&o.state)),
             Span::raw(format!("  version {}", o.version)),
         ]),
-        kv("tool", format!("{} ({}), revisions in{}/out{}/eff{}", o.tool, o.effect, o.input_rev, o.output_rev, o.effect_rev)),
+        kv(
+            "tool",
+            format!("{} ({}), revisions in{}/out{}/eff{}", o.tool, o.effect, o.input_rev, o.output_rev, o.effect_rev),
+        ),
         kv("scope", format!("{} / {} / key#{}", o.tenant, o.subject, &o.key_sha256[..16])),
         kv("call", format!("{} {} {} {}", o.call_provider, o.call_api_family, o.call_response_id, o.call_id)),
         kv("created", format!("{} ({} ago)", rfc3339(o.created_at), human_ms(app.now_ms - o.created_at))),
@@ -35,14 +39,44 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         kv("result_sha256", o.result_sha256.clone().unwrap_or_else(|| "-".into())),
         kv("call_binding", o.call_binding_sha256.clone()),
         kv("status_ref", o.status_ref.clone()),
-        kv("downstream", format!("request {}  receipt {}", o.downstream_request_id.as_deref().unwrap_or("-"), o.receipt_id.as_deref().unwrap_or("-"))),
-        kv("last query", format!("{} {}", o.last_query_result.as_deref().unwrap_or("none"), o.last_query_at.map(|a| format!("({} ago)", human_ms(app.now_ms - a))).unwrap_or_default())),
+        kv(
+            "downstream",
+            format!(
+                "request {}  receipt {}",
+                o.downstream_request_id.as_deref().unwrap_or("-"),
+                o.receipt_id.as_deref().unwrap_or("-")
+            ),
+        ),
+        kv(
+            "last query",
+            format!(
+                "{} {}",
+                o.last_query_result.as_deref().unwrap_or("none"),
+                o.last_query_at.map(|a| format!("({} ago)", human_ms(app.now_ms - a))).unwrap_or_default()
+            ),
+        ),
     ];
     if let Some(r) = &o.resolution {
-        lines.push(kv("resolution", format!("{r} by {}: {}", o.resolved_by.as_deref().unwrap_or("?"), o.resolution_note.as_deref().unwrap_or(""))));
+        lines.push(kv(
+            "resolution",
+            format!(
+                "{r} by {}: {}",
+                o.resolved_by.as_deref().unwrap_or("?"),
+                o.resolution_note.as_deref().unwrap_or("")
+            ),
+        ));
     }
     if let Some(ob) = &d.outbox {
-        lines.push(kv("outbox", format!("{} · attempt {}/{} · {}", ob.state, ob.attempt, ob.max_attempts, ob.last_code.as_deref().unwrap_or("-"))));
+        lines.push(kv(
+            "outbox",
+            format!(
+                "{} · attempt {}/{} · {}",
+                ob.state,
+                ob.attempt,
+                ob.max_attempts,
+                ob.last_code.as_deref().unwrap_or("-")
+            ),
+        ));
     }
     lines.push(Line::from(Span::styled("  attempts", t.accent())));
     for a in &d.attempts {
@@ -68,8 +102,18 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     if !d.audit.is_empty() {
         lines.push(Line::from(Span::styled("  operator log", t.accent())));
         for r in &d.audit {
-            lines.push(Line::from(format!("    {} {} {} by {}: {}", rfc3339(r.at).chars().skip(11).take(8).collect::<String>(), r.action, r.result, r.actor, r.reason)));
+            lines.push(Line::from(format!(
+                "    {} {} {} by {}: {}",
+                rfc3339(r.at).chars().skip(11).take(8).collect::<String>(),
+                r.action,
+                r.result,
+                r.actor,
+                r.reason
+            )));
         }
     }
-    frame.render_widget(Paragraph::new(lines).block(block).wrap(Wrap { trim: false }).scroll((app.detail_scroll, 0)), area);
+    frame.render_widget(
+        Paragraph::new(lines).block(block).wrap(Wrap { trim: false }).scroll((app.detail_scroll, 0)),
+        area,
+    );
 }

@@ -170,7 +170,8 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
 }
 
 fn render_tabs(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
-    let titles: Vec<Line> = Pane::ALL.iter().enumerate().map(|(i, p)| Line::from(format!("{} {}", i + 1, p.title()))).collect();
+    let titles: Vec<Line> =
+        Pane::ALL.iter().enumerate().map(|(i, p)| Line::from(format!("{} {}", i + 1, p.title()))).collect();
     let idx = Pane::ALL.iter().position(|p| *p == app.pane).unwrap_or(0);
     let tabs = Tabs::new(titles).select(idx).highlight_style(t.accent().add_modifier(Modifier::REVERSED)).divider("│");
     frame.render_widget(tabs, area);
@@ -180,8 +181,12 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let hints: &[(&str, &str, bool)] = match (app.mode, app.pane) {
         (Mode::Detail, _) => &[("Esc", "back", false), ("j/k", "scroll", false), ("y", "copy id", false)],
         (Mode::Filter, _) => &[("Enter", "apply", false), ("Esc", "done", false)],
-        (_, Pane::Unknown) => &[("q", "query", true), ("r", "resolve", true), ("Enter", "detail", false), ("/", "filter", false)],
-        (_, Pane::Approvals) => &[("a", "approve", true), ("d", "deny", true), ("Enter", "detail", false), ("/", "filter", false)],
+        (_, Pane::Unknown) => {
+            &[("q", "query", true), ("r", "resolve", true), ("Enter", "detail", false), ("/", "filter", false)]
+        }
+        (_, Pane::Approvals) => {
+            &[("a", "approve", true), ("d", "deny", true), ("Enter", "detail", false), ("/", "filter", false)]
+        }
         (_, Pane::Walkthrough) => &[("n", "next step", false), ("[ ]", "scenario", false)],
         _ => &[("Enter", "detail", false), ("/", "filter", false), ("PgDn", "page", false)],
     };

@@ -23,7 +23,14 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     }
 }
 
-fn table<'a>(app: &App, title: &str, header: Vec<&'a str>, rows: Vec<Row<'a>>, widths: Vec<Constraint>, t: Theme) -> (Table<'a>, TableState) {
+fn table<'a>(
+    app: &App,
+    title: &str,
+    header: Vec<&'a str>,
+    rows: Vec<Row<'a>>,
+    widths: Vec<Constraint>,
+    t: Theme,
+) -> (Table<'a>, TableState) {
     let empty = rows.is_empty();
     let page = if app.page_stack.is_empty() { String::new() } else { format!(" · page {}", app.page_stack.len() + 1) };
     let table = Table::new(rows, widths)
@@ -59,7 +66,11 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 _ => Cell::from("-"),
             };
             let next = if r.outbox_state == "pending" {
-                if r.available_at > now { human_ms(r.available_at - now) } else { "due".into() }
+                if r.available_at > now {
+                    human_ms(r.available_at - now)
+                } else {
+                    "due".into()
+                }
             } else {
                 "-".into()
             };
@@ -328,7 +339,9 @@ fn walkthrough(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             Constraint::Length(4),
         ],
     )
-    .header(Row::new(vec!["#", "action", "transition", "retryable", "what the user sees", "effects", ""]).style(t.dim()))
+    .header(
+        Row::new(vec!["#", "action", "transition", "retryable", "what the user sees", "effects", ""]).style(t.dim()),
+    )
     .block(Block::default().borders(Borders::TOP))
     .column_spacing(1);
     let mut st = TableState::default();
@@ -340,6 +353,10 @@ fn walkthrough(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
 
 fn loading(app: &App, frame: &mut Frame, area: Rect, title: &str, t: Theme) {
     let _ = app;
-    let p = Paragraph::new(vec![Line::from(Span::styled(format!(" {title} "), t.accent())), Line::from(""), Line::from(Span::styled("  loading…", t.dim()))]);
+    let p = Paragraph::new(vec![
+        Line::from(Span::styled(format!(" {title} "), t.accent())),
+        Line::from(""),
+        Line::from(Span::styled("  loading…", t.dim())),
+    ]);
     frame.render_widget(p, area);
 }

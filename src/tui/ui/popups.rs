@@ -30,7 +30,10 @@ pub fn help(app: &App, frame: &mut Frame, t: Theme) {
     let h = (lines.len() as u16 + 2).min(frame.area().height);
     let area = centered(frame.area(), 90, h);
     frame.render_widget(Clear, area);
-    frame.render_widget(Paragraph::new(lines).block(Block::default().borders(Borders::ALL).title(" Keys (? or Esc to close) ")), area);
+    frame.render_widget(
+        Paragraph::new(lines).block(Block::default().borders(Borders::ALL).title(" Keys (? or Esc to close) ")),
+        area,
+    );
 }
 
 fn buttons(on_confirm: bool, t: Theme) -> Line<'static> {
@@ -50,7 +53,9 @@ pub fn confirm(app: &App, frame: &mut Frame, t: Theme) {
     let area = centered(frame.area(), 76, lines.len() as u16 + 2);
     frame.render_widget(Clear, area);
     frame.render_widget(
-        Paragraph::new(lines).wrap(Wrap { trim: false }).block(Block::default().borders(Borders::ALL).title(Span::styled(format!(" {} ", c.title), t.accent()))),
+        Paragraph::new(lines)
+            .wrap(Wrap { trim: false })
+            .block(Block::default().borders(Borders::ALL).title(Span::styled(format!(" {} ", c.title), t.accent()))),
         area,
     );
 }
@@ -78,7 +83,10 @@ pub fn form(app: &App, frame: &mut Frame, t: Theme) {
             }
             lines.push(Line::from(spans));
             if f.choice == 0 {
-                lines.push(Line::from(vec![Span::styled(" receipt id  ", focus(1)), Span::raw(format!("{}{}", f.evidence, caret(1)))]));
+                lines.push(Line::from(vec![
+                    Span::styled(" receipt id  ", focus(1)),
+                    Span::raw(format!("{}{}", f.evidence, caret(1))),
+                ]));
             }
             " Resolve operation (human decision) ".to_string()
         }
@@ -90,5 +98,8 @@ pub fn form(app: &App, frame: &mut Frame, t: Theme) {
     lines.push(Line::from(Span::styled(" Tab: next field · ←/→: choice · Enter: review · Esc: cancel", t.dim())));
     let area = centered(frame.area(), 76, lines.len() as u16 + 2);
     frame.render_widget(Clear, area);
-    frame.render_widget(Paragraph::new(lines).block(Block::default().borders(Borders::ALL).title(Span::styled(title, t.accent()))), area);
+    frame.render_widget(
+        Paragraph::new(lines).block(Block::default().borders(Borders::ALL).title(Span::styled(title, t.accent()))),
+        area,
+    );
 }
