@@ -709,13 +709,15 @@ impl Engine {
             op.resolved_by = Some(r.operator.clone());
             op.updated_at = now;
             op.call_binding_sha256 = binding_of(&op);
+            // The fenced write first: if the row moved, nothing else of the
+            // resolution is written (the refusal's audit row is all that commits).
+            if !tx.update_operation(&op)? {
+                return refuse("STALE_VERSION", "operation changed while resolving".into());
+            }
             if r.resolution == Resolution::Succeeded {
                 apply_business_effect(tx, &op)?;
             }
             tx.close_outbox(&op.id, "done", None)?;
-            if !tx.update_operation(&op)? {
-                return refuse("STALE_VERSION", "operation changed while resolving".into());
-            }
             let ev = json!({"seen_version": r.seen_version, "before": snapshot, "resolution": r.resolution.as_str(), "evidence": evidence});
             tx.insert_audit(&audit_row(now, r.action_id.as_deref(), &r.operator, "resolve", op_ref, None, true, &r.note, &ev))?;
             let mut t = TraceEvent::of_operation("resolution", &op, &salt, now);
