@@ -162,6 +162,17 @@ impl Tx<'_> {
             let sets: Vec<String> = columns.iter().map(|c| format!("{c} = {c} + ?1")).collect();
             self.conn.execute(&format!("UPDATE {table} SET {}", sets.join(", ")), [delta_ms])?;
         }
+        // Per-minute rollups (migration 0002) move by whole minutes. Their minute is
+        // part of the primary key, so shift through a far-away range to keep every
+        // intermediate row unique.
+        let minutes = (delta_ms as f64 / 60_000.0).round() as i64;
+        if minutes != 0 {
+            const FAR: i64 = 1_000_000_000;
+            for table in ["metric_minutes", "latency_minutes"] {
+                self.conn.execute(&format!("UPDATE {table} SET minute = minute + ?1"), [FAR])?;
+                self.conn.execute(&format!("UPDATE {table} SET minute = minute - ?1"), [FAR - minutes])?;
+            }
+        }
         // The audit log is append-only even here: its times stay as recorded.
         Ok(())
     }

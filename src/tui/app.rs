@@ -7,7 +7,7 @@ use crate::engine::views::HeaderCounts;
 use crate::engine::{OperationDetail, Resolution};
 use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow};
 
-/// The panes, in tab order (number keys 1..=6).
+/// The panes, in tab order (number keys 1..=7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Pane {
     /// In-flight and waiting attempts.
@@ -22,12 +22,14 @@ pub enum Pane {
     Audit,
     /// Scenario walkthrough.
     Walkthrough,
+    /// Rates, latency percentiles, oldest unknown, duplicates.
+    Metrics,
 }
 
 impl Pane {
     /// All panes in tab order.
-    pub const ALL: [Pane; 6] =
-        [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown, Pane::Audit, Pane::Walkthrough];
+    pub const ALL: [Pane; 7] =
+        [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown, Pane::Audit, Pane::Walkthrough, Pane::Metrics];
 
     /// Tab title.
     pub fn title(self) -> &'static str {
@@ -38,6 +40,7 @@ impl Pane {
             Pane::Unknown => "Unknown",
             Pane::Audit => "Audit",
             Pane::Walkthrough => "Walkthrough",
+            Pane::Metrics => "Metrics",
         }
     }
 
@@ -147,6 +150,8 @@ pub enum Rows {
     Approvals(Vec<ApprovalRow>),
     /// Operator log.
     Audit(Vec<AuditRow>),
+    /// The metrics snapshot.
+    Metrics(Box<crate::telemetry::metrics::MetricsSnapshot>),
     /// Nothing fetched yet.
     Empty,
 }
@@ -158,7 +163,7 @@ impl Rows {
             Rows::Ops(r) => r.len(),
             Rows::Approvals(r) => r.len(),
             Rows::Audit(r) => r.len(),
-            Rows::Empty => 0,
+            Rows::Metrics(_) | Rows::Empty => 0,
         }
     }
 }
@@ -451,7 +456,7 @@ impl App {
             Rows::Audit(r) => {
                 r.get(self.selected).and_then(|x| x.operation_id.clone().or_else(|| x.approval_id.clone()))
             }
-            Rows::Empty => None,
+            Rows::Metrics(_) | Rows::Empty => None,
         }
     }
 
@@ -732,7 +737,7 @@ impl App {
             Rows::Ops(r) => r.last().map(|x| (x.updated_at, x.id.clone())),
             Rows::Approvals(r) => r.last().map(|x| (x.expires_at, x.id.clone())),
             Rows::Audit(r) => r.last().map(|x| (x.seq, String::new())),
-            Rows::Empty => None,
+            Rows::Metrics(_) | Rows::Empty => None,
         };
         if (self.row_count() as i64) < self.visible_rows() || key.is_none() {
             self.selected = self.row_count().saturating_sub(1);
@@ -989,7 +994,7 @@ fn row_key(rows: &Rows, i: usize) -> Option<String> {
         Rows::Ops(r) => r.get(i).map(|x| x.id.clone()),
         Rows::Approvals(r) => r.get(i).map(|x| x.id.clone()),
         Rows::Audit(r) => r.get(i).map(|x| x.seq.to_string()),
-        Rows::Empty => None,
+        Rows::Metrics(_) | Rows::Empty => None,
     }
 }
 

@@ -101,6 +101,11 @@ fn fetch(engine: &mut Engine, v: &View) -> Result<EngineEvent, EngineError> {
         Pane::Approvals => Rows::Approvals(engine.approvals_page(&v.filter, v.cursor.as_ref(), v.limit)?),
         Pane::Audit => Rows::Audit(engine.audit_page(v.cursor.as_ref().map(|c| c.0), v.limit)?),
         Pane::Walkthrough => Rows::Empty,
+        Pane::Metrics => Rows::Metrics(Box::new(crate::telemetry::metrics::snapshot(
+            engine,
+            crate::telemetry::metrics::Window::last_minutes(15),
+            &crate::telemetry::metrics::Slice::default(),
+        )?)),
     };
     Ok(EngineEvent::Page { pane: v.pane, rows, header: engine.header_counts()? })
 }

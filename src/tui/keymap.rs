@@ -39,8 +39,10 @@ fn global() -> Vec<Binding> {
 /// Normal-mode bindings (browsing panes).
 pub fn normal() -> Vec<Binding> {
     vec![
-        bind!("1-6", "switch pane (Live, Ledger, Approvals, Unknown, Audit, Walkthrough)", false, |k| match k.code {
-            KeyCode::Char(c @ '1'..='6') => Some(Action::SelectPane(Pane::ALL[(c as usize) - ('1' as usize)])),
+        bind!("1-7", "switch pane (Live, Ledger, Approvals, Unknown, Audit, Walkthrough, Metrics)", false, |k| match k
+            .code
+        {
+            KeyCode::Char(c @ '1'..='7') => Some(Action::SelectPane(Pane::ALL[(c as usize) - ('1' as usize)])),
             _ => None,
         }),
         bind!("Tab / Shift-Tab", "next / previous pane", false, |k| match k.code {

@@ -39,6 +39,14 @@ fn page(d: &mut Demo, pane: Pane, limit: i64) -> EngineEvent {
         Pane::Approvals => Rows::Approvals(e.approvals_page("", None, limit).unwrap()),
         Pane::Audit => Rows::Audit(e.audit_page(None, limit).unwrap()),
         Pane::Walkthrough => Rows::Empty,
+        Pane::Metrics => Rows::Metrics(Box::new(
+            toolgate::telemetry::metrics::snapshot(
+                e,
+                toolgate::telemetry::metrics::Window::last_minutes(15),
+                &toolgate::telemetry::metrics::Slice::default(),
+            )
+            .unwrap(),
+        )),
     };
     EngineEvent::Page { pane, rows, header: e.header_counts().unwrap() }
 }
@@ -48,7 +56,16 @@ fn app_on(d: &mut Demo, pane: Pane, w: u16, h: u16) -> App {
     app.size = (w, h);
     app.update(Action::SelectPane(pane));
     let limit = app.visible_rows();
-    app.update(Action::Engine(page(d, pane, limit)));
+    let mut ev = page(d, pane, limit);
+    // Latencies in the demo database were measured when it was generated: pin
+    // them so the screen snapshot checks the layout, not a stopwatch.
+    if let EngineEvent::Page { rows: Rows::Metrics(m), .. } = &mut ev {
+        for l in m.latency_window.iter_mut().chain(m.latency_all_time.iter_mut()) {
+            l.percentiles =
+                Some(toolgate::telemetry::histogram::Percentiles { p50_us: 1_200, p95_us: 35_000, p99_us: 70_000 });
+        }
+    }
+    app.update(Action::Engine(ev));
     app
 }
 
@@ -81,7 +98,7 @@ fn press(app: &mut App, code: KeyCode) -> Option<Request> {
 fn every_pane_at_two_sizes() {
     let mut d = demo();
     for (w, h) in [(80u16, 24u16), (140, 40)] {
-        for pane in [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown, Pane::Audit] {
+        for pane in [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown, Pane::Audit, Pane::Metrics] {
             let app = app_on(&mut d, pane, w, h);
             insta::assert_snapshot!(format!("pane_{}_{w}x{h}", pane.title().to_lowercase()), text(&draw(&app, w, h)));
         }

@@ -1,6 +1,7 @@
 //! Rendering: a pure function of [`App`] (no I/O, no engine calls).
 
 mod detail;
+mod metrics;
 mod panes;
 mod popups;
 

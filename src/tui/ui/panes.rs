@@ -20,6 +20,7 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         Pane::Unknown => unknown(app, frame, area, t),
         Pane::Audit => audit(app, frame, area, t),
         Pane::Walkthrough => walkthrough(app, frame, area, t),
+        Pane::Metrics => super::metrics::render(app, frame, area, t),
     }
 }
 
