@@ -589,7 +589,9 @@ impl Engine {
                 if !sent {
                     tx.finish_attempt(&op.id, ob.attempt, "not_sent", None, now)?;
                     tx.release_outbox(&op.id, now, None)?;
-                    op.state = "accepted".into();
+                    // Back to `accepted` only if no earlier attempt may have been received.
+                    let earlier = attempts.iter().any(|a| a.attempt != ob.attempt && !a.proven_not_received());
+                    op.state = if earlier { "in_flight".into() } else { "accepted".into() };
                     ev.note = Some("lease expired before send: back to accepted".into());
                     ev.reason = Some("requeued_unsent");
                     report.requeued_unsent += 1;
@@ -1241,6 +1243,21 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             p.because("committed").from_envelope(&env).answering(c.answer).write(tx, c.now)?;
             Ok(Persisted::Done(env))
         }
+        Ok(Reply::Rejected { reason: _ }) if earlier_possibly_received(tx, op_id, c.attempt)? => {
+            // A refusal of this re-send says nothing about the earlier attempt
+            // that may have committed (a provider that drifted answers a re-sent
+            // key with a conflict): not a definitive failure. Ask the provider.
+            tx.finish_attempt(op_id, c.attempt, "rejected", Some(Code::OutcomeUnknown.as_str()), c.now)?;
+            tx.close_outbox(op_id, "parked", Some(Code::OutcomeUnknown.as_str()))?;
+            op.state = "unknown".into();
+            op.code = Some(Code::OutcomeUnknown.as_str().into());
+            tx.update_operation(&op)?;
+            op.version += 1;
+            let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), None);
+            ev.note = Some("re-send refused after a possibly-sent attempt: unknown".into());
+            ev.because("rejected_after_possible_send").from_envelope(&env).answering(c.answer).write(tx, c.now)?;
+            Ok(Persisted::Done(env))
+        }
         Ok(Reply::Rejected { reason: _ }) => {
             tx.finish_attempt(op_id, c.attempt, "rejected", Some(Code::BusinessRuleViolation.as_str()), c.now)?;
             tx.close_outbox(op_id, "done", Some(Code::BusinessRuleViolation.as_str()))?;
@@ -1300,8 +1317,8 @@ fn refused(
     // `accepted` promises that nothing was sent. After a re-queued possibly-sent
     // attempt that is no longer true: the operation stays `in_flight` (callers see
     // OUTCOME_UNKNOWN, and the reaper parks it if the deadline passes).
-    let earlier_possibly_received = tx.attempts(op_id)?.iter().any(|a| !a.proven_not_received());
-    op.state = if earlier_possibly_received { "in_flight".into() } else { "accepted".into() };
+    let earlier = earlier_possibly_received(tx, op_id, c.attempt)?;
+    op.state = if earlier { "in_flight".into() } else { "accepted".into() };
     op.code = Some(code.as_str().into());
     tx.update_operation(op)?;
     op.version += 1;
@@ -1323,6 +1340,11 @@ fn refused(
         with_retry_after(op_envelope(op, Delivery::Fresh, c.principal_ref.to_string(), Some(code.as_str())), delay);
     ev.from_envelope(&env).answering(c.answer).write(tx, c.now)?;
     Ok(Persisted::Done(env))
+}
+
+/// Whether an attempt other than `this` may have been received downstream.
+fn earlier_possibly_received(tx: &Tx<'_>, op_id: &str, this: i64) -> Result<bool, StoreError> {
+    Ok(tx.attempts(op_id)?.iter().any(|a| a.attempt != this && !a.proven_not_received()))
 }
 
 /// The business state change that goes with a committed effect.

@@ -489,3 +489,49 @@ fn a_refusal_after_a_possibly_sent_attempt_does_not_claim_nothing_was_sent() {
     assert_eq!(env.code(), Some(Code::OutcomeUnknown));
     assert_eq!(crate::support::effects(&mut e), 0);
 }
+
+/// Found by the 300-kill soak: a worker claimed a re-queued possibly-sent
+/// operation and died before sending; the reaper put it back to `accepted`
+/// ("nothing sent") although the first attempt may have committed, and once its
+/// deadline passed nothing could move it. It stays `in_flight`, then is parked.
+#[test]
+fn an_unsent_attempt_after_a_possibly_sent_one_does_not_reset_to_accepted() {
+    use toolgate::store::{OpenOptions, Store};
+    let fx = crate::support::Fixture::new();
+    let op = sent_then_died(&fx, "refund-unsent-01");
+    fx.clock.advance(7_000);
+    let mut e = fx.engine();
+    assert_eq!(e.reap().unwrap().requeued_same_key, 1);
+    let now = fx.clock.now_ms();
+    let mut store = Store::open(fx.path(), OpenOptions::default()).unwrap();
+    assert!(store.write(|tx| tx.claim(&op, "dies-before-send", now, now + 6_000)).unwrap().is_some());
+    fx.clock.advance(7_000);
+    assert_eq!(e.reap().unwrap().requeued_unsent, 1);
+    assert_eq!(state_of(&mut e, &op), "in_flight", "an earlier attempt may have committed");
+    fx.clock.advance(60_000);
+    e.reap().unwrap();
+    assert_eq!(state_of(&mut e, &op), "unknown");
+    let (v, _) = check(fx.path(), Expect { settled: true, queried: false });
+    assert!(v.is_empty(), "{v:#?}");
+}
+
+/// Found by the 300-kill soak: a re-send after a possibly-sent attempt that the
+/// provider refused was recorded as a definitive failure ("no effect") although
+/// the provider held an effect under the key (it had drifted). It is unknown
+/// now, and the status query finds the mismatch for review.
+#[test]
+fn a_refused_re_send_after_a_possibly_sent_attempt_is_not_a_definitive_failure() {
+    let fx = crate::support::Fixture::new();
+    let op = sent_then_died(&fx, "refund-drift-01");
+    fx.clock.advance(7_000);
+    let mut e = fx.engine();
+    assert_eq!(e.reap().unwrap().requeued_same_key, 1);
+    e.set_faults(FaultPlan::parse("reject(idempotency_key_reused)").unwrap());
+    e.work(1).unwrap();
+    e.set_faults(FaultPlan::none());
+    assert_eq!(state_of(&mut e, &op), "unknown");
+    let env = e.dispatch(&crate::support::refund("refund-drift-01", 600)).unwrap();
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown), "{env:?}");
+    let (v, _) = check(fx.path(), Expect { settled: true, queried: false });
+    assert!(v.is_empty(), "{v:#?}");
+}

@@ -1,0 +1,13 @@
+//! World files: parsing and checking a hostile world file never panics; a file
+//! that is accepted survives a serialize/parse round trip.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use toolgate::engine::world::World;
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(w) = World::parse(data) {
+        let text = serde_json::to_vec(&w).expect("an accepted world serializes");
+        assert!(World::parse(&text).is_ok(), "an accepted world re-parses");
+    }
+});
