@@ -83,6 +83,43 @@ pub struct RetryPolicy {
     pub backoff_cap_ms: u64,
     /// Attempt cap.
     pub max_attempts: u32,
+    /// Retry budget: automatic retries may add at most this percentage of the
+    /// tool's first-attempt load (each first attempt deposits `percent / 100` of a
+    /// token, each retry spends one).
+    #[serde(default = "default_budget_percent")]
+    pub budget_percent: u32,
+    /// Retry budget: the bucket's capacity in whole retries (the burst allowed
+    /// before the ratio bites).
+    #[serde(default = "default_budget_burst")]
+    pub budget_burst: u32,
+}
+
+fn default_budget_percent() -> u32 {
+    20
+}
+
+fn default_budget_burst() -> u32 {
+    10
+}
+
+/// The circuit breaker of the tool's downstream (SPEC §11). The breaker's state is
+/// per downstream; the thresholds come from the contract of the tool calling it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CircuitPolicy {
+    /// Consecutive transient failures (unavailable, connect timeout, response
+    /// timeout, malformed reply) that open the circuit. Keep it above the tool's
+    /// `max_attempts`: one unlucky operation's own retries should not open the
+    /// circuit for every caller.
+    pub failure_threshold: u32,
+    /// How long an open circuit refuses calls before it lets one probe through.
+    pub cool_down_ms: u64,
+}
+
+impl Default for CircuitPolicy {
+    fn default() -> Self {
+        Self { failure_threshold: 10, cool_down_ms: 5_000 }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -103,6 +140,8 @@ struct ContractFile {
     data_classification: String,
     approval: ApprovalSpec,
     retry: RetryPolicy,
+    #[serde(default)]
+    circuit: CircuitPolicy,
     retention_ms: u64,
     input_schema: Value,
     output_schema: Value,
@@ -128,6 +167,8 @@ pub struct Contract {
     pub approval: ApprovalPolicy,
     /// Retry policy.
     pub retry: RetryPolicy,
+    /// Circuit breaker thresholds for the tool's downstream.
+    pub circuit: CircuitPolicy,
     /// Ledger retention; never shorter than the downstream's de-duplication window.
     pub retention_ms: u64,
     input: jsonschema::Validator,
@@ -234,6 +275,7 @@ impl Contracts {
                 data_classification: c.data_classification,
                 approval: c.approval.policy,
                 retry: c.retry,
+                circuit: c.circuit,
                 retention_ms: c.retention_ms,
                 input,
                 output,

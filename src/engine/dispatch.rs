@@ -14,8 +14,10 @@ use super::envelope::{
     Binding, Code, Delivery, Downstream as DownstreamInfo, Envelope, ErrorInfo, Execution, ModelResult, Outcome,
     ProtectedAudit, Status,
 };
+use super::lab::{caller_key, scope_key, MASKED_CONFLICT};
+use super::policy::{self, backoff_ms, Admission};
 use super::trace::{Answering, TraceEvent};
-use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, Engine, EngineError};
+use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, DefensesOff, Engine, EngineError};
 use crate::downstream::{DownstreamRequest, Reply};
 use crate::failpoint;
 use crate::store::{ApprovalRow, CallIdentityRow, CallKey, OperationRow, ReceiptRow, StoreError, Tx};
@@ -58,12 +60,6 @@ pub struct ReapReport {
 /// A key is 8..=255 printable ASCII characters.
 fn valid_key(k: &str) -> bool {
     (8..=255).contains(&k.len()) && k.bytes().all(|b| (0x21..=0x7e).contains(&b))
-}
-
-/// Full-jitter exponential backoff: uniform in [0, min(cap, base·2^(attempt-1))].
-pub(crate) fn backoff_ms(ids: &super::ids::Ids, base: u64, cap: u64, attempt: u32) -> u64 {
-    let exp = base.saturating_mul(1u64 << attempt.saturating_sub(1).min(30));
-    ids.up_to(exp.min(cap))
 }
 
 /// Authorization of the current subject, read now (SPEC §1, §5.2).
@@ -331,6 +327,10 @@ impl Engine {
         if contract.effect == Effect::Read {
             return self.read_tool(req, contract, &args, audit, ev, t0);
         }
+        // With every defense on (always, outside a demo database's lab) the ledger
+        // scope key is the caller's key.
+        let defenses = self.defenses()?;
+        let key = scope_key(&key, defenses, &self.instance, &self.ids);
         let key_sha256 = sha256_hex(key.as_bytes());
         ev.key_sha256 = Some(key_sha256.clone());
         let request = request_object(&req.tenant, &req.subject, &req.tool, &args, contract.revisions);
@@ -355,6 +355,7 @@ impl Engine {
             principal_ref: &principal_ref,
             refs: &self.refs,
             ids: &self.ids,
+            defenses,
         };
         let decision = self.store.write(|tx| -> Result<Decision, EngineError> {
             let d = accept(tx, &ctx, audit, ev)?;
@@ -492,15 +493,20 @@ impl Engine {
                 .ok()
                 .and_then(|r| r.get("arguments").cloned())
                 .unwrap_or(Value::Null);
+            let defenses = self.defenses()?;
             let dreq = DownstreamRequest {
-                // The business intent is the whole scope, not the key string alone.
-                intent: sha256_hex(format!("{}\0{}\0{}\0{}", op.tenant, op.subject, op.tool, op.idem_key).as_bytes()),
+                // The business intent is the whole scope, not the key string alone;
+                // and it is the caller's key even when a lab toggle re-scoped the ledger.
+                intent: sha256_hex(
+                    format!("{}\0{}\0{}\0{}", op.tenant, op.subject, op.tool, caller_key(&op.idem_key)).as_bytes(),
+                ),
                 tool: op.tool.clone(),
                 arguments: args,
                 request_sha256: op.request_sha256.clone(),
-                timeout_ms: contract.retry.attempt_timeout_ms,
+                // The deadline propagates: an attempt never waits past it.
+                timeout_ms: contract.retry.attempt_timeout_ms.min((op.deadline_at - now).max(1) as u64),
             };
-            let key = if self.defenses_off.unique_downstream_key_per_attempt {
+            let key = if defenses.unique_downstream_key_per_attempt {
                 // Lab mode only: a new key per attempt defeats the provider's de-duplication.
                 format!("{}-a{attempt}", op.downstream_key)
             } else {
@@ -543,6 +549,7 @@ impl Engine {
                 duration_us: t0.elapsed().as_micros() as i64,
                 salt: &salt,
                 answer,
+                naive_timeout_retry: defenses.naive_timeout_retry,
             };
             let step = self.store.write(|tx| persist(tx, &pctx, reply))?;
             match step {
@@ -665,6 +672,7 @@ struct AcceptCtx<'a> {
     principal_ref: &'a str,
     refs: &'a super::canonical::StatusRefKey,
     ids: &'a super::ids::Ids,
+    defenses: DefensesOff,
 }
 
 /// Steps 2–5 of the pipeline in one `BEGIN IMMEDIATE` transaction.
@@ -700,6 +708,13 @@ fn accept(tx: &Tx<'_>, c: &AcceptCtx<'_>, audit: ProtectedAudit, mut ev: TraceEv
     if let Some(op) = existing {
         ev.operation_id = Some(op.id.clone());
         if op.request_sha256 != c.request_sha256 {
+            if c.defenses.conflict_returns_old_result {
+                // Lab only: the defense is off, the second request is silently dropped.
+                ev.note = Some("lab: same key, different request, answered with the stored result".into());
+                ev.reason = Some(MASKED_CONFLICT);
+                let delivery = if op.state == "resolved" { Delivery::HumanResolved } else { Delivery::LocalReplay };
+                return Ok(Decision::Answer(op_envelope(&op, delivery, c.principal_ref.to_string(), None), ev));
+            }
             ev.note = Some("same key, different request".into());
             ev.reason = Some("conflict");
             return Ok(answer(Code::IdempotencyConflict, audit, ev));
@@ -765,6 +780,14 @@ fn accept(tx: &Tx<'_>, c: &AcceptCtx<'_>, audit: ProtectedAudit, mut ev: TraceEv
         return Ok(Decision::Answer(op_envelope(&op, Delivery::LocalReplay, c.principal_ref.to_string(), None), ev));
     }
     ev.checks.push("idempotency");
+    // A new execution while the downstream's circuit is open: refused before
+    // accept, nothing stored but this call's trace event.
+    if let Some(wait) = policy::admit_new(tx, c.contract.downstream, c.now)? {
+        ev.step = "circuit";
+        ev.reason = Some("circuit_open");
+        ev.note = Some(format!("circuit of {} is open: refused before accept", c.contract.downstream.as_str()));
+        return Ok(Decision::Answer(with_retry_after(error_envelope(Code::ToolUnavailable, audit), wait), ev));
+    }
     // 4. Business rules, then approval for a new execution.
     if let Some(rule) = business_rules(tx, &r.tool, c.args)? {
         ev.step = "business_rules";
@@ -1087,9 +1110,40 @@ fn claim(
         ev.because("tampered").from_envelope(&env).answering(caller.answer).write(tx, now)?;
         return Ok(Claim::Answer(env));
     }
+    // The downstream's circuit breaker: nothing is sent while it is open.
+    let admission = policy::admit_send(tx, contract.downstream, op_id, now, lease_ms)?;
+    if let Admission::Refused { retry_after_ms } = admission {
+        let code = Code::ToolUnavailable.as_str();
+        tx.release_outbox(op_id, now + retry_after_ms as i64, Some(code))?;
+        let env = with_retry_after(op_envelope(&op, Delivery::Fresh, pref.to_string(), Some(code)), retry_after_ms);
+        ev.step = "circuit";
+        ev.note = Some(format!("circuit of {} is open: not sent", contract.downstream.as_str()));
+        ev.because("circuit_open").from_envelope(&env).answering(caller.answer).write(tx, now)?;
+        return Ok(Claim::Answer(env));
+    }
+    // The tool's retry budget: a retry after a refused attempt spends a token.
+    let retrying =
+        ob.attempt > 0 && tx.attempts(op_id)?.last().is_some_and(|a| a.outcome.as_deref() == Some("refused"));
+    if retrying && !policy::budget_withdraw(tx, &op.tool, &contract.retry, now)? {
+        if admission == Admission::Probe {
+            policy::release_probe(tx, contract.downstream, op_id, now)?;
+        }
+        // No jitter source here; the longest backoff is the honest hint.
+        let wait = contract.retry.backoff_cap_ms.max(1);
+        tx.release_outbox(op_id, now + wait as i64, None)?;
+        let env = with_retry_after(op_envelope(&op, Delivery::Fresh, pref.to_string(), ob.last_code.as_deref()), wait);
+        ev.step = "retry_budget";
+        ev.note = Some("retry budget of the tool exhausted: not sent".into());
+        ev.because("budget_exhausted").from_envelope(&env).answering(caller.answer).write(tx, now)?;
+        return Ok(Claim::Answer(env));
+    }
     let Some(attempt) = tx.claim(op_id, worker, now, now + lease_ms)? else {
         return skipped(&ev, op_envelope(&op, Delivery::LocalReplay, pref.to_string(), None), "lost_race");
     };
+    if attempt == 1 {
+        // Load earns retries: each first attempt deposits the tool's ratio.
+        policy::budget_deposit(tx, &op.tool, &contract.retry, now)?;
+    }
     ev.attempt = Some(attempt);
     ev.reason = Some(if attempt > 1 { "retry" } else { "first_attempt" });
     // Re-check: authorization, business state and contract revision, read now.
@@ -1141,6 +1195,8 @@ struct PersistCtx<'a> {
     duration_us: i64,
     salt: &'a str,
     answer: Option<Answering>,
+    /// Lab only: retry a response timeout as if nothing had been sent.
+    naive_timeout_retry: bool,
 }
 
 /// Persists a reply, fenced on (owner, attempt): a zombie cannot write.
@@ -1175,6 +1231,18 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
         return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
     };
     op.updated_at = c.now;
+    // The reply's health moves the downstream's circuit, in this transaction.
+    if let Some(t) = policy::record(tx, c.contract.downstream, &c.contract.circuit, policy::health(&reply), c.now)? {
+        let mut cev = TraceEvent::of_operation("circuit", c.op, c.salt, c.now);
+        cev.attempt = Some(c.attempt);
+        cev.note = Some(format!("circuit of {}: {} → {}", c.contract.downstream.as_str(), t.from, t.to));
+        cev.because(match t.to {
+            "open" => "circuit_opened",
+            "half_open" => "circuit_half_open",
+            _ => "circuit_closed",
+        })
+        .write(tx, c.now)?;
+    }
     let unknown = |op: &mut OperationRow,
                    code: Code,
                    ev: &mut TraceEvent,
@@ -1282,6 +1350,12 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
         Ok(Reply::ConnectTimeout) => {
             refused(tx, c, &mut op, ev, Code::TimeoutBeforeExecute, c.backoff_ms, Some("connect"))
         }
+        Ok(Reply::TimedOut) if c.naive_timeout_retry => {
+            // Lab only: the naive policy this defense exists to prevent. The
+            // attempt may have committed; it is recorded as refused and re-sent.
+            ev.note = Some("lab: response timeout retried as if nothing was sent".into());
+            refused(tx, c, &mut op, ev, Code::TimeoutBeforeExecute, c.backoff_ms, Some("response"))
+        }
         Ok(Reply::TimedOut) => unknown(
             &mut op,
             Code::OutcomeUnknown,
@@ -1365,18 +1439,6 @@ pub(crate) fn apply_business_effect(tx: &Tx<'_>, op: &OperationRow) -> Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn backoff_is_bounded_by_cap_and_exponent() {
-        let ids = crate::engine::ids::Ids::seeded(7);
-        for attempt in 1..10 {
-            for _ in 0..200 {
-                let d = backoff_ms(&ids, 100, 2_000, attempt);
-                assert!(d <= (100u64 << (attempt - 1)).min(2_000), "attempt {attempt}: {d}");
-            }
-        }
-        assert_eq!(backoff_ms(&ids, 0, 0, 3), 0);
-    }
 
     #[test]
     fn keys() {

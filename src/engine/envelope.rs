@@ -41,6 +41,8 @@ pub enum Code {
     StatusConflict,
     /// A read handler failed.
     ToolError,
+    /// An operator cancelled the operation before anything was sent (SPEC §11).
+    Cancelled,
 }
 
 /// What a failure allows next.
@@ -103,7 +105,7 @@ pub enum Status {
 
 impl Code {
     /// All codes, in catalog order.
-    pub const ALL: [Code; 17] = [
+    pub const ALL: [Code; 18] = [
         Code::UnknownTool,
         Code::InvalidArguments,
         Code::IdempotencyKeyRequired,
@@ -121,6 +123,7 @@ impl Code {
         Code::OutputContractViolation,
         Code::StatusConflict,
         Code::ToolError,
+        Code::Cancelled,
     ];
 
     /// The stable string form, e.g. `OUTCOME_UNKNOWN`.
@@ -143,6 +146,7 @@ impl Code {
             Code::OutputContractViolation => "OUTPUT_CONTRACT_VIOLATION",
             Code::StatusConflict => "STATUS_CONFLICT",
             Code::ToolError => "TOOL_ERROR",
+            Code::Cancelled => "CANCELLED",
         }
     }
 
@@ -169,6 +173,7 @@ impl Code {
             Code::OutcomeUnknown => ("outcome_unknown", Unknown, Recovery::QueryStatus),
             Code::OutputContractViolation | Code::StatusConflict => ("conflict", Unknown, Recovery::HumanReview),
             Code::ToolError => ("tool_error", NotStarted, Recovery::HumanReview),
+            Code::Cancelled => ("cancelled", NotStarted, Recovery::None),
         }
     }
 
@@ -201,6 +206,7 @@ impl Code {
             }
             Code::StatusConflict => "The downstream evidence does not match this request; a human must review it.",
             Code::ToolError => "The tool failed while reading; nothing was changed.",
+            Code::Cancelled => "An operator cancelled this call before it was sent; nothing was done.",
         }
     }
 }

@@ -5,12 +5,15 @@
 //! It never touches SQL directly: every read and write goes through
 //! [`crate::store::Tx`].
 
+mod cancel;
 pub mod canonical;
 pub mod clock;
 pub mod contracts;
 mod dispatch;
 pub mod envelope;
 pub mod ids;
+pub mod lab;
+pub mod policy;
 mod recovery;
 mod trace;
 pub mod views;
@@ -21,7 +24,9 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
 
+pub use cancel::CancelRequest;
 pub use dispatch::{DispatchRequest, ReapReport};
+pub use lab::{LabSide, LabState, LabToggle};
 pub use recovery::{AuditFinding, OperationDetail, OperatorOutcome, QueryRequest, Resolution, ResolveRequest};
 pub use trace::TraceEvent;
 
@@ -112,6 +117,33 @@ pub struct DefensesOff {
     /// stable key. An attempt re-sent after a crash then looks like a new request
     /// to the payments provider, which commits a second effect.
     pub unique_downstream_key_per_attempt: bool,
+    /// Lab (`server_generated_key`): the ledger scope key is minted by the server
+    /// for every call, so a caller's retry is a new intent to the ledger.
+    pub server_generated_key: bool,
+    /// Lab (`conflict_returns_old_result`): the same key with other arguments
+    /// answers the stored result instead of `IDEMPOTENCY_CONFLICT`.
+    pub conflict_returns_old_result: bool,
+    /// Lab (`in_memory_ledger`): the scope key carries this engine instance's id,
+    /// as if the records lived in the process: a restart forgets every key.
+    pub in_memory_ledger: bool,
+    /// Lab (`naive_timeout_retry`): a response timeout is retried like a
+    /// refusal instead of being parked as `OUTCOME_UNKNOWN`.
+    pub naive_timeout_retry: bool,
+}
+
+impl DefensesOff {
+    /// Every defense either switches off.
+    #[must_use]
+    pub fn or(self, other: DefensesOff) -> DefensesOff {
+        DefensesOff {
+            unique_downstream_key_per_attempt: self.unique_downstream_key_per_attempt
+                || other.unique_downstream_key_per_attempt,
+            server_generated_key: self.server_generated_key || other.server_generated_key,
+            conflict_returns_old_result: self.conflict_returns_old_result || other.conflict_returns_old_result,
+            in_memory_ledger: self.in_memory_ledger || other.in_memory_ledger,
+            naive_timeout_retry: self.naive_timeout_retry || other.naive_timeout_retry,
+        }
+    }
 }
 
 /// Counts of what is in a database (`toolgate counts`).
@@ -142,6 +174,10 @@ pub struct Engine {
     pub(crate) faults: Arc<Mutex<FaultPlan>>,
     pub(crate) ids: ids::Ids,
     pub(crate) defenses_off: DefensesOff,
+    /// The file is marked as a demo (lab toggles are honoured).
+    pub(crate) demo: bool,
+    /// This engine instance's id: what an in-memory ledger would be scoped to.
+    pub(crate) instance: String,
     path: PathBuf,
 }
 
@@ -166,11 +202,11 @@ impl Engine {
         let mut store = Store::open(path, OpenOptions { create, sync: opts.sync })?;
         let now = opts.clock.now_ms();
         let ids = opts.seed.map_or_else(ids::Ids::default, ids::Ids::seeded);
-        let (secret, salt) = store.write(|tx| -> Result<_, StoreError> {
+        let (secret, salt, demo) = store.write(|tx| -> Result<_, StoreError> {
             let secret = tx.meta_init("status_ref_secret", &hex::encode(ids.bytes::<32>()))?;
             let salt = tx.meta_init("export_salt", &hex::encode(ids.bytes::<16>()))?;
             tx.meta_init("created_at", &now.to_string())?;
-            Ok((secret, salt))
+            Ok((secret, salt, tx.meta("demo")?.as_deref() == Some("1")))
         })?;
         let contracts = match opts.contracts {
             Some(c) => c,
@@ -205,6 +241,9 @@ impl Engine {
             faults,
             ids,
             defenses_off: opts.defenses_off,
+            demo,
+            // Not from `ids`: a seeded engine's id sequence must not depend on it.
+            instance: hex::encode(rand::random::<[u8; 6]>()),
             path: path.to_path_buf(),
         })
     }

@@ -4,6 +4,7 @@
 //! transaction) and [`Tx`] (typed reads and writes inside one transaction), so a
 //! PostgreSQL backend can implement the same surface later.
 
+mod resilience;
 mod rows;
 mod views;
 
@@ -12,14 +13,16 @@ use std::time::{Duration, Instant};
 
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
 
+pub use resilience::{CircuitRow, RetryBudgetRow, MILLI_TOKEN};
 pub use rows::*;
 pub use views::{Cursor, LiveRow, OpsView};
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 3] = [
+const MIGRATIONS: [&str; 4] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
+    include_str!("migrations/0004_resilience.sql"),
 ];
 
 /// The schema version this build writes.

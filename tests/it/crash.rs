@@ -124,7 +124,7 @@ fn engine_at(path: &Path, clock: &ManualClock, worker: &str, defense_off: bool) 
             clock: Arc::new(clock.clone()),
             worker_id: worker.to_string(),
             sync: Sync::Full,
-            defenses_off: DefensesOff { unique_downstream_key_per_attempt: defense_off },
+            defenses_off: DefensesOff { unique_downstream_key_per_attempt: defense_off, ..DefensesOff::default() },
             ..EngineOptions::default()
         },
     )

@@ -16,5 +16,6 @@ mod observability;
 mod props;
 mod race;
 mod recovery;
+mod resilience;
 mod scenarios;
 mod support;

@@ -1,0 +1,182 @@
+//! Cancellation (SPEC §11; keel text: 取消后迟到的结果不能把运行状态改回成功).
+//!
+//! An operator cancels an operation that has not finished (`accepted` or
+//! `in_flight`). What cancelling can mean depends on one fact, read in the same
+//! `BEGIN IMMEDIATE` transaction as the change:
+//!
+//! - **nothing was sent** (no attempt carries a sent-marker, or every one was
+//!   provably refused): the operation is cancelled. It is represented as state
+//!   `failed` with code `CANCELLED` (outcome `not_started`, recovery `none`), so
+//!   no state list anywhere changes; a retry of the intent replays that failure.
+//! - **an attempt may have reached the provider**: the effect cannot be undone,
+//!   so the operation moves to the unknown queue (`unknown`, `OUTCOME_UNKNOWN`):
+//!   only a status query or a human decides it from there.
+//!
+//! Either way the outbox row is closed, which drops the lease: a worker still
+//! holding it fails its fence, so its send is aborted (before send) or its late
+//! reply is recorded as trace evidence only (after send). Nothing flips a
+//! cancelled or unknown operation to success by itself. Every attempt, applied or
+//! refused, is written to the operator log with the evidence the operator saw.
+
+use serde_json::json;
+
+use super::canonical::canonical_string;
+use super::envelope::Code;
+use super::trace::TraceEvent;
+use super::{Engine, EngineError, OperatorOutcome};
+use crate::store::{AttemptRow, AuditRow, StoreError};
+
+/// An operator's cancellation of one operation.
+#[derive(Debug, Clone, Default)]
+pub struct CancelRequest {
+    /// Operation.
+    pub operation_id: String,
+    /// Who.
+    pub operator: String,
+    /// Why (mandatory).
+    pub note: String,
+    /// The version the operator saw; refused if the row changed since.
+    pub seen_version: Option<i64>,
+    /// The action's own id: repeating it returns the first outcome.
+    pub action_id: Option<String>,
+}
+
+fn outcome(applied: bool, code: &str, message: String, op: Option<&str>) -> OperatorOutcome {
+    OperatorOutcome {
+        applied,
+        code: code.to_string(),
+        message,
+        operation_id: op.map(str::to_string),
+        approval_id: None,
+    }
+}
+
+/// Whether an attempt may have reached the provider.
+fn possibly_sent(a: &AttemptRow) -> bool {
+    !a.proven_not_received()
+}
+
+impl Engine {
+    /// Cancels an operation: before send it is cancelled (no effect, terminal);
+    /// after send it moves to the unknown queue. Refusals are outcomes too, and
+    /// are logged.
+    pub fn cancel(&mut self, r: &CancelRequest) -> Result<OperatorOutcome, EngineError> {
+        let now = self.clock.now_ms();
+        let salt = self.salt.clone();
+        Ok(self.store.write(|tx| -> Result<OperatorOutcome, StoreError> {
+            if let Some(id) = &r.action_id {
+                if let Some(prev) = tx.audit_by_action_id(id)? {
+                    let applied = prev.result == "applied";
+                    return Ok(outcome(
+                        applied,
+                        if applied { "OK" } else { "REFUSED" },
+                        format!("action already recorded: {}", prev.reason),
+                        prev.operation_id.as_deref(),
+                    ));
+                }
+            }
+            let cur = tx.operation(&r.operation_id)?;
+            let attempts = if cur.is_some() { tx.attempts(&r.operation_id)? } else { Vec::new() };
+            let outbox = tx.outbox(&r.operation_id)?;
+            let sent = attempts.iter().any(possibly_sent);
+            let snapshot = cur.as_ref().map(|o| {
+                json!({
+                    "state": o.state, "version": o.version, "code": o.code, "attempts": attempts.len(),
+                    "possibly_sent": sent, "outbox": outbox.as_ref().map(|b| b.state.clone()),
+                })
+            });
+            let audit = |applied: bool, reason: &str, evidence: &serde_json::Value| -> Result<(), StoreError> {
+                tx.insert_audit(&AuditRow {
+                    seq: 0,
+                    at: now,
+                    action_id: r.action_id.clone(),
+                    actor: r.operator.clone(),
+                    action: "cancel".into(),
+                    operation_id: cur.as_ref().map(|o| o.id.clone()),
+                    approval_id: None,
+                    result: if applied { "applied" } else { "refused" }.into(),
+                    reason: reason.to_string(),
+                    evidence: canonical_string(evidence),
+                })
+            };
+            let refuse = |code: &str, why: String| -> Result<OperatorOutcome, StoreError> {
+                audit(false, &why, &json!({"seen_version": r.seen_version, "current": snapshot}))?;
+                if let Some(op) = &cur {
+                    let mut t = TraceEvent::of_operation("cancel", op, &salt, now);
+                    t.note = Some(format!("refused: {}", code.to_ascii_lowercase()));
+                    t.because("refused").write(tx, now)?;
+                }
+                Ok(outcome(false, code, why, Some(&r.operation_id)))
+            };
+            if r.operator.trim().is_empty() {
+                return refuse("OPERATOR_REQUIRED", "an operator identity is required".into());
+            }
+            if r.note.trim().is_empty() {
+                return refuse("NOTE_REQUIRED", "a cancellation needs a note".into());
+            }
+            let Some(mut op) = cur.clone() else {
+                return refuse("NO_SUCH_OPERATION", "no such operation".into());
+            };
+            if !matches!(op.state.as_str(), "accepted" | "in_flight") {
+                let why = match op.state.as_str() {
+                    "unknown" | "needs_review" => format!(
+                        "operation is {}: it is already in the unknown queue; query its status or resolve it",
+                        op.state
+                    ),
+                    s => format!("operation is {s}: only accepted or in-flight operations can be cancelled"),
+                };
+                return refuse("NOT_CANCELLABLE", why);
+            }
+            if let Some(seen) = r.seen_version {
+                if seen != op.version {
+                    return refuse(
+                        "STALE_VERSION",
+                        format!(
+                            "operation changed since you saw it (you saw version {seen}, it is now {})",
+                            op.version
+                        ),
+                    );
+                }
+            }
+            // The attempt a worker may hold right now ends here; its lease goes
+            // with the outbox row, so the worker's next fenced write fails.
+            let open = attempts.iter().find(|a| a.outcome.is_none());
+            let (state, code, outbox_state, reason, message) = if sent {
+                (
+                    "unknown",
+                    Code::OutcomeUnknown,
+                    "parked",
+                    "cancelled_after_send",
+                    "an attempt may have reached the provider, so the effect cannot be undone: \
+                     moved to the unknown queue (query its status)",
+                )
+            } else {
+                (
+                    "failed",
+                    Code::Cancelled,
+                    "done",
+                    "cancelled_before_send",
+                    "cancelled before anything was sent: no effect",
+                )
+            };
+            if let Some(a) = open {
+                let (o, c) = if a.sent_at.is_some() { ("unknown", Code::OutcomeUnknown) } else { ("not_sent", code) };
+                tx.finish_attempt(&op.id, a.attempt, o, Some(c.as_str()), now)?;
+            }
+            tx.close_outbox(&op.id, outbox_state, Some(code.as_str()))?;
+            op.state = state.into();
+            op.code = Some(code.as_str().into());
+            op.updated_at = now;
+            if !tx.update_operation(&op)? {
+                return refuse("STALE_VERSION", "operation changed while cancelling".into());
+            }
+            audit(true, &r.note, &json!({"seen_version": r.seen_version, "before": snapshot, "after": state}))?;
+            let mut t = TraceEvent::of_operation("cancel", &op, &salt, now);
+            t.code = Some(code);
+            t.outcome = Some(if sent { "unknown" } else { "not_started" });
+            t.note = Some(message.into());
+            t.because(reason).write(tx, now)?;
+            Ok(outcome(true, "OK", message.to_string(), Some(&op.id)))
+        })?)
+    }
+}
