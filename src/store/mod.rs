@@ -121,13 +121,12 @@ impl Store {
         if !opts.create && !path.exists() {
             return Err(StoreError::Missing);
         }
-        // A non-empty file without the SQLite header is someone else's file: never
-        // let SQLite initialise it.
-        if let Ok(mut f) = std::fs::File::open(path) {
-            use std::io::Read;
-            let mut header = [0u8; 16];
-            let n = f.read(&mut header).unwrap_or(0);
-            if n > 0 && (n < 16 || &header != b"SQLite format 3\0") {
+        // A file too small to be a database is someone else's file: never let SQLite
+        // initialise it. (Larger non-SQLite files fail SQLite's own header check.)
+        // Only stat it: opening and closing the file here would drop the POSIX locks
+        // that this process's other SQLite connections hold on it.
+        if let Ok(meta) = std::fs::metadata(path) {
+            if meta.len() > 0 && meta.len() < 512 {
                 return Err(StoreError::NotToolgate);
             }
         }
