@@ -1011,6 +1011,13 @@ pub fn summarize(env: &Envelope) -> (bool, String) {
     );
     if let Some(e) = &m.error {
         s = format!("{} · {s}", e.code);
+        // The refusal's reason, when the engine gave one (e.g. an approver not on
+        // the tenant's allowlist): an operator needs the why, not only the code.
+        if let Some(why) =
+            e.detail.as_ref().and_then(|d| d.get("reason").or_else(|| d.get("rule"))).and_then(|v| v.as_str())
+        {
+            s = format!("{s} · {why}");
+        }
     }
     (m.error.is_none(), s)
 }
