@@ -162,6 +162,19 @@ pub enum Command {
     /// Metrics computed from the database: the Prometheus text format, JSON, or a
     /// `/metrics` endpoint (`--listen`).
     Metrics(MetricsArgs),
+    /// Measure the engine against bare SQLite loops making the same commits,
+    /// side by side on one temporary disk, at synchronous=FULL and NORMAL.
+    Bench {
+        /// A short smoke run (one small round), not a measurement.
+        #[arg(long)]
+        quick: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// Where to make the temporary directory (removed at the end).
+        #[arg(long, value_name = "PATH")]
+        dir: Option<PathBuf>,
+    },
 }
 
 /// `trace` arguments.
@@ -470,7 +483,8 @@ fn command_wants_json(c: Option<&Command>) -> bool {
             | Command::Orders { json }
             | Command::Reap { json }
             | Command::Work { json }
-            | Command::Audit { json, .. },
+            | Command::Audit { json, .. }
+            | Command::Bench { json, .. },
         ) => *json,
         Some(Command::DemoDb { .. } | Command::Demo { .. }) => false,
         Some(Command::Dispatch(a)) => a.json,
@@ -865,6 +879,16 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Scenario { what } => scenario_command(what),
         Command::Trace(a) => trace_command(cli, a),
         Command::Metrics(a) => metrics_command(cli, a),
+        Command::Bench { quick, json, dir } => {
+            let report = crate::bench::run(&crate::bench::BenchOptions { quick: *quick, dir: dir.clone() })
+                .map_err(|e| CliError::new(e.code(), e.to_string()))?;
+            if *json {
+                print_json(&report);
+            } else {
+                print!("{}", crate::bench::table(&report));
+            }
+            Ok(0)
+        }
         Command::Audit { log, json } => {
             let mut engine = open(cli)?;
             if *log {

@@ -19,8 +19,11 @@
 //!   walkthrough; a client of the engine that never writes the database itself.
 //! - [`demo`]: the deterministic demo database and its re-based working copy.
 //! - [`load`]: simulated agents that dispatch like real harnesses.
+//! - [`bench`]: `toolgate bench`, the engine against bare SQLite loops doing
+//!   the same commits, side by side.
 //! - [`cli`]: the command line (the binary's only dependency on this crate).
 
+pub mod bench;
 pub mod cli;
 pub mod demo;
 pub mod downstream;

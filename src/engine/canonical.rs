@@ -183,10 +183,116 @@ impl StrictVisitor {
 }
 
 /// The RFC 8785 canonical form of a value.
+///
+/// Every call pays for this (request digests, bindings, results, trace events,
+/// and re-checking stored rows), and `serde_json_canonicalizer` is slow at the
+/// structural part: it re-parses each object key to sort it. So the structure
+/// is written here, and every number that is not a safe integer goes to the
+/// crate: ECMAScript number formatting, the part of RFC 8785 worth a maintained
+/// implementation, stays the crate's. What is left is small and checked against
+/// the crate by a property test (`tests::agrees_with_the_crate`): members sorted
+/// by UTF-16 code units, strings escaped as RFC 8785 §3.2.2.2 says (`"` `\`,
+/// the five short control escapes, other controls as lower-case `\u00hh`,
+/// nothing else), integers up to 2^53 in magnitude in plain decimal (what
+/// ECMAScript prints for them).
 pub fn canonical_string(value: &Value) -> String {
+    let mut out = String::with_capacity(256);
+    write_canonical(value, &mut out);
+    out
+}
+
+/// The crate's canonical form of a whole value (the reference the fast writer
+/// is tested against).
+#[cfg(test)]
+fn crate_canonical(value: &Value) -> String {
     // serde_json_canonicalizer only fails on values serde_json cannot represent
     // (non-string keys, non-finite floats), which a `Value` never holds.
     serde_json_canonicalizer::to_string(value).unwrap_or_else(|_| value.to_string())
+}
+
+/// Largest integer magnitude an IEEE-754 double holds exactly (2^53).
+const MAX_SAFE_INTEGER: u64 = 1 << 53;
+
+fn write_canonical(value: &Value, out: &mut String) {
+    use std::fmt::Write as _;
+    match value {
+        Value::Null => out.push_str("null"),
+        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Value::Number(n) => {
+            if let Some(i) = n.as_i64().filter(|i| i.unsigned_abs() <= MAX_SAFE_INTEGER) {
+                let _ = write!(out, "{i}");
+            } else if let Some(u) = n.as_u64().filter(|u| *u <= MAX_SAFE_INTEGER) {
+                let _ = write!(out, "{u}");
+            } else {
+                out.push_str(&serde_json_canonicalizer::to_string(n).unwrap_or_else(|_| n.to_string()));
+            }
+        }
+        Value::String(s) => write_canonical_str(s, out),
+        Value::Array(items) => {
+            out.push('[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_canonical(v, out);
+            }
+            out.push(']');
+        }
+        Value::Object(map) => {
+            let mut members: Vec<(&String, &Value)> = map.iter().collect();
+            members.sort_unstable_by(|a, b| utf16_order(a.0, b.0));
+            out.push('{');
+            for (i, (k, v)) in members.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_canonical_str(k, out);
+                out.push(':');
+                write_canonical(v, out);
+            }
+            out.push('}');
+        }
+    }
+}
+
+/// RFC 8785 member order: by UTF-16 code units (byte order agrees for ASCII).
+fn utf16_order(a: &str, b: &str) -> std::cmp::Ordering {
+    if a.is_ascii() && b.is_ascii() {
+        a.cmp(b)
+    } else {
+        a.encode_utf16().cmp(b.encode_utf16())
+    }
+}
+
+/// An RFC 8785 string (§3.2.2.2).
+fn write_canonical_str(s: &str, out: &mut String) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    out.push('"');
+    let mut plain = 0;
+    for (i, b) in s.bytes().enumerate() {
+        let escape: &str = match b {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            0x08 => "\\b",
+            0x09 => "\\t",
+            0x0a => "\\n",
+            0x0c => "\\f",
+            0x0d => "\\r",
+            0x00..=0x1f => "",
+            _ => continue,
+        };
+        out.push_str(&s[plain..i]);
+        if escape.is_empty() {
+            out.push_str("\\u00");
+            out.push(char::from(HEX[usize::from(b >> 4)]));
+            out.push(char::from(HEX[usize::from(b & 0xf)]));
+        } else {
+            out.push_str(escape);
+        }
+        plain = i + 1;
+    }
+    out.push_str(&s[plain..]);
+    out.push('"');
 }
 
 /// Canonicalizes a JSON text (strict parse, then RFC 8785).
@@ -380,6 +486,57 @@ mod tests {
         assert!(matches!(parse_strict(b"\"\xff\"", 100, 4), Err(CanonicalError::Syntax(_))));
         assert!(matches!(parse_strict(b"1e999", 100, 4), Err(CanonicalError::Syntax(_) | CanonicalError::NonFinite)));
         assert_eq!(parse_strict(&[b' '; 11], 10, 4), Err(CanonicalError::TooLarge { size: 11, limit: 10 }));
+    }
+
+    fn json_value() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        // Strings and keys with controls, quotes, backslashes, non-ASCII, and
+        // characters on both sides of the UTF-16 surrogate range (where byte
+        // order and UTF-16 order disagree).
+        let text = proptest::collection::vec(
+            prop_oneof![
+                Just('"'),
+                Just('\\'),
+                Just('/'),
+                Just('\u{7f}'),
+                Just('\u{e9}'),
+                Just('\u{ff5e}'),
+                Just('\u{1f600}'),
+                Just('\u{10437}'),
+                (0u32..0x20).prop_map(|c| char::from_u32(c).unwrap_or('x')),
+                proptest::char::range('a', 'e'),
+            ],
+            0..6,
+        )
+        .prop_map(|cs| cs.into_iter().collect::<String>());
+        let number = prop_oneof![
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            (-(1i64 << 54)..(1i64 << 54)).prop_map(Value::from),
+            any::<f64>().prop_filter_map("finite", |f| serde_json::Number::from_f64(f).map(Value::Number)),
+            (-1e6f64..1e6).prop_filter_map("finite", |f| serde_json::Number::from_f64(f).map(Value::Number)),
+        ];
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            number,
+            text.clone().prop_map(Value::String)
+        ];
+        leaf.prop_recursive(4, 48, 6, move |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                proptest::collection::vec((text.clone(), inner), 0..6)
+                    .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        /// The fast writer and `serde_json_canonicalizer` agree on every value.
+        #[test]
+        fn agrees_with_the_crate(v in json_value()) {
+            proptest::prop_assert_eq!(canonical_string(&v), crate_canonical(&v));
+        }
     }
 
     #[test]

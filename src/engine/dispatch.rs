@@ -20,7 +20,7 @@ use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, DefensesOff, Engine, EngineError};
 use crate::downstream::{DownstreamRequest, Reply};
 use crate::failpoint;
-use crate::store::{ApprovalRow, CallIdentityRow, CallKey, OperationRow, ReceiptRow, StoreError, Tx};
+use crate::store::{ApprovalRow, CallIdentityRow, CallKey, OperationRow, ReceiptRow, StoreError, Sync, Tx};
 
 /// One tool call as a harness sends it.
 #[derive(Debug, Clone, Default)]
@@ -234,6 +234,9 @@ enum Decision {
     Answer(Envelope, TraceEvent),
     /// Run the outbox row of this operation now.
     Execute(String),
+    /// Found under the write lock of a relaxed transaction: this call changes
+    /// state after all. Nothing was written; run `accept` again, synced.
+    Synced,
 }
 
 /// What one claim decided.
@@ -267,7 +270,8 @@ impl Engine {
         ev.duration_us = Some(t0.elapsed().as_micros() as i64);
         let ev = ev.from_envelope(&env).answering(Some(Answering { kind: "dispatch", started: t0 }));
         let now = self.clock.now_ms();
-        self.store.write(|tx| ev.write(tx, now))?;
+        // Refused before any state: only the answer is recorded.
+        self.store.write_relaxed(|tx| ev.write(tx, now))?;
         Ok(env)
     }
 
@@ -357,20 +361,42 @@ impl Engine {
             ids: &self.ids,
             defenses,
         };
-        let decision = self.store.write(|tx| -> Result<Decision, EngineError> {
-            let d = accept(tx, &ctx, audit, ev)?;
+        let step = |tx: &Tx<'_>, audit: ProtectedAudit, ev: TraceEvent, relaxed: bool| {
+            let d = accept(tx, &ctx, audit, ev, relaxed)?;
             if let Decision::Answer(env, ev) = &d {
                 // The decision's trace event commits with the decision itself.
                 let mut ev = ev.clone().from_envelope(env).answering(Some(Answering { kind: "dispatch", started: t0 }));
                 ev.duration_us = Some(t0.elapsed().as_micros() as i64);
                 ev.write(tx, now)?;
             }
-            Ok(d)
-        })?;
+            Ok::<_, EngineError>(d)
+        };
+        // A call on an intent the ledger holds and has sent (a replay, a
+        // conflict, an answer about an operation in flight) changes no state: it
+        // only records how it was answered, and that commit need not wait for the
+        // disk (`Store::write_relaxed`). A read first tells; `accept` re-checks
+        // everything under the write lock and asks for a synced transaction
+        // before any state change.
+        let known = self.store.durability() == Sync::Full
+            && self
+                .store
+                .read(|tx| tx.operation_state_by_scope(&req.tenant, &req.subject, &req.tool, &key))?
+                .is_some_and(|s| s != "accepted");
+        let mut decision = if known {
+            self.store.write_relaxed(|tx| step(tx, audit.clone(), ev.clone(), true))?
+        } else {
+            Decision::Synced
+        };
+        if matches!(decision, Decision::Synced) {
+            decision = self.store.write(|tx| step(tx, audit, ev, false))?;
+        }
         match decision {
             Decision::Answer(env, _) => Ok(env),
             Decision::Execute(op_id) => {
                 self.run_operation(&op_id, &contracts, Some(Answering { kind: "dispatch", started: t0 }))
+            }
+            Decision::Synced => {
+                Err(EngineError::invalid("ACCEPT_RELAXED", "a synced accept asked for a synced accept"))
             }
         }
     }
@@ -424,7 +450,8 @@ impl Engine {
         ev.checks.push("authorization");
         ev.duration_us = Some(t0.elapsed().as_micros() as i64);
         let ev = ev.from_envelope(&env).answering(Some(Answering { kind: "dispatch", started: t0 }));
-        self.store.write(|tx| ev.write(tx, now))?;
+        // A read changes no state: only the answer is recorded.
+        self.store.write_relaxed(|tx| ev.write(tx, now))?;
         Ok(env)
     }
 
@@ -676,7 +703,17 @@ struct AcceptCtx<'a> {
 }
 
 /// Steps 2–5 of the pipeline in one `BEGIN IMMEDIATE` transaction.
-fn accept(tx: &Tx<'_>, c: &AcceptCtx<'_>, audit: ProtectedAudit, mut ev: TraceEvent) -> Result<Decision, EngineError> {
+///
+/// `relaxed`: the transaction does not wait for the disk, so it may only record
+/// an answer; any path that would change state returns [`Decision::Synced`]
+/// before writing anything.
+fn accept(
+    tx: &Tx<'_>,
+    c: &AcceptCtx<'_>,
+    audit: ProtectedAudit,
+    mut ev: TraceEvent,
+    relaxed: bool,
+) -> Result<Decision, EngineError> {
     let r = c.req;
     let answer = |code: Code, audit: ProtectedAudit, ev: TraceEvent| Decision::Answer(error_envelope(code, audit), ev);
     // 2. Authorization of the current subject (also for replays).
@@ -729,6 +766,10 @@ fn accept(tx: &Tx<'_>, c: &AcceptCtx<'_>, audit: ProtectedAudit, mut ev: TraceEv
             );
             return Ok(Decision::Answer(env, ev));
         }
+        if relaxed && op.state == "accepted" {
+            // Possibly executable again (proven unsent): a state change.
+            return Ok(Decision::Synced);
+        }
         bind_call(tx, &ck, c, Some(&op.id))?;
         ev.status_ref = Some(op.status_ref.clone());
         let outbox = tx.outbox(&op.id)?;
@@ -778,6 +819,10 @@ fn accept(tx: &Tx<'_>, c: &AcceptCtx<'_>, audit: ProtectedAudit, mut ev: TraceEv
         ev.note = Some("not terminal and possibly sent: unknown, never re-executed".into());
         ev.reason = Some("in_progress");
         return Ok(Decision::Answer(op_envelope(&op, Delivery::LocalReplay, c.principal_ref.to_string(), None), ev));
+    }
+    if relaxed {
+        // A new intent (the row was purged since the read): accept is a state change.
+        return Ok(Decision::Synced);
     }
     ev.checks.push("idempotency");
     // A new execution while the downstream's circuit is open: refused before

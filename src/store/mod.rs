@@ -4,6 +4,7 @@
 //! transaction) and [`Tx`] (typed reads and writes inside one transaction), so a
 //! PostgreSQL backend can implement the same surface later.
 
+pub mod bench;
 mod resilience;
 mod rows;
 mod views;
@@ -27,6 +28,9 @@ const MIGRATIONS: [&str; 4] = [
 
 /// The schema version this build writes.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+/// Prepared statements kept per connection.
+const STATEMENT_CACHE: usize = 160;
 
 /// How long a writer waits for the lock before SQLite reports busy.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -98,6 +102,11 @@ impl Default for OpenOptions {
 /// One connection to a toolgate database.
 pub struct Store {
     conn: Connection,
+    /// The durability it was opened with.
+    sync: Sync,
+    /// A relaxed commit left the connection at `synchronous=NORMAL` and
+    /// restoring FULL failed: the next synced write restores it first.
+    relaxed: bool,
 }
 
 impl std::fmt::Debug for Store {
@@ -159,8 +168,10 @@ impl Store {
             Sync::Full => "PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;",
             Sync::Normal => "PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON;",
         })?;
-        conn.set_prepared_statement_cache_capacity(64);
-        let mut store = Self { conn };
+        // Room for every statement the engine, the console's views and the
+        // metrics prepare (about a hundred): none is evicted and re-prepared.
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+        let mut store = Self { conn, sync, relaxed: false };
         store.migrate(version)?;
         Ok(store)
     }
@@ -196,29 +207,85 @@ impl Store {
     /// start, so the reads inside see what the writes will be checked against).
     /// Commits when `f` returns `Ok`, rolls back otherwise. Busy is retried.
     pub fn write<T, E: From<StoreError>>(&mut self, f: impl FnOnce(&Tx<'_>) -> Result<T, E>) -> Result<T, E> {
+        if self.relaxed {
+            self.set_synchronous(self.sync)?;
+            self.relaxed = false;
+        }
+        self.transaction(true, f)
+    }
+
+    /// [`Store::write`] for a transaction that changes no state and only
+    /// records how a call was answered (its trace event, its call-identity
+    /// binding): the commit does not wait for the disk. In WAL mode such a
+    /// commit is appended to the log like any other and becomes durable with
+    /// the next synced commit of any connection, in order; a power loss (not a
+    /// process crash) can lose the newest of these records, never a state
+    /// change, and never one without the records before it. At
+    /// `synchronous=NORMAL` it is [`Store::write`].
+    pub fn write_relaxed<T, E: From<StoreError>>(&mut self, f: impl FnOnce(&Tx<'_>) -> Result<T, E>) -> Result<T, E> {
+        if self.sync != Sync::Full {
+            return self.write(f);
+        }
+        self.relaxed = true;
+        self.set_synchronous(Sync::Normal)?;
+        let out = self.transaction(true, f);
+        // A failure here leaves `relaxed` set: the next synced write restores it.
+        if self.set_synchronous(Sync::Full).is_ok() {
+            self.relaxed = false;
+        }
+        out
+    }
+
+    fn set_synchronous(&self, sync: Sync) -> Result<(), StoreError> {
+        let sql = match sync {
+            Sync::Full => "PRAGMA synchronous=FULL",
+            Sync::Normal => "PRAGMA synchronous=NORMAL",
+        };
+        self.conn.prepare_cached(sql)?.execute([])?;
+        Ok(())
+    }
+
+    /// The durability this connection was opened with.
+    pub fn durability(&self) -> Sync {
+        self.sync
+    }
+
+    /// Runs `f` in a read transaction (one consistent snapshot).
+    pub fn read<T, E: From<StoreError>>(&mut self, f: impl FnOnce(&Tx<'_>) -> Result<T, E>) -> Result<T, E> {
+        self.transaction(false, f)
+    }
+
+    /// One transaction: `BEGIN IMMEDIATE` (busy retried) or `BEGIN DEFERRED`,
+    /// `f`, then `COMMIT`, or `ROLLBACK` when `f` fails, panics or the commit
+    /// fails. The three statements are prepared once per connection (rusqlite's
+    /// `Transaction` re-parses them on every call).
+    fn transaction<T, E: From<StoreError>>(
+        &mut self,
+        immediate: bool,
+        f: impl FnOnce(&Tx<'_>) -> Result<T, E>,
+    ) -> Result<T, E> {
+        let begin = if immediate { "BEGIN IMMEDIATE" } else { "BEGIN DEFERRED" };
         let started = Instant::now();
-        let tx = loop {
-            match self.conn.transaction_with_behavior(TransactionBehavior::Immediate) {
-                Ok(tx) => break tx,
+        loop {
+            match self.conn.prepare_cached(begin).and_then(|mut st| st.execute([])) {
+                Ok(_) => break,
                 Err(rusqlite::Error::SqliteFailure(f, _))
-                    if matches!(f.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+                    if immediate
+                        && matches!(
+                            f.code,
+                            rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+                        )
                         && started.elapsed() < BEGIN_RETRY_BUDGET =>
                 {
                     std::thread::sleep(Duration::from_millis(1 + rand::random::<u64>() % 10));
                 }
                 Err(e) => return Err(StoreError::from(e).into()),
             }
-        };
-        let out = f(&Tx { conn: &tx })?;
-        tx.commit().map_err(StoreError::from)?;
-        Ok(out)
-    }
-
-    /// Runs `f` in a read transaction (one consistent snapshot).
-    pub fn read<T, E: From<StoreError>>(&mut self, f: impl FnOnce(&Tx<'_>) -> Result<T, E>) -> Result<T, E> {
-        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Deferred).map_err(StoreError::from)?;
-        let out = f(&Tx { conn: &tx })?;
-        tx.commit().map_err(StoreError::from)?;
+        }
+        let open = OpenTransaction { conn: &self.conn };
+        let out = f(&Tx { conn: &self.conn })?;
+        self.conn.prepare_cached("COMMIT").and_then(|mut st| st.execute([])).map_err(StoreError::from)?;
+        drop(open);
         Ok(out)
     }
 
@@ -231,6 +298,20 @@ impl Store {
     /// SQLite's `PRAGMA data_version`: changes when another connection commits.
     pub fn data_version(&self) -> Result<i64, StoreError> {
         Ok(self.conn.query_row("PRAGMA data_version", [], |r| r.get(0))?)
+    }
+}
+
+/// Rolls back on drop whatever is still open: `f` failed or panicked, or the
+/// commit failed. After a commit the connection is in autocommit: nothing to do.
+struct OpenTransaction<'a> {
+    conn: &'a Connection,
+}
+
+impl Drop for OpenTransaction<'_> {
+    fn drop(&mut self) {
+        if !self.conn.is_autocommit() {
+            let _ = self.conn.prepare_cached("ROLLBACK").and_then(|mut st| st.execute([]));
+        }
     }
 }
 
@@ -476,6 +557,17 @@ impl Tx<'_> {
                 "SELECT {OP_COLS} FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4"
             ))?
             .query_row([tenant, subject, tool, key], OperationRow::from_row)
+            .optional()?)
+    }
+
+    /// The state of the operation for a scope (no row: `None`).
+    pub fn operation_state_by_scope(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Option<String>> {
+        Ok(self
+            .conn
+            .prepare_cached(
+                "SELECT state FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4",
+            )?
+            .query_row([tenant, subject, tool, key], |r| r.get(0))
             .optional()?)
     }
 

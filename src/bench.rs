@@ -1,0 +1,645 @@
+//! `toolgate bench`: the engine against bare SQLite loops, side by side, in one
+//! process, on the same temporary disk and with the same pragmas.
+//!
+//! A durable ledger is bound by how many commits the disk can make, so the
+//! numbers that matter are ratios within one run:
+//!
+//! - `bare_write` (five plain commits, [`crate::store::bench`]) against
+//!   `fresh_dispatch` (the engine's whole write path: validation,
+//!   authorization, digests, ledger, outbox, lease, sent-marker, a provider that
+//!   answers at once, result persist, trace);
+//! - `bare_lookup` (one indexed read) against `replay` (the engine's replay of a
+//!   settled intent, authorization re-check included);
+//! - `query`: explicit status queries of settled operations;
+//! - `contention`: 8 threads, each with its own [`Engine`], on 100 shared
+//!   intents (exactly-once checked: effects, duplicates, busy errors) against 8
+//!   threads on distinct intents.
+//!
+//! The phases are interleaved in rounds (bare, engine, bare, engine, ...) so that
+//! a machine whose speed drifts moves both sides of a ratio; each ratio is
+//! reported as the median of its rounds with their spread. Both
+//! `synchronous=FULL` (the default) and `NORMAL` are measured.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::engine::clock::{Clock, SystemClock};
+use crate::engine::envelope::{Code, Delivery, Envelope, Status};
+use crate::engine::world::{GrantSpec, OrderSpec, SubjectSpec, TenantSpec, World};
+use crate::engine::{DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest};
+use crate::store::bench::{BareLedger, BarePayload};
+use crate::store::{StoreError, Sync};
+
+/// How to run the bench.
+#[derive(Debug, Clone, Default)]
+pub struct BenchOptions {
+    /// A short run (one round, small phases): a smoke test, not a measurement.
+    pub quick: bool,
+    /// Where to make the temporary directory (the system's temp dir by default).
+    /// It is removed at the end.
+    pub dir: Option<PathBuf>,
+}
+
+/// Why the bench could not run, or found the engine misbehaving.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// The engine failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The bare loop's storage failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The temporary directory.
+    #[error("bench directory: {0}")]
+    Dir(String),
+    /// A call answered something a correct engine never answers here.
+    #[error("bench check failed: {0}")]
+    Check(String),
+}
+
+impl BenchError {
+    /// Stable code for the CLI.
+    pub fn code(&self) -> &'static str {
+        match self {
+            BenchError::Engine(e) => e.code(),
+            BenchError::Store(e) => e.code(),
+            BenchError::Dir(_) => "BENCH_DIR",
+            BenchError::Check(_) => "BENCH_CHECK_FAILED",
+        }
+    }
+}
+
+/// Everything one `toolgate bench` measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// `--quick`.
+    pub quick: bool,
+    /// Rounds per durability mode.
+    pub rounds: usize,
+    /// One entry per `synchronous` mode, FULL first.
+    pub modes: Vec<ModeReport>,
+}
+
+/// The numbers of one durability mode.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModeReport {
+    /// `FULL` or `NORMAL`.
+    pub synchronous: &'static str,
+    /// Every phase, pooled over the rounds.
+    pub phases: Vec<Phase>,
+    /// The ratios, each the median of the rounds with the spread.
+    pub ratios: Ratios,
+    /// The contention check.
+    pub contention: Contention,
+}
+
+/// One measured phase.
+#[derive(Debug, Clone, Serialize)]
+pub struct Phase {
+    /// `bare_write`, `fresh_dispatch`, `bare_lookup`, `replay`, `query`,
+    /// `contention_shared`, `contention_distinct`.
+    pub name: &'static str,
+    /// Operations measured.
+    pub ops: usize,
+    /// Seconds spent.
+    pub seconds: f64,
+    /// Operations per second (for the contention phases: calls of all threads
+    /// per wall-clock second).
+    pub ops_per_s: f64,
+    /// Median latency of one operation, microseconds.
+    pub p50_us: u64,
+    /// 99th percentile latency, microseconds.
+    pub p99_us: u64,
+}
+
+/// A ratio of throughputs: the median of the per-round ratios, and their range.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Ratio {
+    /// Median over the rounds.
+    pub median: f64,
+    /// Smallest round.
+    pub min: f64,
+    /// Largest round.
+    pub max: f64,
+}
+
+/// The ratios the targets are stated in.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Ratios {
+    /// `fresh_dispatch` ops/s over `bare_write` ops/s.
+    pub fresh_over_bare: Ratio,
+    /// `replay` ops/s over `bare_lookup` ops/s.
+    pub replay_over_lookup: Ratio,
+    /// Calls/s of 8 threads on shared intents over 8 threads on distinct ones.
+    pub shared_over_distinct: f64,
+}
+
+/// What the contention phases checked.
+#[derive(Debug, Clone, Serialize)]
+pub struct Contention {
+    /// Threads, each with its own engine (own connections).
+    pub threads: usize,
+    /// Shared intents.
+    pub shared_intents: usize,
+    /// Downstream effects the shared phase committed (must equal the intents).
+    pub shared_effects: i64,
+    /// Calls answered `fresh` in the shared phase (one per intent).
+    pub shared_fresh: usize,
+    /// Calls answered from the ledger in the shared phase.
+    pub shared_replayed: usize,
+    /// Calls answered `OUTCOME_UNKNOWN` because the intent was in flight in another thread.
+    pub shared_in_flight: usize,
+    /// Distinct intents (each executed once).
+    pub distinct_intents: usize,
+    /// Effects the distinct phase committed.
+    pub distinct_effects: i64,
+    /// Intents with more than one effect, in the whole database (must be 0).
+    pub duplicates: i64,
+    /// SQLite busy / locked errors that reached a caller (must be 0).
+    pub busy_errors: usize,
+}
+
+/// The world of the bench database: one tenant with a threshold no refund
+/// reaches, one agent per thread, each with a large order of its own.
+fn world(agents: usize) -> World {
+    World {
+        tenants: vec![TenantSpec {
+            id: "bench".into(),
+            approvers: vec!["bench_approver".into()],
+            approval_threshold_minor: i64::MAX / 4,
+        }],
+        subjects: (0..agents).map(|i| SubjectSpec { id: agent(i), tenant: "bench".into() }).collect(),
+        grants: (0..agents)
+            .map(|i| GrantSpec { tenant: "bench".into(), subject: agent(i), tool: "create_refund".into() })
+            .collect(),
+        orders: (0..agents)
+            .map(|i| OrderSpec {
+                order_ref: order(i),
+                tenant: "bench".into(),
+                owner: agent(i),
+                currency: "EUR".into(),
+                captured_minor: 1_000_000_000_000_000,
+                refunded_minor: 0,
+                status: "paid".into(),
+            })
+            .collect(),
+    }
+}
+
+fn agent(i: usize) -> String {
+    format!("agent_{i}")
+}
+
+fn order(i: usize) -> String {
+    format!("ord_bench{i}")
+}
+
+/// A `create_refund` of 1.00 EUR by agent `i` under `key`.
+fn refund(i: usize, key: String) -> DispatchRequest {
+    DispatchRequest {
+        tenant: "bench".into(),
+        subject: agent(i),
+        tool: "create_refund".into(),
+        arguments: format!(r#"{{"order_ref":"{}","amount_minor":100,"currency":"EUR","reason":"damaged"}}"#, order(i))
+            .into_bytes(),
+        idempotency_key: Some(key),
+        ..DispatchRequest::default()
+    }
+}
+
+const THREADS: usize = 8;
+const SHARED_INTENTS: usize = 100;
+
+/// The sizes of one run.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    rounds: usize,
+    /// Time box of one phase in one round (it stops at `max_ops` sooner).
+    phase_budget: Duration,
+    /// At least this many operations per phase and round, whatever the time.
+    min_ops: usize,
+    /// At most this many.
+    max_ops: usize,
+    /// Calls per thread on distinct intents.
+    distinct_per_thread: usize,
+}
+
+impl Plan {
+    fn new(quick: bool, sync: Sync) -> Self {
+        match (quick, sync) {
+            (true, _) => Self {
+                rounds: 1,
+                phase_budget: Duration::from_millis(150),
+                min_ops: 3,
+                max_ops: 400,
+                distinct_per_thread: 4,
+            },
+            (false, Sync::Full) => Self {
+                rounds: 5,
+                phase_budget: Duration::from_millis(1500),
+                min_ops: 20,
+                max_ops: 20_000,
+                distinct_per_thread: 25,
+            },
+            (false, Sync::Normal) => Self {
+                rounds: 5,
+                phase_budget: Duration::from_secs(1),
+                min_ops: 50,
+                max_ops: 50_000,
+                distinct_per_thread: 100,
+            },
+        }
+    }
+}
+
+/// Runs the whole bench. The temporary directory is removed at the end.
+pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
+    let parent = opts.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let dir = parent.join(format!("toolgate-bench-{}-{}", std::process::id(), hex::encode(rand::random::<[u8; 4]>())));
+    std::fs::create_dir_all(&dir).map_err(|e| BenchError::Dir(format!("cannot create it: {}", e.kind())))?;
+    let out = run_in(&dir, opts.quick);
+    let _ = std::fs::remove_dir_all(&dir);
+    out
+}
+
+fn run_in(dir: &Path, quick: bool) -> Result<BenchReport, BenchError> {
+    let mut modes = Vec::new();
+    let mut rounds = 0;
+    for (sync, name) in [(Sync::Full, "FULL"), (Sync::Normal, "NORMAL")] {
+        let plan = Plan::new(quick, sync);
+        rounds = plan.rounds;
+        let sub = dir.join(name.to_lowercase());
+        std::fs::create_dir_all(&sub).map_err(|e| BenchError::Dir(format!("cannot create it: {}", e.kind())))?;
+        modes.push(mode(&sub, sync, name, plan)?);
+    }
+    Ok(BenchReport { quick, rounds, modes })
+}
+
+fn options(sync: Sync, worker: &str) -> EngineOptions {
+    EngineOptions {
+        clock: Arc::new(SystemClock) as Arc<dyn Clock>,
+        sync,
+        worker_id: worker.to_string(),
+        ..EngineOptions::default()
+    }
+}
+
+/// Latencies of one phase, pooled over rounds.
+#[derive(Default)]
+struct Samples {
+    us: Vec<u64>,
+    elapsed: Duration,
+}
+
+impl Samples {
+    fn ops_per_s(&self) -> f64 {
+        self.us.len() as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    fn phase(&mut self, name: &'static str) -> Phase {
+        self.us.sort_unstable();
+        Phase {
+            name,
+            ops: self.us.len(),
+            seconds: self.elapsed.as_secs_f64(),
+            ops_per_s: self.ops_per_s(),
+            p50_us: percentile(&self.us, 50.0),
+            p99_us: percentile(&self.us, 99.0),
+        }
+    }
+}
+
+/// Nearest-rank percentile of sorted samples.
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil().max(1.0) as usize;
+    sorted[rank.min(sorted.len()) - 1]
+}
+
+/// Runs `op(i)` for i = 0.. until the plan's time box (at least `min_ops`, at
+/// most `max_ops`), adding each latency to `s`. Returns the round's ops/s.
+fn timed(s: &mut Samples, plan: Plan, mut op: impl FnMut(usize) -> Result<(), BenchError>) -> Result<f64, BenchError> {
+    let start = Instant::now();
+    let mut n = 0;
+    while n < plan.max_ops && (n < plan.min_ops || start.elapsed() < plan.phase_budget) {
+        let t = Instant::now();
+        op(n)?;
+        s.us.push(t.elapsed().as_micros() as u64);
+        n += 1;
+    }
+    let elapsed = start.elapsed();
+    s.elapsed += elapsed;
+    Ok(n as f64 / elapsed.as_secs_f64().max(1e-9))
+}
+
+fn ratio(mut per_round: Vec<f64>) -> Ratio {
+    per_round.sort_by(f64::total_cmp);
+    let n = per_round.len();
+    if n == 0 {
+        return Ratio { median: 0.0, min: 0.0, max: 0.0 };
+    }
+    let median = if n % 2 == 1 { per_round[n / 2] } else { f64::midpoint(per_round[n / 2 - 1], per_round[n / 2]) };
+    Ratio { median, min: per_round[0], max: per_round[n - 1] }
+}
+
+fn check(env: &Envelope, status: Status, delivery: Delivery, what: &str) -> Result<(), BenchError> {
+    let got = (env.model_result.status, env.model_result.execution.delivery);
+    if got == (status, delivery) {
+        Ok(())
+    } else {
+        Err(BenchError::Check(format!(
+            "{what}: expected {status:?}/{delivery:?}, got {:?}/{:?} ({})",
+            got.0,
+            got.1,
+            env.code().map_or("-", Code::as_str)
+        )))
+    }
+}
+
+fn mode(dir: &Path, sync: Sync, name: &'static str, plan: Plan) -> Result<ModeReport, BenchError> {
+    let path = dir.join("engine.db");
+    let mut engine = Engine::create(&path, options(sync, "bench-main"))?;
+    engine.load_world(&world(THREADS))?;
+    // Warm-up, and the texts the bare loop stores (the engine's own).
+    let env = engine.dispatch(&refund(0, "bench-warmup-0001".into()))?;
+    check(&env, Status::Succeeded, Delivery::Fresh, "warm-up dispatch")?;
+    let op_id = env.protected_audit.operation_id.clone().unwrap_or_default();
+    let (op, trace) =
+        engine.store().read(|tx| -> Result<_, StoreError> { Ok((tx.operation(&op_id)?, tx.trace_for(&op_id)?)) })?;
+    let op = op.ok_or_else(|| BenchError::Check("the warm-up operation is not in the ledger".into()))?;
+    let payload = BarePayload {
+        request_json: op.request_json.clone(),
+        result_json: op.result_json.clone().unwrap_or_default(),
+        trace_fields: trace.into_iter().map(|t| t.fields).collect(),
+    };
+    let mut bare = BareLedger::create(&dir.join("bare.db"), sync, payload)?;
+    let clock = SystemClock;
+
+    let (mut bw, mut fd, mut bl, mut rp, mut qy) =
+        (Samples::default(), Samples::default(), Samples::default(), Samples::default(), Samples::default());
+    let (mut write_ratios, mut replay_ratios) = (Vec::new(), Vec::new());
+    let mut bare_written: u64 = 0;
+    // Settled operations to replay and query: (key, status_ref, request digest).
+    let mut settled: Vec<(String, String, String)> = Vec::new();
+    for round in 0..plan.rounds {
+        let bare_rate = timed(&mut bw, plan, |_| {
+            bare.write_one(bare_written, clock.now_ms())?;
+            bare_written += 1;
+            Ok(())
+        })?;
+        let fresh_rate = timed(&mut fd, plan, |i| {
+            let key = format!("bench-fresh-{round:02}-{i:08}");
+            let env = engine.dispatch(&refund(0, key.clone()))?;
+            check(&env, Status::Succeeded, Delivery::Fresh, "fresh dispatch")?;
+            let a = &env.protected_audit;
+            settled.push((
+                key,
+                a.downstream.status_ref.clone().unwrap_or_default(),
+                a.binding.request_sha256.clone().unwrap_or_default(),
+            ));
+            Ok(())
+        })?;
+        write_ratios.push(fresh_rate / bare_rate);
+        let written = bare_written.max(1);
+        let lookup_rate = timed(&mut bl, plan, |i| {
+            let n = i as u64 % written;
+            match bare.lookup(n)? {
+                Some(_) => Ok(()),
+                None => Err(BenchError::Check(format!("bare lookup {n} found nothing"))),
+            }
+        })?;
+        let replay_rate = timed(&mut rp, plan, |i| {
+            let key = settled[i % settled.len()].0.clone();
+            let env = engine.dispatch(&refund(0, key))?;
+            check(&env, Status::Succeeded, Delivery::LocalReplay, "replay")
+        })?;
+        replay_ratios.push(replay_rate / lookup_rate);
+        timed(&mut qy, plan, |i| {
+            let (_, status_ref, digest) = &settled[i % settled.len()];
+            let env = engine.query_operation_status(&QueryRequest {
+                tenant: "bench".into(),
+                subject: agent(0),
+                status_ref: status_ref.clone(),
+                expected_request_sha256: digest.clone(),
+                ..QueryRequest::default()
+            })?;
+            check(&env, Status::Succeeded, Delivery::LocalReplay, "status query")
+        })?;
+    }
+    drop(engine);
+    let (shared, distinct, contention) = contention(&path, sync, plan)?;
+    let ratios = Ratios {
+        fresh_over_bare: ratio(write_ratios),
+        replay_over_lookup: ratio(replay_ratios),
+        shared_over_distinct: shared.ops_per_s / distinct.ops_per_s.max(1e-9),
+    };
+    Ok(ModeReport {
+        synchronous: name,
+        phases: vec![
+            bw.phase("bare_write"),
+            fd.phase("fresh_dispatch"),
+            bl.phase("bare_lookup"),
+            rp.phase("replay"),
+            qy.phase("query"),
+            shared,
+            distinct,
+        ],
+        ratios,
+        contention,
+    })
+}
+
+/// What one contention thread saw.
+#[derive(Default)]
+struct ThreadTally {
+    us: Vec<u64>,
+    fresh: usize,
+    replayed: usize,
+    in_flight: usize,
+    busy: usize,
+}
+
+fn is_busy(e: &EngineError) -> bool {
+    let sqlite = match e {
+        EngineError::Store(StoreError::Sqlite(s)) => s,
+        EngineError::Downstream(crate::downstream::DownstreamError::Store(StoreError::Sqlite(s))) => s,
+        _ => return false,
+    };
+    matches!(
+        sqlite,
+        rusqlite::Error::SqliteFailure(f, _)
+            if matches!(f.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+    )
+}
+
+/// `THREADS` threads, each with its own engine, dispatching `keys(thread)` in
+/// order. Returns the phase and the per-thread tallies.
+fn threads(
+    path: &Path,
+    sync: Sync,
+    name: &'static str,
+    keys: impl Fn(usize) -> Vec<(usize, String)> + std::marker::Sync,
+) -> Result<(Phase, Vec<ThreadTally>), BenchError> {
+    let mut engines = Vec::new();
+    for t in 0..THREADS {
+        engines.push(Engine::open(path, options(sync, &format!("bench-w{t}")))?);
+    }
+    let barrier = std::sync::Barrier::new(THREADS);
+    let start = Instant::now();
+    let results: Vec<Result<ThreadTally, BenchError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = engines
+            .into_iter()
+            .enumerate()
+            .map(|(t, mut engine)| {
+                let (keys, barrier) = (&keys, &barrier);
+                s.spawn(move || -> Result<ThreadTally, BenchError> {
+                    let mut tally = ThreadTally::default();
+                    let calls = keys(t);
+                    barrier.wait();
+                    for (agent, key) in calls {
+                        let t0 = Instant::now();
+                        let env = match engine.dispatch(&refund(agent, key)) {
+                            Ok(env) => env,
+                            Err(e) if is_busy(&e) => {
+                                tally.busy += 1;
+                                continue;
+                            }
+                            Err(e) => return Err(e.into()),
+                        };
+                        tally.us.push(t0.elapsed().as_micros() as u64);
+                        match (env.model_result.execution.delivery, env.code()) {
+                            (Delivery::Fresh, None) => tally.fresh += 1,
+                            (Delivery::LocalReplay, None) => tally.replayed += 1,
+                            (_, Some(Code::OutcomeUnknown)) => tally.in_flight += 1,
+                            (d, c) => {
+                                return Err(BenchError::Check(format!(
+                                    "contention: unexpected answer {d:?} / {}",
+                                    c.map_or("-", Code::as_str)
+                                )))
+                            }
+                        }
+                    }
+                    Ok(tally)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(BenchError::Check("a bench thread panicked".into()))))
+            .collect()
+    });
+    let elapsed = start.elapsed();
+    let tallies = results.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let mut s = Samples { us: tallies.iter().flat_map(|t| t.us.iter().copied()).collect(), elapsed };
+    Ok((s.phase(name), tallies))
+}
+
+fn contention(path: &Path, sync: Sync, plan: Plan) -> Result<(Phase, Phase, Contention), BenchError> {
+    let mut probe = Engine::open(path, options(sync, "bench-probe"))?;
+    let before = probe.counts()?.downstream_effects;
+    // Every thread dispatches the same intents in the same order: the worst case.
+    let shared_key = |i: usize| format!("bench-shared-{i:04}");
+    let (shared, st) =
+        threads(path, sync, "contention_shared", |_| (0..SHARED_INTENTS).map(|i| (0, shared_key(i))).collect())?;
+    let mid = probe.counts()?.downstream_effects;
+    // Every intent settled exactly once: a later dispatch of each replays.
+    for i in 0..SHARED_INTENTS {
+        let env = probe.dispatch(&refund(0, shared_key(i)))?;
+        check(&env, Status::Succeeded, Delivery::LocalReplay, "dispatch after the shared phase")?;
+    }
+    let per = plan.distinct_per_thread;
+    let (distinct, dt) = threads(path, sync, "contention_distinct", |t| {
+        (0..per).map(|i| (t, format!("bench-distinct-{t}-{i:04}"))).collect()
+    })?;
+    let counts = probe.counts()?;
+    let c = Contention {
+        threads: THREADS,
+        shared_intents: SHARED_INTENTS,
+        shared_effects: mid - before,
+        shared_fresh: st.iter().map(|t| t.fresh).sum(),
+        shared_replayed: st.iter().map(|t| t.replayed).sum(),
+        shared_in_flight: st.iter().map(|t| t.in_flight).sum(),
+        distinct_intents: THREADS * per,
+        distinct_effects: counts.downstream_effects - mid,
+        duplicates: counts.side_effect_duplicates,
+        busy_errors: st.iter().chain(dt.iter()).map(|t| t.busy).sum(),
+    };
+    if c.shared_effects != SHARED_INTENTS as i64 || c.duplicates != 0 || c.shared_fresh != SHARED_INTENTS {
+        return Err(BenchError::Check(format!(
+            "contention: {} effects and {} fresh answers for {} shared intents, {} duplicates",
+            c.shared_effects, c.shared_fresh, SHARED_INTENTS, c.duplicates
+        )));
+    }
+    Ok((shared, distinct, c))
+}
+
+/// The report as a table, for people.
+pub fn table(r: &BenchReport) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "toolgate bench{}: {} round(s) per mode, phases interleaved; ratios are the median of the rounds [min–max]",
+        if r.quick { " --quick (a smoke run, not a measurement)" } else { "" },
+        r.rounds
+    );
+    for m in &r.modes {
+        let _ = writeln!(out, "\nsynchronous={}", m.synchronous);
+        let _ = writeln!(out, "  {:<20} {:>7} {:>10} {:>9} {:>9}", "phase", "ops", "ops/s", "p50 µs", "p99 µs");
+        for p in &m.phases {
+            let _ =
+                writeln!(out, "  {:<20} {:>7} {:>10.1} {:>9} {:>9}", p.name, p.ops, p.ops_per_s, p.p50_us, p.p99_us);
+        }
+        let f = m.ratios.fresh_over_bare;
+        let l = m.ratios.replay_over_lookup;
+        let _ = writeln!(
+            out,
+            "  fresh/bare {:.3} [{:.3}–{:.3}]   replay/lookup {:.3} [{:.3}–{:.3}]   shared/distinct {:.2}",
+            f.median, f.min, f.max, l.median, l.min, l.max, m.ratios.shared_over_distinct
+        );
+        let c = &m.contention;
+        let _ = writeln!(
+            out,
+            "  contention: {} threads; {} shared intents → {} effects ({} fresh, {} replayed, {} in flight elsewhere); \
+             {} distinct → {} effects; {} duplicates, {} busy errors",
+            c.threads,
+            c.shared_intents,
+            c.shared_effects,
+            c.shared_fresh,
+            c.shared_replayed,
+            c.shared_in_flight,
+            c.distinct_intents,
+            c.distinct_effects,
+            c.duplicates,
+            c.busy_errors
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v: Vec<u64> = (1..=100).collect();
+        assert_eq!(percentile(&v, 50.0), 50);
+        assert_eq!(percentile(&v, 99.0), 99);
+        assert_eq!(percentile(&[7], 99.0), 7);
+        assert_eq!(percentile(&[], 50.0), 0);
+    }
+
+    #[test]
+    fn ratio_is_the_median_of_rounds() {
+        let r = ratio(vec![0.9, 0.5, 0.7]);
+        assert!((r.median - 0.7).abs() < 1e-9 && (r.min - 0.5).abs() < 1e-9 && (r.max - 0.9).abs() < 1e-9);
+        let r = ratio(vec![1.0, 2.0]);
+        assert!((r.median - 1.5).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,282 @@
+//! The bare loops `toolgate bench` measures the engine against (`crate::bench`):
+//! plain SQL doing the commits of one fresh `create_refund`, and one indexed
+//! lookup, with no engine logic at all. Nothing else uses this module.
+//!
+//! The bare file is made by the ledger's own migrations (the same tables,
+//! columns, constraints and indexes), then its triggers are dropped: the bare
+//! loop is the floor, what SQLite and the disk need to persist the same rows,
+//! and the rollups and counters the engine's triggers keep are engine cost.
+//! It stores the engine's own texts (request, result, trace fields), so rows
+//! have the same size.
+//!
+//! One fresh write dispatch is five commits (see `engine::dispatch`), and the
+//! bare write makes the same five, with the same rows, on two connections like
+//! the engine's (the ledger's and the provider's):
+//!
+//! 1. accept: operation + outbox + call identity + trace event;
+//! 2. claim: outbox lease + attempt + operation `in_flight` + trace event;
+//! 3. sent-marker: attempt `sent_at` + trace event;
+//! 4. the provider's own commit of the effect (its connection);
+//! 5. persist: receipt + order + attempt + outbox + operation result + two trace events.
+
+use std::path::Path;
+
+use rusqlite::{params, OptionalExtension};
+
+use super::{OpenOptions, OperationRow, OrderRow, Store, StoreError, Sync, Tx, OP_COLS, R};
+
+/// The texts a bare write stores: the engine's own, so rows have the same size.
+#[derive(Debug, Clone)]
+pub struct BarePayload {
+    /// A canonical request, as the engine stores it.
+    pub request_json: String,
+    /// A canonical result.
+    pub result_json: String,
+    /// The trace events' `fields` of one fresh dispatch, in order (five).
+    pub trace_fields: Vec<String>,
+}
+
+/// A bare ledger: the ledger's schema without its triggers, and two connections.
+pub struct BareLedger {
+    ledger: Store,
+    provider: Store,
+    payload: BarePayload,
+}
+
+impl std::fmt::Debug for BareLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BareLedger(..)")
+    }
+}
+
+const TENANT: &str = "bare";
+const SUBJECT: &str = "bare_agent";
+const TOOL: &str = "create_refund";
+const ORDER: &str = "ord_bare";
+/// Stands for every SHA-256 column: 64 hex digits, like the real ones.
+const DIGEST: &str = "5e0c7a1d9b3f42e8a6c1d0b9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e0f9";
+
+fn op_id(n: u64) -> String {
+    format!("op_bare{n:017}")
+}
+
+fn idem_key(n: u64) -> String {
+    format!("bench-bare-{n:016}")
+}
+
+impl BareLedger {
+    /// Creates the bare file at `path` (the ledger's migrations, then no
+    /// triggers), with one tenant, subject and order, and opens the two
+    /// connections with the engine's pragmas and durability.
+    pub fn create(path: &Path, sync: Sync, payload: BarePayload) -> Result<Self, StoreError> {
+        let mut ledger = Store::open(path, OpenOptions { create: true, sync })?;
+        let triggers: Vec<String> = {
+            let mut st = ledger
+                .conn
+                .prepare("SELECT name FROM sqlite_schema WHERE type = 'trigger' AND tbl_name <> 'audit_log'")?;
+            let rows = st.query_map([], |r| r.get(0))?;
+            rows.collect::<Result<_, _>>()?
+        };
+        for t in triggers {
+            ledger.conn.execute_batch(&format!("DROP TRIGGER \"{t}\""))?;
+        }
+        ledger.write(|tx| -> R<()> {
+            tx.insert_tenant(TENANT, i64::MAX / 2)?;
+            tx.insert_subject(SUBJECT, TENANT)?;
+            tx.insert_order(&OrderRow {
+                order_ref: ORDER.into(),
+                tenant: TENANT.into(),
+                owner: SUBJECT.into(),
+                currency: "EUR".into(),
+                captured_minor: i64::MAX / 2,
+                refunded_minor: 0,
+                status: "paid".into(),
+                revision: 1,
+            })
+        })?;
+        let provider = Store::open(path, OpenOptions { create: false, sync })?;
+        Ok(Self { ledger, provider, payload })
+    }
+
+    /// One fresh write, `n` never used before: the five commits of a dispatch.
+    pub fn write_one(&mut self, n: u64, now: i64) -> R<()> {
+        let id = op_id(n);
+        let key = idem_key(n);
+        let owner = "bench-bare-worker";
+        let p = &self.payload;
+        let field = |i: usize| p.trace_fields.get(i % p.trace_fields.len().max(1)).map_or("{}", String::as_str);
+        // 1. accept
+        self.ledger.write(|tx| -> R<()> {
+            tx.conn
+                .prepare_cached(
+                    "INSERT INTO operations (id, tenant, subject, tool, idem_key, key_sha256, request_sha256,
+                       request_json, input_rev, output_rev, effect_rev, effect, state, version, status_ref,
+                       downstream_key, call_binding_sha256, call_provider, call_api_family, call_response_id,
+                       call_id, adapter_revision, created_at, updated_at, deadline_at, expires_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6, ?7, 1, 1, 1, 'write', 'accepted', 1, ?8, ?9, ?6,
+                       'openai', 'responses', ?10, ?11, '1', ?12, ?12, ?12 + 30000, ?12 + 2592000000)",
+                )?
+                .execute(params![
+                    id,
+                    TENANT,
+                    SUBJECT,
+                    TOOL,
+                    key,
+                    DIGEST,
+                    p.request_json,
+                    format!("sr1_bare{n:056}"),
+                    format!("dk_bare{n:025}"),
+                    format!("resp_bare{n:023}"),
+                    format!("call_bare{n:023}"),
+                    now
+                ])?;
+            tx.conn
+                .prepare_cached(
+                    "INSERT INTO outbox (operation_id, state, attempt, max_attempts, available_at)
+                     VALUES (?1, 'pending', 0, 5, ?2)",
+                )?
+                .execute(params![id, now])?;
+            tx.conn
+                .prepare_cached(
+                    "INSERT INTO call_identities (tenant, subject, provider, api_family, response_id, call_id,
+                       purpose, request_sha256, key_sha256, operation_id, created_at)
+                     VALUES (?1, ?2, 'openai', 'responses', ?3, ?4, 'dispatch', ?5, ?5, ?6, ?7)",
+                )?
+                .execute(params![
+                    TENANT,
+                    SUBJECT,
+                    format!("resp_bare{n:023}"),
+                    format!("call_bare{n:023}"),
+                    DIGEST,
+                    id,
+                    now
+                ])?;
+            trace(tx, &id, "accepted", field(0), false, now)
+        })?;
+        // 2. claim
+        self.ledger.write(|tx| -> R<()> {
+            let attempt: i64 = tx
+                .conn
+                .prepare_cached(
+                    "UPDATE outbox SET state = 'leased', attempt = attempt + 1, lease_owner = ?2, lease_until = ?3
+                     WHERE operation_id = ?1 AND state = 'pending' RETURNING attempt",
+                )?
+                .query_row(params![id, owner, now + 6000], |r| r.get(0))?;
+            tx.conn
+                .prepare_cached(
+                    "INSERT INTO attempts (operation_id, attempt, owner, claimed_at) VALUES (?1, ?2, ?3, ?4)",
+                )?
+                .execute(params![id, attempt, owner, now])?;
+            tx.conn
+                .prepare_cached(
+                    "UPDATE operations SET state = 'in_flight', updated_at = ?2, version = version + 1 WHERE id = ?1",
+                )?
+                .execute(params![id, now])?;
+            trace(tx, &id, "claimed", field(1), false, now)
+        })?;
+        // 3. sent-marker
+        self.ledger.write(|tx| -> R<()> {
+            tx.conn
+                .prepare_cached(
+                    "UPDATE attempts SET sent_at = ?2 WHERE operation_id = ?1 AND attempt = 1 AND sent_at IS NULL",
+                )?
+                .execute(params![id, now])?;
+            trace(tx, &id, "sent", field(2), false, now)
+        })?;
+        // 4. the provider's commit, on its own connection
+        self.provider.write(|tx| -> R<()> {
+            tx.conn
+                .prepare_cached(
+                    "INSERT INTO provider_effects (provider, downstream_key, intent, body_sha256, request_id,
+                       receipt_id, result_json, committed_at, visible_at)
+                     VALUES ('payments', ?1, ?2, ?2, ?3, ?4, ?5, ?6, ?6)",
+                )?
+                .execute(params![
+                    format!("dk_bare{n:025}"),
+                    DIGEST,
+                    format!("dreq_bare{n:07}"),
+                    format!("rcpt_bare{n:07}"),
+                    p.result_json,
+                    now
+                ])?;
+            Ok(())
+        })?;
+        // 5. persist
+        self.ledger.write(|tx| -> R<()> {
+            tx.conn
+                .prepare_cached(
+                    "INSERT INTO receipts (receipt_id, operation_id, request_id, body_sha256, result_sha256, source,
+                       recorded_at) VALUES (?1, ?2, ?3, ?4, ?4, 'reply', ?5)",
+                )?
+                .execute(params![format!("rcpt_bare{n:07}"), id, format!("dreq_bare{n:07}"), DIGEST, now])?;
+            tx.conn
+                .prepare_cached(
+                    "UPDATE orders SET refunded_minor = refunded_minor + 1, status = 'partially_refunded',
+                       revision = revision + 1 WHERE order_ref = ?1",
+                )?
+                .execute([ORDER])?;
+            tx.conn
+                .prepare_cached(
+                    "UPDATE attempts SET outcome = 'committed', finished_at = ?2 WHERE operation_id = ?1 AND attempt = 1",
+                )?
+                .execute(params![id, now])?;
+            tx.conn
+                .prepare_cached(
+                    "UPDATE outbox SET state = 'done', lease_owner = NULL, lease_until = NULL WHERE operation_id = ?1",
+                )?
+                .execute([&id])?;
+            tx.conn
+                .prepare_cached(
+                    "UPDATE operations SET state = 'succeeded', result_json = ?2, result_sha256 = ?3,
+                       downstream_request_id = ?4, receipt_id = ?5, call_binding_sha256 = ?3, updated_at = ?6,
+                       version = version + 1 WHERE id = ?1",
+                )?
+                .execute(params![
+                    id,
+                    p.result_json,
+                    DIGEST,
+                    format!("dreq_bare{n:07}"),
+                    format!("rcpt_bare{n:07}"),
+                    now
+                ])?;
+            trace(tx, &id, "downstream_reply", field(3), false, now)?;
+            trace(tx, &id, "persisted", field(4), true, now)
+        })
+    }
+
+    /// One indexed lookup of the operation `write_one(n)` wrote, by its scope,
+    /// decoded like the engine decodes it.
+    pub fn lookup(&mut self, n: u64) -> R<Option<OperationRow>> {
+        let key = idem_key(n);
+        self.ledger.read(|tx| -> R<Option<OperationRow>> {
+            Ok(tx
+                .conn
+                .prepare_cached(&format!(
+                    "SELECT {OP_COLS} FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4"
+                ))?
+                .query_row(params![TENANT, SUBJECT, TOOL, key], OperationRow::from_row)
+                .optional()?)
+        })
+    }
+}
+
+fn trace(tx: &Tx<'_>, op: &str, step: &str, fields: &str, answer: bool, now: i64) -> R<()> {
+    tx.conn
+        .prepare_cached(
+            "INSERT INTO trace_events (at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us,
+               fields, answer, latency_us, tenant_ref, tool_version, timeout_stage, reason)
+             VALUES (?1, ?2, ?3, 'create_refund', NULL, ?4, ?5, 1, 100, ?6, ?7, ?8, 'tenant_5e0c7a1d9b3f42e8',
+               '1.1.1', NULL, 'committed')",
+        )?
+        .execute(params![
+            now,
+            op,
+            step,
+            if answer { "committed" } else { "not_started" },
+            answer.then_some("fresh"),
+            fields,
+            answer.then_some("dispatch"),
+            answer.then_some(1000i64)
+        ])?;
+    Ok(())
+}
