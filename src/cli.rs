@@ -91,6 +91,17 @@ pub enum Command {
     },
     /// Resolve an unknown / needs_review operation by a human decision.
     Resolve(ResolveArgs),
+    /// Cancel an accepted or in-flight operation (needs --operator): before send it
+    /// is cancelled (no effect, terminal); after send the effect cannot be undone
+    /// and it moves to the unknown queue.
+    Cancel(CancelArgs),
+    /// Simulated agents against the database, like real harnesses (retries with
+    /// the same key, status queries after unknown, conflicting re-sends), with a
+    /// progress bar and a final table.
+    Load(LoadArgs),
+    /// The classroom lab (demo databases only): list the "defenses off" toggles,
+    /// switch one on, or put every defense back.
+    Lab(LabArgs),
     /// Operations: list or show one (record, bindings, trace).
     Ops {
         /// What to do.
@@ -490,6 +501,9 @@ fn command_wants_json(c: Option<&Command>) -> bool {
         Some(Command::Dispatch(a)) => a.json,
         Some(Command::Query(a)) => a.json,
         Some(Command::Resolve(a)) => a.json,
+        Some(Command::Cancel(a)) => a.json,
+        Some(Command::Load(a)) => a.json,
+        Some(Command::Lab(a)) => a.json,
         Some(Command::Grant(a) | Command::Revoke(a)) => a.json,
         Some(Command::Ops { what: OpsCommand::List { json, .. } | OpsCommand::Show { json, .. } }) => *json,
         Some(Command::Scenario { what: ScenarioCommand::List { json } | ScenarioCommand::Run { json, .. } }) => *json,
@@ -552,7 +566,7 @@ fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
     let operator = cli.operator.clone().or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into());
     // The console owns the terminal: diagnostics go to the database's log file only.
     crate::telemetry::logging::init_for_db(&db);
-    let load = (agents > 0).then(|| crate::load::spawn_agents(&db, agents));
+    let load = (agents > 0).then(|| crate::load::spawn_agents(&db, agents)).transpose()?;
     let result = crate::tui::run(&crate::tui::ConsoleOptions {
         db,
         db_label: label,
@@ -560,6 +574,7 @@ fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
         read_only: cli.read_only,
         workers: true,
         scratch: scratch.clone(),
+        load: load.as_ref().map(|l| l.stats.clone()),
     });
     if let Some(l) = load {
         l.stop();
@@ -598,6 +613,9 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             Ok(0)
         }
         Command::Demo { agents } => console(cli, *agents),
+        Command::Cancel(a) => cancel_command(cli, a),
+        Command::Load(a) => load_command(cli, a),
+        Command::Lab(a) => lab_command(cli, a),
         Command::Init { world, json } => {
             refuse_read_only(cli)?;
             let path = db_path(cli)?;
@@ -1264,6 +1282,204 @@ fn print_detail(d: &crate::engine::OperationDetail) {
         println!("operator log:");
         for r in &d.audit {
             println!("  {} {} {} by {}: {}", rfc3339(r.at), r.action, r.result, r.actor, r.reason);
+        }
+    }
+}
+
+// ------------------------------------------------- cancel, load and the lab
+
+/// `cancel` arguments.
+#[derive(Debug, Args)]
+pub struct CancelArgs {
+    /// Operation id.
+    pub operation_id: String,
+    /// Why (mandatory).
+    #[arg(long)]
+    pub note: String,
+    /// The version you saw (refused if the operation changed since).
+    #[arg(long)]
+    pub seen_version: Option<i64>,
+    /// This action's own id (repeating it is harmless).
+    #[arg(long)]
+    pub action_id: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `load` arguments.
+#[derive(Debug, Args)]
+pub struct LoadArgs {
+    /// Agents (threads, each with its own dispatcher and outbox worker).
+    #[arg(long, default_value_t = 4)]
+    pub agents: usize,
+    /// Business intents to carry out in total.
+    #[arg(long, default_value_t = 1000)]
+    pub ops: u64,
+    /// Fault rate of the simulated providers, e.g. `5%` or `0.05` (kept in the
+    /// database: a console on it can change it live). Default: the database's.
+    #[arg(long, value_name = "SPEC")]
+    pub fault_rate: Option<String>,
+    /// Seed of the agents' choices and faults.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Switch this defense off for the run (demo databases only; see `toolgate lab`).
+    #[arg(long, value_name = "TOGGLE")]
+    pub lab: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `lab` arguments.
+#[derive(Debug, Args)]
+pub struct LabArgs {
+    /// Switch this defense off (one at a time; replaces the active one).
+    #[arg(long, value_name = "NAME", conflicts_with = "off")]
+    pub toggle: Option<String>,
+    /// Put every defense back on.
+    #[arg(long)]
+    pub off: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn operator_of(cli: &Cli, what: &str) -> Result<String, CliError> {
+    cli.operator
+        .clone()
+        .ok_or_else(|| CliError::new("OPERATOR_REQUIRED", format!("--operator NAME is required to {what}")))
+}
+
+fn cancel_command(cli: &Cli, a: &CancelArgs) -> Result<i32, CliError> {
+    refuse_read_only(cli)?;
+    let operator = operator_of(cli, "cancel")?;
+    let mut engine = open(cli)?;
+    let out = engine.cancel(&crate::engine::CancelRequest {
+        operation_id: a.operation_id.clone(),
+        operator,
+        note: a.note.clone(),
+        seen_version: a.seen_version,
+        action_id: a.action_id.clone(),
+    })?;
+    print_outcome(&out, a.json);
+    Ok(i32::from(!out.applied))
+}
+
+/// `5%`, `0.05` or `0` → basis points.
+fn parse_fault_rate(spec: &str) -> Result<u32, CliError> {
+    let bad = || CliError::new("BAD_FAULT_RATE", "--fault-rate must be a rate such as 5% or 0.05 (0% to 100%)");
+    let s = spec.trim();
+    let rate = match s.strip_suffix('%') {
+        Some(p) => p.trim().parse::<f64>().map_err(|_| bad())? / 100.0,
+        None => s.parse::<f64>().map_err(|_| bad())?,
+    };
+    if !(0.0..=1.0).contains(&rate) {
+        return Err(bad());
+    }
+    Ok((rate * 10_000.0).round() as u32)
+}
+
+fn lab_toggle_arg(name: &str) -> Result<crate::engine::LabToggle, CliError> {
+    crate::engine::LabToggle::parse(name).ok_or_else(|| {
+        let names: Vec<&str> = crate::engine::LabToggle::ALL.iter().map(|t| t.as_str()).collect();
+        CliError::new("UNKNOWN_TOGGLE", format!("no lab toggle named {name:?}; one of: {}", names.join(", ")))
+    })
+}
+
+fn load_command(cli: &Cli, a: &LoadArgs) -> Result<i32, CliError> {
+    use std::io::IsTerminal;
+    refuse_read_only(cli)?;
+    let path = db_path(cli)?;
+    let fault_bp = a.fault_rate.as_deref().map(parse_fault_rate).transpose()?;
+    let lab = a.lab.as_deref().map(lab_toggle_arg).transpose()?;
+    if a.agents == 0 || a.agents > 256 {
+        return Err(CliError::new("USAGE", "--agents must be between 1 and 256"));
+    }
+    // Opening checks the file (and fails with its own code) before any thread starts.
+    drop(open(cli)?);
+    let opts = crate::load::LoadOptions {
+        agents: a.agents,
+        ops: a.ops,
+        fault_bp,
+        seed: a.seed,
+        lab,
+        operator: cli.operator.clone().unwrap_or_else(|| "loadgen".into()),
+        clock: clock_from(cli.now.as_deref())?,
+        ..crate::load::LoadOptions::default()
+    };
+    let bar = std::io::stderr().is_terminal();
+    let mut progress = |p: crate::load::Progress| {
+        if bar {
+            eprint!("\r{}", crate::load::progress_line(&p));
+        }
+    };
+    let report = crate::load::run(path, &opts, &mut progress)?;
+    if bar {
+        eprintln!();
+    }
+    if a.json {
+        print_json(&report);
+    } else {
+        print!("{}", crate::load::render(&report));
+    }
+    // With every defense on, a duplicate or a silently wrong result is a failure.
+    Ok(i32::from(lab.is_none() && (report.duplicates > 0 || report.silently_wrong > 0)))
+}
+
+fn lab_command(cli: &Cli, a: &LabArgs) -> Result<i32, CliError> {
+    use crate::engine::LabToggle;
+    let mut engine = open(cli)?;
+    if a.off || a.toggle.is_some() {
+        refuse_read_only(cli)?;
+        let toggle = a.toggle.as_deref().map(lab_toggle_arg).transpose()?;
+        let operator = cli.operator.clone().or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into());
+        engine.set_lab_toggle(toggle, &operator)?;
+    }
+    let state = engine.lab_state()?;
+    if a.json {
+        let toggles: Vec<Value> = LabToggle::ALL
+            .iter()
+            .map(
+                |t| json!({"name": t.as_str(), "side": t.side(), "rule": t.rule(), "harm": t.harm(), "keel": t.keel()}),
+            )
+            .collect();
+        print_json(&json!({"lab": state, "toggles": toggles}));
+        return Ok(0);
+    }
+    if state.demo {
+        match state.toggle {
+            Some(t) => println!("LAB: defense OFF: {}  ({})", t.as_str(), t.keel()),
+            None => println!("lab: every defense on"),
+        }
+    } else {
+        println!("not a demo database: lab toggles are refused here (LAB_NOT_DEMO)");
+        println!("make one with `toolgate demo-db --out PATH`, or run `toolgate demo`");
+    }
+    println!("fault rate of the simulated agents: {:.1}%", f64::from(state.fault_bp) / 100.0);
+    println!("masked conflicts so far: {}", state.masked_conflicts);
+    println!();
+    for t in LabToggle::ALL {
+        let on = if state.toggle == Some(t) { "*" } else { " " };
+        println!("{on} {:<28} {}", t.as_str(), t.rule());
+        println!("  {:<28} {}", "", t.harm());
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod lab_cli_tests {
+    use super::parse_fault_rate;
+
+    #[test]
+    fn fault_rates() {
+        for (spec, bp) in
+            [("5%", Some(500)), ("0.05", Some(500)), ("0", Some(0)), ("100%", Some(10_000)), ("0.5%", Some(50))]
+        {
+            assert_eq!(parse_fault_rate(spec).ok(), bp, "{spec}");
+        }
+        for spec in ["-1%", "101%", "x", "1.5"] {
+            assert!(parse_fault_rate(spec).is_err(), "{spec}");
         }
     }
 }

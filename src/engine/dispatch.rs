@@ -62,6 +62,12 @@ fn valid_key(k: &str) -> bool {
     (8..=255).contains(&k.len()) && k.bytes().all(|b| (0x21..=0x7e).contains(&b))
 }
 
+/// The business intent a downstream effect is counted under: the whole scope
+/// (tenant, subject, tool, caller's key), hashed.
+pub(crate) fn intent_of(tenant: &str, subject: &str, tool: &str, caller_key: &str) -> String {
+    sha256_hex(format!("{tenant}\0{subject}\0{tool}\0{caller_key}").as_bytes())
+}
+
 /// Authorization of the current subject, read now (SPEC §1, §5.2).
 pub(crate) fn authorize(
     tx: &Tx<'_>,
@@ -524,9 +530,7 @@ impl Engine {
             let dreq = DownstreamRequest {
                 // The business intent is the whole scope, not the key string alone;
                 // and it is the caller's key even when a lab toggle re-scoped the ledger.
-                intent: sha256_hex(
-                    format!("{}\0{}\0{}\0{}", op.tenant, op.subject, op.tool, caller_key(&op.idem_key)).as_bytes(),
-                ),
+                intent: intent_of(&op.tenant, &op.subject, &op.tool, caller_key(&op.idem_key)),
                 tool: op.tool.clone(),
                 arguments: args,
                 request_sha256: op.request_sha256.clone(),

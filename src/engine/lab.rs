@@ -228,6 +228,30 @@ impl Engine {
         })?)
     }
 
+    /// The two controls the simulated agents follow, read at every intent: the
+    /// active toggle (demo databases only) and the fault rate in basis points.
+    pub fn lab_controls(&mut self) -> Result<(Option<LabToggle>, u32), EngineError> {
+        let demo = self.demo;
+        Ok(self.store.read(|tx| -> Result<_, StoreError> {
+            let toggle = if demo { tx.meta(TOGGLE_KEY)?.as_deref().and_then(LabToggle::parse) } else { None };
+            Ok((toggle, tx.meta(FAULT_KEY)?.and_then(|v| v.parse().ok()).unwrap_or(0)))
+        })?)
+    }
+
+    /// The lab's referee: how many downstream effects exist for one business
+    /// intent (the caller's key in its scope). More than one is a duplicate; one,
+    /// for an intent its harness believes failed, is a wrong belief.
+    pub fn effects_for_intent(
+        &mut self,
+        tenant: &str,
+        subject: &str,
+        tool: &str,
+        key: &str,
+    ) -> Result<i64, EngineError> {
+        let intent = super::dispatch::intent_of(tenant, subject, tool, key);
+        Ok(self.store.read(|tx| tx.count_effects_for_intent(&intent))?)
+    }
+
     /// Switches one defense off (or, with `None`, every defense back on), on a
     /// demo database only; recorded in the operator log. Anywhere else:
     /// `LAB_NOT_DEMO`, and nothing changes.

@@ -7,6 +7,9 @@ use crate::engine::views::HeaderCounts;
 use crate::engine::{OperationDetail, Resolution};
 use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow};
 
+mod lab;
+pub use lab::{percent, AgentsView, LabView, FAULT_STEPS};
+
 /// The panes, in tab order (number keys 1..=7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Pane {
@@ -62,8 +65,10 @@ pub enum Mode {
     Detail,
     /// A confirm dialog.
     Confirm,
-    /// A form (resolve / deny note).
+    /// A form (resolve / deny / cancel note).
     Form,
+    /// The lab panel (defenses off, demo databases only).
+    Lab,
 }
 
 /// What the user (or the engine thread) asked for.
@@ -123,6 +128,14 @@ pub enum Action {
     AskDeny,
     /// `r`: resolve the selected operation (popup).
     AskResolve,
+    /// `c`: cancel the selected accepted / in-flight operation (note, confirm).
+    AskCancel,
+    /// `f`: the next fault rate for the simulated agents.
+    CycleFaults,
+    /// `L`: open / close the lab panel.
+    OpenLab,
+    /// `o` in the lab panel: every defense back on.
+    LabAllOn,
     /// `n`: next walkthrough step.
     ScenarioNext,
     /// Walkthrough: choose the previous / next scenario.
@@ -191,6 +204,8 @@ pub enum EngineEvent {
     },
     /// A walkthrough step ran.
     Walkthrough(WalkthroughView),
+    /// The lab's state (with every refresh).
+    Lab(LabView),
     /// Something failed in the engine thread.
     Error(String),
 }
@@ -277,6 +292,19 @@ pub enum Request {
         /// Version the operator saw.
         seen_version: i64,
     },
+    /// Cancel an operation.
+    Cancel {
+        /// Operation.
+        operation_id: String,
+        /// Note.
+        note: String,
+        /// Version seen (the Ledger pane has it, the Live pane does not).
+        seen_version: Option<i64>,
+    },
+    /// The simulated agents' fault rate, basis points.
+    SetFaultRate(u32),
+    /// Switch one defense off (demo databases only), or every defense back on.
+    SetLab(Option<crate::engine::LabToggle>),
     /// Pause / resume live refresh.
     SetLive(bool),
     /// Walkthrough: choose a scenario (restarts it).
@@ -314,6 +342,19 @@ pub enum FormKind {
         seen_version: i64,
         /// Last query result, for the evidence line.
         last_query: String,
+    },
+    /// Cancel an operation.
+    Cancel {
+        /// Operation.
+        operation_id: String,
+        /// State seen.
+        state: String,
+        /// Version seen, when the pane shows it.
+        seen_version: Option<i64>,
+        /// Tool.
+        tool: String,
+        /// Attempts so far and the last code, when the pane shows them.
+        attempts: Option<String>,
     },
 }
 
@@ -385,6 +426,10 @@ pub struct App {
     pub quit: bool,
     /// Text waiting to be copied (OSC 52) by the event loop.
     pub clipboard: Option<String>,
+    /// The lab's state.
+    pub lab: LabView,
+    /// The toggle selected in the lab panel.
+    pub lab_selected: usize,
 }
 
 /// Rows of chrome around a pane's table: header (3), tabs (1), table border and
@@ -425,6 +470,8 @@ impl App {
             walkthrough: WalkthroughView::default(),
             quit: false,
             clipboard: None,
+            lab: LabView::default(),
+            lab_selected: 0,
         }
     }
 
@@ -510,6 +557,9 @@ impl App {
             )
         {
             self.mode = self.help_return;
+        }
+        if let lab::Intercept::Handled(r) = self.lab_intercept(&action) {
+            return r;
         }
         match action {
             Action::Quit => {
@@ -600,7 +650,7 @@ impl App {
             }
             Action::Back => {
                 match self.mode {
-                    Mode::Detail | Mode::Help => self.mode = Mode::Normal,
+                    Mode::Detail | Mode::Help | Mode::Lab => self.mode = Mode::Normal,
                     Mode::Filter => {
                         self.mode = Mode::Normal;
                     }
@@ -714,6 +764,10 @@ impl App {
                 self.mode = Mode::Form;
                 None
             }
+            Action::AskCancel => self.ask_cancel(),
+            Action::CycleFaults => self.cycle_faults(),
+            Action::OpenLab => self.open_lab(),
+            Action::LabAllOn => self.lab_all_on(),
             Action::ScenarioNext => {
                 if self.pane != Pane::Walkthrough {
                     return None;
@@ -784,6 +838,10 @@ impl App {
             EngineEvent::Done { ok, summary } => {
                 self.say(summary, !ok);
                 Some(self.fetch())
+            }
+            EngineEvent::Lab(v) => {
+                self.lab = v;
+                None
             }
             EngineEvent::Walkthrough(w) => {
                 self.walkthrough = w;
@@ -890,7 +948,7 @@ impl App {
             Mode::Form => {
                 if let Some(f) = self.form.as_mut() {
                     let fields: &[usize] = match f.kind {
-                        FormKind::Deny { .. } => &[2],
+                        FormKind::Deny { .. } | FormKind::Cancel { .. } => &[2],
                         FormKind::Resolve { .. } => {
                             if f.choice == 0 {
                                 &[0, 1, 2]
@@ -924,7 +982,8 @@ impl App {
             }
             Mode::Confirm => {
                 let c = self.confirm.take()?;
-                self.mode = Mode::Normal;
+                // A lab switch was asked from the lab panel: back to it.
+                self.mode = if matches!(c.request, Request::SetLab(_)) { Mode::Lab } else { Mode::Normal };
                 if c.on_confirm {
                     self.say(format!("{}: sent", c.title), false);
                     Some(c.request)
@@ -942,7 +1001,14 @@ impl App {
                     }
                     return None;
                 }
+                if let Some(c) = Self::confirm_cancel(&f) {
+                    self.form = None;
+                    self.confirm = Some(c);
+                    self.mode = Mode::Confirm;
+                    return None;
+                }
                 let (title, evidence, request) = match &f.kind {
+                    FormKind::Cancel { .. } => return None,
                     FormKind::Deny { approval_id } => (
                         "Deny approval".to_string(),
                         vec![format!("approval    {approval_id}"), format!("note        {}", f.note)],

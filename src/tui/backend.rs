@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::app::{summarize, Action, EngineEvent, Pane, Request, Rows};
+use super::app::{summarize, Action, AgentsView, EngineEvent, LabView, Pane, Request, Rows};
 use super::walkthrough::Walkthrough;
-use crate::engine::{Engine, EngineError, EngineOptions, ResolveRequest};
+use crate::engine::{CancelRequest, Engine, EngineError, EngineOptions, ResolveRequest};
 use crate::store::OpsView;
 
 /// How the console's engine threads are set up.
@@ -29,6 +29,8 @@ pub struct BackendOptions {
     pub scratch: PathBuf,
     /// The `toolgate` binary, for scenario steps that need a real child process.
     pub exe: Option<PathBuf>,
+    /// Live counters of the simulated agents running in this process (`toolgate demo`).
+    pub load: Option<Arc<crate::load::LoadStats>>,
 }
 
 /// Handles to the running threads.
@@ -174,8 +176,32 @@ fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>
             if !send(ev) {
                 return;
             }
+            let lab = lab_view(eng, opts.load.as_deref()).unwrap_or_else(|e| EngineEvent::Error(e.to_string()));
+            if !send(lab) {
+                return;
+            }
         }
     }
+}
+
+/// The lab panel's state: the database's, plus this process's agents.
+fn lab_view(engine: &mut Engine, load: Option<&crate::load::LoadStats>) -> Result<EngineEvent, EngineError> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let s = engine.lab_state()?;
+    Ok(EngineEvent::Lab(LabView {
+        demo: s.demo,
+        toggle: s.toggle,
+        fault_bp: s.fault_bp,
+        masked_conflicts: s.masked_conflicts,
+        agents: load.map(|l| AgentsView {
+            intents: l.intents.load(Relaxed),
+            calls: l.calls.load(Relaxed),
+            masked_conflicts: l.masked_conflicts.load(Relaxed),
+            replay_mismatches: l.replay_mismatches.load(Relaxed),
+            wrong_beliefs: l.wrong_beliefs.load(Relaxed),
+            restarts: l.restarts.load(Relaxed),
+        }),
+    }))
 }
 
 fn handle(
@@ -198,6 +224,35 @@ fn handle(
         Request::SetLive(on) => {
             *live = on;
             (None, on)
+        }
+        Request::Cancel { operation_id, note, seen_version } => {
+            let r = engine
+                .cancel(&CancelRequest {
+                    operation_id: operation_id.clone(),
+                    operator: opts.operator.clone(),
+                    note,
+                    seen_version,
+                    action_id: None,
+                })
+                .map(|o| {
+                    let code = if o.applied { String::new() } else { format!("{} ", o.code) };
+                    (o.applied, format!("cancel {operation_id}: {code}{}", o.message))
+                });
+            (Some(done(r)), true)
+        }
+        Request::SetFaultRate(bp) => {
+            let r = engine
+                .set_load_fault_rate(bp)
+                .map(|()| (true, format!("simulated agents' fault rate: {}", crate::tui::app::percent(bp))));
+            (Some(done(r)), true)
+        }
+        Request::SetLab(toggle) => {
+            let r = engine.set_lab_toggle(toggle, &opts.operator).map(|()| {
+                let what = toggle
+                    .map_or_else(|| "every defense back on".to_string(), |t| format!("defense OFF: {}", t.as_str()));
+                (true, format!("lab: {what}"))
+            });
+            (Some(done(r)), true)
         }
         Request::Detail(id) => match engine.operation_detail(&id) {
             Ok(Some(d)) => (Some(EngineEvent::Detail(Box::new(d))), false),

@@ -80,6 +80,15 @@ pub fn normal() -> Vec<Binding> {
         bind!("r", "resolve the selected operation (succeeded / failed / compensated)", true, |k| {
             ch(k, 'r').then_some(Action::AskResolve)
         }),
+        bind!("c", "cancel the selected accepted / in-flight operation", true, |k| {
+            ch(k, 'c').then_some(Action::AskCancel)
+        }),
+        bind!("f", "simulated agents' fault rate (0, 1, 5, 20, 100%)", true, |k| {
+            ch(k, 'f').then_some(Action::CycleFaults)
+        }),
+        bind!("L", "lab panel: defenses off (demo databases only)", false, |k| {
+            ch(k, 'L').then_some(Action::OpenLab)
+        }),
         bind!("n", "walkthrough: run the next step", false, |k| ch(k, 'n').then_some(Action::ScenarioNext)),
         bind!("[ ]", "walkthrough: previous / next scenario", false, |k| {
             if ch(k, '[') {
@@ -153,6 +162,28 @@ fn confirm() -> Vec<Binding> {
     ]
 }
 
+fn lab() -> Vec<Binding> {
+    vec![
+        bind!("j k / Down Up", "choose a defense", false, |k| match k.code {
+            KeyCode::Down => Some(Action::Down),
+            KeyCode::Up => Some(Action::Up),
+            _ if ch(k, 'j') => Some(Action::Down),
+            _ if ch(k, 'k') => Some(Action::Up),
+            _ => None,
+        }),
+        bind!("Enter", "switch the chosen defense off (confirm)", true, |k| {
+            (k.code == KeyCode::Enter).then_some(Action::Submit)
+        }),
+        bind!("o", "every defense back on", true, |k| ch(k, 'o').then_some(Action::LabAllOn)),
+        bind!("f", "simulated agents' fault rate: next step", true, |k| ch(k, 'f').then_some(Action::CycleFaults)),
+        bind!("Esc / L", "close the lab panel", false, |k| {
+            (k.code == KeyCode::Esc || ch(k, 'L')).then_some(Action::Back)
+        }),
+        bind!("?", "help", false, |k| ch(k, '?').then_some(Action::ToggleHelp)),
+        bind!("Q", "quit", false, |k| ch(k, 'Q').then_some(Action::Quit)),
+    ]
+}
+
 fn help() -> Vec<Binding> {
     vec![bind!("? / Esc / Q", "close help", false, |k| {
         (ch(k, '?') || k.code == KeyCode::Esc || ch(k, 'Q')).then_some(Action::ToggleHelp)
@@ -166,6 +197,7 @@ pub fn bindings(mode: Mode) -> Vec<Binding> {
         Mode::Detail => detail(),
         Mode::Filter | Mode::Form => text_entry(),
         Mode::Confirm => confirm(),
+        Mode::Lab => lab(),
         // Any other key closes help and does what it does in the mode below.
         Mode::Help => help().into_iter().chain(normal()).collect(),
     }

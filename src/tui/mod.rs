@@ -53,6 +53,8 @@ pub struct ConsoleOptions {
     pub workers: bool,
     /// Scratch directory for walkthrough databases.
     pub scratch: PathBuf,
+    /// Live counters of simulated agents running in this process (`toolgate demo`).
+    pub load: Option<std::sync::Arc<crate::load::LoadStats>>,
 }
 
 /// Most frames per second when the engine is busy.
@@ -102,6 +104,7 @@ async fn run_async(opts: &ConsoleOptions) -> Result<(), ConsoleError> {
             workers: opts.workers && !opts.read_only,
             scratch: opts.scratch.clone(),
             exe: std::env::current_exe().ok(),
+            load: opts.load.clone(),
         },
         ev_tx,
     )?;

@@ -12,6 +12,7 @@ mod dispatch;
 mod failpoints;
 mod hostile;
 mod invariants;
+mod lab;
 mod observability;
 mod props;
 mod race;

@@ -1,6 +1,7 @@
 //! Rendering: a pure function of [`App`] (no I/O, no engine calls).
 
 mod detail;
+mod lab;
 mod metrics;
 mod panes;
 mod popups;
@@ -117,6 +118,7 @@ pub fn render(app: &App, frame: &mut Frame) {
         Mode::Help => popups::help(app, frame, t),
         Mode::Confirm => popups::confirm(app, frame, t),
         Mode::Form => popups::form(app, frame, t),
+        Mode::Lab => lab::render(app, frame, t),
         _ => {}
     }
 }
@@ -132,6 +134,9 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     ];
     if app.read_only {
         l1.push(Span::styled("  READ-ONLY", t.warn()));
+    }
+    if let Some(x) = app.lab.toggle {
+        l1.push(Span::styled(format!("  LAB: {} OFF", x.as_str()), t.bad()));
     }
     let count = |s: &str| app.header.by_state.iter().find(|(k, _)| k == s).map_or(0, |(_, v)| *v);
     let mut l2 = Vec::new();
@@ -160,6 +165,10 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         l3.push(Span::styled("   oldest unknown ", t.dim()));
         l3.push(Span::styled(human_ms(app.now_ms - at), t.bad()));
     }
+    if app.lab.fault_bp > 0 {
+        l3.push(Span::styled("   faults ", t.dim()));
+        l3.push(Span::styled(crate::tui::app::percent(app.lab.fault_bp), t.warn()));
+    }
     if !app.filter.is_empty() || app.mode == Mode::Filter {
         l3.push(Span::styled("   filter ", t.dim()));
         l3.push(Span::styled(format!("/{}", app.filter), t.accent()));
@@ -182,6 +191,16 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let hints: &[(&str, &str, bool)] = match (app.mode, app.pane) {
         (Mode::Detail, _) => &[("Esc", "back", false), ("j/k", "scroll", false), ("y", "copy id", false)],
         (Mode::Filter, _) => &[("Enter", "apply", false), ("Esc", "done", false)],
+        (Mode::Lab, _) => &[
+            ("j/k", "choose", false),
+            ("Enter", "switch off", true),
+            ("o", "all on", true),
+            ("f", "faults", true),
+            ("Esc", "close", false),
+        ],
+        (_, Pane::Live | Pane::Ledger) => {
+            &[("c", "cancel", true), ("Enter", "detail", false), ("/", "filter", false), ("PgDn", "page", false)]
+        }
         (_, Pane::Unknown) => {
             &[("q", "query", true), ("r", "resolve", true), ("Enter", "detail", false), ("/", "filter", false)]
         }

@@ -60,7 +60,7 @@ pub fn confirm(app: &App, frame: &mut Frame, t: Theme) {
     );
 }
 
-/// The resolve / deny form.
+/// The resolve / deny / cancel form.
 pub fn form(app: &App, frame: &mut Frame, t: Theme) {
     let Some(f) = &app.form else { return };
     let focus = |i: usize| if f.field == i && app.mode == Mode::Form { t.accent() } else { t.dim() };
@@ -70,6 +70,10 @@ pub fn form(app: &App, frame: &mut Frame, t: Theme) {
         FormKind::Deny { approval_id } => {
             lines.push(Line::from(format!(" deny {approval_id}")));
             " Deny approval ".to_string()
+        }
+        FormKind::Cancel { operation_id, state, .. } => {
+            lines.push(Line::from(format!(" cancel {operation_id} ({state})")));
+            " Cancel operation ".to_string()
         }
         FormKind::Resolve { operation_id, seen_version, last_query } => {
             lines.push(Line::from(format!(" {operation_id} (version {seen_version})")));
