@@ -9,7 +9,9 @@
 //!   authorization, digests, ledger, outbox, lease, sent-marker, a provider that
 //!   answers at once, result persist, trace);
 //! - `bare_lookup` (one indexed read) against `replay` (the engine's replay of a
-//!   settled intent, authorization re-check included);
+//!   settled intent, authorization re-check included); and, because a replay
+//!   must record its answer (a call-identity binding and a trace event) while a
+//!   lookup writes nothing, `bare_replay`: the lookup plus that one commit;
 //! - `query`: explicit status queries of settled operations;
 //! - `contention`: 8 threads, each with its own [`Engine`], on 100 shared
 //!   intents (exactly-once checked: effects, duplicates, busy errors) against 8
@@ -99,7 +101,7 @@ pub struct ModeReport {
 /// One measured phase.
 #[derive(Debug, Clone, Serialize)]
 pub struct Phase {
-    /// `bare_write`, `fresh_dispatch`, `bare_lookup`, `replay`, `query`,
+    /// `bare_write`, `fresh_dispatch`, `bare_lookup`, `bare_replay`, `replay`, `query`,
     /// `contention_shared`, `contention_distinct`.
     pub name: &'static str,
     /// Operations measured.
@@ -133,6 +135,8 @@ pub struct Ratios {
     pub fresh_over_bare: Ratio,
     /// `replay` ops/s over `bare_lookup` ops/s.
     pub replay_over_lookup: Ratio,
+    /// `replay` ops/s over `bare_replay` ops/s (the same commit, no engine).
+    pub replay_over_bare_replay: Ratio,
     /// Calls/s of 8 threads on shared intents over 8 threads on distinct ones.
     pub shared_over_distinct: f64,
 }
@@ -380,10 +384,17 @@ fn mode(dir: &Path, sync: Sync, name: &'static str, plan: Plan) -> Result<ModeRe
     let mut bare = BareLedger::create(&dir.join("bare.db"), sync, payload)?;
     let clock = SystemClock;
 
-    let (mut bw, mut fd, mut bl, mut rp, mut qy) =
-        (Samples::default(), Samples::default(), Samples::default(), Samples::default(), Samples::default());
-    let (mut write_ratios, mut replay_ratios) = (Vec::new(), Vec::new());
+    let (mut bw, mut fd, mut bl, mut br, mut rp, mut qy) = (
+        Samples::default(),
+        Samples::default(),
+        Samples::default(),
+        Samples::default(),
+        Samples::default(),
+        Samples::default(),
+    );
+    let (mut write_ratios, mut replay_ratios, mut bare_replay_ratios) = (Vec::new(), Vec::new(), Vec::new());
     let mut bare_written: u64 = 0;
+    let mut bare_calls: u64 = 0;
     // Settled operations to replay and query: (key, status_ref, request digest).
     let mut settled: Vec<(String, String, String)> = Vec::new();
     for round in 0..plan.rounds {
@@ -413,12 +424,21 @@ fn mode(dir: &Path, sync: Sync, name: &'static str, plan: Plan) -> Result<ModeRe
                 None => Err(BenchError::Check(format!("bare lookup {n} found nothing"))),
             }
         })?;
+        let bare_replay_rate = timed(&mut br, plan, |i| {
+            let n = i as u64 % written;
+            bare_calls += 1;
+            match bare.replay_one(n, bare_calls, clock.now_ms())? {
+                Some(_) => Ok(()),
+                None => Err(BenchError::Check(format!("bare replay {n} found nothing"))),
+            }
+        })?;
         let replay_rate = timed(&mut rp, plan, |i| {
             let key = settled[i % settled.len()].0.clone();
             let env = engine.dispatch(&refund(0, key))?;
             check(&env, Status::Succeeded, Delivery::LocalReplay, "replay")
         })?;
         replay_ratios.push(replay_rate / lookup_rate);
+        bare_replay_ratios.push(replay_rate / bare_replay_rate);
         timed(&mut qy, plan, |i| {
             let (_, status_ref, digest) = &settled[i % settled.len()];
             let env = engine.query_operation_status(&QueryRequest {
@@ -436,6 +456,7 @@ fn mode(dir: &Path, sync: Sync, name: &'static str, plan: Plan) -> Result<ModeRe
     let ratios = Ratios {
         fresh_over_bare: ratio(write_ratios),
         replay_over_lookup: ratio(replay_ratios),
+        replay_over_bare_replay: ratio(bare_replay_ratios),
         shared_over_distinct: shared.ops_per_s / distinct.ops_per_s.max(1e-9),
     };
     Ok(ModeReport {
@@ -444,6 +465,7 @@ fn mode(dir: &Path, sync: Sync, name: &'static str, plan: Plan) -> Result<ModeRe
             bw.phase("bare_write"),
             fd.phase("fresh_dispatch"),
             bl.phase("bare_lookup"),
+            br.phase("bare_replay"),
             rp.phase("replay"),
             qy.phase("query"),
             shared,
@@ -595,12 +617,22 @@ pub fn table(r: &BenchReport) -> String {
             let _ =
                 writeln!(out, "  {:<20} {:>7} {:>10.1} {:>9} {:>9}", p.name, p.ops, p.ops_per_s, p.p50_us, p.p99_us);
         }
-        let f = m.ratios.fresh_over_bare;
-        let l = m.ratios.replay_over_lookup;
+        let (fresh, lookup, bare) =
+            (m.ratios.fresh_over_bare, m.ratios.replay_over_lookup, m.ratios.replay_over_bare_replay);
         let _ = writeln!(
             out,
-            "  fresh/bare {:.3} [{:.3}–{:.3}]   replay/lookup {:.3} [{:.3}–{:.3}]   shared/distinct {:.2}",
-            f.median, f.min, f.max, l.median, l.min, l.max, m.ratios.shared_over_distinct
+            "  fresh/bare {:.3} [{:.3}–{:.3}]   replay/lookup {:.3} [{:.3}–{:.3}]   replay/bare_replay {:.3} \
+             [{:.3}–{:.3}]   shared/distinct {:.2}",
+            fresh.median,
+            fresh.min,
+            fresh.max,
+            lookup.median,
+            lookup.min,
+            lookup.max,
+            bare.median,
+            bare.min,
+            bare.max,
+            m.ratios.shared_over_distinct
         );
         let c = &m.contention;
         let _ = writeln!(

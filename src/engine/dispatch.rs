@@ -367,8 +367,13 @@ impl Engine {
             ids: &self.ids,
             defenses,
         };
+        let clock = self.clock.clone();
         let step = |tx: &Tx<'_>, audit: ProtectedAudit, ev: TraceEvent, relaxed: bool| {
-            let d = accept(tx, &ctx, audit, ev, relaxed)?;
+            // The decision is made now, under the write lock: a time read before
+            // waiting for it could be older than what another writer just
+            // committed (an operation accepted "in the future" looks not due).
+            let now = clock.now_ms().max(now);
+            let d = accept(tx, &AcceptCtx { now, ..ctx }, audit, ev, relaxed)?;
             if let Decision::Answer(env, ev) = &d {
                 // The decision's trace event commits with the decision itself.
                 let mut ev = ev.clone().from_envelope(env).answering(Some(Answering { kind: "dispatch", started: t0 }));
@@ -689,6 +694,7 @@ impl Engine {
     }
 }
 
+#[derive(Clone, Copy)]
 struct AcceptCtx<'a> {
     req: &'a DispatchRequest,
     contract: &'a Contract,

@@ -18,6 +18,9 @@
 //! 3. sent-marker: attempt `sent_at` + trace event;
 //! 4. the provider's own commit of the effect (its connection);
 //! 5. persist: receipt + order + attempt + outbox + operation result + two trace events.
+//!
+//! A bare replay is the same lookup plus the one commit a replay cannot skip:
+//! its answer recorded (call identity + trace event), not waiting for the disk.
 
 use std::path::Path;
 
@@ -256,6 +259,43 @@ impl BareLedger {
                 ))?
                 .query_row(params![TENANT, SUBJECT, TOOL, key], OperationRow::from_row)
                 .optional()?)
+        })
+    }
+
+    /// The least a replay must do: the same lookup, then record the answer (a
+    /// call identity bound to the operation, one trace event) in one commit
+    /// that, like the engine's, does not wait for the disk
+    /// ([`Store::write_relaxed`]). `call` is a call id never used before.
+    pub fn replay_one(&mut self, n: u64, call: u64, now: i64) -> R<Option<OperationRow>> {
+        let key = idem_key(n);
+        let fields = self.payload.trace_fields.last().map_or("{}", String::as_str);
+        self.ledger.write_relaxed(|tx| -> R<Option<OperationRow>> {
+            let op = tx
+                .conn
+                .prepare_cached(&format!(
+                    "SELECT {OP_COLS} FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4"
+                ))?
+                .query_row(params![TENANT, SUBJECT, TOOL, key], OperationRow::from_row)
+                .optional()?;
+            if let Some(op) = &op {
+                tx.conn
+                    .prepare_cached(
+                        "INSERT INTO call_identities (tenant, subject, provider, api_family, response_id, call_id,
+                           purpose, request_sha256, key_sha256, operation_id, created_at)
+                         VALUES (?1, ?2, 'openai', 'responses', ?3, ?4, 'dispatch', ?5, ?5, ?6, ?7)",
+                    )?
+                    .execute(params![
+                        TENANT,
+                        SUBJECT,
+                        format!("resp_replay{call:021}"),
+                        format!("call_replay{call:021}"),
+                        DIGEST,
+                        op.id,
+                        now
+                    ])?;
+                trace(tx, &op.id, "idempotency", fields, true, now)?;
+            }
+            Ok(op)
         })
     }
 }

@@ -9,7 +9,9 @@ mod resilience;
 mod rows;
 mod views;
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
@@ -107,6 +109,29 @@ pub struct Store {
     /// A relaxed commit left the connection at `synchronous=NORMAL` and
     /// restoring FULL failed: the next synced write restores it first.
     relaxed: bool,
+    /// This process's writers' turn on the file ([`writer_lock`]).
+    writer: Arc<Mutex<()>>,
+}
+
+/// One lock per database file in this process, held around every write
+/// transaction. Writers of one process (an engine per thread, the providers'
+/// connections) queue on it and are woken as soon as it is free, instead of
+/// polling SQLite's write lock from its busy handler, which sleeps up to 100 ms
+/// between tries: under contention that made the slowest calls wait seconds.
+/// Other processes still meet SQLite's lock and the busy timeout. Nothing
+/// writes through a second connection while holding a write transaction, so
+/// the lock cannot be taken twice by one thread.
+fn writer_lock(path: &Path) -> Arc<Mutex<()>> {
+    static LOCKS: OnceLock<Mutex<HashMap<PathBuf, Weak<Mutex<()>>>>> = OnceLock::new();
+    let key = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut locks = LOCKS.get_or_init(Mutex::default).lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(lock) = locks.get(&key).and_then(Weak::upgrade) {
+        return lock;
+    }
+    locks.retain(|_, w| w.strong_count() > 0);
+    let lock = Arc::new(Mutex::new(()));
+    locks.insert(key, Arc::downgrade(&lock));
+    lock
 }
 
 impl std::fmt::Debug for Store {
@@ -145,10 +170,10 @@ impl Store {
             flags |= OpenFlags::SQLITE_OPEN_CREATE;
         }
         let conn = Connection::open_with_flags(path, flags).map_err(|e| open_error(&e))?;
-        Self::setup(conn, opts.sync)
+        Self::setup(conn, opts.sync, writer_lock(path))
     }
 
-    fn setup(conn: Connection, sync: Sync) -> Result<Self, StoreError> {
+    fn setup(conn: Connection, sync: Sync, writer: Arc<Mutex<()>>) -> Result<Self, StoreError> {
         conn.busy_timeout(BUSY_TIMEOUT)?;
         // A file that is not SQLite fails on the first read.
         let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(|e| match e {
@@ -171,7 +196,7 @@ impl Store {
         // Room for every statement the engine, the console's views and the
         // metrics prepare (about a hundred): none is evicted and re-prepared.
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
-        let mut store = Self { conn, sync, relaxed: false };
+        let mut store = Self { conn, sync, relaxed: false, writer };
         store.migrate(version)?;
         Ok(store)
     }
@@ -265,6 +290,10 @@ impl Store {
         f: impl FnOnce(&Tx<'_>) -> Result<T, E>,
     ) -> Result<T, E> {
         let begin = if immediate { "BEGIN IMMEDIATE" } else { "BEGIN DEFERRED" };
+        let writer = Arc::clone(&self.writer);
+        // A panic in another writer's `f` rolled its transaction back: the lock
+        // guards no data of its own, so a poisoned one is as good as free.
+        let _turn = immediate.then(|| writer.lock().unwrap_or_else(PoisonError::into_inner));
         let started = Instant::now();
         loop {
             match self.conn.prepare_cached(begin).and_then(|mut st| st.execute([])) {

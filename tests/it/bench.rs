@@ -1,0 +1,61 @@
+//! `toolgate bench --quick --json` runs end to end: every phase measured
+//! something, and the contention check held (one effect per shared intent, no
+//! duplicates, no busy error reaching a caller). Speed is never asserted here:
+//! the numbers belong to `toolgate bench` itself, on a quiet machine.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+#[test]
+fn quick_bench_runs_and_its_checks_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    // On a memory file system when there is one: the smoke run needs no fsync.
+    let shm = std::path::Path::new("/dev/shm");
+    let parent = if shm.is_dir() { tempfile::tempdir_in(shm).unwrap() } else { dir };
+    let out = Command::new(env!("CARGO_BIN_EXE_toolgate"))
+        .args(["bench", "--quick", "--json", "--dir"])
+        .arg(parent.path())
+        .env("TOOLGATE_LOG", "off")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let modes = report["modes"].as_array().unwrap();
+    let names: Vec<&str> = modes.iter().map(|m| m["synchronous"].as_str().unwrap()).collect();
+    assert_eq!(names, ["FULL", "NORMAL"]);
+    for m in modes {
+        let phases: Vec<&str> = m["phases"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
+        assert_eq!(
+            phases,
+            [
+                "bare_write",
+                "fresh_dispatch",
+                "bare_lookup",
+                "bare_replay",
+                "replay",
+                "query",
+                "contention_shared",
+                "contention_distinct"
+            ]
+        );
+        for p in m["phases"].as_array().unwrap() {
+            assert!(p["ops"].as_u64().unwrap() > 0, "{p}");
+            assert!(p["ops_per_s"].as_f64().unwrap() > 0.0, "{p}");
+            assert!(p["p99_us"].as_u64().unwrap() >= p["p50_us"].as_u64().unwrap(), "{p}");
+        }
+        for r in ["fresh_over_bare", "replay_over_lookup", "replay_over_bare_replay"] {
+            assert!(m["ratios"][r]["median"].as_f64().unwrap() > 0.0, "{r}: {}", m["ratios"]);
+        }
+        let c = &m["contention"];
+        assert_eq!(c["threads"], 8);
+        assert_eq!(c["shared_intents"], 100);
+        assert_eq!(c["shared_effects"], 100, "{c}");
+        assert_eq!(c["shared_fresh"], 100, "{c}");
+        assert_eq!(c["duplicates"], 0, "{c}");
+        assert_eq!(c["busy_errors"], 0, "{c}");
+        assert_eq!(c["distinct_effects"], c["distinct_intents"], "{c}");
+    }
+    // The temporary directory is gone.
+    assert_eq!(std::fs::read_dir(parent.path()).unwrap().count(), 0);
+}
