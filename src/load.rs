@@ -4,9 +4,9 @@
 //! for ever while the console is open.
 //!
 //! Each agent talks to two dispatcher replicas (two [`Engine`]s with their own
-//! connections and outbox workers, as behind a load balancer: any call may land
-//! on either) and carries business intents through the way a careful harness
-//! does:
+//! connections, as behind a load balancer: any call may land on either), and one
+//! background worker per run polls the outbox (due retries, the reaper). An
+//! agent carries business intents through the way a careful harness does:
 //! - one caller-generated idempotency key per intent, kept across every retry;
 //! - `APPROVAL_REQUIRED` → a human on the tenant's allowlist approves at once;
 //! - a `retry_after` code → wait `retry_after_ms`, retry with the same key;
@@ -77,6 +77,10 @@ pub struct LoadOptions {
     /// Before the referee's final count, wait this long (on the clock) and run
     /// the outbox once more, so retries still queued get their chance.
     pub settle_ms: u64,
+    /// A background outbox worker (reaper + due retries) polls this often, in
+    /// wall-clock ms, as a dispatcher deployment's worker loop does. None: no
+    /// background worker (the final settle still runs the outbox).
+    pub worker_interval_ms: Option<u64>,
 }
 
 impl std::fmt::Debug for LoadOptions {
@@ -107,6 +111,7 @@ impl Default for LoadOptions {
             restart_percent: 2,
             notify_percent: 10,
             settle_ms: 0,
+            worker_interval_ms: Some(250),
         }
     }
 }
@@ -210,6 +215,7 @@ pub struct LoadReport {
 pub struct Agents {
     stop: Arc<AtomicBool>,
     threads: Vec<std::thread::JoinHandle<Result<Tally, EngineError>>>,
+    worker: Option<std::thread::JoinHandle<Result<(), EngineError>>>,
     /// Live counters.
     pub stats: Arc<LoadStats>,
 }
@@ -220,6 +226,9 @@ impl Agents {
         self.stop.store(true, Ordering::SeqCst);
         for t in self.threads {
             let _ = t.join();
+        }
+        if let Some(w) = self.worker {
+            let _ = w.join();
         }
     }
 }
@@ -390,7 +399,6 @@ fn open_replicas(shared: &Shared, n: usize, generation: u64) -> Result<Vec<Engin
 impl Agent<'_> {
     fn run(mut self) -> Result<Tally, EngineError> {
         let ops = self.shared.opts.ops;
-        let mut since_reap = 0u32;
         while !self.shared.stop.load(Ordering::SeqCst) {
             let i = self.shared.next.fetch_add(1, Ordering::SeqCst);
             if ops > 0 && i >= ops {
@@ -399,15 +407,6 @@ impl Agent<'_> {
             self.controls()?;
             self.intent(i)?;
             LoadStats::bump(&self.shared.stats.intents);
-            // Every dispatcher runs its outbox worker: queued retries go out.
-            for e in &mut self.replicas {
-                e.work(4)?;
-            }
-            since_reap += 1;
-            if since_reap >= 16 {
-                self.replicas[0].reap()?;
-                since_reap = 0;
-            }
             if let Some((lo, hi)) = self.shared.opts.pace_ms {
                 self.shared.opts.clock.sleep_ms(self.rng.gen_range(lo..=hi.max(lo)));
             }
@@ -651,11 +650,56 @@ fn spawn_threads(
     Ok(threads)
 }
 
+/// The background outbox worker: reaps expired leases and runs due retries every
+/// `interval`, with the agents' fault rate. It polls (like a deployment's worker
+/// loop) rather than running after every call: a worker that runs constantly
+/// claims operations their own dispatcher was about to send, and the caller then
+/// sees them in flight (`OUTCOME_UNKNOWN`) for no reason.
+fn spawn_worker(shared: &Arc<Shared>) -> Result<Option<std::thread::JoinHandle<Result<(), EngineError>>>, EngineError> {
+    let Some(interval) = shared.opts.worker_interval_ms else { return Ok(None) };
+    let mut engine = Engine::open(
+        &shared.path,
+        EngineOptions {
+            clock: shared.opts.clock.clone(),
+            worker_id: format!("loadgen-worker-{}", shared.run_id),
+            sync: shared.opts.sync,
+            ..EngineOptions::default()
+        },
+    )?;
+    let s = shared.clone();
+    Ok(Some(std::thread::spawn(move || {
+        let mut fault_bp = None;
+        while !s.stop.load(Ordering::SeqCst) {
+            let bp = engine.lab_controls()?.1;
+            if fault_bp != Some(bp) {
+                let seed = mix(&[s.opts.seed, u64::from(bp), 11]);
+                let spec = format!("random({},seed={seed})", f64::from(bp.min(10_000)) / 10_000.0);
+                engine.set_faults(if bp == 0 {
+                    FaultPlan::none()
+                } else {
+                    FaultPlan::parse(&spec).unwrap_or_default()
+                });
+                fault_bp = Some(bp);
+            }
+            engine.reap()?;
+            engine.work(256)?;
+            std::thread::sleep(Duration::from_millis(interval));
+        }
+        Ok(())
+    })))
+}
+
 /// Starts `n` paced agents on the database for the console demo (about one
 /// intent per agent a second, until stopped). A fault rate of 5% is set unless
 /// one is already there.
 pub fn spawn_agents(path: &Path, n: usize) -> Result<Agents, EngineError> {
-    let opts = LoadOptions { agents: n, ops: 0, pace_ms: Some((600, 1600)), ..LoadOptions::default() };
+    let opts = LoadOptions {
+        agents: n,
+        ops: 0,
+        pace_ms: Some((600, 1600)),
+        worker_interval_ms: Some(500),
+        ..LoadOptions::default()
+    };
     let mut control = Engine::open(path, EngineOptions::default())?;
     if control.lab_controls()?.1 == 0 {
         control.set_load_fault_rate(500)?;
@@ -663,7 +707,8 @@ pub fn spawn_agents(path: &Path, n: usize) -> Result<Agents, EngineError> {
     let stats = Arc::new(LoadStats::default());
     let shared = start(path, &opts, stats.clone())?;
     let threads = spawn_threads(&shared)?;
-    Ok(Agents { stop: shared.stop.clone(), threads, stats })
+    let worker = spawn_worker(&shared)?;
+    Ok(Agents { stop: shared.stop.clone(), threads, worker, stats })
 }
 
 fn percentile(sorted: &[u64], p: f64) -> u64 {
@@ -684,6 +729,7 @@ pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) 
     let stats = Arc::new(LoadStats::default());
     let shared = start(path, opts, stats.clone())?;
     let threads = spawn_threads(&shared)?;
+    let worker = spawn_worker(&shared)?;
     let report = |done: u64| Progress {
         done,
         total: opts.ops,
@@ -717,6 +763,18 @@ pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) 
         }
     }
     progress(report(stats.intents.load(Ordering::Relaxed)));
+    shared.stop.store(true, Ordering::SeqCst);
+    if let Some(w) = worker {
+        match w.join() {
+            Ok(Err(e)) => {
+                first_error.get_or_insert(e);
+            }
+            Err(_) => {
+                first_error.get_or_insert(EngineError::invalid("LOAD_AGENT_PANICKED", "the load worker panicked"));
+            }
+            Ok(Ok(())) => {}
+        }
+    }
     // Settle: let queued retries run, then count.
     if opts.settle_ms > 0 {
         opts.clock.sleep_ms(opts.settle_ms);

@@ -28,7 +28,7 @@ fn demo_db(dir: &Path) -> PathBuf {
 fn opts(lab: Option<LabToggle>) -> LoadOptions {
     LoadOptions {
         agents: 1,
-        ops: 40,
+        ops: 30,
         fault_bp: Some(1_000),
         seed: 7,
         lab,
@@ -36,6 +36,8 @@ fn opts(lab: Option<LabToggle>) -> LoadOptions {
         clock: Arc::new(ManualClock::new(T0)),
         sync: Sync::Normal,
         settle_ms: 60_000,
+        // No background worker: one agent and its replicas make the run deterministic.
+        worker_interval_ms: None,
         ..LoadOptions::default()
     }
 }
