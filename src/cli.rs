@@ -1345,6 +1345,13 @@ pub struct LabArgs {
     pub json: bool,
 }
 
+/// Writes to stdout; a closed pipe (`| head`) is not an error worth a panic.
+fn write_stdout(text: &str) {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+}
+
 fn operator_of(cli: &Cli, what: &str) -> Result<String, CliError> {
     cli.operator
         .clone()
@@ -1421,13 +1428,15 @@ fn load_command(cli: &Cli, a: &LoadArgs) -> Result<i32, CliError> {
     if a.json {
         print_json(&report);
     } else {
-        print!("{}", crate::load::render(&report));
+        write_stdout(&crate::load::render(&report));
     }
     // With every defense on, a duplicate or a silently wrong result is a failure.
     Ok(i32::from(lab.is_none() && (report.duplicates > 0 || report.silently_wrong > 0)))
 }
 
 fn lab_command(cli: &Cli, a: &LabArgs) -> Result<i32, CliError> {
+    use std::fmt::Write as _;
+
     use crate::engine::LabToggle;
     let mut engine = open(cli)?;
     if a.off || a.toggle.is_some() {
@@ -1447,23 +1456,24 @@ fn lab_command(cli: &Cli, a: &LabArgs) -> Result<i32, CliError> {
         print_json(&json!({"lab": state, "toggles": toggles}));
         return Ok(0);
     }
+    let mut out = String::new();
     if state.demo {
-        match state.toggle {
-            Some(t) => println!("LAB: defense OFF: {}  ({})", t.as_str(), t.keel()),
-            None => println!("lab: every defense on"),
-        }
+        let _ = match state.toggle {
+            Some(t) => writeln!(out, "LAB: defense OFF: {}  ({})", t.as_str(), t.keel()),
+            None => writeln!(out, "lab: every defense on"),
+        };
     } else {
-        println!("not a demo database: lab toggles are refused here (LAB_NOT_DEMO)");
-        println!("make one with `toolgate demo-db --out PATH`, or run `toolgate demo`");
+        let _ = writeln!(out, "not a demo database: lab toggles are refused here (LAB_NOT_DEMO)");
+        let _ = writeln!(out, "make one with `toolgate demo-db --out PATH`, or run `toolgate demo`");
     }
-    println!("fault rate of the simulated agents: {:.1}%", f64::from(state.fault_bp) / 100.0);
-    println!("masked conflicts so far: {}", state.masked_conflicts);
-    println!();
+    let _ = writeln!(out, "fault rate of the simulated agents: {:.1}%", f64::from(state.fault_bp) / 100.0);
+    let _ = writeln!(out, "masked conflicts so far: {}\n", state.masked_conflicts);
     for t in LabToggle::ALL {
         let on = if state.toggle == Some(t) { "*" } else { " " };
-        println!("{on} {:<28} {}", t.as_str(), t.rule());
-        println!("  {:<28} {}", "", t.harm());
+        let _ = writeln!(out, "{on} {:<28} {}", t.as_str(), t.rule());
+        let _ = writeln!(out, "  {:<28} {}", "", t.harm());
     }
+    write_stdout(&out);
     Ok(0)
 }
 
