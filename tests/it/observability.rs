@@ -271,17 +271,16 @@ fn a_planted_canary_appears_in_no_table_log_or_export() {
     let cells = every_cell(db);
     assert!(cells.iter().any(|(c, v)| c == "operations.request_json" && v.contains("ord_1002")));
     assert!(cells.iter().any(|(c, _)| c.starts_with("trace_events.")));
-    let test_log = &outputs.iter().find(|(w, _)| w == "test log").unwrap().1;
     for op in &ops {
         assert!(outputs[0].1.contains(op.as_str()));
     }
-    // The log is fed through `tracing`, whose per-callsite interest is cached
-    // process-wide: with other tests' subscribers alive in parallel, a few debug
-    // lines can be filtered out. The control only needs to prove the scanned log
-    // holds real content (and the leak check above needs nothing more).
-    assert!(ops.iter().any(|op| test_log.contains(op.as_str())), "the log has the story of the operations");
-    assert!(test_log.contains("answered") && test_log.contains("toolgate::trace"));
+    // The in-process log is fed through a thread-scoped `tracing` subscriber,
+    // whose callsite interest is cached process-wide: with other tests running in
+    // parallel it may receive nothing, so it is scanned for leaks above but not
+    // used as the control. The control is the CLI's own `<db>.log`, written by a
+    // separate process with its global subscriber: the scan sees real log lines.
     assert!(cli_log.contains("answered"), "the CLI's own dispatches are in <db>.log");
+    assert!(cli_log.contains("toolgate::trace"), "the CLI log holds trace lines");
     // Exports name tenants and subjects only by their salted hashes.
     for (what, text) in outputs.iter().filter(|(w, _)| w.starts_with("trace") || w.starts_with("metrics")) {
         for name in ["acme", "agent_ana", "globex"] {
