@@ -112,6 +112,12 @@ pub(crate) fn business_rules(tx: &Tx<'_>, tool: &str, args: &Value) -> Result<Op
     Ok(None)
 }
 
+/// The arguments of a stored canonical request (`Null` if it does not parse:
+/// `verify_row` refuses such a row before anything uses them).
+pub(crate) fn args_of(request_json: &str) -> Value {
+    serde_json::from_str::<Value>(request_json).ok().and_then(|r| r.get("arguments").cloned()).unwrap_or(Value::Null)
+}
+
 /// The call binding of an operation row as it stands.
 pub(crate) fn binding_of(op: &OperationRow) -> String {
     let call = CallIdentity {
@@ -527,10 +533,7 @@ impl Engine {
                 });
             }
             failpoint::hit("after_sent");
-            let args: Value = serde_json::from_str::<Value>(&op.request_json)
-                .ok()
-                .and_then(|r| r.get("arguments").cloned())
-                .unwrap_or(Value::Null);
+            let args: Value = args_of(&op.request_json);
             let defenses = self.defenses()?;
             let dreq = DownstreamRequest {
                 // The business intent is the whole scope, not the key string alone;
@@ -1202,10 +1205,7 @@ fn claim(
     ev.attempt = Some(attempt);
     ev.reason = Some(if attempt > 1 { "retry" } else { "first_attempt" });
     // Re-check: authorization, business state and contract revision, read now.
-    let args: Value = serde_json::from_str::<Value>(&op.request_json)
-        .ok()
-        .and_then(|r| r.get("arguments").cloned())
-        .unwrap_or(Value::Null);
+    let args: Value = args_of(&op.request_json);
     let mut failed: Option<(Code, &'static str)> = None;
     if let Some(code) = authorize(tx, &op.tenant, &op.subject, &op.tool, &args)? {
         failed = Some((code, "authorization"));
@@ -1479,10 +1479,7 @@ fn earlier_possibly_received(tx: &Tx<'_>, op_id: &str, this: i64) -> Result<bool
 /// The business state change that goes with a committed effect.
 pub(crate) fn apply_business_effect(tx: &Tx<'_>, op: &OperationRow) -> Result<(), StoreError> {
     if op.tool == "create_refund" {
-        let args: Value = serde_json::from_str::<Value>(&op.request_json)
-            .ok()
-            .and_then(|r| r.get("arguments").cloned())
-            .unwrap_or(Value::Null);
+        let args: Value = args_of(&op.request_json);
         let order_ref = args.get("order_ref").and_then(Value::as_str).unwrap_or_default();
         let amount = args.get("amount_minor").and_then(Value::as_i64).unwrap_or(0);
         tx.apply_refund(order_ref, amount)?;

@@ -6,7 +6,7 @@ use serde_json::{json, Value};
 
 use super::canonical::{canonical_string, digest_value, sha256_hex, CallIdentity, Revisions, StatusRefError};
 use super::dispatch::{
-    apply_business_effect, authorize, binding_of, op_envelope, revisions_of, verify_row, DispatchRequest,
+    apply_business_effect, args_of, authorize, binding_of, op_envelope, revisions_of, verify_row, DispatchRequest,
 };
 use super::envelope::{Code, Delivery, Envelope, ProtectedAudit};
 use super::trace::{Answering, TraceEvent};
@@ -173,10 +173,6 @@ fn audit_row(
         reason: reason.to_string(),
         evidence: canonical_string(evidence),
     }
-}
-
-fn args_of(request_json: &str) -> Value {
-    serde_json::from_str::<Value>(request_json).ok().and_then(|r| r.get("arguments").cloned()).unwrap_or(Value::Null)
 }
 
 enum QueryStep {
