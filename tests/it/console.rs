@@ -351,6 +351,9 @@ fn smoke_the_real_binary_in_a_pseudo_terminal() {
     wait_for("Keys (? or Esc to close)");
     writer.write_all(b"2").unwrap();
     wait_for("Idempotency ledger");
+    // The page arrives from the engine thread after the pane switch: `q` acts on
+    // the selected row, so wait for the rows (the table header), not the title.
+    wait_for("result ref / code");
     writer.write_all(b"q").unwrap();
     wait_for("Status query");
     writer.write_all(b"\r").unwrap();
