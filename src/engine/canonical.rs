@@ -349,6 +349,21 @@ pub struct CallIdentity {
     pub adapter_revision: String,
 }
 
+impl CallIdentity {
+    /// The ledger key of this call identity for one principal: the one place a
+    /// `CallKey` is built from a call identity.
+    pub fn key<'a>(&'a self, tenant: &'a str, subject: &'a str) -> crate::store::CallKey<'a> {
+        crate::store::CallKey {
+            tenant,
+            subject,
+            provider: &self.provider,
+            api_family: &self.api_family,
+            response_id: &self.response_id,
+            call_id: &self.call_id,
+        }
+    }
+}
+
 /// Everything `call_binding_sha256` covers (SPEC §3).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BindingInput<'a> {

@@ -341,7 +341,7 @@ impl Engine {
             }
         };
         if contract.effect == Effect::Read {
-            return self.read_tool(req, contract, &args, audit, ev, t0);
+            return self.read_tool(req, contract, &args, &key, &call, audit, ev, t0);
         }
         // With every defense on (always, outside a demo database's lab) the ledger
         // scope key is the caller's key.
@@ -418,58 +418,94 @@ impl Engine {
         }
     }
 
+    /// A read tool: authorization, the call-identity binding, the read, and its
+    /// trace event, in one transaction. A read changes no state, so the commit
+    /// only records how the call was answered (not fsynced), but the call
+    /// identity is bound on first use like every other call's: the same identity
+    /// with other arguments, another key or another purpose is `CALL_ID_CONFLICT`.
+    #[allow(clippy::too_many_arguments)]
     fn read_tool(
         &mut self,
         req: &DispatchRequest,
         contract: &Contract,
         args: &Value,
-        audit: ProtectedAudit,
+        key: &str,
+        call: &CallIdentity,
+        mut audit: ProtectedAudit,
         mut ev: TraceEvent,
         t0: Instant,
     ) -> Result<Envelope, EngineError> {
-        let now = self.clock.now_ms();
-        let (tenant, subject, tool) = (&req.tenant, &req.subject, &req.tool);
-        let found = self.store.read(|tx| -> Result<_, StoreError> {
-            if let Some(code) = authorize(tx, tenant, subject, tool, args)? {
-                return Ok(Err(code));
-            }
-            let order_ref = args.get("order_ref").and_then(Value::as_str).unwrap_or_default();
-            Ok(Ok(tx.order(order_ref)?))
-        })?;
-        let order = match found {
-            Err(code) => return self.reject(code, audit, ev, None, t0),
-            Ok(o) => o,
-        };
-        let data = order.map(|o| {
-            json!({
-                "order_ref": o.order_ref, "currency": o.currency, "captured_minor": o.captured_minor,
-                "refunded_minor": o.refunded_minor, "status": o.status,
-            })
-        });
-        let env = match data {
-            Some(d) if contract.check_output(&d).is_ok() => {
-                let mut audit = audit;
-                audit.binding.result_sha256 = Some(super::canonical::digest_value(&d));
-                Envelope {
-                    model_result: ModelResult {
-                        status: Status::Succeeded,
-                        data: Some(d),
-                        error: None,
-                        execution: Execution { outcome: Outcome::Committed, delivery: Delivery::Fresh },
-                    },
-                    protected_audit: audit,
+        let (tenant, subject, tool) = (req.tenant.as_str(), req.subject.as_str(), req.tool.as_str());
+        let request = request_object(tenant, subject, tool, args, contract.revisions);
+        let request_sha256 = sha256_hex(canonical_string(&request).as_bytes());
+        let key_sha256 = sha256_hex(key.as_bytes());
+        ev.request_sha256 = Some(request_sha256.clone());
+        ev.key_sha256 = Some(key_sha256.clone());
+        audit.binding.request_sha256 = Some(request_sha256.clone());
+        let clock = self.clock.clone();
+        self.store.write_relaxed(|tx| -> Result<Envelope, EngineError> {
+            let now = clock.now_ms();
+            let mut ev = ev;
+            let env = 'answer: {
+                if let Some(code) = authorize(tx, tenant, subject, tool, args)? {
+                    ev.step = "authorization";
+                    ev.reason = Some("current_authorization");
+                    break 'answer error_envelope(code, audit);
                 }
-            }
-            // A read handler failure is safe to report: the contract says no write happened.
-            _ => error_envelope(Code::ToolError, audit),
-        };
-        ev.step = "read";
-        ev.checks.push("authorization");
-        ev.duration_us = Some(t0.elapsed().as_micros() as i64);
-        let ev = ev.from_envelope(&env).answering(Some(Answering { kind: "dispatch", started: t0 }));
-        // A read changes no state: only the answer is recorded.
-        self.store.write_relaxed(|tx| ev.write(tx, now))?;
-        Ok(env)
+                ev.checks.push("authorization");
+                let ck = call.key(tenant, subject);
+                if let Some(bound) = tx.call_identity(&ck)? {
+                    if bound.purpose != "dispatch"
+                        || bound.request_sha256 != request_sha256
+                        || bound.key_sha256 != key_sha256
+                    {
+                        ev.step = "call_identity";
+                        ev.reason = Some("call_id_conflict");
+                        break 'answer error_envelope(Code::CallIdConflict, audit);
+                    }
+                }
+                ev.checks.push("call_identity");
+                tx.bind_call_identity(
+                    &ck,
+                    &CallIdentityRow {
+                        purpose: "dispatch".into(),
+                        request_sha256: request_sha256.clone(),
+                        key_sha256: key_sha256.clone(),
+                        operation_id: None,
+                    },
+                    now,
+                )?;
+                let order_ref = args.get("order_ref").and_then(Value::as_str).unwrap_or_default();
+                let data = tx.order(order_ref)?.map(|o| {
+                    json!({
+                        "order_ref": o.order_ref, "currency": o.currency, "captured_minor": o.captured_minor,
+                        "refunded_minor": o.refunded_minor, "status": o.status,
+                    })
+                });
+                ev.step = "read";
+                match data {
+                    Some(d) if contract.check_output(&d).is_ok() => {
+                        let mut audit = audit;
+                        audit.binding.result_sha256 = Some(super::canonical::digest_value(&d));
+                        Envelope {
+                            model_result: ModelResult {
+                                status: Status::Succeeded,
+                                data: Some(d),
+                                error: None,
+                                execution: Execution { outcome: Outcome::Committed, delivery: Delivery::Fresh },
+                            },
+                            protected_audit: audit,
+                        }
+                    }
+                    // A read handler failure is safe to report: the contract says no write happened.
+                    _ => error_envelope(Code::ToolError, audit),
+                }
+            };
+            ev.duration_us = Some(t0.elapsed().as_micros() as i64);
+            let ev = ev.from_envelope(&env).answering(Some(Answering { kind: "dispatch", started: t0 }));
+            ev.write(tx, now)?;
+            Ok(env)
+        })
     }
 
     /// Runs the outbox row of one operation: claim, re-check, sent-marker,
@@ -737,14 +773,7 @@ fn accept(
     }
     ev.checks.push("authorization");
     // 3. Call identity, then the scope.
-    let ck = CallKey {
-        tenant: &r.tenant,
-        subject: &r.subject,
-        provider: &c.call.provider,
-        api_family: &c.call.api_family,
-        response_id: &c.call.response_id,
-        call_id: &c.call.call_id,
-    };
+    let ck = c.call.key(&r.tenant, &r.subject);
     if let Some(bound) = tx.call_identity(&ck)? {
         if bound.purpose != "dispatch" || bound.request_sha256 != c.request_sha256 || bound.key_sha256 != c.key_sha256 {
             ev.step = "call_identity";
@@ -1077,14 +1106,7 @@ fn approval_gate(
         expires_at: c.now + super::recovery::APPROVAL_TTL_MS,
     };
     tx.insert_approval(&approval)?;
-    let ck = CallKey {
-        tenant: &r.tenant,
-        subject: &r.subject,
-        provider: &c.call.provider,
-        api_family: &c.call.api_family,
-        response_id: &c.call.response_id,
-        call_id: &c.call.call_id,
-    };
+    let ck = c.call.key(&r.tenant, &r.subject);
     bind_call(tx, &ck, c, None)?;
     ev.approval_id = Some(approval.id.clone());
     ev.note = Some(if ev.reason == Some("approval_expired") {

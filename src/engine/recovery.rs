@@ -13,7 +13,7 @@ use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, Engine, EngineError};
 use crate::downstream::Lookup;
 use crate::failpoint;
-use crate::store::{AuditRow, CallIdentityRow, CallKey, OperationRow, ReceiptRow, StoreError, Tx};
+use crate::store::{AuditRow, CallIdentityRow, OperationRow, ReceiptRow, StoreError, Tx};
 
 /// How long an approval request stays open.
 pub const APPROVAL_TTL_MS: i64 = 15 * 60 * 1000;
@@ -268,14 +268,7 @@ impl Engine {
                 return answer(env, ev);
             }
             // The query's own call identity, bound to the purpose query_status.
-            let ck = CallKey {
-                tenant: &q.tenant,
-                subject: &q.subject,
-                provider: &call.provider,
-                api_family: &call.api_family,
-                response_id: &call.response_id,
-                call_id: &call.call_id,
-            };
+            let ck = call.key(&q.tenant, &q.subject);
             if let Some(bound) = tx.call_identity(&ck)? {
                 if bound.purpose != "query_status"
                     || bound.request_sha256 != expected
@@ -531,14 +524,7 @@ impl Engine {
             let op = super::dispatch::new_operation_for(&req, contract, &call, &a.idem_key, &a.key_sha256, &a.request_json, &a.request_sha256, now, a.deadline_ms as u64, &refs, &ids, Some(&a.id));
             tx.insert_operation(&op)?;
             tx.insert_outbox(&op.id, i64::from(contract.retry.max_attempts), now)?;
-            let ck = CallKey {
-                tenant: &a.tenant,
-                subject: &a.subject,
-                provider: &call.provider,
-                api_family: &call.api_family,
-                response_id: &call.response_id,
-                call_id: &call.call_id,
-            };
+            let ck = call.key(&a.tenant, &a.subject);
             tx.bind_call_identity(
                 &ck,
                 &CallIdentityRow {

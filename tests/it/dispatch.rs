@@ -441,3 +441,75 @@ fn a_database_path_under_a_file_is_a_clean_error() {
     assert_eq!(err.code(), "DB_OPEN_FAILED");
     assert!(!err.to_string().contains(dir.path().to_str().unwrap()), "no local path in {err}");
 }
+
+fn get_order(order: &str, call_id: &str) -> DispatchRequest {
+    DispatchRequest {
+        tenant: "acme".into(),
+        subject: "agent_ana".into(),
+        tool: "get_order".into(),
+        arguments: format!(r#"{{"order_ref":"{order}"}}"#).into_bytes(),
+        call: Some(call(call_id)),
+        ..DispatchRequest::default()
+    }
+}
+
+fn query_with(env: &toolgate::engine::envelope::Envelope, call_id: &str) -> toolgate::engine::QueryRequest {
+    toolgate::engine::QueryRequest {
+        tenant: "acme".into(),
+        subject: "agent_ana".into(),
+        status_ref: env.status_ref().unwrap().to_string(),
+        expected_request_sha256: env.protected_audit.binding.request_sha256.clone().unwrap(),
+        idempotency_key: None,
+        call: Some(call(call_id)),
+        operator: None,
+    }
+}
+
+#[test]
+fn a_read_binds_its_call_identity_on_first_use() {
+    let fx = Fixture::new();
+    let mut e = fx.engine();
+    let first = e.dispatch(&get_order("ord_1001", "call_read_1")).unwrap();
+    assert_eq!(first.model_result.status, Status::Succeeded);
+    // The same identity re-delivered with the same arguments reads again.
+    assert_eq!(e.dispatch(&get_order("ord_1001", "call_read_1")).unwrap().model_result.status, Status::Succeeded);
+    // The same identity with other arguments: CALL_ID_CONFLICT, and nothing changes.
+    let before = snapshot(fx.path());
+    let other = e.dispatch(&get_order("ord_1002", "call_read_1")).unwrap();
+    assert_eq!(code(&other), Some(Code::CallIdConflict));
+    assert!(other.model_result.data.is_none(), "a conflict carries no data");
+    assert_eq!(snapshot(fx.path()), before);
+    // A write that reuses the read's identity conflicts too (another request, another key).
+    let mut w = refund("refund-after-read", 100);
+    w.call = Some(call("call_read_1"));
+    assert_eq!(code(&e.dispatch(&w).unwrap()), Some(Code::CallIdConflict));
+    assert_eq!(effects(&mut e), 0);
+}
+
+#[test]
+fn a_status_query_identity_is_bound_to_its_purpose_and_its_status_ref() {
+    let fx = Fixture::new();
+    let mut e = fx.engine();
+    let mut a = refund("refund-q-bind-1", 100);
+    a.call = Some(call("call_write_a"));
+    let env_a = dispatch_with(&mut e, &a, "timeout_after_commit");
+    let mut b = refund("refund-q-bind-2", 200);
+    b.call = Some(call("call_write_b"));
+    let env_b = dispatch_with(&mut e, &b, "timeout_after_commit");
+    assert_eq!(code(&env_a), Some(Code::OutcomeUnknown));
+    // A query under the dispatch's own identity: another purpose.
+    assert_eq!(
+        code(&e.query_operation_status(&query_with(&env_a, "call_write_a")).unwrap()),
+        Some(Code::CallIdConflict)
+    );
+    // A query identity first used for operation A, reused for B's status_ref.
+    let q = e.query_operation_status(&query_with(&env_a, "call_query_1")).unwrap();
+    assert_eq!(q.model_result.execution.delivery, Delivery::ReceiptReconciled);
+    assert_eq!(
+        code(&e.query_operation_status(&query_with(&env_b, "call_query_1")).unwrap()),
+        Some(Code::CallIdConflict)
+    );
+    // The same query retried under the same identity is answered again.
+    let again = e.query_operation_status(&query_with(&env_a, "call_query_1")).unwrap();
+    assert_eq!(again.model_result.status, Status::Succeeded);
+}
