@@ -124,7 +124,8 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Reaper pass: expired leases, retention purge.
+    /// Reaper pass: expired leases, then the retention purge (terminal operations
+    /// past their retention that no person acted on; each leaves a tombstone).
     Reap {
         /// Print JSON.
         #[arg(long)]
@@ -873,12 +874,16 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             refuse_read_only(cli)?;
             let mut engine = open(cli)?;
             let r = engine.reap()?;
+            let p = engine.purge_expired()?;
             if *json {
-                print_json(&r);
+                print_json(&json!({
+                    "requeued_unsent": r.requeued_unsent, "requeued_same_key": r.requeued_same_key,
+                    "parked_unknown": r.parked_unknown, "purged": p.purged, "kept_for_audit": p.kept_for_audit,
+                }));
             } else {
                 println!(
-                    "reaped: {} back to accepted (never sent), {} re-queued with the same downstream key, {} parked as unknown, {} purged",
-                    r.requeued_unsent, r.requeued_same_key, r.parked_unknown, r.purged
+                    "reaped: {} back to accepted (never sent), {} re-queued with the same downstream key, {} parked as unknown; {} purged past retention (tombstones kept), {} past retention kept because a person acted on them",
+                    r.requeued_unsent, r.requeued_same_key, r.parked_unknown, p.purged, p.kept_for_audit
                 );
             }
             Ok(0)

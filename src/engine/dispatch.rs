@@ -53,8 +53,6 @@ pub struct ReapReport {
     pub requeued_same_key: usize,
     /// Possibly-sent attempts parked as `unknown`.
     pub parked_unknown: usize,
-    /// Expired terminal records purged.
-    pub purged: usize,
 }
 
 /// A key is 8..=255 printable ASCII characters.
@@ -726,7 +724,6 @@ impl Engine {
                 ev.write(tx, now)?;
                 report.parked_unknown += 1;
             }
-            report.purged = tx.purge_expired(now)?;
             tx.prune_metric_minutes(crate::telemetry::metrics::minutes_retained_from(now))?;
             Ok(report)
         })?)
@@ -894,6 +891,12 @@ fn accept(
     tx.insert_outbox(&op.id, i64::from(c.contract.retry.max_attempts), c.now)?;
     bind_call(tx, &ck, c, Some(&op.id))?;
     failpoint::hit("inside_accept");
+    let scope = super::retention::scope_sha256(&r.tenant, &r.subject, &r.tool, c.key);
+    if let Some(t) = tx.tombstone_by_scope(&scope)? {
+        // The key is free again once its operation was purged: a new intent.
+        ev.note = Some(format!("key used before by {}, purged when its retention ended", t.operation_id));
+        ev.reason = Some("key_reused_after_purge");
+    }
     ev.step = "accepted";
     ev.operation_id = Some(op.id.clone());
     ev.call_binding_sha256 = Some(op.call_binding_sha256.clone());
@@ -988,6 +991,8 @@ pub(crate) fn new_operation_for(
         updated_at: now,
         deadline_at: now + deadline_ms as i64,
         expires_at: now + contract.retention_ms as i64,
+        retention_ms: contract.retention_ms as i64,
+        terminal_at: None,
     };
     op.call_binding_sha256 = binding_of(&op);
     op
@@ -1509,7 +1514,6 @@ pub(crate) fn apply_business_effect(tx: &Tx<'_>, op: &OperationRow) -> Result<()
     Ok(())
 }
 
-/// Retry-After beats backoff when larger; deadlines are never passed.
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,6 +15,7 @@ pub mod ids;
 pub mod lab;
 pub mod policy;
 mod recovery;
+pub mod retention;
 mod trace;
 pub mod views;
 pub mod world;
@@ -28,6 +29,7 @@ pub use cancel::CancelRequest;
 pub use dispatch::{DispatchRequest, ReapReport};
 pub use lab::{LabSide, LabState, LabToggle};
 pub use recovery::{AuditFinding, OperationDetail, OperatorOutcome, QueryRequest, Resolution, ResolveRequest};
+pub use retention::PurgeReport;
 pub use trace::TraceEvent;
 
 use crate::downstream::{Downstream, DownstreamError, FaultPlan, Simulated};

@@ -419,7 +419,7 @@ impl Engine {
     /// re-checked), with a fresh call identity, and the operator is logged.
     pub fn operator_query(&mut self, operation_id: &str, operator: &str) -> Result<Envelope, EngineError> {
         let Some(op) = self.store.read(|tx| tx.operation(operation_id))? else {
-            return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
+            return Err(self.missing_operation(operation_id));
         };
         let mut call = fresh_call_identity();
         call.provider.clone_from(&op.call_provider);
@@ -721,17 +721,26 @@ impl Engine {
     }
 
     /// One operation with its outbox row, attempts, trace and operator log.
+    /// `None` when there is no such operation; `OPERATION_PURGED` (saying when
+    /// and what it was) when its retention ended and it was purged.
     pub fn operation_detail(&mut self, id: &str) -> Result<Option<OperationDetail>, EngineError> {
-        Ok(self.store.read(|tx| -> Result<_, StoreError> {
-            let Some(operation) = tx.operation(id)? else { return Ok(None) };
-            Ok(Some(OperationDetail {
+        let found = self.store.read(|tx| -> Result<_, StoreError> {
+            let Some(operation) = tx.operation(id)? else {
+                return Ok(tx.tombstone(id)?.map(Err));
+            };
+            Ok(Some(Ok(OperationDetail {
                 outbox: tx.outbox(id)?,
                 attempts: tx.attempts(id)?,
                 trace: tx.trace_for(id)?,
                 audit: tx.audit_for(id)?,
                 operation,
-            }))
-        })?)
+            })))
+        })?;
+        match found {
+            Some(Err(t)) => Err(super::retention::purged_error(&t)),
+            Some(Ok(d)) => Ok(Some(d)),
+            None => Ok(None),
+        }
     }
 
     /// Operations, newest first.

@@ -956,7 +956,6 @@ fn reap_line(r: &ReapReport) -> String {
         (r.requeued_unsent, "back to accepted"),
         (r.requeued_same_key, "re-queued with the same key"),
         (r.parked_unknown, "parked as unknown"),
-        (r.purged, "purged"),
     ] {
         if n > 0 {
             parts.push(format!("{n} {what}"));

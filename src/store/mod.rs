@@ -21,15 +21,22 @@ pub use rows::*;
 pub use views::{Cursor, LiveRow, OpsView};
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 4] = [
+const MIGRATIONS: [&str; 5] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
     include_str!("migrations/0004_resilience.sql"),
+    include_str!("migrations/0005_retention.sql"),
 ];
 
 /// The schema version this build writes.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+/// SQL condition on an audit-log row `a`: it records a person's act. Everything
+/// but a caller's own status query, whose actor is the caller's principal
+/// reference (`pr_` + 16 hex digits, a shape operator names may not take).
+const BY_A_PERSON: &str =
+    "NOT (a.action = 'query' AND length(a.actor) = 19 AND a.actor GLOB 'pr_[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*')";
 
 /// Prepared statements kept per connection.
 const STATEMENT_CACHE: usize = 160;
@@ -621,7 +628,10 @@ impl Tx<'_> {
     /// Inserts a new operation (unique scope enforced by the schema).
     pub fn insert_operation(&self, o: &OperationRow) -> R<()> {
         self.conn
-            .prepare_cached(&format!("INSERT INTO operations ({OP_COLS}) VALUES ({OP_PLACEHOLDERS})"))?
+            .prepare_cached(&format!(
+                "INSERT INTO operations ({OP_COLS}) VALUES ({})",
+                placeholders(OperationRow::WIDTH)
+            ))?
             .execute(o.params().as_slice())?;
         Ok(())
     }
@@ -636,7 +646,12 @@ impl Tx<'_> {
                 "UPDATE operations SET state = ?2, code = ?3, result_json = ?4, result_sha256 = ?5,
                    downstream_request_id = ?6, receipt_id = ?7, call_binding_sha256 = ?8, approval_id = ?9,
                    resolution = ?10, resolution_note = ?11, resolved_by = ?12, last_query_at = ?13,
-                   last_query_result = ?14, updated_at = ?15, deadline_at = ?16, version = version + 1
+                   last_query_result = ?14, updated_at = ?15, deadline_at = ?16, version = version + 1,
+                   -- Retention counts from the moment the operation becomes terminal.
+                   terminal_at = CASE WHEN ?2 IN ('succeeded', 'failed', 'resolved')
+                                      THEN coalesce(terminal_at, ?15) END,
+                   expires_at = CASE WHEN ?2 IN ('succeeded', 'failed', 'resolved') AND terminal_at IS NULL
+                                     THEN ?15 + retention_ms ELSE expires_at END
                  WHERE id = ?1 AND version = ?17",
             )?
             .execute(params![
@@ -694,21 +709,84 @@ impl Tx<'_> {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
-    /// Deletes terminal operations whose retention has passed. Never non-terminal ones.
-    pub fn purge_expired(&self, now: i64) -> R<usize> {
-        let cond = "SELECT id FROM operations WHERE expires_at <= ?1 AND state IN ('succeeded', 'failed', 'resolved')";
-        for table in ["attempts", "outbox", "receipts"] {
-            self.conn.prepare_cached(&format!("DELETE FROM {table} WHERE operation_id IN ({cond})"))?.execute([now])?;
-        }
-        self.conn
-            .prepare_cached(&format!("DELETE FROM call_identities WHERE operation_id IN ({cond})"))?
-            .execute([now])?;
+    /// Terminal operations whose retention has passed (counted from the moment
+    /// they became terminal) and that no person acted on (no audit-log entry,
+    /// no approval): the only ones a purge may take. Oldest first, at most `limit`.
+    pub fn purgeable_operations(&self, now: i64, limit: i64) -> R<Vec<OperationRow>> {
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT {OP_COLS} FROM operations o
+             WHERE o.terminal_at IS NOT NULL AND o.expires_at <= ?1
+               AND o.state IN ('succeeded', 'failed', 'resolved')
+               AND o.approval_id IS NULL
+               AND NOT EXISTS (SELECT 1 FROM audit_log a WHERE a.operation_id = o.id AND {BY_A_PERSON})
+             ORDER BY o.expires_at, o.id LIMIT ?2"
+        ))?;
+        let rows = st.query_map(params![now, limit], OperationRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Terminal operations past their retention that are kept because a person
+    /// acted on them (they stay as long as their audit entries, which are never deleted).
+    pub fn count_kept_for_audit(&self, now: i64) -> R<i64> {
         Ok(self
             .conn
+            .prepare_cached(&format!(
+                "SELECT count(*) FROM operations o
+                 WHERE o.terminal_at IS NOT NULL AND o.expires_at <= ?1
+                   AND (o.approval_id IS NOT NULL
+                        OR EXISTS (SELECT 1 FROM audit_log a WHERE a.operation_id = o.id AND {BY_A_PERSON}))"
+            ))?
+            .query_row([now], |r| r.get(0))?)
+    }
+
+    /// Purges one operation: writes its tombstone, then deletes its attempts,
+    /// outbox row, receipts, call-identity bindings and the row itself. Returns
+    /// false (and changes nothing) when the row is gone or no longer purgeable.
+    pub fn purge_operation(&self, t: &TombstoneRow) -> R<bool> {
+        let still: bool = self
+            .conn
             .prepare_cached(
-                "DELETE FROM operations WHERE expires_at <= ?1 AND state IN ('succeeded', 'failed', 'resolved')",
+                "SELECT count(*) FROM operations WHERE id = ?1 AND terminal_at IS NOT NULL AND expires_at <= ?2
+                   AND state IN ('succeeded', 'failed', 'resolved')",
             )?
-            .execute([now])?)
+            .query_row(params![t.operation_id, t.purged_at], |r| r.get::<_, i64>(0))?
+            == 1;
+        if !still {
+            return Ok(false);
+        }
+        self.conn
+            .prepare_cached(&format!(
+                "INSERT INTO purged_operations ({TOMBSTONE_COLS}) VALUES ({})",
+                placeholders(TombstoneRow::WIDTH)
+            ))?
+            .execute(t.params().as_slice())?;
+        for table in ["attempts", "outbox", "receipts", "call_identities"] {
+            self.conn
+                .prepare_cached(&format!("DELETE FROM {table} WHERE operation_id = ?1"))?
+                .execute([&t.operation_id])?;
+        }
+        self.conn.prepare_cached("DELETE FROM operations WHERE id = ?1")?.execute([&t.operation_id])?;
+        Ok(true)
+    }
+
+    /// The tombstone of a purged operation.
+    pub fn tombstone(&self, operation_id: &str) -> R<Option<TombstoneRow>> {
+        Ok(self
+            .conn
+            .prepare_cached(&format!("SELECT {TOMBSTONE_COLS} FROM purged_operations WHERE operation_id = ?1"))?
+            .query_row([operation_id], TombstoneRow::from_row)
+            .optional()?)
+    }
+
+    /// The newest tombstone of a scope, if its operation was purged.
+    pub fn tombstone_by_scope(&self, scope_sha256: &str) -> R<Option<TombstoneRow>> {
+        Ok(self
+            .conn
+            .prepare_cached(&format!(
+                "SELECT {TOMBSTONE_COLS} FROM purged_operations WHERE scope_sha256 = ?1 ORDER BY purged_at DESC LIMIT 1"
+            ))?
+            .query_row([scope_sha256], TombstoneRow::from_row)
+            .optional()?)
     }
 
     // --------------------------------------------------------------- outbox
@@ -957,7 +1035,10 @@ impl Tx<'_> {
     /// Inserts an approval request.
     pub fn insert_approval(&self, a: &ApprovalRow) -> R<()> {
         self.conn
-            .prepare_cached(&format!("INSERT INTO approvals ({APPROVAL_COLS}) VALUES ({APPROVAL_PLACEHOLDERS})"))?
+            .prepare_cached(&format!(
+                "INSERT INTO approvals ({APPROVAL_COLS}) VALUES ({})",
+                placeholders(ApprovalRow::WIDTH)
+            ))?
             .execute(a.params().as_slice())?;
         Ok(())
     }
@@ -1019,10 +1100,8 @@ impl Tx<'_> {
 
     /// The operator log, newest first.
     pub fn audit_log(&self, limit: i64) -> R<Vec<AuditRow>> {
-        let mut st = self.conn.prepare_cached(
-            "SELECT seq, at, action_id, actor, action, operation_id, approval_id, result, reason, evidence
-             FROM audit_log ORDER BY seq DESC LIMIT ?1",
-        )?;
+        let mut st =
+            self.conn.prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq DESC LIMIT ?1"))?;
         let rows = st.query_map([limit], AuditRow::from_row)?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
@@ -1031,20 +1110,16 @@ impl Tx<'_> {
     pub fn audit_by_action_id(&self, action_id: &str) -> R<Option<AuditRow>> {
         Ok(self
             .conn
-            .prepare_cached(
-                "SELECT seq, at, action_id, actor, action, operation_id, approval_id, result, reason, evidence
-                 FROM audit_log WHERE action_id = ?1",
-            )?
+            .prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log WHERE action_id = ?1"))?
             .query_row([action_id], AuditRow::from_row)
             .optional()?)
     }
 
     /// The operator log rows about one operation.
     pub fn audit_for(&self, operation_id: &str) -> R<Vec<AuditRow>> {
-        let mut st = self.conn.prepare_cached(
-            "SELECT seq, at, action_id, actor, action, operation_id, approval_id, result, reason, evidence
-             FROM audit_log WHERE operation_id = ?1 ORDER BY seq",
-        )?;
+        let mut st = self
+            .conn
+            .prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log WHERE operation_id = ?1 ORDER BY seq"))?;
         let rows = st.query_map([operation_id], AuditRow::from_row)?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
@@ -1121,12 +1196,6 @@ impl Tx<'_> {
             .conn
             .prepare_cached("SELECT duplicates FROM effect_totals WHERE id = 1")?
             .query_row([], |r| r.get(0))?)
-    }
-
-    /// Test and audit helper: run raw SQL. Not used by the engine.
-    #[doc(hidden)]
-    pub fn raw_execute(&self, sql: &str) -> R<usize> {
-        Ok(self.conn.execute(sql, [])?)
     }
 }
 

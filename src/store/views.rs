@@ -147,9 +147,9 @@ impl Tx<'_> {
     /// Shifts every stored time by `delta_ms` (the demo's working copy is re-based
     /// to now so countdowns are live).
     pub fn rebase_times(&self, delta_ms: i64) -> R<()> {
-        let cols: [(&str, &[&str]); 9] = [
+        let cols: [(&str, &[&str]); 10] = [
             ("grants", &["granted_at", "revoked_at"]),
-            ("operations", &["created_at", "updated_at", "deadline_at", "expires_at", "last_query_at"]),
+            ("operations", &["created_at", "updated_at", "deadline_at", "expires_at", "last_query_at", "terminal_at"]),
             ("outbox", &["lease_until", "available_at"]),
             ("attempts", &["claimed_at", "sent_at", "finished_at"]),
             ("call_identities", &["created_at"]),
@@ -157,6 +157,7 @@ impl Tx<'_> {
             ("trace_events", &["at"]),
             ("approvals", &["decided_at", "created_at", "expires_at"]),
             ("provider_effects", &["committed_at", "visible_at"]),
+            ("purged_operations", &["created_at", "terminal_at", "purged_at"]),
         ];
         for (table, columns) in cols {
             let sets: Vec<String> = columns.iter().map(|c| format!("{c} = {c} + ?1")).collect();

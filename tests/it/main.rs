@@ -19,5 +19,6 @@ mod props;
 mod race;
 mod recovery;
 mod resilience;
+mod retention;
 mod scenarios;
 mod support;

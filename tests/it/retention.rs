@@ -1,0 +1,157 @@
+//! Retention: counted from the moment an operation became terminal, never
+//! taking what a person acted on, leaving a tombstone, and never run by the
+//! console's reaper.
+
+use toolgate::engine::envelope::{Code, Delivery, Status};
+use toolgate::engine::{Engine, EngineError, EngineOptions, QueryRequest};
+
+use crate::support::{call, code, dispatch_with, raw, refund, refund_args, Fixture};
+
+const DAY: i64 = 86_400_000;
+
+fn count(fx: &Fixture, sql: &str) -> i64 {
+    raw(fx.path()).query_row(sql, [], |r| r.get(0)).unwrap()
+}
+
+fn caller_query(env: &toolgate::engine::envelope::Envelope, call_id: &str) -> QueryRequest {
+    QueryRequest {
+        tenant: "acme".into(),
+        subject: "agent_ana".into(),
+        status_ref: env.status_ref().unwrap().to_string(),
+        expected_request_sha256: env.protected_audit.binding.request_sha256.clone().unwrap(),
+        idempotency_key: None,
+        call: Some(call(call_id)),
+        operator: None,
+    }
+}
+
+#[test]
+fn an_old_unknown_operation_settled_by_an_operator_keeps_its_row_and_receipt() {
+    let fx = Fixture::new();
+    let mut e = fx.engine();
+    let env = dispatch_with(&mut e, &refund("refund-old-unknown", 100), "timeout_after_commit");
+    assert_eq!(code(&env), Some(Code::OutcomeUnknown));
+    let op = env.protected_audit.operation_id.clone().unwrap();
+    // It sits unknown for longer than its 30-day retention, then an operator settles it.
+    fx.clock.advance(60 * DAY);
+    let settled = e.operator_query(&op, "oncall-kim").unwrap();
+    assert_eq!(settled.model_result.execution.delivery, Delivery::ReceiptReconciled);
+    e.reap().unwrap();
+    let p = e.purge_expired().unwrap();
+    assert_eq!(p.purged, 0);
+    assert!(e.operation_detail(&op).unwrap().is_some(), "the settled operation is still there");
+    assert_eq!(count(&fx, &format!("SELECT count(*) FROM receipts WHERE operation_id = '{op}'")), 1);
+    // A person acted on it: it stays as long as its audit entries (for good).
+    fx.clock.advance(365 * DAY);
+    let p = e.purge_expired().unwrap();
+    assert_eq!((p.purged, p.kept_for_audit), (0, 1));
+    assert!(e.operation_detail(&op).unwrap().is_some());
+    assert_eq!(count(&fx, &format!("SELECT count(*) FROM receipts WHERE operation_id = '{op}'")), 1);
+}
+
+#[test]
+fn retention_counts_from_the_terminal_state_and_a_purge_leaves_a_tombstone() {
+    let fx = Fixture::new();
+    let mut e = fx.engine();
+    let mut req = refund("refund-retention-1", 100);
+    req.call = Some(call("call_ret_1"));
+    let env = dispatch_with(&mut e, &req, "timeout_after_commit");
+    let op = env.protected_audit.operation_id.clone().unwrap();
+    fx.clock.advance(60 * DAY);
+    // Settled by the caller's own status query (no person involved) on day 60.
+    let q = e.query_operation_status(&caller_query(&env, "call_q_ret")).unwrap();
+    assert_eq!(q.model_result.status, Status::Succeeded);
+    fx.clock.advance(29 * DAY);
+    assert_eq!(e.purge_expired().unwrap().purged, 0, "29 days after it ended: kept");
+    fx.clock.advance(DAY);
+    assert_eq!(e.purge_expired().unwrap().purged, 1, "30 days after it ended: purged");
+    assert_eq!(count(&fx, &format!("SELECT count(*) FROM operations WHERE id = '{op}'")), 0);
+    assert_eq!(count(&fx, &format!("SELECT count(*) FROM receipts WHERE operation_id = '{op}'")), 0);
+    // The tombstone answers for it; the trace still points at it.
+    let t = e.tombstone(&op).unwrap().unwrap();
+    assert_eq!(t.final_state, "succeeded");
+    assert_eq!(t.result_sha256, q.protected_audit.binding.result_sha256);
+    assert!(!t.scope_sha256.contains("refund-retention-1"));
+    match e.operation_detail(&op) {
+        Err(EngineError::Invalid { code, message }) => {
+            assert_eq!(code, "OPERATION_PURGED");
+            assert!(message.starts_with("purged on "), "{message}");
+            assert!(message.contains("succeeded"), "{message}");
+        }
+        other => panic!("expected OPERATION_PURGED, got {other:?}"),
+    }
+    assert!(count(&fx, &format!("SELECT count(*) FROM trace_events WHERE operation_id = '{op}'")) > 0);
+    // The key is free again: a new intent, and its trace says a purged operation held it.
+    let again = dispatch_with(&mut e, &refund("refund-retention-1", 100), "ok");
+    assert_eq!(again.model_result.execution.delivery, Delivery::Fresh);
+    assert_ne!(again.protected_audit.operation_id.as_deref(), Some(op.as_str()));
+    assert_eq!(count(&fx, "SELECT count(*) FROM trace_events WHERE reason = 'key_reused_after_purge'"), 1);
+}
+
+#[test]
+fn an_approved_operation_is_never_purged() {
+    let fx = Fixture::new();
+    let mut e = fx.engine();
+    // Above acme's threshold: needs approval.
+    let mut big = refund("refund-retention-big", 120_000);
+    big.arguments = refund_args("ord_1002", 120_000).into_bytes();
+    let asked = dispatch_with(&mut e, &big, "ok");
+    assert_eq!(code(&asked), Some(Code::ApprovalRequired));
+    let approved = e.approve(asked.protected_audit.approval_id.as_deref().unwrap(), "alice").unwrap();
+    assert_eq!(approved.model_result.status, Status::Succeeded);
+    let op = approved.protected_audit.operation_id.clone().unwrap();
+    fx.clock.advance(400 * DAY);
+    assert_eq!(e.purge_expired().unwrap().purged, 0);
+    assert!(e.operation_detail(&op).unwrap().is_some());
+    assert_eq!(count(&fx, "SELECT count(*) FROM operations"), 1);
+}
+
+#[test]
+fn the_consoles_reaper_on_a_plain_copy_of_demo_db_deletes_nothing() {
+    // A user copies demo.db by hand (no re-basing: its times are months old)
+    // and opens the console on it: the console's background pass is reap + work.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("copy.db");
+    std::fs::write(&path, toolgate::demo::DEMO_DB).unwrap();
+    let before: i64 = raw(&path).query_row("SELECT count(*) FROM operations", [], |r| r.get(0)).unwrap();
+    assert!(before >= 10);
+    let mut e = Engine::open(&path, EngineOptions { worker_id: "console".into(), ..EngineOptions::default() }).unwrap();
+    for _ in 0..3 {
+        e.reap().unwrap();
+        e.work(64).unwrap();
+    }
+    drop(e);
+    let c = raw(&path);
+    let after: i64 = c.query_row("SELECT count(*) FROM operations", [], |r| r.get(0)).unwrap();
+    assert_eq!(after, before);
+    let receipts: i64 = c.query_row("SELECT count(*) FROM receipts", [], |r| r.get(0)).unwrap();
+    assert!(receipts > 0);
+}
+
+#[test]
+fn a_version_4_ledger_migrates_with_retention_counted_from_its_last_change() {
+    // The demo database as committed before migration 0005 (schema version 4).
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v4.db");
+    std::fs::copy(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/fixtures/ledger-v4.db"), &path).unwrap();
+    let v: i64 = raw(&path).query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+    assert_eq!(v, 4);
+    let ops: i64 = raw(&path).query_row("SELECT count(*) FROM operations", [], |r| r.get(0)).unwrap();
+    drop(Engine::open(&path, EngineOptions::default()).unwrap());
+    let c = raw(&path);
+    let v: i64 = c.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+    assert_eq!(v, toolgate::store::SCHEMA_VERSION);
+    let after: i64 = c.query_row("SELECT count(*) FROM operations", [], |r| r.get(0)).unwrap();
+    assert_eq!(after, ops, "a migration deletes nothing");
+    let wrong: i64 = c
+        .query_row(
+            "SELECT count(*) FROM operations WHERE
+               (state IN ('succeeded', 'failed', 'resolved')) != (terminal_at IS NOT NULL)
+               OR (terminal_at IS NOT NULL AND (terminal_at != updated_at OR expires_at != updated_at + retention_ms))
+               OR retention_ms != 2592000000",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(wrong, 0);
+}
