@@ -626,7 +626,12 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 })?,
                 None => DEMO_WORLD.as_bytes().to_vec(),
             };
-            let w = World::parse(&text)?;
+            // Refusals name the file as the user knows it (its name, never a resolved path).
+            let name = world
+                .as_deref()
+                .and_then(Path::file_name)
+                .map_or_else(|| "the built-in world".to_string(), |n| n.to_string_lossy().into_owned());
+            let w = World::parse_named(&name, &text)?;
             if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
                 if !parent.is_dir() {
                     return Err(CliError::new(

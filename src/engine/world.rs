@@ -85,62 +85,108 @@ fn bad(message: impl Into<String>) -> EngineError {
     EngineError::invalid("WORLD_INVALID", message)
 }
 
+/// The character set of every id in a world file (tenants, approvers,
+/// subjects, order refs): 1 to 128 of `A-Z a-z 0-9 _ - . @ :`.
+pub const ID_RULE: &str = "1 to 128 characters of A-Z a-z 0-9 _ - . @ :";
+
+fn valid_id(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 128 && s.chars().all(|c| c.is_ascii_alphanumeric() || "_-.@:".contains(c))
+}
+
 impl World {
     /// Parses and checks a world file (strict: duplicate keys, unknown fields,
     /// dangling references and impossible amounts are refused).
     pub fn parse(text: &[u8]) -> Result<World, EngineError> {
-        let v = parse_strict(text, MAX_WORLD_BYTES, 16).map_err(|e| bad(format!("world file: {e}")))?;
-        let w: World = serde_json::from_value(v).map_err(|e| bad(format!("world file: {e}")))?;
-        w.check()?;
+        Self::parse_named("world file", text)
+    }
+
+    /// [`World::parse`], naming the file in every refusal (pass the name the
+    /// user gave, not a resolved path).
+    pub fn parse_named(file: &str, text: &[u8]) -> Result<World, EngineError> {
+        let v = parse_strict(text, MAX_WORLD_BYTES, 16).map_err(|e| bad(format!("{file}: {e}")))?;
+        let w: World = serde_json::from_value(v).map_err(|e| bad(format!("{file}: {e}")))?;
+        w.check().map_err(|why| bad(format!("{file}: {why}")))?;
         Ok(w)
     }
 
-    fn check(&self) -> Result<(), EngineError> {
-        let ident = |s: &str| {
-            !s.is_empty() && s.len() <= 128 && s.chars().all(|c| c.is_ascii_alphanumeric() || "_-.@".contains(c))
-        };
-        let tenants: std::collections::HashSet<&str> = self.tenants.iter().map(|t| t.id.as_str()).collect();
-        if tenants.len() != self.tenants.len() {
-            return Err(bad("world file: duplicate tenant id"));
-        }
-        for t in &self.tenants {
-            if !ident(&t.id) || t.approvers.iter().any(|a| !ident(a)) {
-                return Err(bad("world file: tenant and approver ids must be 1..128 of [A-Za-z0-9_-.@]"));
+    /// The first rule a record breaks, as "record: field `f`: rule".
+    fn check(&self) -> Result<(), String> {
+        let fail = |record: String, field: &str, rule: &str| Err(format!("{record}: field `{field}`: {rule}"));
+        let mut tenants = std::collections::HashSet::new();
+        for (i, t) in self.tenants.iter().enumerate() {
+            let rec = format!("tenants[{i}] ({:?})", t.id);
+            if !valid_id(&t.id) {
+                return fail(rec, "id", &format!("must be {ID_RULE}"));
+            }
+            if !tenants.insert(t.id.as_str()) {
+                return fail(rec, "id", "duplicate tenant id");
+            }
+            if let Some(a) = t.approvers.iter().find(|a| !valid_id(a)) {
+                return fail(rec, "approvers", &format!("approver {a:?} must be {ID_RULE}"));
             }
             if t.approval_threshold_minor < 0 {
-                return Err(bad(format!("world file: tenant {}: approval_threshold_minor must be >= 0", t.id)));
+                return fail(rec, "approval_threshold_minor", "must be 0 or more");
             }
         }
         let mut subjects = std::collections::HashMap::new();
-        for s in &self.subjects {
-            if !ident(&s.id) || !tenants.contains(s.tenant.as_str()) {
-                return Err(bad(format!("world file: subject {:?}: bad id or unknown tenant", s.id)));
+        for (i, s) in self.subjects.iter().enumerate() {
+            let rec = format!("subjects[{i}] ({:?})", s.id);
+            if !valid_id(&s.id) {
+                return fail(rec, "id", &format!("must be {ID_RULE}"));
+            }
+            if !tenants.contains(s.tenant.as_str()) {
+                return fail(rec, "tenant", "must name a tenant of this file");
             }
             if subjects.insert(s.id.as_str(), s.tenant.as_str()).is_some() {
-                return Err(bad(format!("world file: duplicate subject {:?}", s.id)));
+                return fail(rec, "id", "duplicate subject id");
             }
         }
-        for g in &self.grants {
+        for (i, g) in self.grants.iter().enumerate() {
+            let rec = format!("grants[{i}] ({:?})", g.subject);
+            if !tenants.contains(g.tenant.as_str()) {
+                return fail(rec, "tenant", "must name a tenant of this file");
+            }
             if subjects.get(g.subject.as_str()) != Some(&g.tenant.as_str()) {
-                return Err(bad(format!("world file: grant for {:?}: subject not in tenant", g.subject)));
+                return fail(rec, "subject", "must name a subject of the grant's tenant");
+            }
+            if !valid_id(&g.tool) {
+                return fail(rec, "tool", &format!("must be {ID_RULE}"));
             }
         }
-        for o in &self.orders {
-            if subjects.get(o.owner.as_str()) != Some(&o.tenant.as_str()) {
-                return Err(bad(format!("world file: order {:?}: owner not in tenant", o.order_ref)));
+        let mut orders = std::collections::HashSet::new();
+        for (i, o) in self.orders.iter().enumerate() {
+            let rec = format!("orders[{i}] ({:?})", o.order_ref);
+            if !valid_id(&o.order_ref) {
+                return fail(rec, "order_ref", &format!("must be {ID_RULE}"));
             }
-            let ok_status = matches!(o.status.as_str(), "paid" | "partially_refunded" | "refunded");
-            if !ok_status
-                || o.captured_minor < 0
-                || o.refunded_minor < 0
-                || o.refunded_minor > o.captured_minor
-                || o.currency.len() != 3
-                || !o.order_ref.starts_with("ord_")
-            {
-                return Err(bad(format!(
-                    "world file: order {:?}: impossible amounts, currency or status",
-                    o.order_ref
-                )));
+            if !orders.insert(o.order_ref.as_str()) {
+                return fail(rec, "order_ref", "duplicate order_ref");
+            }
+            if !tenants.contains(o.tenant.as_str()) {
+                return fail(rec, "tenant", "must name a tenant of this file");
+            }
+            if subjects.get(o.owner.as_str()) != Some(&o.tenant.as_str()) {
+                return fail(rec, "owner", "must name a subject of the order's tenant");
+            }
+            if !(o.currency.len() == 3 && o.currency.bytes().all(|b| b.is_ascii_uppercase())) {
+                return fail(rec, "currency", "must be a 3-letter upper-case currency code (ISO 4217), e.g. EUR");
+            }
+            if o.captured_minor < 0 {
+                return fail(rec, "captured_minor", "must be 0 or more");
+            }
+            if o.refunded_minor < 0 || o.refunded_minor > o.captured_minor {
+                return fail(rec, "refunded_minor", "must be between 0 and captured_minor");
+            }
+            let expected = match o.refunded_minor {
+                0 => "paid",
+                r if r == o.captured_minor => "refunded",
+                _ => "partially_refunded",
+            };
+            if !matches!(o.status.as_str(), "paid" | "partially_refunded" | "refunded") {
+                return fail(rec, "status", "must be paid, partially_refunded or refunded");
+            }
+            if o.status != expected {
+                return fail(rec, "status", &format!("must be {expected} for refunded_minor {}", o.refunded_minor));
             }
         }
         Ok(())

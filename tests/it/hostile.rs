@@ -254,3 +254,60 @@ fn cli_hostile_world_files_are_refused_and_leave_no_database() {
         assert!(!db.exists(), "{what}: a database was left behind");
     }
 }
+
+#[test]
+fn world_files_accept_any_documented_id_and_name_the_record_field_and_rule_they_break() {
+    use toolgate::engine::world::World;
+    let world = |order: &str| {
+        format!(
+            r#"{{"tenants":[{{"id":"t","approvers":["a"],"approval_threshold_minor":1}}],"subjects":[{{"id":"s","tenant":"t"}}],
+               "grants":[{{"tenant":"t","subject":"s","tool":"get_order"}}],"orders":[{order}]}}"#
+        )
+    };
+    let order = |r: &str, cur: &str, cap: i64, refunded: i64, status: &str| {
+        format!(
+            r#"{{"order_ref":"{r}","tenant":"t","owner":"s","currency":"{cur}","captured_minor":{cap},"refunded_minor":{refunded},"status":"{status}"}}"#
+        )
+    };
+    // Refs are ours to take, not to dictate: any id of the documented set.
+    for r in ["A-1009", "INV.2026:07@eu", "12345", "x"] {
+        World::parse_named("shop.json", world(&order(r, "EUR", 10, 0, "paid")).as_bytes()).unwrap();
+    }
+    // (order, the words the one refusal must carry)
+    let cases = [
+        (order("", "EUR", 10, 0, "paid"), "orders[0] (\"\"): field `order_ref`: must be 1 to 128 characters"),
+        (order("a b", "EUR", 10, 0, "paid"), "field `order_ref`"),
+        (order("o1", "EURO", 10, 0, "paid"), "field `currency`: must be a 3-letter upper-case currency code"),
+        (order("o1", "eur", 10, 0, "paid"), "field `currency`"),
+        (order("o1", "EUR", -1, 0, "paid"), "field `captured_minor`: must be 0 or more"),
+        (order("o1", "EUR", 10, 11, "partially_refunded"), "field `refunded_minor`: must be between 0 and captured_minor"),
+        (order("o1", "EUR", 10, 0, "shipped"), "field `status`: must be paid, partially_refunded or refunded"),
+        (order("o1", "EUR", 10, 10, "paid"), "field `status`: must be refunded for refunded_minor 10"),
+    ];
+    for (o, want) in cases {
+        let text = world(&o);
+        match World::parse_named("shop.json", text.as_bytes()) {
+            Err(toolgate::engine::EngineError::Invalid { code, message }) => {
+                assert_eq!(code, "WORLD_INVALID");
+                assert!(message.starts_with("shop.json: orders[0]"), "{message}");
+                assert!(message.contains(want), "{message} lacks {want}");
+                assert!(!message.contains("impossible"), "{message}");
+            }
+            other => panic!("{o}: expected WORLD_INVALID, got {other:?}"),
+        }
+    }
+    // The CLI names the file as given.
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("my-world.json");
+    std::fs::write(&f, world(&order("o1", "EURO", 10, 0, "paid"))).unwrap();
+    let db = dir.path().join("w.db");
+    let out = assert_cmd::Command::cargo_bin("toolgate")
+        .unwrap()
+        .args([os("init"), os("--db"), db.as_os_str(), os("--world"), f.as_os_str()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(err.contains("my-world.json: orders[0] (\"o1\"): field `currency`"), "{err}");
+    assert!(!err.contains(dir.path().to_str().unwrap()), "no local path: {err}");
+}
