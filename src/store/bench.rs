@@ -304,9 +304,9 @@ fn trace(tx: &Tx<'_>, op: &str, step: &str, fields: &str, answer: bool, now: i64
     tx.conn
         .prepare_cached(
             "INSERT INTO trace_events (at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us,
-               fields, answer, latency_us, tenant_ref, tool_version, timeout_stage, reason)
+               fields, answer, latency_us, tenant_ref, tool_version, timeout_stage, reason, latency_bucket_us)
              VALUES (?1, ?2, ?3, 'create_refund', NULL, ?4, ?5, 1, 100, ?6, ?7, ?8, 'tenant_5e0c7a1d9b3f42e8',
-               '1.1.1', NULL, 'committed')",
+               '1.1.1', NULL, 'committed', ?8)",
         )?
         .execute(params![
             now,

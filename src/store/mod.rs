@@ -21,12 +21,13 @@ pub use rows::*;
 pub use views::{Cursor, LiveRow, OpsView};
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 5] = [
+const MIGRATIONS: [&str; 6] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
     include_str!("migrations/0004_resilience.sql"),
     include_str!("migrations/0005_retention.sql"),
+    include_str!("migrations/0006_latency_bucket.sql"),
 ];
 
 /// The schema version this build writes.
@@ -988,8 +989,8 @@ impl Tx<'_> {
         self.conn
             .prepare_cached(
                 "INSERT INTO trace_events (at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us, fields,
-                   answer, latency_us, tenant_ref, tool_version, timeout_stage, reason)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+                   answer, latency_us, tenant_ref, tool_version, timeout_stage, reason, latency_bucket_us)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
             )?
             .execute(params![
                 e.at,
@@ -1007,7 +1008,9 @@ impl Tx<'_> {
                 e.tenant_ref,
                 e.tool_version,
                 e.timeout_stage,
-                e.reason
+                e.reason,
+                // The one rounding rule of the latency rollups (migration 0006).
+                e.latency_us.map(crate::telemetry::histogram::bucket_upper)
             ])?;
         Ok(())
     }

@@ -280,7 +280,10 @@ fn world_files_accept_any_documented_id_and_name_the_record_field_and_rule_they_
         (order("o1", "EURO", 10, 0, "paid"), "field `currency`: must be a 3-letter upper-case currency code"),
         (order("o1", "eur", 10, 0, "paid"), "field `currency`"),
         (order("o1", "EUR", -1, 0, "paid"), "field `captured_minor`: must be 0 or more"),
-        (order("o1", "EUR", 10, 11, "partially_refunded"), "field `refunded_minor`: must be between 0 and captured_minor"),
+        (
+            order("o1", "EUR", 10, 11, "partially_refunded"),
+            "field `refunded_minor`: must be between 0 and captured_minor",
+        ),
         (order("o1", "EUR", 10, 0, "shipped"), "field `status`: must be paid, partially_refunded or refunded"),
         (order("o1", "EUR", 10, 10, "paid"), "field `status`: must be refunded for refunded_minor 10"),
     ];
