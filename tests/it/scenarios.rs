@@ -279,7 +279,7 @@ fn a_script_may_bring_its_own_world_and_a_broken_one_is_refused() {
     assert_eq!(r.steps[0].code, Some(toolgate::engine::envelope::Code::NotFound));
     assert!(!r.passed);
     v["world"]["orders"][0]["owner"] = json!("nobody");
-    refused(&v, &["copy.json: world", "owner not in tenant"]);
+    refused(&v, &["copy.json: world", "field `owner`: must name a subject of the order's tenant"]);
     v["world"] = json!(42);
     refused(&v, &["copy.json: world", "\"demo\" or a world object"]);
 }
