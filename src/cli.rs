@@ -411,6 +411,10 @@ pub struct ResolveArgs {
     /// Receipt id (mandatory for succeeded).
     #[arg(long)]
     pub evidence: Option<String>,
+    /// Apply the decision although the provider's evidence contradicts it
+    /// (the status query the engine runs first); the audit entry records it.
+    #[arg(long)]
+    pub against_evidence: bool,
     /// The version you saw (refused if the operation changed since).
     #[arg(long)]
     pub seen_version: Option<i64>,
@@ -731,7 +735,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 .map(|a| {
                     json!({
                         "approval_id": a.id, "tool": a.tool, "tenant": a.tenant, "subject": a.subject,
-                        "amount_minor": a.amount_minor, "created_at": rfc3339(a.created_at),
+                        "amount_minor": crate::engine::approval_amount(a), "created_at": rfc3339(a.created_at),
                         "expires_at": rfc3339(a.expires_at), "expires_in_ms": a.expires_at - now,
                         "expired": now >= a.expires_at, "request_sha256": a.request_sha256,
                     })
@@ -755,7 +759,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                         a.tool,
                         a.tenant,
                         a.subject,
-                        a.amount_minor.map_or("-".into(), |v| v.to_string())
+                        crate::engine::approval_amount(a).map_or("-".into(), |v| v.to_string())
                     );
                 }
             }
@@ -768,7 +772,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 .clone()
                 .ok_or_else(|| CliError::new("OPERATOR_REQUIRED", "--operator NAME is required to resolve"))?;
             let mut engine = open(cli)?;
-            let out = engine.resolve(&ResolveRequest {
+            let req = ResolveRequest {
                 operation_id: a.operation_id.clone(),
                 resolution: match a.resolution {
                     ResolveAs::Succeeded => Resolution::Succeeded,
@@ -780,7 +784,8 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 evidence: a.evidence.clone(),
                 seen_version: a.seen_version,
                 action_id: a.action_id.clone(),
-            })?;
+            };
+            let out = if a.against_evidence { engine.resolve_against_evidence(&req)? } else { engine.resolve(&req)? };
             print_outcome(&out, a.json);
             Ok(i32::from(!out.applied))
         }

@@ -97,6 +97,7 @@ impl Engine {
                     result: if applied { "applied" } else { "refused" }.into(),
                     reason: reason.to_string(),
                     evidence: canonical_string(evidence),
+                    chain_sha256: None,
                 })
             };
             let refuse = |code: &str, why: String| -> Result<OperatorOutcome, StoreError> {

@@ -146,17 +146,43 @@ pub(crate) fn revisions_of(op: &OperationRow) -> Revisions {
 
 /// Recomputes a row's digests and binding: any mismatch is tampering (SPEC §3).
 pub(crate) fn verify_row(op: &OperationRow) -> Result<(), &'static str> {
-    let canonical_ok =
-        |text: &str| parse_strict(text.as_bytes(), usize::MAX, 256).is_ok_and(|v| canonical_string(&v) == text);
-    if !canonical_ok(&op.request_json) {
-        return Err("request_json is not canonical");
+    let parse_canonical =
+        |text: &str| parse_strict(text.as_bytes(), usize::MAX, 256).ok().filter(|v| canonical_string(v) == text);
+    if !matches!(
+        op.state.as_str(),
+        "accepted" | "in_flight" | "succeeded" | "failed" | "unknown" | "needs_review" | "resolved"
+    ) {
+        return Err("state is not a ledger state");
     }
+    let Some(request) = parse_canonical(&op.request_json) else {
+        return Err("request_json is not canonical");
+    };
     if sha256_hex(op.request_json.as_bytes()) != op.request_sha256 {
         return Err("request_sha256 does not recompute");
     }
+    // Every column that restates the bound request must agree with it: the
+    // scope columns decide which row a replay finds, the revisions which
+    // contract it is checked against.
+    let said = |field: &str| request.get(field).and_then(Value::as_str);
+    if said("tenant") != Some(op.tenant.as_str()) {
+        return Err("tenant does not match the bound request");
+    }
+    if said("subject") != Some(op.subject.as_str()) {
+        return Err("subject does not match the bound request");
+    }
+    if said("tool") != Some(op.tool.as_str()) {
+        return Err("tool does not match the bound request");
+    }
+    let rev = |k: &str| request.get("revisions").and_then(|r| r.get(k)).and_then(Value::as_i64);
+    if (rev("input"), rev("output"), rev("effect")) != (Some(op.input_rev), Some(op.output_rev), Some(op.effect_rev)) {
+        return Err("contract revisions do not match the bound request");
+    }
+    if sha256_hex(op.idem_key.as_bytes()) != op.key_sha256 {
+        return Err("key_sha256 does not recompute");
+    }
     match (&op.result_json, &op.result_sha256) {
         (Some(r), Some(h)) => {
-            if !canonical_ok(r) {
+            if parse_canonical(r).is_none() {
                 return Err("result_json is not canonical");
             }
             if &sha256_hex(r.as_bytes()) != h {
@@ -783,6 +809,18 @@ fn accept(
     ev.step = "idempotency";
     if let Some(op) = existing {
         ev.operation_id = Some(op.id.clone());
+        // A damaged row answers STATUS_CONFLICT (the ledger is at fault), never
+        // IDEMPOTENCY_CONFLICT (which blames the caller), never a new execution.
+        if let Err(why) = verify_row(&op) {
+            ev.step = "tamper_detected";
+            ev.note = Some(why.into());
+            ev.reason = Some("tampered");
+            let env = with_detail(
+                error_envelope(Code::StatusConflict, audit),
+                json!({"reason": "stored record failed its integrity check"}),
+            );
+            return Ok(Decision::Answer(env, ev));
+        }
         if op.request_sha256 != c.request_sha256 {
             if c.defenses.conflict_returns_old_result {
                 // Lab only: the defense is off, the second request is silently dropped.
@@ -794,16 +832,6 @@ fn accept(
             ev.note = Some("same key, different request".into());
             ev.reason = Some("conflict");
             return Ok(answer(Code::IdempotencyConflict, audit, ev));
-        }
-        if let Err(why) = verify_row(&op) {
-            ev.step = "tamper_detected";
-            ev.note = Some(why.into());
-            ev.reason = Some("tampered");
-            let env = with_detail(
-                error_envelope(Code::StatusConflict, audit),
-                json!({"reason": "stored record failed its integrity check"}),
-            );
-            return Ok(Decision::Answer(env, ev));
         }
         if relaxed && op.state == "accepted" {
             // Possibly executable again (proven unsent): a state change.
@@ -862,6 +890,28 @@ fn accept(
     if relaxed {
         // A new intent (the row was purged since the read): accept is a state change.
         return Ok(Decision::Synced);
+    }
+    // No row under this scope. If a row under the same key whose bound request
+    // names this very scope sits elsewhere, its tenant, subject or tool column
+    // was edited by hand: the intent is not new, and running it would be a
+    // second effect.
+    for other in tx.operations_sharing_key(&r.tenant, &r.subject, &r.tool, c.key)? {
+        let bound = serde_json::from_str::<Value>(&other.request_json).ok();
+        let says = |f: &str| bound.as_ref().and_then(|v| v.get(f)).and_then(Value::as_str).map(str::to_string);
+        let ours = says("tenant").as_deref() == Some(r.tenant.as_str())
+            && says("subject").as_deref() == Some(r.subject.as_str())
+            && says("tool").as_deref() == Some(r.tool.as_str());
+        if ours && verify_row(&other).is_err() {
+            ev.step = "tamper_detected";
+            ev.operation_id = Some(other.id.clone());
+            ev.note = Some("a row of this scope was moved out of it by hand".into());
+            ev.reason = Some("tampered");
+            let env = with_detail(
+                error_envelope(Code::StatusConflict, audit),
+                json!({"reason": "stored record failed its integrity check"}),
+            );
+            return Ok(Decision::Answer(env, ev));
+        }
     }
     ev.checks.push("idempotency");
     // A new execution while the downstream's circuit is open: refused before

@@ -283,6 +283,7 @@ impl Engine {
                 reason: toggle
                     .map_or_else(|| "every defense back on".to_string(), |t| format!("defense off: {}", t.as_str())),
                 evidence: canonical_string(&evidence),
+                chain_sha256: None,
             })?;
             Ok(())
         })

@@ -28,7 +28,9 @@ use serde_json::Value;
 pub use cancel::CancelRequest;
 pub use dispatch::{DispatchRequest, ReapReport};
 pub use lab::{LabSide, LabState, LabToggle};
-pub use recovery::{AuditFinding, OperationDetail, OperatorOutcome, QueryRequest, Resolution, ResolveRequest};
+pub use recovery::{
+    approval_amount, AuditFinding, OperationDetail, OperatorOutcome, QueryRequest, Resolution, ResolveRequest,
+};
 pub use retention::PurgeReport;
 pub use trace::TraceEvent;
 

@@ -13,7 +13,7 @@ use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, Engine, EngineError};
 use crate::downstream::Lookup;
 use crate::failpoint;
-use crate::store::{AuditRow, CallIdentityRow, OperationRow, ReceiptRow, StoreError, Tx};
+use crate::store::{ApprovalRow, AuditRow, CallIdentityRow, OperationRow, ReceiptRow, StoreError, Tx};
 
 /// How long an approval request stays open.
 pub const APPROVAL_TTL_MS: i64 = 15 * 60 * 1000;
@@ -172,6 +172,7 @@ fn audit_row(
         result: if applied { "applied" } else { "refused" }.to_string(),
         reason: reason.to_string(),
         evidence: canonical_string(evidence),
+        chain_sha256: None,
     }
 }
 
@@ -503,9 +504,8 @@ impl Engine {
                 call_id: a.call_id.clone(),
                 adapter_revision: a.adapter_revision.clone(),
             };
-            let base = approval_base_sha256(&a.tenant, &a.subject, &a.tool, &a.request_sha256, &a.key_sha256, &call, rev, a.policy_revision);
-            if base != a.base_sha256 || sha256_hex(a.request_json.as_bytes()) != a.request_sha256 {
-                return invalid("approval record does not match its digest", "tampered", Some(&a));
+            if let Err(why) = verify_approval(&a) {
+                return invalid(&format!("approval record failed its integrity check: {why}"), "tampered", Some(&a));
             }
             if tx.operation_by_scope(&a.tenant, &a.subject, &a.tool, &a.idem_key)?.is_some() {
                 return invalid("the intent already has an operation", "already_accepted", Some(&a));
@@ -543,7 +543,7 @@ impl Engine {
             tx.decide_approval(&a)?;
             tx.insert_audit(&audit_row(now, None, approver, "approve", Some(&op.id), Some(&a.id), true, "approved", &json!({
                 "approval_sha256": a.approval_sha256, "request_sha256": a.request_sha256, "expires_at": a.expires_at,
-                "amount_minor": a.amount_minor,
+                "amount_minor": approval_amount(&a),
             })))?;
             let mut ev = TraceEvent::of_operation("approval", &op, &salt, now);
             ev.policy_revision = Some(a.policy_revision);
@@ -604,7 +604,7 @@ impl Engine {
                 true,
                 note,
                 &json!({
-                    "request_sha256": a.request_sha256, "expires_at": a.expires_at, "amount_minor": a.amount_minor,
+                    "request_sha256": a.request_sha256, "expires_at": a.expires_at, "amount_minor": approval_amount(&a),
                 }),
             ))?;
             let mut ev = TraceEvent::of_approval("approval", &a, &salt);
@@ -628,6 +628,59 @@ impl Engine {
 
     /// Resolves an `unknown` / `needs_review` operation by a recorded human decision.
     pub fn resolve(&mut self, r: &ResolveRequest) -> Result<OperatorOutcome, EngineError> {
+        self.resolve_with(r, false)
+    }
+
+    /// [`Engine::resolve`] for an operator who overrides what the provider's
+    /// evidence says: applied, and the audit entry records it as made against
+    /// the evidence (with the evidence and the mandatory note).
+    pub fn resolve_against_evidence(&mut self, r: &ResolveRequest) -> Result<OperatorOutcome, EngineError> {
+        self.resolve_with(r, true)
+    }
+
+    /// What the downstream says about an operation a person is about to
+    /// resolve, and whether it contradicts the decision: a `failed` (no effect)
+    /// decision against a receipt the provider holds, a `succeeded` one whose
+    /// receipt id is not the provider's. `None` when there is nothing to check (no such
+    /// operation, not resolvable, `compensated`, or no tool contract).
+    fn decision_evidence(&mut self, r: &ResolveRequest) -> Result<Option<(Value, Option<String>)>, EngineError> {
+        if !matches!(r.resolution, Resolution::Failed | Resolution::Succeeded) {
+            return Ok(None);
+        }
+        let Some(op) = self.store.read(|tx| tx.operation(&r.operation_id))? else { return Ok(None) };
+        if !matches!(op.state.as_str(), "unknown" | "needs_review") {
+            return Ok(None);
+        }
+        let contracts = self.contracts.clone();
+        let Some(contract) = contracts.get(&op.tool) else { return Ok(None) };
+        let claimed = r.evidence.as_deref().map(str::trim).filter(|e| !e.is_empty());
+        Ok(Some(match self.downstream(contract.downstream).lookup(&op.downstream_key)? {
+            Lookup::Found(receipt) => {
+                let seen =
+                    json!({"lookup": "found", "receipt_id": receipt.receipt_id, "request_id": receipt.request_id});
+                let contra = match (r.resolution, claimed) {
+                    (Resolution::Failed, _) => Some(format!(
+                        "the provider holds receipt {} for this operation: the effect happened",
+                        receipt.receipt_id
+                    )),
+                    (_, Some(c)) if c != receipt.receipt_id => {
+                        Some(format!("the provider's receipt is {}, not {c}", receipt.receipt_id))
+                    }
+                    _ => None,
+                };
+                (seen, contra)
+            }
+            // No receipt (yet): receipts can lag, so this contradicts nothing;
+            // the audit entry records that the provider showed none.
+            Lookup::NotFound => (json!({"lookup": "not_found"}), None),
+            // No evidence either way: the decision stands on the operator's word.
+            Lookup::Unavailable => (json!({"lookup": "unavailable"}), None),
+        }))
+    }
+
+    fn resolve_with(&mut self, r: &ResolveRequest, against_evidence: bool) -> Result<OperatorOutcome, EngineError> {
+        // The provider's word first, outside any ledger transaction (a downstream call).
+        let provider = self.decision_evidence(r)?;
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
         Ok(self.store.write(|tx| -> Result<OperatorOutcome, StoreError> {
@@ -649,7 +702,10 @@ impl Engine {
                 "last_query_result": o.last_query_result, "receipt_id": o.receipt_id,
             }));
             let refuse = |code: &str, why: String| -> Result<OperatorOutcome, StoreError> {
-                let ev = json!({"seen_version": r.seen_version, "current": snapshot, "resolution": r.resolution.as_str(), "evidence": r.evidence});
+                let ev = json!({
+                    "seen_version": r.seen_version, "current": snapshot, "resolution": r.resolution.as_str(), "evidence": r.evidence,
+                    "provider_evidence": provider.as_ref().map(|(seen, _)| seen),
+                });
                 let op_exists = cur.is_some();
                 tx.insert_audit(&audit_row(now, r.action_id.as_deref(), &r.operator, "resolve", op_exists.then_some(r.operation_id.as_str()), None, false, &why, &ev))?;
                 if let Some(op) = &cur {
@@ -681,6 +737,15 @@ impl Engine {
             if r.resolution == Resolution::Succeeded && evidence.is_none() {
                 return refuse("EVIDENCE_REQUIRED", "resolving as succeeded needs a receipt id as evidence".into());
             }
+            let contradiction = provider.as_ref().and_then(|(_, c)| c.clone());
+            if let Some(why) = &contradiction {
+                if !against_evidence {
+                    return refuse(
+                        "STATUS_CONFLICT",
+                        format!("{why}; resolve as {} only against the evidence (--against-evidence, with a note)", r.resolution.as_str()),
+                    );
+                }
+            }
             let result = json!({"resolution": r.resolution.as_str(), "receipt_id": evidence});
             let result_json = canonical_string(&result);
             op.result_sha256 = Some(sha256_hex(result_json.as_bytes()));
@@ -703,7 +768,11 @@ impl Engine {
                 apply_business_effect(tx, &op)?;
             }
             tx.close_outbox(&op.id, "done", None)?;
-            let ev = json!({"seen_version": r.seen_version, "before": snapshot, "resolution": r.resolution.as_str(), "evidence": evidence});
+            let ev = json!({
+                "seen_version": r.seen_version, "before": snapshot, "resolution": r.resolution.as_str(), "evidence": evidence,
+                "provider_evidence": provider.as_ref().map(|(seen, _)| seen),
+                "against_evidence": contradiction,
+            });
             tx.insert_audit(&audit_row(now, r.action_id.as_deref(), &r.operator, "resolve", op_ref, None, true, &r.note, &ev))?;
             let mut t = TraceEvent::of_operation("resolution", &op, &salt, now);
             t.delivery = Some("human_resolved");
@@ -764,12 +833,30 @@ impl Engine {
             for p in tx.sqlite_checks()? {
                 find("sqlite", "database", &p);
             }
-            for op in tx.all_operations()? {
-                check_operation(tx, &op, &refs, &mut find)?;
+            for (table, row, value) in tx.invalid_states()? {
+                find("state", &format!("{table} {row}"), &format!("{value} is not a state {table} allows"));
+            }
+            let ops = tx.all_operations()?;
+            for op in &ops {
+                check_operation(tx, op, &refs, &mut find)?;
             }
             for r in tx.orphan_receipts()? {
                 find("orphan_receipt", &r, "receipt does not belong to the operation it names");
             }
+            for a in tx.all_approvals()? {
+                if let Err(why) = verify_approval(&a) {
+                    find("approval", &a.id, why);
+                }
+            }
+            check_orders(tx, &ops, &mut find)?;
+            let (bad, gaps) = tx.trace_damage()?;
+            for seq in bad {
+                find("trace", &format!("trace_events {seq}"), "fields are not valid JSON");
+            }
+            for (from, to) in gaps {
+                find("trace", &format!("trace_events {from}..{to}"), "events missing (the trace is never pruned)");
+            }
+            check_audit_chain(tx, &mut find)?;
             let dups = tx.side_effect_duplicates()?;
             if dups > 0 {
                 find("side_effect_duplicates", "downstream", &format!("{dups} intent(s) with more than one effect"));
@@ -777,6 +864,146 @@ impl Engine {
             Ok(out)
         })?)
     }
+}
+
+/// The amount an approver is shown: from the bound, digest-checked request,
+/// never from the copy stored beside it.
+pub fn approval_amount(a: &ApprovalRow) -> Option<i64> {
+    verify_approval(a).ok()?;
+    let v: Value = serde_json::from_str(&a.request_json).ok()?;
+    v.get("arguments")?.get("amount_minor")?.as_i64()
+}
+
+/// Checks an approval row against what binds it: the request digest, every
+/// column that restates the request, the key digest, the stored amount copy
+/// and the approval's base digest.
+pub(crate) fn verify_approval(a: &ApprovalRow) -> Result<(), &'static str> {
+    let Ok(request) = super::canonical::parse_strict(a.request_json.as_bytes(), usize::MAX, 256) else {
+        return Err("request_json does not parse");
+    };
+    if super::canonical::canonical_string(&request) != a.request_json {
+        return Err("request_json is not canonical");
+    }
+    if sha256_hex(a.request_json.as_bytes()) != a.request_sha256 {
+        return Err("request_sha256 does not recompute");
+    }
+    let said = |field: &str| request.get(field).and_then(Value::as_str);
+    if said("tenant") != Some(a.tenant.as_str())
+        || said("subject") != Some(a.subject.as_str())
+        || said("tool") != Some(a.tool.as_str())
+    {
+        return Err("tenant, subject or tool does not match the bound request");
+    }
+    let rev = |k: &str| request.get("revisions").and_then(|r| r.get(k)).and_then(Value::as_i64);
+    if (rev("input"), rev("output"), rev("effect")) != (Some(a.input_rev), Some(a.output_rev), Some(a.effect_rev)) {
+        return Err("contract revisions do not match the bound request");
+    }
+    if sha256_hex(a.idem_key.as_bytes()) != a.key_sha256 {
+        return Err("key_sha256 does not recompute");
+    }
+    let amount = request.get("arguments").and_then(|x| x.get("amount_minor")).and_then(Value::as_i64);
+    if amount != a.amount_minor {
+        return Err("amount_minor does not match the bound request");
+    }
+    let call = CallIdentity {
+        provider: a.call_provider.clone(),
+        api_family: a.call_api_family.clone(),
+        response_id: a.call_response_id.clone(),
+        call_id: a.call_id.clone(),
+        adapter_revision: a.adapter_revision.clone(),
+    };
+    let rev = Revisions { input: a.input_rev, output: a.output_rev, effect: a.effect_rev };
+    let base = approval_base_sha256(
+        &a.tenant,
+        &a.subject,
+        &a.tool,
+        &a.request_sha256,
+        &a.key_sha256,
+        &call,
+        rev,
+        a.policy_revision,
+    );
+    if base != a.base_sha256 {
+        return Err("base_sha256 does not recompute");
+    }
+    Ok(())
+}
+
+/// Each order's `refunded_minor` covers at least the refunds the ledger holds
+/// as succeeded (the world file's starting balance is not kept, so a balance
+/// above the ledger's refunds is not a finding).
+fn check_orders(tx: &Tx<'_>, ops: &[OperationRow], find: &mut impl FnMut(&str, &str, &str)) -> Result<(), StoreError> {
+    let mut refunded: std::collections::BTreeMap<String, i64> = std::collections::BTreeMap::new();
+    for op in ops.iter().filter(|o| o.tool == "create_refund" && o.state == "succeeded") {
+        let args = super::dispatch::args_of(&op.request_json);
+        if let (Some(order), Some(amount)) =
+            (args.get("order_ref").and_then(Value::as_str), args.get("amount_minor").and_then(Value::as_i64))
+        {
+            *refunded.entry(order.to_string()).or_default() += amount;
+        }
+    }
+    for o in tx.orders()? {
+        let held = refunded.get(&o.order_ref).copied().unwrap_or(0);
+        if o.refunded_minor < held {
+            find(
+                "order",
+                &o.order_ref,
+                &format!(
+                    "refunded_minor {} is below the {held} the ledger's succeeded refunds add up to",
+                    o.refunded_minor
+                ),
+            );
+        }
+        let expected = match o.refunded_minor {
+            0 => "paid",
+            r if r == o.captured_minor => "refunded",
+            _ => "partially_refunded",
+        };
+        if o.status != expected {
+            find(
+                "order",
+                &o.order_ref,
+                &format!("status {} does not match refunded_minor {}", o.status, o.refunded_minor),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The operator log's hash chain (migration 0007): every linked row carries the
+/// hash of the row before it, and meta `audit_head` the hash of the newest.
+fn check_audit_chain(tx: &Tx<'_>, find: &mut impl FnMut(&str, &str, &str)) -> Result<(), StoreError> {
+    let rows = tx.audit_log_ascending()?;
+    let mut prev: Option<String> = None;
+    let mut linked = false;
+    for row in &rows {
+        let expect = prev.clone().unwrap_or_else(|| crate::store::AUDIT_GENESIS.to_string());
+        match &row.chain_sha256 {
+            Some(link) => {
+                linked = true;
+                if *link != expect {
+                    find(
+                        "audit_chain",
+                        &format!("audit_log {}", row.seq),
+                        "link does not match the row before it (a row was deleted, changed or inserted)",
+                    );
+                }
+            }
+            None if linked => {
+                find("audit_chain", &format!("audit_log {}", row.seq), "row without a link after linked rows");
+            }
+            None => {}
+        }
+        prev = Some(row.chain_hash());
+    }
+    let head = tx.meta("audit_head")?;
+    if linked && head != prev {
+        find("audit_chain", "audit_log", "the newest row is not the one the head records (rows removed at the end)");
+    }
+    if !linked && head.is_some() {
+        find("audit_chain", "audit_log", "the log is empty or unlinked but a head was recorded (rows removed)");
+    }
+    Ok(())
 }
 
 fn check_operation(
@@ -820,6 +1047,30 @@ fn check_operation(
     }
     if op.state == "succeeded" && op.code.is_some() {
         find("shape", r, "succeeded with an error code");
+    }
+    // A succeeded operation's receipt came from the provider and was recorded;
+    // a resolution's receipt id is the operator's evidence and need not be.
+    if let (Some(receipt), "succeeded") = (&op.receipt_id, op.state.as_str()) {
+        if !tx.receipt_exists(receipt)? {
+            find("receipt", r, "the receipt the operation names is not in receipts");
+        }
+    }
+    let call = CallIdentity {
+        provider: op.call_provider.clone(),
+        api_family: op.call_api_family.clone(),
+        response_id: op.call_response_id.clone(),
+        call_id: op.call_id.clone(),
+        adapter_revision: op.adapter_revision.clone(),
+    };
+    match tx.call_identity(&call.key(&op.tenant, &op.subject))? {
+        None => find("call_identity", r, "the call identity that created the operation is not bound"),
+        Some(b) if b.request_sha256 != op.request_sha256 || b.purpose != "dispatch" => {
+            find("call_identity", r, "the creating call identity is bound to another request or purpose");
+        }
+        Some(_) => {}
+    }
+    if tx.trace_count_for(&op.id)? == 0 {
+        find("trace", r, "the operation has no trace events");
     }
     Ok(())
 }

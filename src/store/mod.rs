@@ -21,13 +21,14 @@ pub use rows::*;
 pub use views::{Cursor, LiveRow, OpsView};
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 6] = [
+const MIGRATIONS: [&str; 7] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
     include_str!("migrations/0004_resilience.sql"),
     include_str!("migrations/0005_retention.sql"),
     include_str!("migrations/0006_latency_bucket.sql"),
+    include_str!("migrations/0007_integrity.sql"),
 ];
 
 /// The schema version this build writes.
@@ -38,6 +39,13 @@ pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 /// reference (`pr_` + 16 hex digits, a shape operator names may not take).
 const BY_A_PERSON: &str =
     "NOT (a.action = 'query' AND length(a.actor) = 19 AND a.actor GLOB 'pr_[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*')";
+
+/// The link of the first row of the operator log's hash chain.
+pub const AUDIT_GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+/// Trace events with unparseable fields (their seq), and gaps in the sequence
+/// as (first missing, last missing).
+pub type TraceDamage = (Vec<i64>, Vec<(i64, i64)>);
 
 /// Prepared statements kept per connection.
 const STATEMENT_CACHE: usize = 160;
@@ -701,6 +709,18 @@ impl Tx<'_> {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
+    /// The operations under the same key string in other scopes (index
+    /// `operations_key`): a new intent looks here for its own row when a hand
+    /// edit moved that row out of its scope (tenant, subject or tool changed).
+    pub fn operations_sharing_key(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Vec<OperationRow>> {
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT {OP_COLS} FROM operations
+             WHERE idem_key = ?1 AND NOT (tenant = ?2 AND subject = ?3 AND tool = ?4) LIMIT 64"
+        ))?;
+        let rows = st.query_map(params![key, tenant, subject, tool], OperationRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
     /// Operation counts per state.
     pub fn count_operations_by_state(&self) -> R<Vec<(String, i64)>> {
         let mut st =
@@ -1092,13 +1112,31 @@ impl Tx<'_> {
 
     /// Appends to the operator log (there is no update or delete).
     pub fn insert_audit(&self, a: &AuditRow) -> R<()> {
+        // Link to the newest row (migration 0007): the chain `audit` verifies.
+        let last = self
+            .conn
+            .prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq DESC LIMIT 1"))?
+            .query_row([], AuditRow::from_row)
+            .optional()?;
+        let link = last.as_ref().map_or_else(|| AUDIT_GENESIS.to_string(), AuditRow::chain_hash);
         self.conn
             .prepare_cached(
-                "INSERT INTO audit_log (at, action_id, actor, action, operation_id, approval_id, result, reason, evidence)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                "INSERT INTO audit_log (at, action_id, actor, action, operation_id, approval_id, result, reason, evidence, chain_sha256)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
             )?
-            .execute(params![a.at, a.action_id, a.actor, a.action, a.operation_id, a.approval_id, a.result, a.reason, a.evidence])?;
-        Ok(())
+            .execute(params![a.at, a.action_id, a.actor, a.action, a.operation_id, a.approval_id, a.result, a.reason, a.evidence, link])?;
+        let seq = self.conn.last_insert_rowid();
+        let mut stored = a.clone();
+        stored.seq = seq;
+        stored.chain_sha256 = Some(link);
+        self.meta_set("audit_head", &stored.chain_hash())
+    }
+
+    /// Every operator-log row, oldest first (for the chain check).
+    pub fn audit_log_ascending(&self) -> R<Vec<AuditRow>> {
+        let mut st = self.conn.prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq"))?;
+        let rows = st.query_map([], AuditRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
     }
 
     /// The operator log, newest first.
@@ -1144,6 +1182,73 @@ impl Tx<'_> {
             out.push(format!("foreign key violation in table {}", r?));
         }
         Ok(out)
+    }
+
+    /// Rows whose state (or outcome) is none of the values their table allows,
+    /// as (table, row id, value): only a hand edit that bypassed the CHECK
+    /// constraints leaves one.
+    pub fn invalid_states(&self) -> R<Vec<(String, String, String)>> {
+        let mut st = self.conn.prepare(
+            "SELECT 'operations', id, quote(state) FROM operations
+               WHERE state NOT IN ('accepted', 'in_flight', 'succeeded', 'failed', 'unknown', 'needs_review', 'resolved')
+             UNION ALL SELECT 'outbox', operation_id, quote(state) FROM outbox
+               WHERE state NOT IN ('pending', 'leased', 'done', 'parked')
+             UNION ALL SELECT 'approvals', id, quote(state) FROM approvals
+               WHERE state NOT IN ('pending', 'approved', 'denied', 'expired', 'invalidated')
+             UNION ALL SELECT 'attempts', operation_id || '#' || attempt, quote(outcome) FROM attempts
+               WHERE outcome IS NOT NULL AND outcome NOT IN ('not_sent', 'refused', 'committed', 'rejected', 'unknown')
+             UNION ALL SELECT 'audit_log', seq, quote(result) FROM audit_log WHERE result NOT IN ('applied', 'refused')",
+        )?;
+        let rows = st.query_map([], |r| {
+            Ok((
+                r.get(0)?,
+                r.get::<_, rusqlite::types::Value>(1).map(|v| match v {
+                    rusqlite::types::Value::Integer(i) => i.to_string(),
+                    rusqlite::types::Value::Text(t) => t,
+                    other => format!("{other:?}"),
+                })?,
+                r.get(2)?,
+            ))
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Whether a receipt row exists.
+    pub fn receipt_exists(&self, receipt_id: &str) -> R<bool> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT count(*) FROM receipts WHERE receipt_id = ?1")?
+            .query_row([receipt_id], |r| r.get::<_, i64>(0))?
+            > 0)
+    }
+
+    /// How many trace events name an operation.
+    pub fn trace_count_for(&self, operation_id: &str) -> R<i64> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT count(*) FROM trace_events WHERE operation_id = ?1")?
+            .query_row([operation_id], |r| r.get(0))?)
+    }
+
+    /// Trace events whose fields are not valid JSON, and the gaps in the trace's
+    /// sequence (events are never deleted, so a gap is a deleted event), as
+    /// (first missing, last missing).
+    pub fn trace_damage(&self) -> R<TraceDamage> {
+        let mut st = self.conn.prepare("SELECT seq FROM trace_events WHERE json_valid(fields) = 0 ORDER BY seq")?;
+        let bad = st.query_map([], |r| r.get(0))?.collect::<Result<Vec<i64>, _>>()?;
+        let mut st = self.conn.prepare(
+            "SELECT seq + 1, next - 1 FROM (SELECT seq, lead(seq) OVER (ORDER BY seq) AS next FROM trace_events)
+             WHERE next > seq + 1",
+        )?;
+        let gaps = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<Result<Vec<_>, _>>()?;
+        Ok((bad, gaps))
+    }
+
+    /// Every approval request (for the integrity audit).
+    pub fn all_approvals(&self) -> R<Vec<ApprovalRow>> {
+        let mut st = self.conn.prepare(&format!("SELECT {APPROVAL_COLS} FROM approvals ORDER BY created_at, id"))?;
+        let rows = st.query_map([], ApprovalRow::from_row)?;
+        Ok(rows.collect::<Result<_, _>>()?)
     }
 
     // ------------------------------------------------------------- provider

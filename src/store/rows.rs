@@ -401,6 +401,32 @@ row! {
         pub reason: String,
         /// Evidence seen, canonical JSON.
         pub evidence: String,
+        /// SHA-256 of the row before (its content and link): the hash chain
+        /// (migration 0007); `None` on rows written before it.
+        pub chain_sha256: Option<String>,
+    }
+}
+
+impl AuditRow {
+    /// This row's hash, the link the next row carries: SHA-256 over a JSON array
+    /// of every column, its own link included (unambiguous, order fixed).
+    pub fn chain_hash(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let text = serde_json::json!([
+            self.seq,
+            self.at,
+            self.action_id,
+            self.actor,
+            self.action,
+            self.operation_id,
+            self.approval_id,
+            self.result,
+            self.reason,
+            self.evidence,
+            self.chain_sha256,
+        ])
+        .to_string();
+        hex::encode(Sha256::digest(text.as_bytes()))
     }
 }
 

@@ -118,10 +118,10 @@ impl Tx<'_> {
 
     /// Operator-log rows, newest first, before `before_seq`.
     pub fn audit_page(&self, before_seq: Option<i64>, limit: i64) -> R<Vec<super::AuditRow>> {
-        let mut st = self.conn.prepare_cached(
-            "SELECT seq, at, action_id, actor, action, operation_id, approval_id, result, reason, evidence
-             FROM audit_log WHERE seq < ?1 ORDER BY seq DESC LIMIT ?2",
-        )?;
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT {} FROM audit_log WHERE seq < ?1 ORDER BY seq DESC LIMIT ?2",
+            super::rows::AUDIT_COLS
+        ))?;
         let rows = st.query_map(params![before_seq.unwrap_or(i64::MAX), limit], super::AuditRow::from_row)?;
         Ok(rows.collect::<Result<_, _>>()?)
     }

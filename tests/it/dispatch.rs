@@ -286,13 +286,10 @@ fn tampered_rows_are_refused_before_any_effect() {
         e.dispatch(&refund("refund-tamper-1", 100)).unwrap();
         raw(fx.path()).execute_batch(sql).unwrap();
         let env = e.dispatch(&refund("refund-tamper-1", 100)).unwrap();
-        if what == "zeroed digest" {
-            // The digest no longer matches this request: refused as a conflict.
-            assert_eq!(code(&env), Some(Code::IdempotencyConflict), "{what}");
-        } else {
-            assert_eq!(code(&env), Some(Code::StatusConflict), "{what}");
-            assert!(env.model_result.data.is_none(), "{what}: no data from a tampered row");
-        }
+        // A damaged row is the ledger's fault, never the caller's: STATUS_CONFLICT,
+        // not IDEMPOTENCY_CONFLICT, even where the stored digest no longer matches.
+        assert_eq!(code(&env), Some(Code::StatusConflict), "{what}");
+        assert!(env.model_result.data.is_none(), "{what}: no data from a tampered row");
         assert_eq!(effects(&mut e), 1, "{what}");
         assert!(!e.audit().unwrap().is_empty(), "{what}: audit reports it");
     }

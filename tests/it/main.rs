@@ -22,3 +22,4 @@ mod resilience;
 mod retention;
 mod scenarios;
 mod support;
+mod tamper;

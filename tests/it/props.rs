@@ -412,18 +412,22 @@ impl Machine {
             Step::Resolve { intent, how } => {
                 if let Some(op) = self.op(intent) {
                     let resolution = [Resolution::Failed, Resolution::Compensated, Resolution::Succeeded][how];
-                    let out = self
-                        .engine
-                        .resolve(&ResolveRequest {
-                            operation_id: op.id.clone(),
-                            resolution,
-                            operator: "oncall".into(),
-                            note: "state machine".into(),
-                            evidence: Some("rcpt_from_operator".into()),
-                            seen_version: Some(op.version),
-                            action_id: None,
-                        })
-                        .unwrap();
+                    let req = ResolveRequest {
+                        operation_id: op.id.clone(),
+                        resolution,
+                        operator: "oncall".into(),
+                        note: "state machine".into(),
+                        evidence: Some("rcpt_from_operator".into()),
+                        seen_version: Some(op.version),
+                        action_id: None,
+                    };
+                    let mut out = self.engine.resolve(&req).unwrap();
+                    if out.code == "STATUS_CONFLICT" {
+                        // The provider's evidence contradicts the decision: only
+                        // an explicit override applies it.
+                        prop_assert!(op.state == "unknown" || op.state == "needs_review");
+                        out = self.engine.resolve_against_evidence(&req).unwrap();
+                    }
                     let resolvable = op.state == "unknown" || op.state == "needs_review";
                     prop_assert_eq!(out.applied, resolvable, "resolve of a {} operation: {:?}", op.state, out);
                 }

@@ -253,7 +253,8 @@ fn human_resolution_needs_a_note_evidence_and_a_fresh_snapshot() {
 fn operator_actions_are_idempotent_by_action_id() {
     let fx = Fixture::new();
     let mut e = fx.engine();
-    let u = dispatch_with(&mut e, &refund("refund-human-02", 500), "timeout_after_commit");
+    // The provider shows nothing (yet): the operator's evidence is not contradicted.
+    let u = dispatch_with(&mut e, &refund("refund-human-02", 500), "timeout_before_commit");
     let op = u.protected_audit.operation_id.clone().unwrap();
     let r = ResolveRequest {
         operation_id: op.clone(),
@@ -360,4 +361,57 @@ fn crash_after_commit_really_aborts_and_recovery_finds_one_effect() {
     assert_eq!(q.model_result.execution.delivery, Delivery::ReceiptReconciled);
     assert_eq!(effects(&mut e), 1);
     assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+}
+
+fn resolve_req(op: &str, resolution: Resolution, evidence: Option<&str>, action: &str) -> ResolveRequest {
+    ResolveRequest {
+        operation_id: op.into(),
+        resolution,
+        operator: "oncall-kim".into(),
+        note: "checked by hand".into(),
+        evidence: evidence.map(str::to_string),
+        seen_version: None,
+        action_id: Some(action.into()),
+    }
+}
+
+#[test]
+fn a_human_decision_that_contradicts_the_providers_evidence_is_refused_unless_overridden() {
+    let fx = Fixture::new();
+    let mut e = fx.engine();
+    // The provider committed the refund; the reply was lost.
+    let u = dispatch_with(&mut e, &refund("refund-evidence-1", 700), "timeout_after_commit");
+    let op = u.protected_audit.operation_id.clone().unwrap();
+    // "failed" (no effect) against the provider's receipt: refused, with the evidence.
+    let out = e.resolve(&resolve_req(&op, Resolution::Failed, None, "ev-1")).unwrap();
+    assert!(!out.applied);
+    assert_eq!(out.code, "STATUS_CONFLICT");
+    assert!(out.message.contains("the provider holds receipt"), "{}", out.message);
+    // "succeeded" with a receipt id the provider does not hold: refused too.
+    let out = e.resolve(&resolve_req(&op, Resolution::Succeeded, Some("rcpt_made_up"), "ev-2")).unwrap();
+    assert_eq!((out.applied, out.code.as_str()), (false, "STATUS_CONFLICT"), "{}", out.message);
+    let detail = e.operation_detail(&op).unwrap().unwrap();
+    assert_eq!(detail.operation.state, "unknown", "nothing changed");
+    // An explicit override applies, and the audit entry says it was made against the evidence.
+    let out = e.resolve_against_evidence(&resolve_req(&op, Resolution::Failed, None, "ev-3")).unwrap();
+    assert!(out.applied, "{}", out.message);
+    let entry = e.audit_log(10).unwrap().into_iter().find(|a| a.action_id.as_deref() == Some("ev-3")).unwrap();
+    let evidence: serde_json::Value = serde_json::from_str(&entry.evidence).unwrap();
+    assert!(evidence["against_evidence"].as_str().unwrap().contains("the provider holds receipt"), "{evidence}");
+    assert_eq!(evidence["provider_evidence"]["lookup"], "found");
+}
+
+#[test]
+fn a_human_decision_the_evidence_supports_is_applied_and_records_what_the_provider_said() {
+    let fx = Fixture::new();
+    let mut e = fx.engine();
+    // Nothing reached the provider: "failed" agrees with the lookup.
+    let u = dispatch_with(&mut e, &refund("refund-evidence-2", 700), "timeout_before_commit");
+    let op = u.protected_audit.operation_id.clone().unwrap();
+    let out = e.resolve(&resolve_req(&op, Resolution::Failed, None, "ev-4")).unwrap();
+    assert!(out.applied, "{}", out.message);
+    let entry = e.audit_log(10).unwrap().into_iter().find(|a| a.action_id.as_deref() == Some("ev-4")).unwrap();
+    let evidence: serde_json::Value = serde_json::from_str(&entry.evidence).unwrap();
+    assert_eq!(evidence["provider_evidence"]["lookup"], "not_found");
+    assert!(evidence["against_evidence"].is_null());
 }

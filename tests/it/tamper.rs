@@ -1,0 +1,182 @@
+//! The tamper table: each hand edit of a stored fact, what `toolgate audit`
+//! finds, and what a replay of the affected intent answers. A damaged row is
+//! never blamed on the caller (IDEMPOTENCY_CONFLICT) and never executed again.
+
+use toolgate::engine::envelope::{Code, Envelope};
+use toolgate::engine::{DispatchRequest, Engine};
+
+use crate::support::{call, code, dispatch_with, effects, raw, refund, refund_args, Fixture};
+
+struct World {
+    fx: Fixture,
+    replay: DispatchRequest,
+    approval_id: String,
+}
+
+/// A ledger with a succeeded refund (key `tamper-ok-0001`), an unknown one that
+/// an operator settled by a status query (audit rows), and a pending approval.
+fn world() -> World {
+    let fx = Fixture::new();
+    let mut e = fx.engine();
+    let mut ok = refund("tamper-ok-0001", 500);
+    ok.call = Some(call("call_tamper_ok"));
+    assert_eq!(code(&dispatch_with(&mut e, &ok, "ok")), None);
+    let unknown = dispatch_with(&mut e, &refund("tamper-unknown-0001", 300), "timeout_after_commit");
+    e.operator_query(unknown.protected_audit.operation_id.as_deref().unwrap(), "oncall-kim").unwrap();
+    let mut big = refund("tamper-big-0001", 120_000);
+    big.arguments = refund_args("ord_1002", 120_000).into_bytes();
+    let asked = dispatch_with(&mut e, &big, "ok");
+    assert_eq!(code(&asked), Some(Code::ApprovalRequired));
+    let approval_id = asked.protected_audit.approval_id.clone().unwrap();
+    assert!(e.audit().unwrap().is_empty(), "a clean ledger has no findings: {:?}", e.audit().unwrap());
+    let mut replay = refund("tamper-ok-0001", 500);
+    replay.call = Some(call("call_tamper_replay"));
+    World { fx, replay, approval_id }
+}
+
+fn findings(e: &mut Engine) -> Vec<String> {
+    e.audit().unwrap().into_iter().map(|f| format!("{} {} {}", f.check, f.reference, f.detail)).collect()
+}
+
+const OK: &str = "(SELECT id FROM operations WHERE idem_key = 'tamper-ok-0001')";
+
+#[test]
+fn every_tamper_is_found_by_audit_and_never_replayed_as_new_work() {
+    // (tamper, SQL, a finding must contain, what a replay of the succeeded intent answers)
+    let table: Vec<(&str, String, &str, Option<Code>)> = vec![
+        (
+            "tool changed",
+            format!("UPDATE operations SET tool = 'notify_customer' WHERE id = {OK}"),
+            "tool does not match the bound request",
+            Some(Code::StatusConflict),
+        ),
+        (
+            "key_sha256 shortened",
+            format!("UPDATE operations SET key_sha256 = substr(key_sha256, 1, 8) WHERE id = {OK}"),
+            "key_sha256 does not recompute",
+            Some(Code::StatusConflict),
+        ),
+        (
+            "key_sha256 changed",
+            format!(
+                "UPDATE operations SET key_sha256 = replace(key_sha256, substr(key_sha256, 1, 1), 'x') WHERE id = {OK}"
+            ),
+            "key_sha256 does not recompute",
+            Some(Code::StatusConflict),
+        ),
+        (
+            "tenant changed",
+            format!("UPDATE operations SET tenant = 'globex' WHERE id = {OK}"),
+            "tenant does not match",
+            Some(Code::StatusConflict),
+        ),
+        (
+            "subject changed",
+            format!("UPDATE operations SET subject = 'agent_ben' WHERE id = {OK}"),
+            "subject does not match",
+            Some(Code::StatusConflict),
+        ),
+        (
+            "input revision changed",
+            format!("UPDATE operations SET input_rev = input_rev + 1 WHERE id = {OK}"),
+            "contract revisions do not match",
+            Some(Code::StatusConflict),
+        ),
+        (
+            "approval amount changed",
+            "UPDATE approvals SET amount_minor = 1".into(),
+            "amount_minor does not match the bound request",
+            None,
+        ),
+        (
+            "receipt deleted",
+            format!("DELETE FROM receipts WHERE operation_id = {OK}"),
+            "receipt the operation names is not in receipts",
+            None,
+        ),
+        (
+            "order balance reset",
+            "UPDATE orders SET refunded_minor = 0, status = 'paid' WHERE order_ref = 'ord_1001'".into(),
+            "refunded_minor 0 is below",
+            None,
+        ),
+        (
+            "call identity deleted",
+            format!("DELETE FROM call_identities WHERE operation_id = {OK}"),
+            "call identity that created the operation is not bound",
+            None,
+        ),
+        ("trace event deleted", "DELETE FROM trace_events WHERE seq = 3".into(), "events missing", None),
+        (
+            "trace fields unparseable",
+            "UPDATE trace_events SET fields = '{not json' WHERE seq = 2".into(),
+            "not valid JSON",
+            None,
+        ),
+        (
+            "whole trace of an operation deleted",
+            format!("DELETE FROM trace_events WHERE operation_id = {OK}"),
+            "no trace events",
+            None,
+        ),
+        (
+            "audit trigger dropped, a row deleted",
+            "DROP TRIGGER audit_log_no_delete; DELETE FROM audit_log WHERE seq = (SELECT min(seq) FROM audit_log)"
+                .into(),
+            "audit_chain",
+            None,
+        ),
+        (
+            "audit trigger dropped, the newest row deleted",
+            "DROP TRIGGER audit_log_no_delete; DELETE FROM audit_log WHERE seq = (SELECT max(seq) FROM audit_log)"
+                .into(),
+            "rows removed",
+            None,
+        ),
+        (
+            "audit trigger dropped, a reason rewritten",
+            "DROP TRIGGER audit_log_no_update; UPDATE audit_log SET reason = 'applied by admin'".into(),
+            "audit_chain",
+            None,
+        ),
+        (
+            "nonsense state",
+            format!("PRAGMA ignore_check_constraints = ON; UPDATE operations SET state = 'bogus' WHERE id = {OK}"),
+            "is not a state operations allows",
+            Some(Code::StatusConflict),
+        ),
+    ];
+    let mut report = Vec::new();
+    for (what, sql, finding, replay) in table {
+        let w = world();
+        raw(w.fx.path()).execute_batch(&sql).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let mut e = w.fx.engine();
+        let found = findings(&mut e);
+        assert!(found.iter().any(|f| f.contains(finding)), "{what}: no finding with {finding:?} in {found:?}");
+        let before = effects(&mut e);
+        let env: Envelope = e.dispatch(&w.replay).unwrap();
+        assert_ne!(code(&env), Some(Code::IdempotencyConflict), "{what}: a damaged row blames the caller");
+        if let Some(expected) = replay {
+            assert_eq!(code(&env), Some(expected), "{what}");
+        }
+        e.work(16).unwrap();
+        assert_eq!(effects(&mut e), before, "{what}: the replay ran again");
+        report.push(format!("{what}: {} / replay {:?}", found.len(), code(&env)));
+    }
+    eprintln!("{}", report.join("\n"));
+}
+
+#[test]
+fn an_approver_never_approves_an_amount_other_than_the_bound_one() {
+    let w = world();
+    raw(w.fx.path()).execute_batch("UPDATE approvals SET amount_minor = 1").unwrap();
+    let mut e = w.fx.engine();
+    let before = effects(&mut e);
+    let pending = e.pending_approvals(10).unwrap();
+    let shown = pending.iter().find(|a| a.id == w.approval_id).map(toolgate::engine::approval_amount);
+    assert_eq!(shown, Some(None), "a damaged approval shows no amount rather than the copy");
+    let env = e.approve(&w.approval_id, "alice").unwrap();
+    assert_eq!(code(&env), Some(Code::ApprovalInvalid));
+    e.work(16).unwrap();
+    assert_eq!(effects(&mut e), before, "nothing ran");
+}
