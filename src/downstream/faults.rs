@@ -6,6 +6,11 @@ use std::collections::VecDeque;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+/// The longest latency or Retry-After a fault may ask for: one hour.
+pub const MAX_WAIT_MS: u64 = 3_600_000;
+/// The longest receipt delay a fault may ask for: one week.
+pub const MAX_RECEIPT_DELAY_MS: u64 = 7 * 24 * 3_600_000;
+
 /// One injected behaviour of a downstream call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Fault {
@@ -52,7 +57,7 @@ pub enum Fault {
 pub struct FaultParseError(pub String);
 
 impl Fault {
-    /// Parses one fault.
+    /// Parses one fault (durations in milliseconds, bounded: see [`MAX_WAIT_MS`]).
     pub fn parse(s: &str) -> Result<Fault, FaultParseError> {
         let s = s.trim();
         let bad = || FaultParseError(s.chars().take(64).collect());
@@ -61,12 +66,18 @@ impl Fault {
             Some(_) => return Err(bad()),
             None => (s, None),
         };
-        let num = || -> Result<u64, FaultParseError> { arg.and_then(|a| a.trim().parse::<u64>().ok()).ok_or_else(bad) };
+        // Every duration is bounded like any other input: a fault plan cannot
+        // ask for a wait longer than these (latency and Retry-After one hour,
+        // a receipt delay one week).
+        let num_max = |max: u64| -> Result<u64, FaultParseError> {
+            arg.and_then(|a| a.trim().parse::<u64>().ok()).filter(|n| *n <= max).ok_or_else(bad)
+        };
+        let num = || num_max(MAX_RECEIPT_DELAY_MS);
         let f = match (name, arg) {
             ("ok", None) => Fault::Ok,
-            ("latency", Some(_)) => Fault::Latency(num()?),
+            ("latency", Some(_)) => Fault::Latency(num_max(MAX_WAIT_MS)?),
             ("reject", Some(code)) if !code.is_empty() && code.len() <= 64 => Fault::Reject(code.to_string()),
-            ("rate_limit", Some(_)) => Fault::RateLimit(num()?),
+            ("rate_limit", Some(_)) => Fault::RateLimit(num_max(MAX_WAIT_MS)?),
             ("unavailable", None) => Fault::Unavailable,
             ("connect_timeout", None) => Fault::ConnectTimeout,
             ("timeout_before_commit", None) => Fault::TimeoutBeforeCommit,

@@ -247,17 +247,20 @@ impl Downstream for Simulated {
                 Ok(r) => Reply::Committed(r),
                 Err(reason) => Reply::Rejected { reason },
             },
+            Fault::Latency(ms) if ms > req.timeout_ms => {
+                // The caller waits no longer than its timeout (the attempt timeout
+                // capped by the operation deadline) and gives up. The provider
+                // goes on: its effect lands `ms` after the request, so a status
+                // lookup finds nothing until then.
+                self.clock.sleep_ms(req.timeout_ms);
+                let _ = self.commit(key, req, ms - req.timeout_ms, false)?;
+                Reply::TimedOut
+            }
             Fault::Latency(ms) => {
                 self.clock.sleep_ms(ms);
-                let r = self.commit(key, req, 0, false)?;
-                if ms > req.timeout_ms {
-                    // The provider went on and committed; the caller had stopped waiting.
-                    Reply::TimedOut
-                } else {
-                    match r {
-                        Ok(r) => Reply::Committed(r),
-                        Err(reason) => Reply::Rejected { reason },
-                    }
+                match self.commit(key, req, 0, false)? {
+                    Ok(r) => Reply::Committed(r),
+                    Err(reason) => Reply::Rejected { reason },
                 }
             }
             Fault::Reject(reason) => Reply::Rejected { reason },

@@ -509,3 +509,49 @@ fn cancel_requires_an_operator_a_note_and_the_version_seen() {
     assert_eq!(applied, 1);
     assert_eq!(e.operation_detail(&id).unwrap().unwrap().operation.state, "failed");
 }
+
+#[test]
+fn an_attempt_never_waits_past_the_operation_deadline_whatever_the_downstream_does() {
+    let fx = Fixture::new();
+    let mut e = fx.engine();
+    let mut req = refund("refund-deadline-holds", 100);
+    req.deadline_ms = Some(2_000);
+    req.call = Some(crate::support::call("call_deadline"));
+    let t0 = fx.clock.now_ms();
+    // The provider takes 8 s; the operation has 2 s.
+    let env = dispatch_with(&mut e, &req, "latency(8000)");
+    let waited = fx.clock.now_ms() - t0;
+    assert!(waited <= 2_000, "the call waited {waited} ms on the engine's clock");
+    // Sent, no reply in time: unknown, never a blind retry.
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown));
+    // The provider's effect lands 8 s after the request: a lookup before then finds nothing.
+    let q = |e: &mut toolgate::engine::Engine, id: &str| {
+        e.query_operation_status(&toolgate::engine::QueryRequest {
+            tenant: "acme".into(),
+            subject: "agent_ana".into(),
+            status_ref: env.status_ref().unwrap().to_string(),
+            expected_request_sha256: env.protected_audit.binding.request_sha256.clone().unwrap(),
+            idempotency_key: None,
+            call: Some(crate::support::call(id)),
+            operator: None,
+        })
+        .unwrap()
+    };
+    assert_eq!(q(&mut e, "call_q_early").code(), Some(Code::OutcomeUnknown));
+    fx.clock.advance(7_000);
+    assert_eq!(q(&mut e, "call_q_late").model_result.execution.delivery, Delivery::ReceiptReconciled);
+    assert_eq!(effects(&mut e), 1);
+}
+
+#[test]
+fn fault_durations_are_bounded_inputs() {
+    use toolgate::downstream::FaultPlan;
+    for bad in
+        ["latency(18446744073709551615)", "latency(3600001)", "rate_limit(99999999999)", "receipt_delay(999999999999)"]
+    {
+        assert!(FaultPlan::parse(bad).is_err(), "{bad} was accepted");
+    }
+    for ok in ["latency(3600000)", "rate_limit(1500)", "receipt_delay(3600000)"] {
+        assert!(FaultPlan::parse(ok).is_ok(), "{ok} was refused");
+    }
+}
