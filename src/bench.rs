@@ -487,15 +487,10 @@ struct ThreadTally {
 }
 
 fn is_busy(e: &EngineError) -> bool {
-    let sqlite = match e {
-        EngineError::Store(StoreError::Sqlite(s)) => s,
-        EngineError::Downstream(crate::downstream::DownstreamError::Store(StoreError::Sqlite(s))) => s,
-        _ => return false,
-    };
     matches!(
-        sqlite,
-        rusqlite::Error::SqliteFailure(f, _)
-            if matches!(f.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+        e,
+        EngineError::Store(StoreError::Busy)
+            | EngineError::Downstream(crate::downstream::DownstreamError::Store(StoreError::Busy))
     )
 }
 

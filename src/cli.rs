@@ -541,6 +541,17 @@ fn open(cli: &Cli) -> Result<Engine, CliError> {
     Ok(engine)
 }
 
+/// Opens the ledger for a read command: read-only, never created, migrated or
+/// written (an empty or foreign file is DB_NOT_TOOLGATE).
+fn open_read(cli: &Cli) -> Result<Engine, CliError> {
+    let path = db_path(cli)?;
+    let clock = clock_from(cli.now.as_deref())?;
+    let engine = Engine::open_read_only(path, EngineOptions { clock, ..EngineOptions::default() })?;
+    crate::telemetry::logging::init_for_db(path);
+    tracing::info!(pid = std::process::id(), "cli opened the ledger read-only");
+    Ok(engine)
+}
+
 fn refuse_read_only(cli: &Cli) -> Result<(), CliError> {
     if cli.read_only {
         return Err(CliError::new("READ_ONLY", "refused: --read-only is set"));
@@ -727,7 +738,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             Ok(i32::from(!out.applied))
         }
         Command::Approvals { json } => {
-            let mut engine = open(cli)?;
+            let mut engine = open_read(cli)?;
             let now = engine.clock().now_ms();
             let rows = engine.pending_approvals(1000)?;
             let list: Vec<Value> = rows
@@ -791,7 +802,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         }
         Command::Ops { what } => match what {
             OpsCommand::List { state, limit, json } => {
-                let mut engine = open(cli)?;
+                let mut engine = open_read(cli)?;
                 let rows = engine.list_operations(state.as_deref(), (*limit).clamp(1, 10_000))?;
                 if *json {
                     print_json(&json!({"operations": rows}));
@@ -815,7 +826,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 Ok(0)
             }
             OpsCommand::Show { operation_id, json } => {
-                let mut engine = open(cli)?;
+                let mut engine = open_read(cli)?;
                 let Some(d) = engine.operation_detail(operation_id)? else {
                     return Err(CliError::new("NO_SUCH_OPERATION", "no such operation"));
                 };
@@ -831,7 +842,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             }
         },
         Command::Counts { json } => {
-            let mut engine = open(cli)?;
+            let mut engine = open_read(cli)?;
             let c = engine.counts()?;
             if *json {
                 print_json(&c);
@@ -862,7 +873,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             Ok(0)
         }
         Command::Orders { json } => {
-            let mut engine = open(cli)?;
+            let mut engine = open_read(cli)?;
             let orders = engine.orders()?;
             if *json {
                 print_json(&json!({"orders": orders}));
@@ -923,7 +934,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             Ok(0)
         }
         Command::Audit { log, json } => {
-            let mut engine = open(cli)?;
+            let mut engine = open_read(cli)?;
             if *log {
                 let rows = engine.audit_log(10_000)?;
                 if *json {
@@ -1172,7 +1183,7 @@ fn trace_command(cli: &Cli, a: &TraceArgs) -> Result<i32, CliError> {
         TraceFormatArg::Text => Format::Text,
         TraceFormatArg::Jsonl => Format::Jsonl,
     };
-    let mut engine = open(cli)?;
+    let mut engine = open_read(cli)?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     let written = match &a.operation {
@@ -1199,7 +1210,7 @@ fn trace_command(cli: &Cli, a: &TraceArgs) -> Result<i32, CliError> {
 /// `toolgate metrics`: print once, or serve `/metrics` until killed.
 fn metrics_command(cli: &Cli, a: &MetricsArgs) -> Result<i32, CliError> {
     use crate::telemetry::{http, metrics, prometheus};
-    let mut engine = open(cli)?;
+    let mut engine = open_read(cli)?;
     let window = metrics::Window::with_buckets(a.window_minutes, a.bucket_minutes);
     let slice = metrics::Slice {
         tool: a.tool.clone(),

@@ -147,6 +147,17 @@ impl Simulated {
         Ok(Self { kind, store, clock, faults, ids })
     }
 
+    /// The provider beside a ledger opened read-only: lookups work, a commit is `DB_READ_ONLY`.
+    pub fn open_read_only(
+        kind: DownstreamKind,
+        path: &Path,
+        clock: std::sync::Arc<dyn Clock>,
+        faults: std::sync::Arc<Mutex<FaultPlan>>,
+        ids: crate::engine::ids::Ids,
+    ) -> Result<Self, DownstreamError> {
+        Ok(Self { kind, store: Store::open_read_only(path)?, clock, faults, ids })
+    }
+
     fn next_fault(&self) -> Fault {
         self.faults.lock().map_or(Fault::Ok, |mut f| f.next_fault())
     }

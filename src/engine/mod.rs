@@ -194,45 +194,83 @@ impl std::fmt::Debug for Engine {
 impl Engine {
     /// Creates a new database (or opens an existing one) with its secrets.
     pub fn create(path: &Path, opts: EngineOptions) -> Result<Self, EngineError> {
-        Self::open_with(path, opts, true)
+        Self::open_with(path, opts, Some(true))
     }
 
     /// Opens an existing database.
     pub fn open(path: &Path, opts: EngineOptions) -> Result<Self, EngineError> {
-        Self::open_with(path, opts, false)
+        Self::open_with(path, opts, Some(false))
     }
 
-    fn open_with(path: &Path, opts: EngineOptions, create: bool) -> Result<Self, EngineError> {
-        let mut store = Store::open(path, OpenOptions { create, sync: opts.sync })?;
-        let now = opts.clock.now_ms();
+    /// Opens an existing ledger for reading only (read commands, the console
+    /// with `--read-only`): never creates, migrates or writes the file; a file
+    /// that is not a ledger is `DB_NOT_TOOLGATE`; every state change through
+    /// this engine is `DB_READ_ONLY`.
+    pub fn open_read_only(path: &Path, opts: EngineOptions) -> Result<Self, EngineError> {
+        Self::open_with(path, opts, None)
+    }
+
+    fn open_with(path: &Path, opts: EngineOptions, create: impl Into<Option<bool>>) -> Result<Self, EngineError> {
         let ids = opts.seed.map_or_else(ids::Ids::default, ids::Ids::seeded);
-        let (secret, salt, demo) = store.write(|tx| -> Result<_, StoreError> {
-            let secret = tx.meta_init("status_ref_secret", &hex::encode(ids.bytes::<32>()))?;
-            let salt = tx.meta_init("export_salt", &hex::encode(ids.bytes::<16>()))?;
-            tx.meta_init("created_at", &now.to_string())?;
-            Ok((secret, salt, tx.meta("demo")?.as_deref() == Some("1")))
-        })?;
+        let faults = Arc::new(Mutex::new(FaultPlan::none()));
+        let (mut store, payments, notifications) = match create.into() {
+            Some(create) => (
+                Store::open(path, OpenOptions { create, sync: opts.sync })?,
+                Simulated::open(
+                    DownstreamKind::Payments,
+                    path,
+                    opts.clock.clone(),
+                    faults.clone(),
+                    opts.sync,
+                    ids.clone(),
+                )?,
+                Simulated::open(
+                    DownstreamKind::Notifications,
+                    path,
+                    opts.clock.clone(),
+                    faults.clone(),
+                    opts.sync,
+                    ids.clone(),
+                )?,
+            ),
+            None => (
+                Store::open_read_only(path)?,
+                Simulated::open_read_only(
+                    DownstreamKind::Payments,
+                    path,
+                    opts.clock.clone(),
+                    faults.clone(),
+                    ids.clone(),
+                )?,
+                Simulated::open_read_only(
+                    DownstreamKind::Notifications,
+                    path,
+                    opts.clock.clone(),
+                    faults.clone(),
+                    ids.clone(),
+                )?,
+            ),
+        };
+        let now = opts.clock.now_ms();
+        let (secret, salt, demo) = if store.is_read_only() {
+            store.read(|tx| -> Result<_, StoreError> {
+                let (Some(secret), Some(salt)) = (tx.meta("status_ref_secret")?, tx.meta("export_salt")?) else {
+                    return Err(StoreError::NotToolgate);
+                };
+                Ok((secret, salt, tx.meta("demo")?.as_deref() == Some("1")))
+            })?
+        } else {
+            store.write(|tx| -> Result<_, StoreError> {
+                let secret = tx.meta_init("status_ref_secret", &hex::encode(ids.bytes::<32>()))?;
+                let salt = tx.meta_init("export_salt", &hex::encode(ids.bytes::<16>()))?;
+                tx.meta_init("created_at", &now.to_string())?;
+                Ok((secret, salt, tx.meta("demo")?.as_deref() == Some("1")))
+            })?
+        };
         let contracts = match opts.contracts {
             Some(c) => c,
             None => Arc::new(Contracts::builtin()?),
         };
-        let faults = Arc::new(Mutex::new(FaultPlan::none()));
-        let payments = Simulated::open(
-            DownstreamKind::Payments,
-            path,
-            opts.clock.clone(),
-            faults.clone(),
-            opts.sync,
-            ids.clone(),
-        )?;
-        let notifications = Simulated::open(
-            DownstreamKind::Notifications,
-            path,
-            opts.clock.clone(),
-            faults.clone(),
-            opts.sync,
-            ids.clone(),
-        )?;
         Ok(Self {
             store,
             contracts,

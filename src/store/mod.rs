@@ -75,9 +75,58 @@ pub enum StoreError {
     /// The file is not a toolgate database.
     #[error("the file is not a toolgate database")]
     NotToolgate,
-    /// Any other SQLite error.
+    /// The database was opened read-only (a read command), or the file or its
+    /// directory cannot be written.
+    #[error("the database is read-only here: read commands work; to change it, run as a user who may write the file and its directory")]
+    ReadOnly,
+    /// The disk is full.
+    #[error("the disk is full: nothing was written; free space and run the command again")]
+    DiskFull,
+    /// Another writer held the lock for longer than the busy timeout.
+    #[error("the database stayed locked by another writer; run the command again")]
+    Busy,
+    /// The file's schema is older than this build's and the command may not migrate it.
+    #[error("the database has schema version {found}, older than this build's {supported}; a read command does not migrate it: run `toolgate reap` (or any write command) once to migrate")]
+    SchemaOld {
+        /// Version in the file.
+        found: i64,
+        /// Version this build knows.
+        supported: i64,
+    },
+    /// A migration failed (the file's schema does not match its version);
+    /// nothing was changed.
+    #[error("migration {number:04} failed ({reason}); the file's schema does not match its version {found}; nothing was changed")]
+    Migration {
+        /// Migration number.
+        number: usize,
+        /// Version the file claimed.
+        found: i64,
+        /// SQLite's reason, without the SQL text.
+        reason: String,
+    },
+    /// Any other SQLite error: its description only (never SQL text or a path).
     #[error("database error: {0}")]
-    Sqlite(#[from] rusqlite::Error),
+    Sqlite(String),
+}
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(e: rusqlite::Error) -> Self {
+        use rusqlite::ErrorCode as C;
+        match &e {
+            rusqlite::Error::SqliteFailure(f, msg) => match f.code {
+                C::ReadOnly => StoreError::ReadOnly,
+                C::DiskFull => StoreError::DiskFull,
+                C::DatabaseBusy | C::DatabaseLocked => StoreError::Busy,
+                C::NotADatabase => StoreError::NotToolgate,
+                // SQLite's own message ("no such table: x", "UNIQUE constraint
+                // failed: t.c") names schema objects, never the statement text.
+                _ => StoreError::Sqlite(msg.clone().unwrap_or_else(|| f.to_string())),
+            },
+            // These variants carry the SQL text: say what kind of error it was only.
+            rusqlite::Error::SqlInputError { msg, .. } => StoreError::Sqlite(msg.clone()),
+            other => StoreError::Sqlite(other.to_string()),
+        }
+    }
 }
 
 impl StoreError {
@@ -87,7 +136,12 @@ impl StoreError {
             StoreError::Open(_) => "DB_OPEN_FAILED",
             StoreError::Missing => "DB_NOT_FOUND",
             StoreError::SchemaTooNew { .. } => "DB_SCHEMA_TOO_NEW",
+            StoreError::SchemaOld { .. } => "DB_SCHEMA_OLD",
             StoreError::NotToolgate => "DB_NOT_TOOLGATE",
+            StoreError::ReadOnly => "DB_READ_ONLY",
+            StoreError::DiskFull => "DISK_FULL",
+            StoreError::Busy => "DB_BUSY",
+            StoreError::Migration { .. } => "DB_MIGRATION_FAILED",
             StoreError::Sqlite(_) => "DB_ERROR",
         }
     }
@@ -127,6 +181,8 @@ pub struct Store {
     relaxed: bool,
     /// This process's writers' turn on the file ([`writer_lock`]).
     writer: Arc<Mutex<()>>,
+    /// Opened with [`Store::open_read_only`].
+    read_only: bool,
 }
 
 /// One lock per database file in this process, held around every write
@@ -166,6 +222,37 @@ fn open_error(e: &rusqlite::Error) -> StoreError {
 }
 
 impl Store {
+    /// Opens an existing ledger for reading only: never creates, migrates or
+    /// writes the file. An empty or foreign file is `DB_NOT_TOOLGATE`, an older
+    /// schema `DB_SCHEMA_OLD`; every write through it is `DB_READ_ONLY`.
+    pub fn open_read_only(path: &Path) -> Result<Self, StoreError> {
+        if !path.exists() {
+            return Err(StoreError::Missing);
+        }
+        if std::fs::metadata(path).is_ok_and(|m| m.len() < 512) {
+            return Err(StoreError::NotToolgate);
+        }
+        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_URI;
+        let conn = Connection::open_with_flags(path, flags).map_err(|e| open_error(&e))?;
+        conn.busy_timeout(BUSY_TIMEOUT)?;
+        let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        if version > SCHEMA_VERSION {
+            return Err(StoreError::SchemaTooNew { found: version, supported: SCHEMA_VERSION });
+        }
+        let has_meta: i64 =
+            conn.query_row("SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name = 'meta'", [], |r| {
+                r.get(0)
+            })?;
+        if version <= 0 || has_meta == 0 {
+            return Err(StoreError::NotToolgate);
+        }
+        if version < SCHEMA_VERSION {
+            return Err(StoreError::SchemaOld { found: version, supported: SCHEMA_VERSION });
+        }
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+        Ok(Self { conn, sync: Sync::Full, relaxed: false, writer: writer_lock(path), read_only: true })
+    }
+
     /// Opens (and migrates) a database file.
     pub fn open(path: &Path, opts: OpenOptions) -> Result<Self, StoreError> {
         if !opts.create && !path.exists() {
@@ -212,12 +299,15 @@ impl Store {
         // Room for every statement the engine, the console's views and the
         // metrics prepare (about a hundred): none is evicted and re-prepared.
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
-        let mut store = Self { conn, sync, relaxed: false, writer };
+        let mut store = Self { conn, sync, relaxed: false, writer, read_only: false };
         store.migrate(version)?;
         Ok(store)
     }
 
     fn migrate(&mut self, from: i64) -> Result<(), StoreError> {
+        if from < 0 {
+            return Err(StoreError::NotToolgate);
+        }
         if from == 0 {
             // A non-empty file with user_version 0 is someone else's database.
             let tables: i64 = self.conn.query_row(
@@ -237,11 +327,20 @@ impl Store {
                 tx.commit()?;
                 continue;
             }
-            tx.execute_batch(sql)?;
+            // A failure rolls the migration back whole (the transaction drops).
+            tx.execute_batch(sql).map_err(|e| match StoreError::from(e) {
+                StoreError::Sqlite(reason) => StoreError::Migration { number: i + 1, found: from, reason },
+                other => other,
+            })?;
             tx.execute_batch(&format!("PRAGMA user_version = {}", i + 1))?;
             tx.commit()?;
         }
         Ok(())
+    }
+
+    /// Whether this connection was opened read-only.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
     }
 
     /// Runs `f` in a `BEGIN IMMEDIATE` transaction (the write lock is taken at the
@@ -1396,5 +1495,35 @@ impl Tx<'_> {
     /// The newest trace sequence number (0 when the trace is empty).
     pub fn last_trace_seq(&self) -> R<i64> {
         Ok(self.conn.prepare_cached("SELECT coalesce(max(seq), 0) FROM trace_events")?.query_row([], |r| r.get(0))?)
+    }
+}
+
+#[cfg(test)]
+mod error_tests {
+    use super::StoreError;
+
+    fn check(code: std::ffi::c_int, expect: &str) {
+        let e = rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(code), Some("detail".into()));
+        assert_eq!(StoreError::from(e).code(), expect);
+    }
+
+    #[test]
+    fn sqlite_failures_map_to_stable_codes() {
+        check(rusqlite::ffi::SQLITE_FULL, "DISK_FULL");
+        check(rusqlite::ffi::SQLITE_READONLY, "DB_READ_ONLY");
+        check(rusqlite::ffi::SQLITE_BUSY, "DB_BUSY");
+        check(rusqlite::ffi::SQLITE_NOTADB, "DB_NOT_TOOLGATE");
+        check(rusqlite::ffi::SQLITE_CONSTRAINT, "DB_ERROR");
+    }
+
+    #[test]
+    fn an_error_never_carries_the_sql_text() {
+        let e = rusqlite::Error::SqlInputError {
+            error: rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_ERROR),
+            msg: "near \"x\": syntax error".into(),
+            sql: "SELECT secret FROM t".into(),
+            offset: 7,
+        };
+        assert!(!StoreError::from(e).to_string().contains("SELECT"));
     }
 }

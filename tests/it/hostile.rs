@@ -314,3 +314,73 @@ fn world_files_accept_any_documented_id_and_name_the_record_field_and_rule_they_
     assert!(err.contains("my-world.json: orders[0] (\"o1\"): field `currency`"), "{err}");
     assert!(!err.contains(dir.path().to_str().unwrap()), "no local path: {err}");
 }
+
+#[test]
+fn read_commands_open_read_only_and_never_create_or_migrate() {
+    let dir = tempfile::tempdir().unwrap();
+    // An empty file: every read command refuses it and leaves it empty.
+    let empty = dir.path().join("empty.db");
+    std::fs::write(&empty, b"").unwrap();
+    for cmd in [&["audit"][..], &["ops", "list"], &["counts"], &["orders"], &["approvals"], &["trace"], &["metrics"]] {
+        let mut args: Vec<&std::ffi::OsStr> = vec![os("--read-only")];
+        args.extend(cmd.iter().map(|c| os(c)));
+        args.extend([os("--db"), empty.as_os_str()]);
+        cli(dir.path(), &args, 2, "DB_NOT_TOOLGATE");
+        assert_eq!(std::fs::metadata(&empty).unwrap().len(), 0, "{cmd:?} wrote to the file");
+        assert!(
+            !dir.path().join("empty.db-wal").exists()
+                || std::fs::metadata(dir.path().join("empty.db-wal")).unwrap().len() == 0
+        );
+    }
+    // A ledger: read commands answer; the engine opened read-only refuses every change.
+    let fx = crate::support::Fixture::new();
+    let before = std::fs::read(fx.path()).unwrap();
+    let out = tg().args([os("ops"), os("list"), os("--db"), fx.path().as_os_str()]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut ro =
+        toolgate::engine::Engine::open_read_only(fx.path(), toolgate::engine::EngineOptions::default()).unwrap();
+    match ro.dispatch(&crate::support::refund("refund-read-only-1", 100)) {
+        Err(e) => assert_eq!(e.code(), "DB_READ_ONLY", "{e}"),
+        Ok(env) => panic!("a read-only engine dispatched: {env:?}"),
+    }
+    drop(ro);
+    assert_eq!(std::fs::read(fx.path()).unwrap(), before, "the file changed");
+}
+
+#[test]
+fn a_schema_version_that_lies_is_refused_without_sql_and_without_change() {
+    let dir = tempfile::tempdir().unwrap();
+    for (version, code) in [(2, "DB_MIGRATION_FAILED"), (-1, "DB_NOT_TOOLGATE")] {
+        let fx = crate::support::Fixture::new();
+        crate::support::raw(fx.path()).execute_batch(&format!("PRAGMA user_version = {version}")).unwrap();
+        crate::support::raw(fx.path()).execute_batch("PRAGMA wal_checkpoint(TRUNCATE)").unwrap();
+        let before = snapshot(fx.path());
+        let out = tg()
+            .args([
+                os("dispatch"),
+                os("--db"),
+                fx.path().as_os_str(),
+                os("--tool"),
+                os("get_order"),
+                os("--tenant"),
+                os("acme"),
+                os("--subject"),
+                os("agent_ana"),
+                os("--args"),
+                os(r#"{"order_ref":"ord_1001"}"#),
+            ])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.starts_with(&format!("error[{code}]")), "{stderr}");
+        for sql in ["CREATE", "INSERT", "SELECT", "TRIGGER"] {
+            assert!(!stderr.contains(sql), "SQL text in the error: {stderr}");
+        }
+        assert!(stderr.len() < 400, "{stderr}");
+        assert_eq!(snapshot(fx.path()), before, "version {version}: the ledger changed");
+        let v: i64 = crate::support::raw(fx.path()).query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+        assert_eq!(v, version);
+    }
+    drop(dir);
+}
