@@ -304,6 +304,41 @@ pub enum ScenarioCommand {
     },
 }
 
+/// A call identity on the command line (`dispatch` and `query`): each part
+/// absent is fresh, so a harness names the parts it needs to retry under.
+#[derive(Debug, Args)]
+pub struct CallArgs {
+    /// Call identity: call id (fresh when absent).
+    #[arg(long)]
+    pub call_id: Option<String>,
+    /// Call identity: response id.
+    #[arg(long)]
+    pub response_id: Option<String>,
+    /// Call identity: provider.
+    #[arg(long)]
+    pub provider: Option<String>,
+    /// Call identity: API family.
+    #[arg(long)]
+    pub api_family: Option<String>,
+    /// Call identity: adapter revision.
+    #[arg(long)]
+    pub adapter_revision: Option<String>,
+}
+
+impl CallArgs {
+    /// The call identity, fresh where a part was not given.
+    fn identity(&self) -> CallIdentity {
+        let fresh = fresh_call_identity();
+        CallIdentity {
+            provider: self.provider.clone().unwrap_or(fresh.provider),
+            api_family: self.api_family.clone().unwrap_or(fresh.api_family),
+            response_id: self.response_id.clone().unwrap_or(fresh.response_id),
+            call_id: self.call_id.clone().unwrap_or(fresh.call_id),
+            adapter_revision: self.adapter_revision.clone().unwrap_or(fresh.adapter_revision),
+        }
+    }
+}
+
 /// `dispatch` arguments.
 #[derive(Debug, Args)]
 pub struct DispatchArgs {
@@ -325,21 +360,9 @@ pub struct DispatchArgs {
     /// Idempotency key (8..255 chars), stable per business intent.
     #[arg(long)]
     pub key: Option<String>,
-    /// Call identity: call id (fresh when absent).
-    #[arg(long)]
-    pub call_id: Option<String>,
-    /// Call identity: response id.
-    #[arg(long)]
-    pub response_id: Option<String>,
-    /// Call identity: provider.
-    #[arg(long)]
-    pub provider: Option<String>,
-    /// Call identity: API family.
-    #[arg(long)]
-    pub api_family: Option<String>,
-    /// Call identity: adapter revision.
-    #[arg(long)]
-    pub adapter_revision: Option<String>,
+    /// The call identity.
+    #[command(flatten)]
+    pub call: CallArgs,
     /// An approval the caller holds.
     #[arg(long)]
     pub approval_id: Option<String>,
@@ -372,15 +395,10 @@ pub struct QueryArgs {
     /// The idempotency key, to check the scope too.
     #[arg(long)]
     pub key: Option<String>,
-    /// Query call identity: call id.
-    #[arg(long)]
-    pub call_id: Option<String>,
-    /// Query call identity: provider.
-    #[arg(long)]
-    pub provider: Option<String>,
-    /// Query call identity: API family.
-    #[arg(long)]
-    pub api_family: Option<String>,
+    /// The query's own call identity (bound to the purpose `query_status`:
+    /// retry a query under the same identity; reusing a dispatch's is CALL_ID_CONFLICT).
+    #[command(flatten)]
+    pub call: CallArgs,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -687,13 +705,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             if let Some(f) = &a.fault {
                 engine.set_faults(FaultPlan::parse(f).map_err(|e| CliError::new("BAD_FAULT", e.to_string()))?);
             }
-            let call = call_identity(
-                a.provider.as_deref(),
-                a.api_family.as_deref(),
-                a.response_id.as_deref(),
-                a.call_id.as_deref(),
-                a.adapter_revision.as_deref(),
-            );
+            let call = a.call.identity();
             let env = engine.dispatch(&DispatchRequest {
                 tenant: a.tenant.clone(),
                 subject: a.subject.clone(),
@@ -710,7 +722,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Query(a) => {
             refuse_read_only(cli)?;
             let mut engine = open(cli)?;
-            let call = call_identity(a.provider.as_deref(), a.api_family.as_deref(), None, a.call_id.as_deref(), None);
+            let call = a.call.identity();
             let env = engine.query_operation_status(&QueryRequest {
                 tenant: a.tenant.clone(),
                 subject: a.subject.clone(),
@@ -1081,23 +1093,6 @@ fn os_bytes(s: &OsString) -> Vec<u8> {
 #[cfg(not(unix))]
 fn os_bytes(s: &OsString) -> Vec<u8> {
     s.to_string_lossy().as_bytes().to_vec()
-}
-
-fn call_identity(
-    provider: Option<&str>,
-    family: Option<&str>,
-    response: Option<&str>,
-    call_id: Option<&str>,
-    adapter: Option<&str>,
-) -> CallIdentity {
-    let fresh = fresh_call_identity();
-    CallIdentity {
-        provider: provider.map_or(fresh.provider, str::to_string),
-        api_family: family.map_or(fresh.api_family, str::to_string),
-        response_id: response.map_or(fresh.response_id, str::to_string),
-        call_id: call_id.map_or(fresh.call_id, str::to_string),
-        adapter_revision: adapter.map_or(fresh.adapter_revision, str::to_string),
-    }
 }
 
 fn fmt_map(m: &std::collections::BTreeMap<String, i64>) -> String {

@@ -204,3 +204,36 @@ fn approvals_grant_revoke_and_read_only() {
     assert_eq!((rc, v["model_result"]["error"]["code"].as_str()), (1, Some("POLICY_DENIED")));
     assert!(v["model_result"]["data"].is_null());
 }
+
+fn query(db: &Path, env: &Value, call: &[&str]) -> Value {
+    let out = tg()
+        .args(["query", "--db"])
+        .arg(db)
+        .args(["--now", NOW, "--tenant", "acme", "--subject", "agent_ana", "--json"])
+        .args(["--status-ref", env["protected_audit"]["downstream"]["status_ref"].as_str().unwrap()])
+        .args(["--expect-sha256", env["protected_audit"]["binding"]["request_sha256"].as_str().unwrap()])
+        .args(call)
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"))
+}
+
+#[test]
+fn query_names_its_call_identity_like_dispatch() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = init(dir.path());
+    let ident = ["--provider", "openai", "--api-family", "responses", "--response-id", "resp_9", "--adapter-revision", "1"];
+    let mut d = ident.to_vec();
+    d.extend(["--call-id", "call_dispatch_9", "--fault", "timeout_after_commit"]);
+    let (_, env) = dispatch(&db, "cli-query-ident-1", ARGS, &d);
+    assert_eq!(env["model_result"]["status"], "unknown");
+    // The dispatch's own identity cannot be used to query (another purpose).
+    let mut q = ident.to_vec();
+    q.extend(["--call-id", "call_dispatch_9"]);
+    assert_eq!(query(&db, &env, &q)["model_result"]["error"]["code"], "CALL_ID_CONFLICT");
+    // A query identity of its own, retried under the same identity: answered both times.
+    let mut q = ident.to_vec();
+    q.extend(["--call-id", "call_query_9"]);
+    assert_eq!(query(&db, &env, &q)["model_result"]["execution"]["delivery"], "receipt_reconciled");
+    assert_eq!(query(&db, &env, &q)["model_result"]["status"], "succeeded");
+}
