@@ -20,6 +20,17 @@ use crate::engine::{
     fresh_call_identity, DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest, Resolution, ResolveRequest,
 };
 
+/// `print!` through [`write_stdout`]: never panics on a closed pipe.
+macro_rules! out {
+    ($($t:tt)*) => { write_stdout(&format!($($t)*)) };
+}
+
+/// `println!` through [`write_stdout`]: never panics on a closed pipe.
+macro_rules! outln {
+    () => { write_stdout("\n") };
+    ($($t:tt)*) => { write_stdout(&format!("{}\n", format_args!($($t)*))) };
+}
+
 /// toolgate: a durable tool-call dispatcher. Exactly one business effect per
 /// intent, and an explicit way out of OUTCOME_UNKNOWN.
 #[derive(Debug, Parser)]
@@ -483,6 +494,14 @@ impl From<EngineError> for CliError {
 
 /// Runs the CLI with the process arguments; returns the exit code.
 pub fn main() -> i32 {
+    // A panic (there should be none) prints a short report, never the build
+    // machine's source paths or a backtrace. The console wraps this hook with
+    // its own, which restores the terminal first.
+    std::panic::set_hook(Box::new(|_| {
+        eprintln!(
+            "error[INTERNAL]: toolgate hit an internal error (a bug). Please report it with the command you ran."
+        );
+    }));
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
@@ -497,7 +516,7 @@ pub fn main() -> i32 {
         Err(mut e) => {
             e.json |= wants_json;
             if e.json {
-                println!("{}", json!({"error": {"code": e.code, "message": e.message}}));
+                outln!("{}", json!({"error": {"code": e.code, "message": e.message}}));
             } else {
                 eprintln!("error[{}]: {}", e.code, e.message);
             }
@@ -633,7 +652,7 @@ fn tempfile_dir() -> Result<PathBuf, CliError> {
 }
 
 fn print_json(v: &impl serde::Serialize) {
-    println!("{}", serde_json::to_string_pretty(v).unwrap_or_else(|_| "null".into()));
+    outln!("{}", serde_json::to_string_pretty(v).unwrap_or_else(|_| "null".into()));
 }
 
 fn run(cli: &Cli) -> Result<i32, CliError> {
@@ -643,7 +662,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
     match command {
         Command::DemoDb { out, seed } => {
             crate::demo::generate(out, *seed)?;
-            println!("demo database written (seed {seed})");
+            outln!("demo database written (seed {seed})");
             Ok(0)
         }
         Command::Demo { agents } => console(cli, *agents),
@@ -688,7 +707,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             if *json {
                 print_json(&json!({"initialized": true, "world": summary}));
             } else {
-                println!(
+                outln!(
                     "initialized: {} tenants, {} subjects, {} grants, {} orders",
                     w.tenants.len(),
                     w.subjects.len(),
@@ -767,16 +786,20 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             if *json {
                 print_json(&json!({"pending": list}));
             } else if list.is_empty() {
-                println!("no pending approvals");
+                outln!("no pending approvals");
             } else {
-                println!(
+                outln!(
                     "{:<30} {:<16} {:<8} {:<12} {:>12}  expires in",
-                    "approval", "tool", "tenant", "subject", "amount"
+                    "approval",
+                    "tool",
+                    "tenant",
+                    "subject",
+                    "amount"
                 );
                 for a in &rows {
                     let left = a.expires_at - now;
                     let exp = if left <= 0 { "expired".to_string() } else { format!("{}s", left / 1000) };
-                    println!(
+                    outln!(
                         "{:<30} {:<16} {:<8} {:<12} {:>12}  {exp}",
                         a.id,
                         a.tool,
@@ -819,12 +842,17 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 if *json {
                     print_json(&json!({"operations": rows}));
                 } else {
-                    println!(
+                    outln!(
                         "{:<28} {:<16} {:<13} {:<8} {:<10} {:<24}",
-                        "operation", "tool", "state", "version", "key", "updated"
+                        "operation",
+                        "tool",
+                        "state",
+                        "version",
+                        "key",
+                        "updated"
                     );
                     for o in &rows {
-                        println!(
+                        outln!(
                             "{:<28} {:<16} {:<13} {:<8} {:<10} {:<24}",
                             o.id,
                             o.tool,
@@ -859,11 +887,11 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             if *json {
                 print_json(&c);
             } else {
-                println!("operations: {}", fmt_map(&c.operations));
-                println!("outbox:     {}", fmt_map(&c.outbox));
-                println!("downstream effects: {}", c.downstream_effects);
-                println!("side_effect_duplicates: {}", c.side_effect_duplicates);
-                println!("pending approvals: {}", c.pending_approvals);
+                outln!("operations: {}", fmt_map(&c.operations));
+                outln!("outbox:     {}", fmt_map(&c.outbox));
+                outln!("downstream effects: {}", c.downstream_effects);
+                outln!("side_effect_duplicates: {}", c.side_effect_duplicates);
+                outln!("pending approvals: {}", c.pending_approvals);
             }
             Ok(0)
         }
@@ -880,7 +908,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             if g.json {
                 print_json(&json!({"action": what, "changed": changed}));
             } else {
-                println!("{what}{}", if changed { "" } else { " (no change)" });
+                outln!("{what}{}", if changed { "" } else { " (no change)" });
             }
             Ok(0)
         }
@@ -890,14 +918,25 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             if *json {
                 print_json(&json!({"orders": orders}));
             } else {
-                println!(
+                outln!(
                     "{:<12} {:<8} {:<12} {:<4} {:>10} {:>10}  status",
-                    "order", "tenant", "owner", "cur", "captured", "refunded"
+                    "order",
+                    "tenant",
+                    "owner",
+                    "cur",
+                    "captured",
+                    "refunded"
                 );
                 for o in &orders {
-                    println!(
+                    outln!(
                         "{:<12} {:<8} {:<12} {:<4} {:>10} {:>10}  {}",
-                        o.order_ref, o.tenant, o.owner, o.currency, o.captured_minor, o.refunded_minor, o.status
+                        o.order_ref,
+                        o.tenant,
+                        o.owner,
+                        o.currency,
+                        o.captured_minor,
+                        o.refunded_minor,
+                        o.status
                     );
                 }
             }
@@ -914,7 +953,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                     "parked_unknown": r.parked_unknown, "purged": p.purged, "kept_for_audit": p.kept_for_audit,
                 }));
             } else {
-                println!(
+                outln!(
                     "reaped: {} back to accepted (never sent), {} re-queued with the same downstream key, {} parked as unknown; {} purged past retention (tombstones kept), {} past retention kept because a person acted on them",
                     r.requeued_unsent, r.requeued_same_key, r.parked_unknown, p.purged, p.kept_for_audit
                 );
@@ -928,7 +967,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             if *json {
                 print_json(&json!({"ran": n}));
             } else {
-                println!("ran {n} outbox row(s)");
+                outln!("ran {n} outbox row(s)");
             }
             Ok(0)
         }
@@ -941,7 +980,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             if *json {
                 print_json(&report);
             } else {
-                print!("{}", crate::bench::table(&report));
+                out!("{}", crate::bench::table(&report));
             }
             Ok(0)
         }
@@ -953,7 +992,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                     print_json(&json!({"log": rows}));
                 } else {
                     for r in &rows {
-                        println!(
+                        outln!(
                             "{} #{:<5} {:<8} {:<10} {:<8} {:<28} {}",
                             rfc3339(r.at),
                             r.seq,
@@ -971,12 +1010,12 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             if *json {
                 print_json(&json!({"ok": findings.is_empty(), "findings": findings}));
             } else if findings.is_empty() {
-                println!("audit: no findings");
+                outln!("audit: no findings");
             } else {
                 for f in &findings {
-                    println!("{:<22} {:<30} {}", f.check, f.reference, f.detail);
+                    outln!("{:<22} {:<30} {}", f.check, f.reference, f.detail);
                 }
-                println!("audit: {} finding(s)", findings.len());
+                outln!("audit: {} finding(s)", findings.len());
             }
             Ok(i32::from(!findings.is_empty()))
         }
@@ -1003,7 +1042,7 @@ fn scenario_command(what: &ScenarioCommand) -> Result<i32, CliError> {
                     .collect();
                 print_json(&json!({"scenarios": list}));
             } else {
-                print!("{}", report::list(&all));
+                out!("{}", report::list(&all));
             }
             Ok(0)
         }
@@ -1046,16 +1085,16 @@ fn scenario_command(what: &ScenarioCommand) -> Result<i32, CliError> {
                     reports.push(r);
                 } else {
                     if i > 0 {
-                        println!();
+                        outln!();
                     }
-                    print!("{}", report::render(&r));
+                    out!("{}", report::render(&r));
                 }
             }
             if *json {
                 print_json(&json!({"scenarios": reports, "passed": passed, "failed": failed}));
             } else {
-                println!();
-                println!("{}", report::summary_line(passed, failed));
+                outln!();
+                outln!("{}", report::summary_line(passed, failed));
             }
             Ok(i32::from(failed > 0))
         }
@@ -1063,8 +1102,9 @@ fn scenario_command(what: &ScenarioCommand) -> Result<i32, CliError> {
 }
 
 fn read_args(a: &DispatchArgs) -> Result<Vec<u8>, CliError> {
-    // The limit is enforced by the engine; this cap only stops a runaway pipe.
-    const READ_CAP: u64 = 8 * 1024 * 1024;
+    // The engine enforces the limit; reading stops one byte past it, so a huge
+    // file is never read whole and the engine still sees that it is too large.
+    const READ_CAP: u64 = crate::engine::canonical::MAX_INPUT_BYTES as u64 + 1;
     let read_all = |r: &mut dyn Read| -> Result<Vec<u8>, CliError> {
         let mut buf = Vec::new();
         r.take(READ_CAP)
@@ -1106,9 +1146,9 @@ fn print_outcome(o: &crate::engine::OperatorOutcome, json: bool) {
     if json {
         print_json(o);
     } else if o.applied {
-        println!("ok: {}", o.message);
+        outln!("ok: {}", o.message);
     } else {
-        println!("refused [{}]: {}", o.code, o.message);
+        outln!("refused [{}]: {}", o.code, o.message);
     }
 }
 
@@ -1121,7 +1161,7 @@ pub fn print_envelope(env: &Envelope, json: bool) {
     let m = &env.model_result;
     let exec = serde_json::to_value(m.execution).unwrap_or(Value::Null);
     let status = serde_json::to_value(m.status).unwrap_or(Value::Null);
-    println!(
+    outln!(
         "status: {}   outcome: {}   delivery: {}",
         status.as_str().unwrap_or("?"),
         exec["outcome"].as_str().unwrap_or("?"),
@@ -1129,36 +1169,36 @@ pub fn print_envelope(env: &Envelope, json: bool) {
     );
     if let Some(e) = &m.error {
         let rec = serde_json::to_value(e.recovery).unwrap_or(Value::Null);
-        println!(
+        outln!(
             "error: {}   recovery: {}   retryable: {}{}",
             e.code,
             rec.as_str().unwrap_or("?"),
             if e.retryable { "yes" } else { "no" },
             e.retry_after_ms.map_or(String::new(), |ms| format!("   retry_after_ms: {ms}"))
         );
-        println!("message: {}", e.message);
+        outln!("message: {}", e.message);
         if let Some(d) = &e.detail {
-            println!("detail: {d}");
+            outln!("detail: {d}");
         }
     }
     if let Some(d) = &m.data {
-        println!("data: {d}");
+        outln!("data: {d}");
     }
     let a = &env.protected_audit;
     if let Some(op) = &a.operation_id {
-        println!("operation: {op}");
+        outln!("operation: {op}");
     }
     if let Some(ap) = &a.approval_id {
-        println!("approval: {ap}");
+        outln!("approval: {ap}");
     }
     if let Some(s) = &a.downstream.status_ref {
-        println!("status_ref: {s}");
+        outln!("status_ref: {s}");
     }
     if let Some(r) = &a.binding.request_sha256 {
-        println!("request_sha256: {r}");
+        outln!("request_sha256: {r}");
     }
     if let Some(r) = &a.downstream.receipt_id {
-        println!("receipt: {r}");
+        outln!("receipt: {r}");
     }
 }
 
@@ -1222,14 +1262,14 @@ fn metrics_command(cli: &Cli, a: &MetricsArgs) -> Result<i32, CliError> {
         })
     };
     let Some(addr) = &a.listen else {
-        print!("{}", render(&mut engine)?);
+        out!("{}", render(&mut engine)?);
         return Ok(0);
     };
     let listener = std::net::TcpListener::bind(addr.as_str())
         .map_err(|e| CliError::new("LISTEN_FAILED", format!("cannot listen on {addr}: {}", e.kind())))?;
     let local = listener.local_addr().map_err(|e| CliError::new("LISTEN_FAILED", e.kind().to_string()))?;
     // The first line tells a caller (or a test that asked for port 0) where to scrape.
-    println!("listening on http://{local}/metrics");
+    outln!("listening on http://{local}/metrics");
     let _ = std::io::Write::flush(&mut std::io::stdout());
     tracing::info!(addr = %local, "serving /metrics");
     let never = std::sync::atomic::AtomicBool::new(false);
@@ -1246,37 +1286,41 @@ fn metrics_command(cli: &Cli, a: &MetricsArgs) -> Result<i32, CliError> {
 
 fn print_detail(d: &crate::engine::OperationDetail) {
     let o = &d.operation;
-    println!("operation {}  ({} v{})", o.id, o.state, o.version);
-    println!(
+    outln!("operation {}  ({} v{})", o.id, o.state, o.version);
+    outln!(
         "  tool {}  effect {}  revisions in{}/out{}/eff{}",
-        o.tool, o.effect, o.input_rev, o.output_rev, o.effect_rev
+        o.tool,
+        o.effect,
+        o.input_rev,
+        o.output_rev,
+        o.effect_rev
     );
-    println!("  key_sha256      {}", o.key_sha256);
-    println!("  request_sha256  {}", o.request_sha256);
-    println!("  result_sha256   {}", o.result_sha256.as_deref().unwrap_or("-"));
-    println!("  call_binding    {}", o.call_binding_sha256);
-    println!("  status_ref      {}", o.status_ref);
-    println!(
+    outln!("  key_sha256      {}", o.key_sha256);
+    outln!("  request_sha256  {}", o.request_sha256);
+    outln!("  result_sha256   {}", o.result_sha256.as_deref().unwrap_or("-"));
+    outln!("  call_binding    {}", o.call_binding_sha256);
+    outln!("  status_ref      {}", o.status_ref);
+    outln!(
         "  downstream      request {}  receipt {}",
         o.downstream_request_id.as_deref().unwrap_or("-"),
         o.receipt_id.as_deref().unwrap_or("-")
     );
     if let Some(c) = &o.code {
-        println!("  code            {c}");
+        outln!("  code            {c}");
     }
     if let Some(r) = &o.resolution {
-        println!(
+        outln!(
             "  resolution      {r} by {} ({})",
             o.resolved_by.as_deref().unwrap_or("?"),
             o.resolution_note.as_deref().unwrap_or("")
         );
     }
     if let Some(ob) = &d.outbox {
-        println!("  outbox          {} attempt {}/{}", ob.state, ob.attempt, ob.max_attempts);
+        outln!("  outbox          {} attempt {}/{}", ob.state, ob.attempt, ob.max_attempts);
     }
-    println!("attempts:");
+    outln!("attempts:");
     for a in &d.attempts {
-        println!(
+        outln!(
             "  #{} by {}  claimed {}  sent {}  -> {} {}",
             a.attempt,
             a.owner,
@@ -1286,9 +1330,9 @@ fn print_detail(d: &crate::engine::OperationDetail) {
             a.code.as_deref().unwrap_or("")
         );
     }
-    println!("trace:");
+    outln!("trace:");
     for t in &d.trace {
-        println!(
+        outln!(
             "  {} {:<16} {:<24} {:<12} {:<18} {:<9} {}",
             rfc3339(t.at),
             t.step,
@@ -1300,9 +1344,9 @@ fn print_detail(d: &crate::engine::OperationDetail) {
         );
     }
     if !d.audit.is_empty() {
-        println!("operator log:");
+        outln!("operator log:");
         for r in &d.audit {
-            println!("  {} {} {} by {}: {}", rfc3339(r.at), r.action, r.result, r.actor, r.reason);
+            outln!("  {} {} {} by {}: {}", rfc3339(r.at), r.action, r.result, r.actor, r.reason);
         }
     }
 }
@@ -1367,10 +1411,20 @@ pub struct LabArgs {
 }
 
 /// Writes to stdout; a closed pipe (`| head`) is not an error worth a panic.
+/// Writes to standard output. A reader that went away (`toolgate ops list |
+/// head -1`) ends the command quietly with exit 0, as coreutils and ripgrep
+/// do; any other write failure is reported once, without a panic.
 fn write_stdout(text: &str) {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();
-    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        Err(e) => {
+            eprintln!("error[STDOUT_FAILED]: cannot write the output: {}", e.kind());
+            std::process::exit(2);
+        }
+    }
 }
 
 fn operator_of(cli: &Cli, what: &str) -> Result<String, CliError> {

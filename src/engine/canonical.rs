@@ -24,8 +24,8 @@ pub const MAX_DEPTH: usize = 32;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CanonicalError {
     /// The text is larger than the limit.
-    #[error("input is {size} bytes; the limit is {limit} bytes")]
-    TooLarge { size: usize, limit: usize },
+    #[error("input is over the {} limit", human_bytes(*limit))]
+    TooLarge { limit: usize },
     /// Nested deeper than the limit.
     #[error("input nests deeper than {limit} levels")]
     TooDeep { limit: usize },
@@ -40,11 +40,21 @@ pub enum CanonicalError {
     NonFinite,
 }
 
+/// `64 KiB`, `16 MiB`, or `N bytes`.
+fn human_bytes(n: usize) -> String {
+    match n {
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
+        n => format!("{n} bytes"),
+    }
+}
+
 /// Parses a JSON text strictly: size and depth limits, no duplicate keys, no
 /// non-finite numbers, valid UTF-8 and no lone surrogates (serde_json refuses those).
 pub fn parse_strict(bytes: &[u8], max_bytes: usize, max_depth: usize) -> Result<Value, CanonicalError> {
     if bytes.len() > max_bytes {
-        return Err(CanonicalError::TooLarge { size: bytes.len(), limit: max_bytes });
+        // Callers stop reading at the limit + 1 byte: how much more there was is not known.
+        return Err(CanonicalError::TooLarge { limit: max_bytes });
     }
     // Depth is checked on the raw text before parsing so that a hostile input
     // never reaches a recursive parser deeper than the limit.
@@ -500,7 +510,7 @@ mod tests {
         assert!(matches!(parse_strict(br#""\ud800""#, 100, 4), Err(CanonicalError::Syntax(_))));
         assert!(matches!(parse_strict(b"\"\xff\"", 100, 4), Err(CanonicalError::Syntax(_))));
         assert!(matches!(parse_strict(b"1e999", 100, 4), Err(CanonicalError::Syntax(_) | CanonicalError::NonFinite)));
-        assert_eq!(parse_strict(&[b' '; 11], 10, 4), Err(CanonicalError::TooLarge { size: 11, limit: 10 }));
+        assert_eq!(parse_strict(&[b' '; 11], 10, 4), Err(CanonicalError::TooLarge { limit: 10 }));
     }
 
     fn json_value() -> impl proptest::strategy::Strategy<Value = Value> {

@@ -222,7 +222,8 @@ fn query(db: &Path, env: &Value, call: &[&str]) -> Value {
 fn query_names_its_call_identity_like_dispatch() {
     let dir = tempfile::tempdir().unwrap();
     let db = init(dir.path());
-    let ident = ["--provider", "openai", "--api-family", "responses", "--response-id", "resp_9", "--adapter-revision", "1"];
+    let ident =
+        ["--provider", "openai", "--api-family", "responses", "--response-id", "resp_9", "--adapter-revision", "1"];
     let mut d = ident.to_vec();
     d.extend(["--call-id", "call_dispatch_9", "--fault", "timeout_after_commit"]);
     let (_, env) = dispatch(&db, "cli-query-ident-1", ARGS, &d);
@@ -236,4 +237,66 @@ fn query_names_its_call_identity_like_dispatch() {
     q.extend(["--call-id", "call_query_9"]);
     assert_eq!(query(&db, &env, &q)["model_result"]["execution"]["delivery"], "receipt_reconciled");
     assert_eq!(query(&db, &env, &q)["model_result"]["status"], "succeeded");
+}
+
+#[test]
+fn every_read_command_stops_quietly_when_the_reader_goes_away() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("demo.db");
+    std::fs::write(&db, toolgate::demo::DEMO_DB).unwrap();
+    let op: String =
+        crate::support::raw(&db).query_row("SELECT id FROM operations ORDER BY id LIMIT 1", [], |r| r.get(0)).unwrap();
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["ops", "list"],
+        vec!["ops", "list", "--json"],
+        vec!["ops", "show", &op],
+        vec!["counts"],
+        vec!["audit"],
+        vec!["audit", "--log"],
+        vec!["orders"],
+        vec!["approvals"],
+        vec!["metrics"],
+        vec!["trace"],
+        vec!["scenario", "list"],
+    ];
+    for cmd in commands {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_toolgate"))
+            .args(&cmd)
+            .arg("--db")
+            .arg(&db)
+            .env_remove("RUST_BACKTRACE")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader goes away before the first line is written.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(matches!(out.status.code(), Some(0 | 141)), "{cmd:?}: {:?} {stderr}", out.status);
+        assert!(stderr.is_empty(), "{cmd:?} printed: {stderr}");
+    }
+}
+
+#[test]
+fn an_oversized_args_file_is_read_only_up_to_the_limit_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = init(dir.path());
+    let big = dir.path().join("big.json");
+    // 10 MB: the CLI stops reading one byte past the 64 KiB limit.
+    std::fs::write(&big, vec![b' '; 10 * 1024 * 1024]).unwrap();
+    let out = tg()
+        .args(["dispatch", "--db"])
+        .arg(&db)
+        .args(["--tenant", "acme", "--subject", "agent_ana", "--tool", "create_refund", "--key", "cli-big-args-1"])
+        .arg("--args-file")
+        .arg(&big)
+        .arg("--json")
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["model_result"]["error"]["code"], "INVALID_ARGUMENTS");
+    let text = v.to_string();
+    assert!(text.contains("over the 64 KiB limit"), "{text}");
+    assert!(!text.contains("8388608") && !text.contains("10485760"), "{text}");
 }

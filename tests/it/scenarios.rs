@@ -4,7 +4,6 @@
 //! naming the step and field, and `toolgate scenario` works from the CLI.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use assert_cmd::Command;
 use serde_json::{json, Value};
@@ -334,17 +333,15 @@ fn keep_db_leaves_a_database_the_cli_can_open() {
 }
 
 #[test]
-fn cli_runs_all_scenarios_in_a_few_seconds() {
-    let t0 = Instant::now();
+fn cli_runs_all_scenarios() {
+    // How long it takes is a benchmark's question, not a test's (shared machines are noisy).
     let out = toolgate().args(["scenario", "run", "all"]).output().unwrap();
-    let took = t0.elapsed();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     let n = scenarios::BUILTIN.len();
     assert_eq!(stdout.lines().last(), Some(format!("{n} passed, 0 failed").as_str()), "{stdout}");
     assert!(stdout.contains("real crash: child process"), "{stdout}");
     assert!(!stdout.contains("FAIL"), "{stdout}");
-    assert!(took < Duration::from_secs(10), "took {took:?}");
 }
 
 #[test]
