@@ -164,7 +164,10 @@ pub enum Command {
         seed: u64,
     },
     /// The console on a working copy of the demo database, with simulated agents
-    /// dispatching refunds (a few with faults) so the panes move.
+    /// dispatching refunds (a few with faults) so the panes move. With `--db
+    /// PATH`: a new working copy at PATH (kept after the console closes), or
+    /// PATH itself when it already is a demo database; any other file is
+    /// refused (NOT_A_DEMO_DB). Interactive: no `--json`.
     Demo {
         /// Agents in the load generator.
         #[arg(long, default_value_t = 2)]
@@ -607,7 +610,22 @@ fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
         ));
     }
     let scratch = tempfile_dir()?;
-    let (db, label) = if let (Some(p), 0) = (&cli.db, agents) {
+    let (db, label) = if let (Some(p), true) = (&cli.db, agents > 0) {
+        // `toolgate demo --db PATH`: the demo runs there.
+        let name = p.file_name().map_or_else(|| "demo".into(), |n| n.to_string_lossy().into_owned());
+        if p.exists() {
+            let demo = Engine::open(p, EngineOptions::default())?.is_demo();
+            if !demo {
+                return Err(CliError::new(
+                    "NOT_A_DEMO_DB",
+                    "the demo's agents only write to a demo database: give a new path (a working copy is made there) or one made by `toolgate demo-db`",
+                ));
+            }
+        } else {
+            crate::demo::working_copy_at(p, chrono::Utc::now().timestamp_millis())?;
+        }
+        (p.clone(), name)
+    } else if let (Some(p), 0) = (&cli.db, agents) {
         if !p.exists() {
             return Err(CliError::new("DB_NOT_FOUND", "no database at the given path (run `toolgate init` first)"));
         }

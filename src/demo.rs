@@ -186,7 +186,15 @@ pub fn generate(out: &Path, seed: u64) -> Result<(), EngineError> {
 /// timestamp re-based so the newest event is `now_ms`. The committed file is
 /// never opened for writing.
 pub fn working_copy(dir: &Path, now_ms: i64) -> Result<PathBuf, EngineError> {
-    let path = dir.join("demo.db");
+    working_copy_at(&dir.join("demo.db"), now_ms)
+}
+
+/// [`working_copy`] at a path of the caller's choosing (which must not exist).
+pub fn working_copy_at(path: &Path, now_ms: i64) -> Result<PathBuf, EngineError> {
+    if path.exists() {
+        return Err(EngineError::invalid("OUT_EXISTS", "the output file already exists; remove it first"));
+    }
+    let path = path.to_path_buf();
     std::fs::write(&path, DEMO_DB).map_err(|e| {
         EngineError::invalid("DEMO_COPY_FAILED", format!("cannot write the working copy: {}", e.kind()))
     })?;

@@ -369,3 +369,67 @@ fn smoke_the_real_binary_in_a_pseudo_terminal() {
     };
     assert!(status.success(), "clean exit: {status:?}");
 }
+
+#[test]
+fn demo_runs_on_the_database_path_it_is_given() {
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("class.db");
+    let pty = portable_pty::native_pty_system();
+    let pair = pty.openpty(portable_pty::PtySize { rows: 40, cols: 140, pixel_width: 0, pixel_height: 0 }).unwrap();
+    let mut cmd = portable_pty::CommandBuilder::new(env!("CARGO_BIN_EXE_toolgate"));
+    cmd.arg("demo");
+    cmd.arg("--agents");
+    cmd.arg("1");
+    cmd.arg("--db");
+    cmd.arg(&db);
+    cmd.env("TERM", "xterm-256color");
+    let mut child = pair.slave.spawn_command(cmd).unwrap();
+    drop(pair.slave);
+    let mut reader = pair.master.try_clone_reader().unwrap();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 8192];
+        while let Ok(n) = reader.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+        }
+    });
+    let mut writer = pair.master.take_writer().unwrap();
+    let start = Instant::now();
+    while !db.exists() {
+        assert!(start.elapsed() < Duration::from_secs(20), "no database at the given path");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    writer.write_all(b"Q").unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "the console did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "clean exit: {status:?}");
+    // The demo ran there: a demo database with the demo's operations, kept after exit.
+    let c = crate::support::raw(&db);
+    let demo: String = c.query_row("SELECT value FROM meta WHERE key = 'demo'", [], |r| r.get(0)).unwrap();
+    assert_eq!(demo, "1");
+    let ops: i64 = c.query_row("SELECT count(*) FROM operations", [], |r| r.get(0)).unwrap();
+    assert!(ops >= 10, "{ops}");
+    // A file that is not a demo database is refused, and left as it was.
+    let fx = crate::support::Fixture::new();
+    let before = crate::support::snapshot(fx.path());
+    let pair = pty.openpty(portable_pty::PtySize { rows: 24, cols: 80, pixel_width: 0, pixel_height: 0 }).unwrap();
+    let mut cmd = portable_pty::CommandBuilder::new(env!("CARGO_BIN_EXE_toolgate"));
+    cmd.args(["demo", "--db"]);
+    cmd.arg(fx.path());
+    let mut child = pair.slave.spawn_command(cmd).unwrap();
+    drop(pair.slave);
+    let status = child.wait().unwrap();
+    assert!(!status.success());
+    assert_eq!(crate::support::snapshot(fx.path()), before);
+}
