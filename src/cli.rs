@@ -162,6 +162,9 @@ pub enum Command {
         /// Seed for ids and secrets.
         #[arg(long, default_value_t = crate::demo::DEMO_SEED)]
         seed: u64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// The console on a working copy of the demo database, with simulated agents
     /// dispatching refunds (a few with faults) so the panes move. With `--db
@@ -215,6 +218,9 @@ pub struct TraceArgs {
     /// `jsonl`: one JSON object per line with stable field names; `text`: for people.
     #[arg(long, value_enum, default_value_t = TraceFormatArg::Text)]
     pub format: TraceFormatArg,
+    /// The same as `--format jsonl`.
+    #[arg(long, conflicts_with = "format")]
+    pub json: bool,
 }
 
 /// `trace --format`.
@@ -232,6 +238,9 @@ pub struct MetricsArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = MetricsFormatArg::Prometheus)]
     pub format: MetricsFormatArg,
+    /// The same as `--format json`.
+    #[arg(long, conflicts_with = "format")]
+    pub json: bool,
     /// Serve `GET /metrics` on this address (e.g. 127.0.0.1:9464; port 0 picks a
     /// free one) until killed, instead of printing once.
     #[arg(long, value_name = "ADDR")]
@@ -542,7 +551,8 @@ fn command_wants_json(c: Option<&Command>) -> bool {
             | Command::Audit { json, .. }
             | Command::Bench { json, .. },
         ) => *json,
-        Some(Command::DemoDb { .. } | Command::Demo { .. }) => false,
+        Some(Command::DemoDb { json, .. }) => *json,
+        Some(Command::Demo { .. }) => false,
         Some(Command::Dispatch(a)) => a.json,
         Some(Command::Query(a)) => a.json,
         Some(Command::Resolve(a)) => a.json,
@@ -552,8 +562,8 @@ fn command_wants_json(c: Option<&Command>) -> bool {
         Some(Command::Grant(a) | Command::Revoke(a)) => a.json,
         Some(Command::Ops { what: OpsCommand::List { json, .. } | OpsCommand::Show { json, .. } }) => *json,
         Some(Command::Scenario { what: ScenarioCommand::List { json } | ScenarioCommand::Run { json, .. } }) => *json,
-        Some(Command::Trace(a)) => a.format == TraceFormatArg::Jsonl,
-        Some(Command::Metrics(a)) => a.format == MetricsFormatArg::Json,
+        Some(Command::Trace(a)) => a.json || a.format == TraceFormatArg::Jsonl,
+        Some(Command::Metrics(a)) => a.json || a.format == MetricsFormatArg::Json,
         None => false,
     }
 }
@@ -678,9 +688,13 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         return console(cli, 0);
     };
     match command {
-        Command::DemoDb { out, seed } => {
+        Command::DemoDb { out, seed, json } => {
             crate::demo::generate(out, *seed)?;
-            outln!("demo database written (seed {seed})");
+            if *json {
+                outln!("{}", json!({"written": true, "seed": seed, "schema_version": crate::store::SCHEMA_VERSION}));
+            } else {
+                outln!("demo database written (seed {seed})");
+            }
             Ok(0)
         }
         Command::Demo { agents } => console(cli, *agents),
@@ -1233,6 +1247,7 @@ fn trace_command(cli: &Cli, a: &TraceArgs) -> Result<i32, CliError> {
             .ok_or_else(|| CliError::new("BAD_TIME", "--since must be an RFC 3339 time, e.g. 2026-01-01T00:00:00Z"))?,
     };
     let format = match a.format {
+        _ if a.json => Format::Jsonl,
         TraceFormatArg::Text => Format::Text,
         TraceFormatArg::Jsonl => Format::Jsonl,
     };
@@ -1271,7 +1286,7 @@ fn metrics_command(cli: &Cli, a: &MetricsArgs) -> Result<i32, CliError> {
         risk: a.risk.clone(),
         version: a.tool_version.clone(),
     };
-    let format = a.format;
+    let format = if a.json { MetricsFormatArg::Json } else { a.format };
     let render = move |engine: &mut Engine| -> Result<String, EngineError> {
         let snap = metrics::snapshot(engine, window, &slice)?;
         Ok(match format {

@@ -8,9 +8,10 @@
 //! itself), risk (the tool contract's risk label) and tool version (contract
 //! revisions `input.output.effect`).
 //!
-//! Not tracked yet: the retry budget left and the circuit-breaker state (they do
-//! not exist in the engine yet); [`MetricsSnapshot::not_tracked`] says so rather
-//! than exporting a made-up value.
+//! The retry budget (tokens left per tool) and the circuit breaker (state and
+//! open-since per tool) are read from their rows in the ledger.
+//! [`MetricsSnapshot::not_tracked`] would name any metric not exported yet
+//! rather than export a made-up value; today it is empty.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -212,13 +213,76 @@ impl MetricsSnapshot {
     }
 }
 
-const NOT_TRACKED: [NotTracked; 2] = [
-    NotTracked {
-        metric: "toolgate_retry_budget_remaining",
-        why: "the per-tool retry budget is not implemented yet; retries and exhausted retries are exported",
-    },
-    NotTracked { metric: "toolgate_circuit_state", why: "the per-downstream circuit breaker is not implemented yet" },
-];
+/// Every metric the design names is exported; the list stays for metrics a
+/// later version names before it exports them.
+const NOT_TRACKED: [NotTracked; 0] = [];
+
+/// The retry budget and the circuit breaker, as they stand in the ledger (every
+/// process shares them): tokens left per tool, and per tool the state of its
+/// downstream's circuit, with since when it is open.
+fn resilience_families(families: &mut Vec<Family>, engine: &Engine, raw: &Raw, slice: &Slice) {
+    let mut tokens = BTreeMap::new();
+    let mut capacity = BTreeMap::new();
+    let mut state = BTreeMap::new();
+    let mut open_since = BTreeMap::new();
+    for c in engine.contracts().all() {
+        if slice.tool.as_deref().is_some_and(|t| t != c.name) || slice.risk.as_deref().is_some_and(|r| r != c.risk) {
+            continue;
+        }
+        let tool = BTreeMap::from([("tool", c.name.clone())]);
+        let cap = f64::from(c.retry.budget_burst);
+        // A tool without a row has a full bucket.
+        let left = raw
+            .budgets
+            .iter()
+            .find(|b| b.tool == c.name)
+            .map_or(cap, |b| b.tokens_milli as f64 / crate::store::MILLI_TOKEN as f64);
+        tokens.insert(tool.clone(), left);
+        capacity.insert(tool, cap);
+        let downstream = c.downstream.as_str();
+        let row = raw.circuits.iter().find(|r| r.downstream == downstream);
+        let current = row.map_or("closed", |r| r.state.as_str());
+        for s in ["closed", "open", "half_open"] {
+            let labels = BTreeMap::from([
+                ("tool", c.name.clone()),
+                ("downstream", downstream.to_string()),
+                ("state", s.to_string()),
+            ]);
+            state.insert(labels, if s == current { 1.0 } else { 0.0 });
+        }
+        if let (Some(r), "open") = (row, current) {
+            if let Some(until) = r.open_until {
+                let since = until - c.circuit.cool_down_ms as i64;
+                let labels = BTreeMap::from([("tool", c.name.clone()), ("downstream", downstream.to_string())]);
+                open_since.insert(labels, since as f64 / 1000.0);
+            }
+        }
+    }
+    families.push(Family {
+        name: "toolgate_retry_budget_tokens",
+        help: "Automatic retries the tool's retry budget allows now (tokens left in its bucket).",
+        kind: Kind::Gauge,
+        samples: samples_of(tokens),
+    });
+    families.push(Family {
+        name: "toolgate_retry_budget_capacity",
+        help: "The size of the tool's retry budget bucket, in retries.",
+        kind: Kind::Gauge,
+        samples: samples_of(capacity),
+    });
+    families.push(Family {
+        name: "toolgate_circuit_state",
+        help: "The circuit breaker of the tool's downstream: 1 for its current state.",
+        kind: Kind::Gauge,
+        samples: samples_of(state),
+    });
+    families.push(Family {
+        name: "toolgate_circuit_open_since_seconds",
+        help: "Since when (Unix seconds) the circuit of the tool's downstream is open; absent when it is not.",
+        kind: Kind::Gauge,
+        samples: samples_of(open_since),
+    });
+}
 
 /// What every event-based series is labelled with.
 struct Labeler<'a> {
@@ -452,6 +516,8 @@ struct Raw {
     approvals: Vec<ApprovalStateRow>,
     effects: i64,
     duplicates: i64,
+    budgets: Vec<crate::store::RetryBudgetRow>,
+    circuits: Vec<crate::store::CircuitRow>,
 }
 
 /// Computes every metric at the engine clock's now, for one window and slice.
@@ -473,6 +539,8 @@ pub fn snapshot(engine: &mut Engine, window: Window, slice: &Slice) -> Result<Me
             approvals: tx.approval_states(now)?,
             effects: tx.count_effects()?,
             duplicates: tx.side_effect_duplicates()?,
+            budgets: tx.retry_budgets()?,
+            circuits: tx.circuits()?,
         })
     })?;
     // The ledger's own rows hold the tenant itself: hash it before it is a label.
@@ -577,6 +645,8 @@ pub fn snapshot(engine: &mut Engine, window: Window, slice: &Slice) -> Result<Me
         kind: Kind::Counter,
         samples: unsliced(raw.effects as f64),
     });
+
+    resilience_families(&mut families, engine, &raw, slice);
 
     // Latency of answered calls.
     let mut hist: BTreeMap<BTreeMap<&'static str, String>, Histogram> = BTreeMap::new();

@@ -571,8 +571,10 @@ fn prometheus_output_parses_and_counts_what_happened() {
     assert_eq!(m("toolgate_dispatches_total", &[("risk", "low")]), 1);
     let globex = cli(fx.path(), &["metrics", "--tenant", "globex"]);
     assert_eq!(sample_sum(&parse_prometheus(&globex), "toolgate_dispatches_total", &[]), 1);
-    // The issue-9 metrics are declared missing, not faked.
-    assert!(text.contains("# toolgate: toolgate_retry_budget_remaining is not exported"));
+    // The retry budget and the breaker are exported, nothing is declared missing.
+    assert!(text.contains("toolgate_retry_budget_tokens{"), "{text}");
+    assert!(text.contains("toolgate_circuit_state{"), "{text}");
+    assert!(!text.contains("is not exported"), "{text}");
     // JSON: the same snapshot with rates per minute and percentiles per tool.
     let j: Value =
         serde_json::from_str(&cli(fx.path(), &["metrics", "--format", "json", "--window-minutes", "5"])).unwrap();

@@ -555,3 +555,37 @@ fn fault_durations_are_bounded_inputs() {
         assert!(FaultPlan::parse(ok).is_ok(), "{ok} was refused");
     }
 }
+
+#[test]
+#[allow(clippy::float_cmp)] // gauges of small whole numbers: exact in f64
+fn the_retry_budget_and_the_breaker_are_exported() {
+    use toolgate::telemetry::metrics::{snapshot, Slice, Window};
+    let fx = Fixture::new();
+    let mut e = fx.engine();
+    let labels = |tool: &str, state: &str| [("tool", tool.to_string()), ("state", state.to_string())];
+    let value = |snap: &toolgate::telemetry::metrics::MetricsSnapshot, name: &str, l: &[(&str, String)]| {
+        let l: Vec<(&str, &str)> = l.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        snap.total(name, &l)
+    };
+    let snap = snapshot(&mut e, Window::default(), &Slice::default()).unwrap();
+    assert!(snap.not_tracked.is_empty());
+    assert_eq!(value(&snap, "toolgate_circuit_state", &labels("create_refund", "closed")), 1.0);
+    let full = value(&snap, "toolgate_retry_budget_tokens", &[("tool", "create_refund".into())]);
+    assert_eq!(full, value(&snap, "toolgate_retry_budget_capacity", &[("tool", "create_refund".into())]));
+    assert!(full > 0.0);
+    open_payments(&mut e, "export-a");
+    let c = circuit(&mut e, "payments").unwrap();
+    let snap = snapshot(&mut e, Window::default(), &Slice::default()).unwrap();
+    assert_eq!(value(&snap, "toolgate_circuit_state", &labels("create_refund", "open")), 1.0);
+    assert_eq!(value(&snap, "toolgate_circuit_state", &labels("create_refund", "closed")), 0.0);
+    let since = value(&snap, "toolgate_circuit_open_since_seconds", &[("tool", "create_refund".into())]);
+    assert!(since > 0.0 && since * 1000.0 < c.open_until.unwrap() as f64, "{since}");
+    let left = value(&snap, "toolgate_retry_budget_tokens", &[("tool", "create_refund".into())]);
+    let b = budget(&mut e, "create_refund").unwrap();
+    assert!((left - b.tokens_milli as f64 / 1000.0).abs() < 1e-9, "{left} vs {b:?}");
+    // And the Prometheus text parses with them in it.
+    let text = toolgate::telemetry::prometheus::render(&snap);
+    assert!(text.contains("toolgate_circuit_state{"), "{text}");
+    let lines = text.lines().map(|l| Ok(l.to_string()));
+    prometheus_parse::Scrape::parse(lines).unwrap();
+}
