@@ -890,7 +890,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                             o.tool,
                             o.state,
                             o.version,
-                            &o.key_sha256[..8],
+                            crate::display::digest(&o.key_sha256, 8),
                             rfc3339(o.updated_at)
                         );
                     }
@@ -1029,10 +1029,12 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                             rfc3339(r.at),
                             r.seq,
                             r.result,
-                            r.action,
-                            r.actor,
-                            r.operation_id.as_deref().or(r.approval_id.as_deref()).unwrap_or("-"),
-                            r.reason
+                            crate::display::escape(&r.action),
+                            crate::display::escape(&r.actor),
+                            crate::display::escape(
+                                r.operation_id.as_deref().or(r.approval_id.as_deref()).unwrap_or("-")
+                            ),
+                            crate::display::escape(&r.reason)
                         );
                     }
                 }
@@ -1344,8 +1346,8 @@ fn print_detail(d: &crate::engine::OperationDetail) {
     if let Some(r) = &o.resolution {
         outln!(
             "  resolution      {r} by {} ({})",
-            o.resolved_by.as_deref().unwrap_or("?"),
-            o.resolution_note.as_deref().unwrap_or("")
+            crate::display::escape(o.resolved_by.as_deref().unwrap_or("?")),
+            crate::display::escape(o.resolution_note.as_deref().unwrap_or(""))
         );
     }
     if let Some(ob) = &d.outbox {
@@ -1379,7 +1381,14 @@ fn print_detail(d: &crate::engine::OperationDetail) {
     if !d.audit.is_empty() {
         outln!("operator log:");
         for r in &d.audit {
-            outln!("  {} {} {} by {}: {}", rfc3339(r.at), r.action, r.result, r.actor, r.reason);
+            outln!(
+                "  {} {} {} by {}: {}",
+                rfc3339(r.at),
+                r.action,
+                r.result,
+                crate::display::escape(&r.actor),
+                crate::display::escape(&r.reason)
+            );
         }
     }
 }
@@ -1447,10 +1456,20 @@ pub struct LabArgs {
 /// Writes to standard output. A reader that went away (`toolgate ops list |
 /// head -1`) ends the command quietly with exit 0, as coreutils and ripgrep
 /// do; any other write failure is reported once, without a panic.
+///
+/// The CLI prints no escape sequences of its own, so every control character
+/// but the line breaks of its own layout is written out (`\u{1b}`): a stored
+/// name or note cannot clear the screen or move the cursor. Stored free text
+/// that may hold a line break goes through [`crate::display::escape`] first.
 fn write_stdout(text: &str) {
     use std::io::Write as _;
+    let safe: std::borrow::Cow<'_, str> = if text.chars().any(|c| c.is_control() && c != '\n') {
+        text.split('\n').map(crate::display::escape).collect::<Vec<_>>().join("\n").into()
+    } else {
+        text.into()
+    };
     let mut out = std::io::stdout().lock();
-    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+    match out.write_all(safe.as_bytes()).and_then(|()| out.flush()) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
         Err(e) => {

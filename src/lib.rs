@@ -1,6 +1,6 @@
 //! toolgate: a durable tool-call dispatcher that executes an AI agent's
-//! side-effecting tool calls exactly once in business effect, with a CLI (and,
-//! later, an operations console) over it.
+//! side-effecting tool calls exactly once in business effect, with an
+//! operations console and a CLI over it.
 //!
 //! # Layout
 //! - [`engine`]: the dispatch pipeline, idempotency ledger, outbox, leases and the
@@ -21,11 +21,14 @@
 //! - [`load`]: simulated agents that dispatch like real harnesses.
 //! - [`bench`]: `toolgate bench`, the engine against bare SQLite loops doing
 //!   the same commits, side by side.
+//! - [`display`]: stored text shown to people safely (digests checked before
+//!   they are shortened, control characters escaped, durations in days).
 //! - [`cli`]: the command line (the binary's only dependency on this crate).
 
 pub mod bench;
 pub mod cli;
 pub mod demo;
+pub mod display;
 pub mod downstream;
 pub mod engine;
 pub mod failpoint;

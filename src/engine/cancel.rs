@@ -61,6 +61,10 @@ impl Engine {
     /// after send it moves to the unknown queue. Refusals are outcomes too, and
     /// are logged.
     pub fn cancel(&mut self, r: &CancelRequest) -> Result<OperatorOutcome, EngineError> {
+        if !r.operator.trim().is_empty() {
+            super::check_operator(&r.operator)?;
+        }
+        super::check_operator_note(&r.note)?;
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
         Ok(self.store.write(|tx| -> Result<OperatorOutcome, StoreError> {

@@ -256,6 +256,7 @@ impl Engine {
     /// demo database only; recorded in the operator log. Anywhere else:
     /// `LAB_NOT_DEMO`, and nothing changes.
     pub fn set_lab_toggle(&mut self, toggle: Option<LabToggle>, operator: &str) -> Result<(), EngineError> {
+        super::check_operator(operator)?;
         let now = self.clock.now_ms();
         let demo = self.demo;
         self.store.write(|tx| -> Result<(), EngineError> {

@@ -81,6 +81,58 @@ impl EngineError {
     }
 }
 
+/// Longest operator or approver name accepted.
+pub const MAX_NAME_CHARS: usize = 128;
+/// Longest part of a call identity accepted (provider, API family, response id, call id, adapter revision).
+pub const MAX_CALL_PART_CHARS: usize = 256;
+/// Longest operator note accepted.
+pub const MAX_NOTE_CHARS: usize = 4096;
+
+/// Checks a name a person or a caller gives (an operator, an approver, a
+/// part of a call identity): not empty, at most `max` characters, no control
+/// characters or bidirectional overrides (it would print as something else),
+/// and not the shape of a principal reference (`pr_` + 16 hex digits, which
+/// the audit log uses for a caller's own status query).
+pub fn check_name(what: &str, s: &str, max: usize) -> Result<(), String> {
+    if s.trim().is_empty() {
+        return Err(format!("{what} is empty"));
+    }
+    if s.chars().count() > max {
+        return Err(format!("{what} is longer than {max} characters"));
+    }
+    if s.chars().any(|c| c.is_control() || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')) {
+        return Err(format!("{what} contains control characters"));
+    }
+    if s.len() == 19 && s.starts_with("pr_") && s[3..].bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!("{what} has the shape of a principal reference (pr_ + 16 hex digits), which is reserved"));
+    }
+    Ok(())
+}
+
+/// Checks an operator note: at most [`MAX_NOTE_CHARS`], line breaks and tabs
+/// allowed (every display escapes them), no other control characters.
+pub fn check_note(s: &str) -> Result<(), String> {
+    if s.chars().count() > MAX_NOTE_CHARS {
+        return Err(format!("the note is longer than {MAX_NOTE_CHARS} characters"));
+    }
+    if s.chars().any(|c| {
+        (c.is_control() && c != '\n' && c != '\t') || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    }) {
+        return Err("the note contains control characters other than line breaks".into());
+    }
+    Ok(())
+}
+
+/// [`check_name`] for an operator action: `INVALID_OPERATOR`, nothing recorded.
+pub(crate) fn check_operator(s: &str) -> Result<(), EngineError> {
+    check_name("the operator name", s, MAX_NAME_CHARS).map_err(|m| EngineError::invalid("INVALID_OPERATOR", m))
+}
+
+/// [`check_note`] for an operator action: `INVALID_NOTE`, nothing recorded.
+pub(crate) fn check_operator_note(s: &str) -> Result<(), EngineError> {
+    check_note(s).map_err(|m| EngineError::invalid("INVALID_NOTE", m))
+}
+
 /// How to open an engine.
 pub struct EngineOptions {
     /// The clock.

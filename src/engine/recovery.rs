@@ -185,10 +185,23 @@ impl Engine {
     /// `query_operation_status(status_ref, expected_request_sha256)`, in the order
     /// of SPEC §8. It never executes the tool.
     pub fn query_operation_status(&mut self, q: &QueryRequest) -> Result<Envelope, EngineError> {
+        if let Some(op) = &q.operator {
+            super::check_operator(op)?;
+        }
         let started = Some(Answering::now("query"));
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
         let call = q.call.clone().unwrap_or_else(fresh_call_identity);
+        for (part, value) in [
+            ("provider", &call.provider),
+            ("api_family", &call.api_family),
+            ("response_id", &call.response_id),
+            ("call_id", &call.call_id),
+            ("adapter_revision", &call.adapter_revision),
+        ] {
+            super::check_name(part, value, super::MAX_CALL_PART_CHARS)
+                .map_err(|m| EngineError::invalid("INVALID_CALL_IDENTITY", m))?;
+        }
         let pref = self.principal_ref(&q.tenant, &q.subject);
         let audit =
             ProtectedAudit { principal_ref: pref.clone(), provider: Some(call.clone()), ..ProtectedAudit::default() };
@@ -419,6 +432,7 @@ impl Engine {
     /// operation's own principal and provider profile (authorization is still
     /// re-checked), with a fresh call identity, and the operator is logged.
     pub fn operator_query(&mut self, operation_id: &str, operator: &str) -> Result<Envelope, EngineError> {
+        super::check_operator(operator)?;
         let Some(op) = self.store.read(|tx| tx.operation(operation_id))? else {
             return Err(self.missing_operation(operation_id));
         };
@@ -439,6 +453,7 @@ impl Engine {
     /// Approves a pending request: the held call is accepted (operation + outbox in
     /// one transaction) and executed now. Refusals are `APPROVAL_INVALID`.
     pub fn approve(&mut self, approval_id: &str, approver: &str) -> Result<Envelope, EngineError> {
+        super::check_operator(approver)?;
         let started = Some(Answering::now("approve"));
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
@@ -560,6 +575,8 @@ impl Engine {
 
     /// Denies a pending request (note mandatory).
     pub fn deny(&mut self, approval_id: &str, approver: &str, note: &str) -> Result<OperatorOutcome, EngineError> {
+        super::check_operator(approver)?;
+        super::check_operator_note(note)?;
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
         Ok(self.store.write(|tx| -> Result<OperatorOutcome, StoreError> {
@@ -679,6 +696,17 @@ impl Engine {
     }
 
     fn resolve_with(&mut self, r: &ResolveRequest, against_evidence: bool) -> Result<OperatorOutcome, EngineError> {
+        // An empty name or note is refused (and logged) below; a hostile one is
+        // refused here, before anything of it is stored.
+        if !r.operator.trim().is_empty() {
+            super::check_operator(&r.operator)?;
+        }
+        super::check_operator_note(&r.note)?;
+        if let Some(e) = &r.evidence {
+            super::check_name("the evidence", e, super::MAX_CALL_PART_CHARS)
+                .or_else(|m| if e.trim().is_empty() { Ok(()) } else { Err(m) })
+                .map_err(|m| EngineError::invalid("INVALID_EVIDENCE", m))?;
+        }
         // The provider's word first, outside any ledger transaction (a downstream call).
         let provider = self.decision_evidence(r)?;
         let now = self.clock.now_ms();

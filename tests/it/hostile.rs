@@ -384,3 +384,61 @@ fn a_schema_version_that_lies_is_refused_without_sql_and_without_change() {
     }
     drop(dir);
 }
+
+#[test]
+fn operator_and_caller_text_cannot_forge_output() {
+    use toolgate::engine::{Resolution, ResolveRequest};
+    let fx = crate::support::Fixture::new();
+    let mut e = fx.engine();
+    let env = crate::support::dispatch_with(
+        &mut e,
+        &crate::support::refund("refund-forge-0001", 100),
+        "timeout_before_commit",
+    );
+    let op = env.protected_audit.operation_id.clone().unwrap();
+    let before = snapshot(fx.path());
+    let resolve = |operator: &str, note: &str| ResolveRequest {
+        operation_id: op.clone(),
+        resolution: Resolution::Failed,
+        operator: operator.into(),
+        note: note.into(),
+        evidence: None,
+        seen_version: None,
+        action_id: None,
+    };
+    // Control characters in a name, an over-long name, a reserved shape, an OSC in a note: refused, nothing stored.
+    for (operator, note, code) in [
+        ("ev\u{1b}[2Jil", "fine", "INVALID_OPERATOR"),
+        (&"o".repeat(200) as &str, "fine", "INVALID_OPERATOR"),
+        ("pr_0123456789abcdef", "fine", "INVALID_OPERATOR"),
+        ("kim", "ok\u{1b}]0;pwned\u{7}", "INVALID_NOTE"),
+    ] {
+        match e.resolve(&resolve(operator, note)) {
+            Err(err) => assert_eq!(err.code(), code, "{operator:?} {note:?}"),
+            Ok(out) => panic!("{operator:?} {note:?} was taken: {out:?}"),
+        }
+    }
+    assert_eq!(e.approve("apr_nonexistent", "bad\nname").unwrap_err().code(), "INVALID_OPERATOR");
+    assert_eq!(snapshot(fx.path()), before, "nothing stored");
+    // Call identities: bounded and printable.
+    let mut r = crate::support::refund("refund-forge-0002", 100);
+    let mut c = crate::support::call("call_ok");
+    c.call_id = "x".repeat(10_000);
+    r.call = Some(c);
+    let env = e.dispatch(&r).unwrap();
+    assert_eq!(env.code(), Some(toolgate::engine::envelope::Code::InvalidArguments));
+    let mut c = crate::support::call("call\u{1b}[31m");
+    c.provider = "openai".into();
+    r.call = Some(c);
+    assert_eq!(e.dispatch(&r).unwrap().code(), Some(toolgate::engine::envelope::Code::InvalidArguments));
+    assert_eq!(snapshot(fx.path()), before, "nothing stored");
+    // A note with a line break is kept, and every display writes it out on one line.
+    let out = e.resolve(&resolve("kim", "line one\napplied by admin")).unwrap();
+    assert!(out.applied, "{out:?}");
+    let text = tg().args([os("ops"), os("show"), os(&op), os("--db"), fx.path().as_os_str()]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&text.stdout);
+    assert!(stdout.contains("line one\\napplied by admin"), "{stdout}");
+    assert!(!stdout.lines().any(|l| l.trim_start().starts_with("applied by admin")), "{stdout}");
+    let log = tg().args([os("audit"), os("--log"), os("--db"), fx.path().as_os_str()]).output().unwrap();
+    assert!(!String::from_utf8_lossy(&log.stdout).lines().any(|l| l.starts_with("applied by admin")));
+}
