@@ -430,6 +430,13 @@ pub struct App {
     pub lab: LabView,
     /// The toggle selected in the lab panel.
     pub lab_selected: usize,
+    /// A pane switch is waiting for its first page: keys that act on rows
+    /// wait in `queued` so each acts on the state the previous key left.
+    pub awaiting_page: bool,
+    /// Keys typed before the page they act on arrived, in order.
+    pub queued: std::collections::VecDeque<Action>,
+    /// Requests produced by replaying queued keys (the event loop sends them).
+    pub pending_requests: Vec<Request>,
 }
 
 /// Rows of chrome around a pane's table: header (3), tabs (1), table border and
@@ -472,6 +479,9 @@ impl App {
             clipboard: None,
             lab: LabView::default(),
             lab_selected: 0,
+            awaiting_page: false,
+            queued: std::collections::VecDeque::new(),
+            pending_requests: Vec::new(),
         }
     }
 
@@ -530,7 +540,30 @@ impl App {
         self.selected = 0;
         self.cursor = None;
         self.page_stack.clear();
+        self.awaiting_page = matches!(pane, Pane::Live | Pane::Ledger | Pane::Approvals | Pane::Unknown | Pane::Audit);
         Some(self.fetch())
+    }
+
+    /// Whether an action acts on the rows of the current pane (and so must wait
+    /// for them after a pane switch).
+    fn acts_on_rows(&self, action: &Action) -> bool {
+        self.mode == Mode::Normal
+            && matches!(
+                action,
+                Action::Up
+                    | Action::Down
+                    | Action::Top
+                    | Action::Bottom
+                    | Action::PageDown
+                    | Action::PageUp
+                    | Action::OpenDetail
+                    | Action::Copy
+                    | Action::AskQuery
+                    | Action::AskApprove
+                    | Action::AskDeny
+                    | Action::AskResolve
+                    | Action::AskCancel
+            )
     }
 
     fn say(&mut self, text: impl Into<String>, error: bool) {
@@ -549,7 +582,41 @@ impl App {
     }
 
     /// Handles one action; returns a request for the engine thread, if any.
+    /// (Keys replayed after a page arrived leave theirs in `pending_requests`.)
     pub fn update(&mut self, action: Action) -> Option<Request> {
+        // Keys typed in one burst act in order on the state each leaves: one
+        // that needs the rows of a pane just switched to waits for them.
+        if self.awaiting_page
+            && (self.acts_on_rows(&action)
+                || (!self.queued.is_empty()
+                    && !matches!(action, Action::Engine(_) | Action::Tick(_) | Action::Resize(..))))
+        {
+            self.queued.push_back(action);
+            return None;
+        }
+        let arrived = matches!(&action, Action::Engine(EngineEvent::Page { pane, .. }) if *pane == self.pane);
+        let out = self.update_now(action);
+        if arrived && self.awaiting_page {
+            self.awaiting_page = false;
+            if let Some(r) = out.clone() {
+                self.pending_requests.push(r);
+            }
+            while let Some(next) = self.queued.pop_front() {
+                if let Some(r) = self.update(next) {
+                    self.pending_requests.push(r);
+                }
+                if self.awaiting_page {
+                    // A queued key switched panes again: the rest waits for that page.
+                    break;
+                }
+            }
+            // Every request of the replay waits in `pending_requests`, in order.
+            return None;
+        }
+        out
+    }
+
+    fn update_now(&mut self, action: Action) -> Option<Request> {
         if self.mode == Mode::Help
             && !matches!(
                 action,

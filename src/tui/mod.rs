@@ -173,6 +173,9 @@ async fn event_loop(
         if let Some(req) = app.update(action) {
             let _ = backend.requests.send(req);
         }
+        for req in app.pending_requests.drain(..) {
+            let _ = backend.requests.send(req);
+        }
         if let Some(text) = app.clipboard.take() {
             osc52(&text);
         }

@@ -433,3 +433,23 @@ fn demo_runs_on_the_database_path_it_is_given() {
     assert!(!status.success());
     assert_eq!(crate::support::snapshot(fx.path()), before);
 }
+
+#[test]
+fn keys_typed_in_one_burst_each_act_on_the_state_the_previous_one_left() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Live, 140, 40);
+    // `4 g q` arrive before pane 4's page does.
+    assert!(matches!(app.update(key('4')), Some(Request::Fetch { pane: Pane::Unknown, .. })));
+    assert_eq!(app.update(key('g')), None);
+    assert_eq!(app.update(key('q')), None);
+    assert_ne!(app.mode, Mode::Confirm, "q waits for the rows");
+    // The page arrives: g then q act on it, the query asks about the first unknown row.
+    let limit = app.visible_rows();
+    let ev = page(&mut d, Pane::Unknown, limit);
+    app.update(Action::Engine(ev));
+    assert_eq!(app.mode, Mode::Confirm, "{:?}", app.status);
+    let Rows::Ops(rows) = &app.rows else { panic!() };
+    assert_eq!(app.selected, 0);
+    assert!(app.confirm.is_some() && !rows.is_empty());
+    assert!(!app.status.as_ref().is_some_and(|(s, _)| s.contains("select an unknown operation")), "{:?}", app.status);
+}
