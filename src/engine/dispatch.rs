@@ -1056,6 +1056,7 @@ pub(crate) fn new_operation_for(
         expires_at: now + contract.retention_ms as i64,
         retention_ms: contract.retention_ms as i64,
         terminal_at: None,
+        state_since: Some(now),
     };
     op.call_binding_sha256 = binding_of(&op);
     op

@@ -21,7 +21,7 @@ pub use rows::*;
 pub use views::{Cursor, LiveRow, OpsView};
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 7] = [
+const MIGRATIONS: [&str; 8] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
@@ -29,6 +29,7 @@ const MIGRATIONS: [&str; 7] = [
     include_str!("migrations/0005_retention.sql"),
     include_str!("migrations/0006_latency_bucket.sql"),
     include_str!("migrations/0007_integrity.sql"),
+    include_str!("migrations/0008_state_since.sql"),
 ];
 
 /// The schema version this build writes.
@@ -756,6 +757,7 @@ impl Tx<'_> {
                    resolution = ?10, resolution_note = ?11, resolved_by = ?12, last_query_at = ?13,
                    last_query_result = ?14, updated_at = ?15, deadline_at = ?16, version = version + 1,
                    -- Retention counts from the moment the operation becomes terminal.
+                   state_since = CASE WHEN state IS NOT ?2 THEN ?15 ELSE state_since END,
                    terminal_at = CASE WHEN ?2 IN ('succeeded', 'failed', 'resolved')
                                       THEN coalesce(terminal_at, ?15) END,
                    expires_at = CASE WHEN ?2 IN ('succeeded', 'failed', 'resolved') AND terminal_at IS NULL

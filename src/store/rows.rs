@@ -199,6 +199,8 @@ row! {
         pub retention_ms: i64,
         /// When it became terminal (`succeeded`, `failed`, `resolved`); set by the store.
         pub terminal_at: Option<i64>,
+        /// When it entered its current state; set by the store.
+        pub state_since: Option<i64>,
     }
 }
 

@@ -149,7 +149,18 @@ impl Tx<'_> {
     pub fn rebase_times(&self, delta_ms: i64) -> R<()> {
         let cols: [(&str, &[&str]); 10] = [
             ("grants", &["granted_at", "revoked_at"]),
-            ("operations", &["created_at", "updated_at", "deadline_at", "expires_at", "last_query_at", "terminal_at"]),
+            (
+                "operations",
+                &[
+                    "created_at",
+                    "updated_at",
+                    "deadline_at",
+                    "expires_at",
+                    "last_query_at",
+                    "terminal_at",
+                    "state_since",
+                ],
+            ),
             ("outbox", &["lease_until", "available_at"]),
             ("attempts", &["claimed_at", "sent_at", "finished_at"]),
             ("call_identities", &["created_at"]),

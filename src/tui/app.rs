@@ -578,7 +578,10 @@ impl App {
     }
 
     fn ago(&self, at: Option<i64>) -> String {
-        at.map_or_else(|| "never".to_string(), |t| format!("{} ago", super::ui::human_ms(self.now_ms - t)))
+        at.map_or_else(
+            || "never".to_string(),
+            |t| format!("{} ago", super::ui::human_ms(self.now_ms.saturating_sub(t))),
+        )
     }
 
     /// Handles one action; returns a request for the engine thread, if any.
@@ -933,7 +936,7 @@ impl App {
         let evidence = vec![
             format!("operation   {}", op.id),
             format!("state       {} (version {})", op.state, op.version),
-            format!("status_ref  {}…", &op.status_ref[..op.status_ref.len().min(20)]),
+            format!("status_ref  {}", crate::display::clip(&crate::display::escape(&op.status_ref), 21)),
             format!(
                 "last query  {} ({})",
                 op.last_query_result.as_deref().unwrap_or("none"),
@@ -959,12 +962,12 @@ impl App {
             self.say("select a pending approval (pane 3) to approve", true);
             return None;
         };
-        let left = a.expires_at - self.now_ms;
+        let left = a.expires_at.saturating_sub(self.now_ms);
         let evidence = vec![
             format!("approval    {}", a.id),
             format!("tool        {}  tenant {}  requester {}", a.tool, a.tenant, a.subject),
             format!("amount      {}", a.amount_minor.map_or_else(|| "-".to_string(), |v| v.to_string())),
-            format!("request     {}…", &a.request_sha256[..16]),
+            format!("request     {}…", crate::display::digest(&a.request_sha256, 16)),
             format!("expires in  {}", if left <= 0 { "expired".into() } else { super::ui::human_ms(left) }),
             format!("approver    {}", self.operator),
         ];

@@ -453,3 +453,49 @@ fn keys_typed_in_one_burst_each_act_on_the_state_the_previous_one_left() {
     assert!(app.confirm.is_some() && !rows.is_empty());
     assert!(!app.status.as_ref().is_some_and(|(s, _)| s.contains("select an unknown operation")), "{:?}", app.status);
 }
+
+#[test]
+fn damaged_rows_never_panic_a_pane_or_the_detail_view_and_are_marked() {
+    let mut d = demo();
+    let path = d._dir.path().join("demo.db");
+    let c = crate::support::raw(&path);
+    c.execute_batch(
+        "PRAGMA ignore_check_constraints = ON;
+         UPDATE operations SET key_sha256 = 'é', request_sha256 = substr(request_sha256, 1, 3),
+                status_ref = 'ééééééééééééééééééééééé', updated_at = -9223372036854775808,
+                state_since = 9223372036854775807, deadline_at = -9223372036854775808
+          WHERE id = (SELECT id FROM operations WHERE state = 'unknown' ORDER BY id LIMIT 1);
+         UPDATE operations SET state = 'bogus\u{1b}[2J' WHERE id = (SELECT id FROM operations WHERE state = 'succeeded' ORDER BY id LIMIT 1);
+         UPDATE approvals SET request_sha256 = 'x', expires_at = -9223372036854775808;
+         UPDATE outbox SET available_at = -9223372036854775808, lease_until = 9223372036854775807;",
+    )
+    .unwrap();
+    drop(c);
+    for pane in Pane::ALL {
+        for (w, h) in [(80, 24), (140, 40)] {
+            let mut app = app_on(&mut d, pane, w, h);
+            app.now_ms = i64::MAX;
+            let screen = text(&draw(&app, w, h));
+            if pane == Pane::Ledger {
+                assert!(screen.contains("!é"), "the damaged digest is marked:\n{screen}");
+            }
+            assert!(!screen.contains('\u{1b}'), "{screen}");
+            // The detail view of every row on the page.
+            for i in 0..8 {
+                app.selected = i;
+                if let Some(id) = app.selected_id().filter(|id| id.starts_with("op_")) {
+                    if let Some(detail) = d.engine.operation_detail(&id).unwrap() {
+                        app.update(Action::Engine(EngineEvent::Detail(Box::new(detail))));
+                        app.mode = Mode::Detail;
+                        let _ = draw(&app, w, h);
+                        app.mode = Mode::Normal;
+                    }
+                }
+            }
+        }
+    }
+    // The audit names the damage.
+    let findings = d.engine.audit().unwrap();
+    assert!(findings.iter().any(|f| f.detail.contains("request_sha256 does not recompute")), "{findings:?}");
+    assert!(findings.iter().any(|f| f.check == "state"), "{findings:?}");
+}

@@ -30,9 +30,9 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             "tool",
             format!("{} ({}), revisions in{}/out{}/eff{}", o.tool, o.effect, o.input_rev, o.output_rev, o.effect_rev),
         ),
-        kv("scope", format!("{} / {} / key#{}", o.tenant, o.subject, &o.key_sha256[..16])),
+        kv("scope", format!("{} / {} / key#{}", o.tenant, o.subject, crate::display::digest(&o.key_sha256, 16))),
         kv("call", format!("{} {} {} {}", o.call_provider, o.call_api_family, o.call_response_id, o.call_id)),
-        kv("created", format!("{} ({} ago)", rfc3339(o.created_at), human_ms(app.now_ms - o.created_at))),
+        kv("created", format!("{} ({} ago)", rfc3339(o.created_at), human_ms(app.now_ms.saturating_sub(o.created_at)))),
         kv("code", o.code.clone().unwrap_or_else(|| "-".into())),
         Line::from(Span::styled("  bindings", t.accent())),
         kv("request_sha256", o.request_sha256.clone()),
@@ -52,7 +52,9 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             format!(
                 "{} {}",
                 o.last_query_result.as_deref().unwrap_or("none"),
-                o.last_query_at.map(|a| format!("({} ago)", human_ms(app.now_ms - a))).unwrap_or_default()
+                o.last_query_at
+                    .map(|a| format!("({} ago)", human_ms(app.now_ms.saturating_sub(a))))
+                    .unwrap_or_default()
             ),
         ),
     ];
@@ -113,7 +115,7 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         }
     }
     frame.render_widget(
-        Paragraph::new(lines).block(block).wrap(Wrap { trim: false }).scroll((app.detail_scroll, 0)),
+        Paragraph::new(super::escaped(lines)).block(block).wrap(Wrap { trim: false }).scroll((app.detail_scroll, 0)),
         area,
     );
 }

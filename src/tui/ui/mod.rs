@@ -74,30 +74,29 @@ impl Theme {
 
 /// `1h02m`, `5m03s`, `12s`, `450ms`; negative durations are shown as `-…`.
 pub fn human_ms(ms: i64) -> String {
-    if ms < 0 {
-        return format!("-{}", human_ms(-ms));
-    }
-    let s = ms / 1000;
-    if s >= 3600 {
-        format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
-    } else if s >= 60 {
-        format!("{}m{:02}s", s / 60, s % 60)
-    } else if s > 0 {
-        format!("{s}s")
-    } else {
-        format!("{ms}ms")
-    }
+    crate::display::duration(ms)
 }
 
 /// Shortens `s` to `n` characters with a trailing `…`.
+/// Every span of `lines` with control characters written out: stored text
+/// (notes, reasons, names) cannot move the cursor or fake a line.
+pub fn escaped(lines: Vec<ratatui::text::Line<'_>>) -> Vec<ratatui::text::Line<'static>> {
+    lines
+        .into_iter()
+        .map(|l| {
+            let spans: Vec<Span<'static>> = l
+                .spans
+                .into_iter()
+                .map(|s| Span::styled(crate::display::escape(&s.content).into_owned(), s.style))
+                .collect();
+            ratatui::text::Line::from(spans).style(l.style)
+        })
+        .collect()
+}
+
+/// Stored text is escaped first: a control character never reaches the terminal.
 pub fn short(s: &str, n: usize) -> String {
-    if s.chars().count() <= n {
-        s.to_string()
-    } else {
-        let mut t: String = s.chars().take(n.saturating_sub(1)).collect();
-        t.push('…');
-        t
-    }
+    crate::display::clip(&crate::display::escape(s), n)
 }
 
 /// Draws the whole console.
@@ -163,7 +162,7 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     ];
     if let Some(at) = app.header.oldest_unknown_at {
         l3.push(Span::styled("   oldest unknown ", t.dim()));
-        l3.push(Span::styled(human_ms(app.now_ms - at), t.bad()));
+        l3.push(Span::styled(human_ms(app.now_ms.saturating_sub(at)), t.bad()));
     }
     if app.lab.fault_bp > 0 {
         l3.push(Span::styled("   faults ", t.dim()));

@@ -62,29 +62,25 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         .iter()
         .map(|r| {
             let lease = match (r.outbox_state.as_str(), r.lease_until) {
-                ("leased", Some(u)) if u > now => Cell::from(human_ms(u - now)),
+                ("leased", Some(u)) if u > now => Cell::from(human_ms(u.saturating_sub(now))),
                 ("leased", Some(_)) => Cell::from(Span::styled("expired", t.bad())),
                 _ => Cell::from("-"),
             };
             let next = if r.outbox_state == "pending" {
-                if r.available_at > now {
-                    human_ms(r.available_at - now)
-                } else {
-                    "due".into()
-                }
+                crate::display::countdown(r.available_at.saturating_sub(now))
             } else {
                 "-".into()
             };
             Row::new(vec![
                 Cell::from(short(&r.operation_id, 16)),
                 Cell::from(short(&r.tool, 15)),
-                Cell::from(Span::styled(r.state.clone(), t.state(&r.state))),
+                Cell::from(Span::styled(short(&r.state, 12), t.state(&r.state))),
                 Cell::from(format!("{}/{}", r.attempt, r.max_attempts)),
                 lease,
                 Cell::from(next),
                 Cell::from(short(r.last_code.as_deref().unwrap_or("-"), 22)),
                 Cell::from(short(r.lease_owner.as_deref().unwrap_or("-"), 14)),
-                Cell::from(human_ms(r.deadline_at - now)),
+                Cell::from(crate::display::countdown(r.deadline_at.saturating_sub(now))),
             ])
         })
         .collect();
@@ -117,25 +113,29 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return loading(app, frame, area, "Idempotency ledger", t);
     };
     let now = app.now_ms;
-    let body: Vec<Row> = rows
-        .iter()
-        .map(|o| {
-            Row::new(vec![
-                Cell::from(short(&o.id, 16)),
-                Cell::from(format!("{}/{}", short(&o.tenant, 8), short(&o.subject, 10))),
-                Cell::from(short(&o.tool, 15)),
-                Cell::from(o.key_sha256[..8].to_string()),
-                Cell::from(o.request_sha256[..8].to_string()),
-                Cell::from(Span::styled(o.state.clone(), t.state(&o.state))),
-                Cell::from(short(o.receipt_id.as_deref().or(o.code.as_deref()).unwrap_or("-"), 22)),
-                Cell::from(human_ms(o.expires_at - now)),
-            ])
-        })
-        .collect();
+    let body: Vec<Row> =
+        rows.iter()
+            .map(|o| {
+                Row::new(vec![
+                    Cell::from(short(&o.id, 16)),
+                    Cell::from(format!("{}/{}", short(&o.tenant, 8), short(&o.subject, 10))),
+                    Cell::from(short(&o.tool, 15)),
+                    Cell::from(crate::display::digest(&o.key_sha256, 8)),
+                    Cell::from(crate::display::digest(&o.request_sha256, 8)),
+                    Cell::from(Span::styled(short(&o.state, 12), t.state(&o.state))),
+                    Cell::from(short(o.receipt_id.as_deref().or(o.code.as_deref()).unwrap_or("-"), 22)),
+                    // Retention runs from the moment an operation settled; until then it is kept.
+                    Cell::from(o.terminal_at.map_or_else(
+                        || "-".to_string(),
+                        |_| crate::display::countdown(o.expires_at.saturating_sub(now)),
+                    )),
+                ])
+            })
+            .collect();
     let (tb, mut st) = table(
         app,
         "Idempotency ledger (newest first)",
-        vec!["operation", "scope tenant/subject", "tool", "key#", "digest", "state", "result ref / code", "expires"],
+        vec!["operation", "scope tenant/subject", "tool", "key#", "digest", "state", "result ref / code", "kept for"],
         body,
         vec![
             Constraint::Length(16),
@@ -163,7 +163,7 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let body: Vec<Row> = rows
         .iter()
         .map(|a| {
-            let left = a.expires_at - now;
+            let left = a.expires_at.saturating_sub(now);
             let exp_style = if left < 60_000 { t.bad() } else { Style::default() };
             let exp = if left <= 0 { "expired".to_string() } else { human_ms(left) };
             Row::new(vec![
@@ -172,7 +172,7 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 Cell::from(short(&a.tenant, 8)),
                 Cell::from(short(&a.subject, 12)),
                 Cell::from(a.amount_minor.map_or("-".into(), |v| v.to_string())),
-                Cell::from(a.request_sha256[..8].to_string()),
+                Cell::from(crate::display::digest(&a.request_sha256, 8)),
                 Cell::from(Span::styled(exp, exp_style)),
             ])
         })
@@ -208,15 +208,16 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         .iter()
         .map(|o| {
             let last = match (&o.last_query_result, o.last_query_at) {
-                (Some(r), Some(at)) => format!("{r}, {} ago", human_ms(now - at)),
+                (Some(r), Some(at)) => format!("{r}, {} ago", human_ms(now.saturating_sub(at))),
                 _ => "never queried".into(),
             };
             Row::new(vec![
                 Cell::from(short(&o.id, 16)),
                 Cell::from(short(&o.tool, 15)),
-                Cell::from(Span::styled(o.state.clone(), t.state(&o.state))),
+                Cell::from(Span::styled(short(&o.state, 12), t.state(&o.state))),
                 Cell::from(short(o.code.as_deref().unwrap_or("-"), 18)),
-                Cell::from(human_ms(now - o.updated_at)),
+                // Since it entered this state: a query that changes nothing does not reset it.
+                Cell::from(human_ms(now.saturating_sub(o.state_since.unwrap_or(o.updated_at)))),
                 Cell::from(short(&o.status_ref, 14)),
                 Cell::from(short(&last, 26)),
             ])
@@ -254,10 +255,10 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             let res = if r.result == "applied" { t.ok() } else { t.bad() };
             Row::new(vec![
                 Cell::from(r.seq.to_string()),
-                Cell::from(rfc3339(r.at).chars().skip(11).take(12).collect::<String>()),
+                Cell::from(when(r.at, app.now_ms)),
                 Cell::from(short(&r.actor, 16)),
-                Cell::from(r.action.clone()),
-                Cell::from(Span::styled(r.result.clone(), res)),
+                Cell::from(short(&r.action, 8)),
+                Cell::from(Span::styled(short(&r.result, 8), res)),
                 Cell::from(short(r.operation_id.as_deref().or(r.approval_id.as_deref()).unwrap_or("-"), 16)),
                 Cell::from(short(&r.reason, 40)),
             ])
@@ -270,7 +271,7 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         body,
         vec![
             Constraint::Length(5),
-            Constraint::Length(12),
+            Constraint::Length(16),
             Constraint::Length(16),
             Constraint::Length(8),
             Constraint::Length(8),
@@ -282,6 +283,17 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     frame.render_stateful_widget(tb, area, &mut st);
     if rows.is_empty() {
         empty_note(frame, area, "no operator action yet", t);
+    }
+}
+
+/// A time in the operator log: the time of day when it is today (UTC), the
+/// date and minute when it is not.
+fn when(at: i64, now: i64) -> String {
+    let stamp = rfc3339(at);
+    if at.div_euclid(86_400_000) == now.div_euclid(86_400_000) {
+        stamp.chars().skip(11).take(12).collect()
+    } else {
+        stamp.chars().take(16).collect::<String>().replace('T', " ")
     }
 }
 

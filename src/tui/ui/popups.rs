@@ -53,7 +53,7 @@ pub fn confirm(app: &App, frame: &mut Frame, t: Theme) {
     let area = centered(frame.area(), 76, lines.len() as u16 + 2);
     frame.render_widget(Clear, area);
     frame.render_widget(
-        Paragraph::new(lines)
+        Paragraph::new(super::escaped(lines))
             .wrap(Wrap { trim: false })
             .block(Block::default().borders(Borders::ALL).title(Span::styled(format!(" {} ", c.title), t.accent()))),
         area,
@@ -103,7 +103,8 @@ pub fn form(app: &App, frame: &mut Frame, t: Theme) {
     let area = centered(frame.area(), 76, lines.len() as u16 + 2);
     frame.render_widget(Clear, area);
     frame.render_widget(
-        Paragraph::new(lines).block(Block::default().borders(Borders::ALL).title(Span::styled(title, t.accent()))),
+        Paragraph::new(super::escaped(lines))
+            .block(Block::default().borders(Borders::ALL).title(Span::styled(title, t.accent()))),
         area,
     );
 }
