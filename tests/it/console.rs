@@ -17,7 +17,7 @@ use toolgate::tui::{keymap, ui};
 const NOW: i64 = 1_800_000_000_000;
 
 struct Demo {
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     engine: Engine,
 }
 
@@ -27,7 +27,7 @@ fn demo() -> Demo {
     let clock = toolgate::engine::clock::ManualClock::new(NOW);
     let engine =
         Engine::open(&path, EngineOptions { clock: std::sync::Arc::new(clock), ..EngineOptions::default() }).unwrap();
-    Demo { _dir: dir, engine }
+    Demo { dir, engine }
 }
 
 fn page(d: &mut Demo, pane: Pane, limit: i64) -> EngineEvent {
@@ -457,7 +457,7 @@ fn keys_typed_in_one_burst_each_act_on_the_state_the_previous_one_left() {
 #[test]
 fn damaged_rows_never_panic_a_pane_or_the_detail_view_and_are_marked() {
     let mut d = demo();
-    let path = d._dir.path().join("demo.db");
+    let path = d.dir.path().join("demo.db");
     let c = crate::support::raw(&path);
     c.execute_batch(
         "PRAGMA ignore_check_constraints = ON;
