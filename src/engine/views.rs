@@ -15,6 +15,9 @@ pub struct HeaderCounts {
     pub side_effect_duplicates: i64,
     /// Time of the oldest unknown / needs-review operation.
     pub oldest_unknown_at: Option<i64>,
+    /// Each tenant's approver allowlist (the console checks an approval
+    /// before it opens the dialog, and shows who may approve).
+    pub approvers: std::collections::BTreeMap<String, Vec<String>>,
 }
 
 impl Engine {
@@ -49,19 +52,30 @@ impl Engine {
         Ok(self.store.read(|tx| tx.approvals_page(filter, cursor, limit))?)
     }
 
-    /// A page of the operator log.
-    pub fn audit_page(&mut self, before_seq: Option<i64>, limit: i64) -> Result<Vec<AuditRow>, EngineError> {
-        Ok(self.store.read(|tx| tx.audit_page(before_seq, limit))?)
+    /// A page of the operator log, filtered like the other panes.
+    pub fn audit_page(
+        &mut self,
+        filter: &str,
+        before_seq: Option<i64>,
+        limit: i64,
+    ) -> Result<Vec<AuditRow>, EngineError> {
+        Ok(self.store.read(|tx| tx.audit_page(filter, before_seq, limit))?)
     }
 
     /// Header counts.
     pub fn header_counts(&mut self) -> Result<HeaderCounts, EngineError> {
+        let now = self.clock.now_ms();
         Ok(self.store.read(|tx| -> Result<HeaderCounts, StoreError> {
+            let mut approvers: std::collections::BTreeMap<String, Vec<String>> = std::collections::BTreeMap::new();
+            for (tenant, approver) in tx.approver_lists()? {
+                approvers.entry(tenant).or_default().push(approver);
+            }
             Ok(HeaderCounts {
                 by_state: tx.count_operations_by_state()?,
-                pending_approvals: tx.count_pending_approvals()?,
+                pending_approvals: tx.count_pending_approvals(now)?,
                 side_effect_duplicates: tx.side_effect_duplicates()?,
                 oldest_unknown_at: tx.oldest_unknown_at()?,
+                approvers,
             })
         })?)
     }

@@ -116,22 +116,39 @@ impl Tx<'_> {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
-    /// Operator-log rows, newest first, before `before_seq`.
-    pub fn audit_page(&self, before_seq: Option<i64>, limit: i64) -> R<Vec<super::AuditRow>> {
+    /// Operator-log rows, newest first, before `before_seq`; with a filter,
+    /// the rows whose actor, action or result is it, whose target id starts
+    /// with it, or whose operation or approval has it as tenant, subject or tool.
+    pub fn audit_page(&self, filter: &str, before_seq: Option<i64>, limit: i64) -> R<Vec<super::AuditRow>> {
         let mut st = self.conn.prepare_cached(&format!(
-            "SELECT {} FROM audit_log WHERE seq < ?1 ORDER BY seq DESC LIMIT ?2",
+            "SELECT {} FROM audit_log l WHERE seq < ?1
+               AND (?3 = '' OR l.actor = ?3 OR l.action = ?3 OR l.result = ?3
+                    OR l.operation_id LIKE ?3 || '%' OR l.approval_id LIKE ?3 || '%'
+                    OR EXISTS (SELECT 1 FROM operations o WHERE o.id = l.operation_id
+                                 AND (o.tenant = ?3 OR o.subject = ?3 OR o.tool = ?3))
+                    OR EXISTS (SELECT 1 FROM approvals a WHERE a.id = l.approval_id
+                                 AND (a.tenant = ?3 OR a.subject = ?3 OR a.tool = ?3)))
+             ORDER BY seq DESC LIMIT ?2",
             super::rows::AUDIT_COLS
         ))?;
-        let rows = st.query_map(params![before_seq.unwrap_or(i64::MAX), limit], super::AuditRow::from_row)?;
+        let rows = st.query_map(params![before_seq.unwrap_or(i64::MAX), limit, filter], super::AuditRow::from_row)?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
     /// Count of pending approvals.
-    pub fn count_pending_approvals(&self) -> R<i64> {
+    /// (Pending and not yet expired: expiry is exclusive.)
+    pub fn count_pending_approvals(&self, now: i64) -> R<i64> {
         Ok(self
             .conn
-            .prepare_cached("SELECT count(*) FROM approvals WHERE state = 'pending'")?
-            .query_row([], |r| r.get(0))?)
+            .prepare_cached("SELECT count(*) FROM approvals WHERE state = 'pending' AND expires_at > ?1")?
+            .query_row([now], |r| r.get(0))?)
+    }
+
+    /// Every tenant's approver allowlist, as (tenant, approver), sorted.
+    pub fn approver_lists(&self) -> R<Vec<(String, String)>> {
+        let mut st = self.conn.prepare_cached("SELECT tenant, approver FROM approvers ORDER BY tenant, approver")?;
+        let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(rows.collect::<Result<_, _>>()?)
     }
 
     /// The age anchor of the oldest unknown / needs-review operation.

@@ -150,6 +150,8 @@ pub enum Action {
     Tick(i64),
     /// An answer from the engine thread.
     Engine(EngineEvent),
+    /// A state-changing key pressed in read-only mode (what it would have done).
+    ReadOnly(&'static str),
 }
 
 /// A page of rows for one pane.
@@ -363,8 +365,9 @@ pub enum FormKind {
 pub struct Form {
     /// What the form is for.
     pub kind: FormKind,
-    /// Resolution choice index (0 succeeded, 1 failed, 2 compensated).
-    pub choice: usize,
+    /// Resolution choice (0 succeeded, 1 failed, 2 compensated); none until the
+    /// operator picks one (no decision is pre-selected).
+    pub choice: Option<usize>,
     /// Receipt id (succeeded only).
     pub evidence: String,
     /// Note (mandatory).
@@ -646,6 +649,13 @@ impl App {
                 grew.then(|| self.fetch())
             }
             Action::Engine(ev) => self.on_engine(ev),
+            Action::ReadOnly(what) => {
+                self.say(
+                    format!("read-only (--read-only): \"{what}\" changes the ledger and is disabled; restart without --read-only to act"),
+                    true,
+                );
+                None
+            }
             Action::ToggleHelp => {
                 if self.mode == Mode::Help {
                     self.mode = self.help_return;
@@ -799,10 +809,14 @@ impl App {
                     self.say("select a pending approval (pane 3) to deny", true);
                     return None;
                 };
+                if let Err(why) = self.may_decide(a) {
+                    self.say(why, true);
+                    return None;
+                }
                 let approval_id = a.id.clone();
                 self.form = Some(Form {
                     kind: FormKind::Deny { approval_id },
-                    choice: 1,
+                    choice: None,
                     evidence: String::new(),
                     note: String::new(),
                     field: 2,
@@ -829,8 +843,14 @@ impl App {
                         self.ago(op.last_query_at)
                     ),
                 };
-                self.form =
-                    Some(Form { kind, choice: 1, evidence: String::new(), note: String::new(), field: 0, error: None });
+                self.form = Some(Form {
+                    kind,
+                    choice: None,
+                    evidence: String::new(),
+                    note: String::new(),
+                    field: 0,
+                    error: None,
+                });
                 self.mode = Mode::Form;
                 None
             }
@@ -954,6 +974,40 @@ impl App {
         None
     }
 
+    /// The tenant's approvers, for the dialog and the refusals.
+    fn approvers_of(&self, tenant: &str) -> String {
+        self.header
+            .approvers
+            .get(tenant)
+            .filter(|l| !l.is_empty())
+            .map_or_else(|| "nobody".to_string(), |l| l.join(", "))
+    }
+
+    /// Whether this operator may decide this approval now; the reason if not
+    /// (said before any dialog opens, as the engine would refuse it after).
+    fn may_decide(&self, a: &ApprovalRow) -> Result<(), String> {
+        if self.now_ms >= a.expires_at {
+            return Err(format!(
+                "{} expired {} ago (expiry is exclusive): it can no longer be approved or denied; the agent's next call asks anew",
+                a.id,
+                super::ui::human_ms(self.now_ms.saturating_sub(a.expires_at))
+            ));
+        }
+        let allowed = self.header.approvers.get(&a.tenant).is_some_and(|l| l.contains(&self.operator));
+        if !allowed {
+            return Err(format!(
+                "{} is not on {}'s approver list (may approve: {}); start the console with --operator NAME",
+                self.operator,
+                a.tenant,
+                self.approvers_of(&a.tenant)
+            ));
+        }
+        if self.operator == a.subject {
+            return Err(format!("{} requested this call and cannot approve or deny it", self.operator));
+        }
+        Ok(())
+    }
+
     fn ask_approve(&mut self) -> Option<Request> {
         if self.refuse_read_only() {
             return None;
@@ -962,14 +1016,22 @@ impl App {
             self.say("select a pending approval (pane 3) to approve", true);
             return None;
         };
+        if let Err(why) = self.may_decide(a) {
+            self.say(why, true);
+            return None;
+        }
+        let a = a.clone();
         let left = a.expires_at.saturating_sub(self.now_ms);
+        // What the approver sees comes from the bound, digest-checked request.
+        let amount = crate::engine::approval_amount(&a)
+            .map_or_else(|| "- (none, or the record is damaged: toolgate audit)".to_string(), |v| v.to_string());
         let evidence = vec![
             format!("approval    {}", a.id),
             format!("tool        {}  tenant {}  requester {}", a.tool, a.tenant, a.subject),
-            format!("amount      {}", a.amount_minor.map_or_else(|| "-".to_string(), |v| v.to_string())),
+            format!("amount      {amount}"),
             format!("request     {}…", crate::display::digest(&a.request_sha256, 16)),
-            format!("expires in  {}", if left <= 0 { "expired".into() } else { super::ui::human_ms(left) }),
-            format!("approver    {}", self.operator),
+            format!("expires in  {}", crate::display::countdown(left)),
+            format!("approver    {}  (may approve: {})", self.operator, self.approvers_of(&a.tenant)),
         ];
         self.confirm = Some(Confirm {
             title: "Approve and execute".into(),
@@ -1020,7 +1082,7 @@ impl App {
                     let fields: &[usize] = match f.kind {
                         FormKind::Deny { .. } | FormKind::Cancel { .. } => &[2],
                         FormKind::Resolve { .. } => {
-                            if f.choice == 0 {
+                            if f.choice == Some(0) {
                                 &[0, 1, 2]
                             } else {
                                 &[0, 2]
@@ -1031,8 +1093,13 @@ impl App {
                     match action {
                         Action::NextField => f.field = fields[(pos + 1) % fields.len()],
                         Action::PrevField => f.field = fields[(pos + fields.len() - 1) % fields.len()],
-                        Action::ChoiceLeft if f.field == 0 => f.choice = (f.choice + 2) % 3,
-                        Action::ChoiceRight if f.field == 0 => f.choice = (f.choice + 1) % 3,
+                        // The choices do not wrap: ← stops at succeeded, → at compensated.
+                        Action::ChoiceLeft if f.field == 0 => {
+                            f.choice = Some(f.choice.map_or(0, |c| c.saturating_sub(1)));
+                        }
+                        Action::ChoiceRight if f.field == 0 => {
+                            f.choice = Some(f.choice.map_or(0, |c| (c + 1).min(2)));
+                        }
                         _ => {}
                     }
                 }
@@ -1064,6 +1131,13 @@ impl App {
             }
             Mode::Form => {
                 let f = self.form.clone()?;
+                if matches!(f.kind, FormKind::Resolve { .. }) && f.choice.is_none() {
+                    if let Some(form) = self.form.as_mut() {
+                        form.error = Some("choose a decision with ←/→ first".into());
+                        form.field = 0;
+                    }
+                    return None;
+                }
                 if f.note.trim().is_empty() {
                     if let Some(form) = self.form.as_mut() {
                         form.error = Some("a note is required".into());
@@ -1085,8 +1159,15 @@ impl App {
                         Request::Deny { approval_id: approval_id.clone(), note: f.note.clone() },
                     ),
                     FormKind::Resolve { operation_id, seen_version, last_query } => {
-                        let resolution = [Resolution::Succeeded, Resolution::Failed, Resolution::Compensated][f.choice];
-                        let evidence = (f.choice == 0).then(|| f.evidence.trim().to_string());
+                        let Some(choice) = f.choice else {
+                            if let Some(form) = self.form.as_mut() {
+                                form.error = Some("choose a decision with ←/→ first".into());
+                                form.field = 0;
+                            }
+                            return None;
+                        };
+                        let resolution = [Resolution::Succeeded, Resolution::Failed, Resolution::Compensated][choice];
+                        let evidence = (choice == 0).then(|| f.evidence.trim().to_string());
                         if evidence.as_deref().is_some_and(str::is_empty) {
                             if let Some(form) = self.form.as_mut() {
                                 form.error = Some("succeeded needs a receipt id as evidence".into());

@@ -101,7 +101,7 @@ fn fetch(engine: &mut Engine, v: &View) -> Result<EngineEvent, EngineError> {
         Pane::Ledger => Rows::Ops(engine.ops_page(OpsView::All, &v.filter, v.cursor.as_ref(), v.limit)?),
         Pane::Unknown => Rows::Ops(engine.ops_page(OpsView::Unknown, &v.filter, v.cursor.as_ref(), v.limit)?),
         Pane::Approvals => Rows::Approvals(engine.approvals_page(&v.filter, v.cursor.as_ref(), v.limit)?),
-        Pane::Audit => Rows::Audit(engine.audit_page(v.cursor.as_ref().map(|c| c.0), v.limit)?),
+        Pane::Audit => Rows::Audit(engine.audit_page(&v.filter, v.cursor.as_ref().map(|c| c.0), v.limit)?),
         Pane::Walkthrough => Rows::Empty,
         Pane::Metrics => Rows::Metrics(Box::new(crate::telemetry::metrics::snapshot(
             engine,

@@ -204,12 +204,13 @@ pub fn bindings(mode: Mode) -> Vec<Binding> {
 }
 
 /// Looks a key up in the current mode's keymap.
+/// In read-only mode a state-changing key is not ignored: it becomes
+/// [`Action::ReadOnly`], and the status line says why nothing happens.
 pub fn lookup(mode: Mode, key: &KeyEvent, read_only: bool) -> Option<Action> {
-    global()
-        .iter()
-        .chain(bindings(mode).iter())
-        .filter(|b| !(read_only && b.changes_state))
-        .find_map(|b| (b.matches)(key))
+    global().iter().chain(bindings(mode).iter()).find_map(|b| {
+        let action = (b.matches)(key)?;
+        Some(if read_only && b.changes_state { Action::ReadOnly(b.help) } else { action })
+    })
 }
 
 /// Help lines for a mode: (keys, what), state-changing ones hidden in read-only.

@@ -37,7 +37,7 @@ fn page(d: &mut Demo, pane: Pane, limit: i64) -> EngineEvent {
         Pane::Ledger => Rows::Ops(e.ops_page(OpsView::All, "", None, limit).unwrap()),
         Pane::Unknown => Rows::Ops(e.ops_page(OpsView::Unknown, "", None, limit).unwrap()),
         Pane::Approvals => Rows::Approvals(e.approvals_page("", None, limit).unwrap()),
-        Pane::Audit => Rows::Audit(e.audit_page(None, limit).unwrap()),
+        Pane::Audit => Rows::Audit(e.audit_page("", None, limit).unwrap()),
         Pane::Walkthrough => Rows::Empty,
         Pane::Metrics => Rows::Metrics(Box::new(
             toolgate::telemetry::metrics::snapshot(
@@ -182,10 +182,11 @@ fn approval_expiring_within_a_minute_is_red() {
 fn approve_sends_the_id_the_operator_saw_and_confirm_defaults_to_cancel() {
     let mut d = demo();
     let mut app = app_on(&mut d, Pane::Approvals, 140, 40);
-    app.update(Action::Down);
     let Rows::Approvals(rows) = &app.rows else { panic!() };
     let seen = rows[app.selected].id.clone();
     assert_eq!(app.update(key('a')), None, "opening the dialog sends nothing");
+    let dialog = text(&draw(&app, 140, 40));
+    assert!(dialog.contains("may approve: alice, bob"), "the dialog shows who may approve:\n{dialog}");
     assert_eq!(app.mode, Mode::Confirm);
     assert_eq!(press(&mut app, KeyCode::Enter), None, "Enter on the default button cancels");
     assert_eq!(app.mode, Mode::Normal);
@@ -203,8 +204,11 @@ fn query_and_resolve_send_what_was_shown() {
     app.update(key('q'));
     press(&mut app, KeyCode::Right);
     assert_eq!(press(&mut app, KeyCode::Enter), Some(Request::Query { operation_id: op.id.clone() }));
-    // Resolve: failed, with a note; the dialog carries the version seen.
+    // Resolve: failed (chosen: nothing is pre-selected), with a note; the dialog carries the version seen.
     app.update(key('r'));
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Tab);
     press(&mut app, KeyCode::Enter);
     assert!(app.form.as_ref().unwrap().error.as_deref().unwrap().contains("note"), "a note is required");
     for c in "provider has no record".chars() {
@@ -240,9 +244,16 @@ fn read_only_hides_and_refuses_state_changes() {
     let mut d = demo();
     let mut app = app_on(&mut d, Pane::Approvals, 140, 40);
     app.read_only = true;
-    for c in ['q', 'a', 'd', 'r'] {
+    for c in ['q', 'a', 'd', 'r', 'c'] {
+        // Not ignored silently: the key says why nothing happens.
         let k = KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE);
-        assert_eq!(keymap::lookup(Mode::Normal, &k, true), None, "{c} is not bound in read-only");
+        let action = keymap::lookup(Mode::Normal, &k, true).unwrap();
+        assert!(matches!(action, Action::ReadOnly(_)), "{c}: {action:?}");
+        app.status = None;
+        assert_eq!(app.update(action), None);
+        assert_eq!(app.mode, Mode::Normal);
+        let (said, error) = app.status.clone().unwrap();
+        assert!(error && said.starts_with("read-only (--read-only)"), "{c}: {said}");
     }
     assert_eq!(app.update(Action::AskApprove), None);
     assert_eq!(app.mode, Mode::Normal);
@@ -498,4 +509,94 @@ fn damaged_rows_never_panic_a_pane_or_the_detail_view_and_are_marked() {
     let findings = d.engine.audit().unwrap();
     assert!(findings.iter().any(|f| f.detail.contains("request_sha256 does not recompute")), "{findings:?}");
     assert!(findings.iter().any(|f| f.check == "state"), "{findings:?}");
+}
+
+#[test]
+fn approvals_that_cannot_be_decided_are_refused_before_any_dialog_with_the_reason() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Approvals, 140, 40);
+    let Rows::Approvals(rows) = &app.rows else { panic!() };
+    let (acme, globex) = (rows[0].clone(), rows[1].clone());
+    assert_eq!(globex.tenant, "globex");
+    // alice is not on globex's list: said at once, with who may approve, and no dialog.
+    app.selected = 1;
+    for k in ['a', 'd'] {
+        app.status = None;
+        assert_eq!(app.update(key(k)), None);
+        assert_eq!(app.mode, Mode::Normal, "{k}: no dialog");
+        let (said, error) = app.status.clone().unwrap();
+        assert!(error && said.contains("not on globex's approver list") && said.contains("gina"), "{said}");
+    }
+    // An expired request: refused before the dialog, and not counted as pending.
+    app.selected = 0;
+    app.update(Action::Tick(acme.expires_at));
+    assert_eq!(app.update(key('a')), None);
+    assert_eq!(app.mode, Mode::Normal);
+    assert!(app.status.clone().unwrap().0.contains("expired"), "{:?}", app.status);
+    let screen = text(&draw(&app, 140, 40));
+    assert!(screen.contains("Pending approvals (1; 1 expired"), "{screen}");
+    let mut e = d.engine;
+    assert_eq!(e.header_counts().unwrap().pending_approvals, 2, "the engine's clock is still before expiry");
+}
+
+#[test]
+fn the_resolve_dialog_preselects_nothing_does_not_wrap_and_says_what_each_decision_needs() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 140, 40);
+    app.update(key('r'));
+    let form = app.form.clone().unwrap();
+    assert_eq!(form.choice, None, "no decision pre-selected");
+    assert!(text(&draw(&app, 140, 40)).contains("no decision yet"));
+    // Enter without a decision: asks for one.
+    press(&mut app, KeyCode::Enter);
+    assert!(app.form.as_ref().unwrap().error.as_deref().unwrap().contains("choose a decision"));
+    // Right Right: failed, then compensated (no wrap to succeeded); a third Right stays.
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Right);
+    assert_eq!(app.form.as_ref().unwrap().choice, Some(2));
+    assert!(text(&draw(&app, 140, 40)).contains("compensated: the effect was undone elsewhere; needs a note"));
+    // Left stops at succeeded, whose receipt field comes before the note.
+    for _ in 0..5 {
+        press(&mut app, KeyCode::Left);
+    }
+    assert_eq!(app.form.as_ref().unwrap().choice, Some(0));
+    press(&mut app, KeyCode::Tab);
+    for c in "rcpt_1".chars() {
+        press(&mut app, KeyCode::Char(c));
+    }
+    press(&mut app, KeyCode::Tab);
+    for c in "seen in the dashboard".chars() {
+        press(&mut app, KeyCode::Char(c));
+    }
+    let f = app.form.clone().unwrap();
+    assert_eq!((f.evidence.as_str(), f.note.as_str()), ("rcpt_1", "seen in the dashboard"));
+}
+
+#[test]
+fn the_filter_applies_to_every_pane_and_an_empty_filtered_pane_says_so() {
+    let mut d = demo();
+    let all = d.engine.audit_page("", None, 100).unwrap();
+    // The demo's operator log has one entry about agent_ben's operations.
+    let ben = d.engine.audit_page("agent_ben", None, 100).unwrap();
+    assert!(!ben.is_empty() && ben.len() < all.len(), "{} of {}", ben.len(), all.len());
+    for r in &ben {
+        let op = r.operation_id.clone().unwrap();
+        assert_eq!(d.engine.operation_detail(&op).unwrap().unwrap().operation.subject, "agent_ben", "{r:?}");
+    }
+    assert!(d.engine.audit_page("globex", None, 100).unwrap().is_empty());
+    assert_eq!(d.engine.audit_page("alice", None, 100).unwrap().iter().filter(|r| r.actor != "alice").count(), 0);
+    // Live with a filter that hides its rows says the filter hides them, not that nothing is in flight.
+    let mut app = app_on(&mut d, Pane::Live, 140, 40);
+    app.filter = "globex".into();
+    let rows = d.engine.live_page("globex", None, 10).unwrap();
+    app.update(Action::Engine(EngineEvent::Page {
+        pane: Pane::Live,
+        rows: Rows::Live(rows),
+        header: d.engine.header_counts().unwrap(),
+    }));
+    let screen = text(&draw(&app, 140, 40));
+    assert!(screen.contains("no row matches the filter"), "{screen}");
+    assert!(!screen.contains("nothing in flight"), "{screen}");
 }

@@ -175,7 +175,8 @@ impl App {
             return None;
         };
         let kind = FormKind::Cancel { operation_id, state, seen_version, tool, attempts };
-        self.form = Some(Form { kind, choice: 0, evidence: String::new(), note: String::new(), field: 2, error: None });
+        self.form =
+            Some(Form { kind, choice: None, evidence: String::new(), note: String::new(), field: 2, error: None });
         self.mode = Mode::Form;
         None
     }

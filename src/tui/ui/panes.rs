@@ -46,7 +46,15 @@ fn table<'a>(
     (table, state)
 }
 
-fn empty_note(frame: &mut Frame, area: Rect, text: &str, t: Theme) {
+/// The note over an empty table; with a filter set, it says the filter hides the rows.
+fn empty_note(app: &App, frame: &mut Frame, area: Rect, text: &str, t: Theme) {
+    let filtered;
+    let text = if app.filter.is_empty() {
+        text
+    } else {
+        filtered = format!("no row matches the filter {:?} (Esc or / then Enter to clear it)", short(&app.filter, 30));
+        &filtered
+    };
     if area.height > 3 {
         let inner = Rect { x: area.x + 2, y: area.y + 2, width: area.width.saturating_sub(4), height: 1 };
         frame.render_widget(Paragraph::new(Span::styled(text.to_string(), t.dim())), inner);
@@ -104,7 +112,7 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     );
     frame.render_stateful_widget(tb, area, &mut st);
     if rows.is_empty() {
-        empty_note(frame, area, "nothing in flight: every accepted operation has settled", t);
+        empty_note(app, frame, area, "nothing in flight: every accepted operation has settled", t);
     }
 }
 
@@ -151,7 +159,7 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     );
     frame.render_stateful_widget(tb, area, &mut st);
     if rows.is_empty() {
-        empty_note(frame, area, "no operations match", t);
+        empty_note(app, frame, area, "no operations match", t);
     }
 }
 
@@ -179,7 +187,18 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         .collect();
     let (tb, mut st) = table(
         app,
-        &format!("Pending approvals ({})", rows.len()),
+        &{
+            // Expiry is exclusive: a request at or past it no longer counts as pending.
+            let expired = rows.iter().filter(|a| app.now_ms >= a.expires_at).count();
+            if expired == 0 {
+                format!("Pending approvals ({}), soonest expiry first", rows.len())
+            } else {
+                format!(
+                    "Pending approvals ({}; {expired} expired, shown until the agent asks again)",
+                    rows.len() - expired
+                )
+            }
+        },
         vec!["approval", "tool", "tenant", "requester", "amount", "digest", "expires in"],
         body,
         vec![
@@ -195,7 +214,7 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     );
     frame.render_stateful_widget(tb, area, &mut st);
     if rows.is_empty() {
-        empty_note(frame, area, "no approval is waiting", t);
+        empty_note(app, frame, area, "no approval is waiting", t);
     }
 }
 
@@ -241,7 +260,7 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     );
     frame.render_stateful_widget(tb, area, &mut st);
     if rows.is_empty() {
-        empty_note(frame, area, "the queue is empty: no operation waits for a status query or review", t);
+        empty_note(app, frame, area, "the queue is empty: no operation waits for a status query or review", t);
     }
 }
 
@@ -282,7 +301,7 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     );
     frame.render_stateful_widget(tb, area, &mut st);
     if rows.is_empty() {
-        empty_note(frame, area, "no operator action yet", t);
+        empty_note(app, frame, area, "no operator action yet", t);
     }
 }
 

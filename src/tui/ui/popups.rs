@@ -81,12 +81,19 @@ pub fn form(app: &App, frame: &mut Frame, t: Theme) {
             let choices = ["succeeded", "failed", "compensated"];
             let mut spans = vec![Span::styled(" resolve as  ", focus(0))];
             for (i, c) in choices.iter().enumerate() {
-                let s = if i == f.choice { t.accent().add_modifier(Modifier::REVERSED) } else { t.dim() };
+                let s = if Some(i) == f.choice { t.accent().add_modifier(Modifier::REVERSED) } else { t.dim() };
                 spans.push(Span::styled(format!(" {c} "), s));
                 spans.push(Span::raw(" "));
             }
             lines.push(Line::from(spans));
-            if f.choice == 0 {
+            let needs = match f.choice {
+                None => "no decision yet: ←/→ to choose (nothing is pre-selected)",
+                Some(0) => "succeeded: the effect happened; needs the receipt id and a note",
+                Some(1) => "failed: no effect happened; needs a note",
+                _ => "compensated: the effect was undone elsewhere; needs a note",
+            };
+            lines.push(Line::from(Span::styled(format!(" {needs}"), t.dim())));
+            if f.choice == Some(0) {
                 lines.push(Line::from(vec![
                     Span::styled(" receipt id  ", focus(1)),
                     Span::raw(format!("{}{}", f.evidence, caret(1))),
