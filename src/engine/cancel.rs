@@ -1,4 +1,4 @@
-//! Cancellation (SPEC §11; keel text: 取消后迟到的结果不能把运行状态改回成功).
+//! Cancellation: a result that arrives after a cancel never flips the state back to success.
 //!
 //! An operator cancels an operation that has not finished (`accepted` or
 //! `in_flight`). What cancelling can mean depends on one fact, read in the same
