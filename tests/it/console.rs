@@ -487,7 +487,7 @@ fn damaged_rows_never_panic_a_pane_or_the_detail_view_and_are_marked() {
             let mut app = app_on(&mut d, pane, w, h);
             app.now_ms = i64::MAX;
             let screen = text(&draw(&app, w, h));
-            if pane == Pane::Ledger {
+            if pane == Pane::Ledger && w >= 100 {
                 assert!(screen.contains("!é"), "the damaged digest is marked:\n{screen}");
             }
             assert!(!screen.contains('\u{1b}'), "{screen}");

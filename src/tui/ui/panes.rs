@@ -24,14 +24,47 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     }
 }
 
+/// A pane's table. When the columns do not fit `width`, the columns named in
+/// `drop_first` are left out, in that order, until they do: an 80-column
+/// terminal shows fewer columns with whole headers rather than every column cut.
+#[allow(clippy::too_many_arguments)]
 fn table<'a>(
     app: &App,
     title: &str,
     header: Vec<&'a str>,
-    rows: Vec<Row<'a>>,
+    rows: Vec<Vec<Cell<'a>>>,
     widths: Vec<Constraint>,
+    width: u16,
+    drop_first: &[usize],
     t: Theme,
 ) -> (Table<'a>, TableState) {
+    let need = |keep: &[bool]| -> u16 {
+        let cols: Vec<u16> = widths
+            .iter()
+            .zip(keep)
+            .filter(|(_, k)| **k)
+            .map(|(c, _)| match c {
+                Constraint::Length(n) | Constraint::Min(n) => *n,
+                _ => 1,
+            })
+            .collect();
+        cols.iter().sum::<u16>() + cols.len().saturating_sub(1) as u16
+    };
+    let mut keep = vec![true; widths.len()];
+    for &i in drop_first {
+        if need(&keep) <= width {
+            break;
+        }
+        if let Some(k) = keep.get_mut(i) {
+            *k = false;
+        }
+    }
+    let pick = |v: Vec<Cell<'a>>| -> Row<'a> {
+        Row::new(v.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(c, _)| c).collect::<Vec<_>>())
+    };
+    let header: Vec<&str> = header.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(h, _)| h).collect();
+    let widths: Vec<Constraint> = widths.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(w, _)| w).collect();
+    let rows: Vec<Row<'a>> = rows.into_iter().map(pick).collect();
     let empty = rows.is_empty();
     let page = if app.page_stack.is_empty() { String::new() } else { format!(" · page {}", app.page_stack.len() + 1) };
     let table = Table::new(rows, widths)
@@ -66,7 +99,7 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return loading(app, frame, area, "Live operations", t);
     };
     let now = app.now_ms;
-    let body: Vec<Row> = rows
+    let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|r| {
             let lease = match (r.outbox_state.as_str(), r.lease_until) {
@@ -79,7 +112,7 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             } else {
                 "-".into()
             };
-            Row::new(vec![
+            vec![
                 Cell::from(short(&r.operation_id, 16)),
                 Cell::from(short(&r.tool, 15)),
                 Cell::from(Span::styled(short(&r.state, 12), t.state(&r.state))),
@@ -89,7 +122,7 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 Cell::from(short(r.last_code.as_deref().unwrap_or("-"), 22)),
                 Cell::from(short(r.lease_owner.as_deref().unwrap_or("-"), 14)),
                 Cell::from(crate::display::countdown(r.deadline_at.saturating_sub(now))),
-            ])
+            ]
         })
         .collect();
     let (tb, mut st) = table(
@@ -108,6 +141,8 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             Constraint::Length(14),
             Constraint::Length(9),
         ],
+        area.width,
+        &[7, 6, 3],
         t,
     );
     frame.render_stateful_widget(tb, area, &mut st);
@@ -121,10 +156,10 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return loading(app, frame, area, "Idempotency ledger", t);
     };
     let now = app.now_ms;
-    let body: Vec<Row> =
+    let body: Vec<Vec<Cell>> =
         rows.iter()
             .map(|o| {
-                Row::new(vec![
+                vec![
                     Cell::from(short(&o.id, 16)),
                     Cell::from(format!("{}/{}", short(&o.tenant, 8), short(&o.subject, 10))),
                     Cell::from(short(&o.tool, 15)),
@@ -137,7 +172,7 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                         || "-".to_string(),
                         |_| crate::display::countdown(o.expires_at.saturating_sub(now)),
                     )),
-                ])
+                ]
             })
             .collect();
     let (tb, mut st) = table(
@@ -155,6 +190,8 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             Constraint::Length(22),
             Constraint::Length(8),
         ],
+        area.width,
+        &[3, 1, 4],
         t,
     );
     frame.render_stateful_widget(tb, area, &mut st);
@@ -168,21 +205,22 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return loading(app, frame, area, "Pending approvals", t);
     };
     let now = app.now_ms;
-    let body: Vec<Row> = rows
+    let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|a| {
             let left = a.expires_at.saturating_sub(now);
             let exp_style = if left < 60_000 { t.bad() } else { Style::default() };
             let exp = if left <= 0 { "expired".to_string() } else { human_ms(left) };
-            Row::new(vec![
+            vec![
                 Cell::from(short(&a.id, 16)),
                 Cell::from(short(&a.tool, 15)),
                 Cell::from(short(&a.tenant, 8)),
                 Cell::from(short(&a.subject, 12)),
-                Cell::from(a.amount_minor.map_or("-".into(), |v| v.to_string())),
+                // From the bound, digest-checked request: never the copy beside it.
+                Cell::from(crate::engine::approval_amount(a).map_or_else(|| "-".into(), |v| v.to_string())),
                 Cell::from(crate::display::digest(&a.request_sha256, 8)),
                 Cell::from(Span::styled(exp, exp_style)),
-            ])
+            ]
         })
         .collect();
     let (tb, mut st) = table(
@@ -210,6 +248,8 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             Constraint::Length(8),
             Constraint::Length(10),
         ],
+        area.width,
+        &[5, 3],
         t,
     );
     frame.render_stateful_widget(tb, area, &mut st);
@@ -223,14 +263,14 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return loading(app, frame, area, "Outcome unknown", t);
     };
     let now = app.now_ms;
-    let body: Vec<Row> = rows
+    let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|o| {
             let last = match (&o.last_query_result, o.last_query_at) {
                 (Some(r), Some(at)) => format!("{r}, {} ago", human_ms(now.saturating_sub(at))),
                 _ => "never queried".into(),
             };
-            Row::new(vec![
+            vec![
                 Cell::from(short(&o.id, 16)),
                 Cell::from(short(&o.tool, 15)),
                 Cell::from(Span::styled(short(&o.state, 12), t.state(&o.state))),
@@ -239,7 +279,7 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 Cell::from(human_ms(now.saturating_sub(o.state_since.unwrap_or(o.updated_at)))),
                 Cell::from(short(&o.status_ref, 14)),
                 Cell::from(short(&last, 26)),
-            ])
+            ]
         })
         .collect();
     let (tb, mut st) = table(
@@ -256,6 +296,8 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             Constraint::Length(14),
             Constraint::Min(20),
         ],
+        area.width,
+        &[5, 3],
         t,
     );
     frame.render_stateful_widget(tb, area, &mut st);
@@ -268,11 +310,11 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let Rows::Audit(rows) = &app.rows else {
         return loading(app, frame, area, "Operator log", t);
     };
-    let body: Vec<Row> = rows
+    let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|r| {
             let res = if r.result == "applied" { t.ok() } else { t.bad() };
-            Row::new(vec![
+            vec![
                 Cell::from(r.seq.to_string()),
                 Cell::from(when(r.at, app.now_ms)),
                 Cell::from(short(&r.actor, 16)),
@@ -280,7 +322,7 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 Cell::from(Span::styled(short(&r.result, 8), res)),
                 Cell::from(short(r.operation_id.as_deref().or(r.approval_id.as_deref()).unwrap_or("-"), 16)),
                 Cell::from(short(&r.reason, 40)),
-            ])
+            ]
         })
         .collect();
     let (tb, mut st) = table(
@@ -297,6 +339,8 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             Constraint::Length(16),
             Constraint::Min(20),
         ],
+        area.width,
+        &[0, 4],
         t,
     );
     frame.render_stateful_widget(tb, area, &mut st);
