@@ -446,9 +446,6 @@ pub struct ResolveArgs {
     /// The decision.
     #[arg(long = "as", value_enum)]
     pub resolution: ResolveAs,
-    /// Why (mandatory).
-    #[arg(long)]
-    pub note: String,
     /// Receipt id (mandatory for succeeded).
     #[arg(long)]
     pub evidence: Option<String>,
@@ -456,6 +453,17 @@ pub struct ResolveArgs {
     /// (the status query the engine runs first); the audit entry records it.
     #[arg(long)]
     pub against_evidence: bool,
+    /// Note, version seen, action id.
+    #[command(flatten)]
+    pub act: OperatorActArgs,
+}
+
+/// What every operator action on an operation carries (`resolve`, `cancel`).
+#[derive(Debug, Args)]
+pub struct OperatorActArgs {
+    /// Why (mandatory).
+    #[arg(long)]
+    pub note: String,
     /// The version you saw (refused if the operation changed since).
     #[arg(long)]
     pub seen_version: Option<i64>,
@@ -555,8 +563,8 @@ fn command_wants_json(c: Option<&Command>) -> bool {
         Some(Command::Demo { .. }) => false,
         Some(Command::Dispatch(a)) => a.json,
         Some(Command::Query(a)) => a.json,
-        Some(Command::Resolve(a)) => a.json,
-        Some(Command::Cancel(a)) => a.json,
+        Some(Command::Resolve(a)) => a.act.json,
+        Some(Command::Cancel(a)) => a.act.json,
         Some(Command::Load(a)) => a.json,
         Some(Command::Lab(a)) => a.json,
         Some(Command::Grant(a) | Command::Revoke(a)) => a.json,
@@ -858,13 +866,13 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                     ResolveAs::Compensated => Resolution::Compensated,
                 },
                 operator,
-                note: a.note.clone(),
+                note: a.act.note.clone(),
                 evidence: a.evidence.clone(),
-                seen_version: a.seen_version,
-                action_id: a.action_id.clone(),
+                seen_version: a.act.seen_version,
+                action_id: a.act.action_id.clone(),
             };
             let out = if a.against_evidence { engine.resolve_against_evidence(&req)? } else { engine.resolve(&req)? };
-            print_outcome(&out, a.json);
+            print_outcome(&out, a.act.json);
             Ok(i32::from(!out.applied))
         }
         Command::Ops { what } => match what {
@@ -1400,18 +1408,9 @@ fn print_detail(d: &crate::engine::OperationDetail) {
 pub struct CancelArgs {
     /// Operation id.
     pub operation_id: String,
-    /// Why (mandatory).
-    #[arg(long)]
-    pub note: String,
-    /// The version you saw (refused if the operation changed since).
-    #[arg(long)]
-    pub seen_version: Option<i64>,
-    /// This action's own id (repeating it is harmless).
-    #[arg(long)]
-    pub action_id: Option<String>,
-    /// Print JSON.
-    #[arg(long)]
-    pub json: bool,
+    /// Note, version seen, action id.
+    #[command(flatten)]
+    pub act: OperatorActArgs,
 }
 
 /// `load` arguments.
@@ -1492,11 +1491,11 @@ fn cancel_command(cli: &Cli, a: &CancelArgs) -> Result<i32, CliError> {
     let out = engine.cancel(&crate::engine::CancelRequest {
         operation_id: a.operation_id.clone(),
         operator,
-        note: a.note.clone(),
-        seen_version: a.seen_version,
-        action_id: a.action_id.clone(),
+        note: a.act.note.clone(),
+        seen_version: a.act.seen_version,
+        action_id: a.act.action_id.clone(),
     })?;
-    print_outcome(&out, a.json);
+    print_outcome(&out, a.act.json);
     Ok(i32::from(!out.applied))
 }
 

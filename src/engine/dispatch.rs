@@ -118,13 +118,7 @@ pub(crate) fn args_of(request_json: &str) -> Value {
 
 /// The call binding of an operation row as it stands.
 pub(crate) fn binding_of(op: &OperationRow) -> String {
-    let call = CallIdentity {
-        provider: op.call_provider.clone(),
-        api_family: op.call_api_family.clone(),
-        response_id: op.call_response_id.clone(),
-        call_id: op.call_id.clone(),
-        adapter_revision: op.adapter_revision.clone(),
-    };
+    let call = call_of(op);
     call_binding_sha256(&BindingInput {
         tenant: &op.tenant,
         subject: &op.subject,
@@ -145,6 +139,58 @@ pub(crate) fn revisions_of(op: &OperationRow) -> Revisions {
 }
 
 /// Recomputes a row's digests and binding: any mismatch is tampering (SPEC §3).
+/// The checks every stored copy of a bound request shares (an operation, an
+/// approval): tenant, subject and tool as the request says, the contract
+/// revisions it was bound under, and the key digest recomputed.
+pub(crate) fn check_restated(
+    request: &Value,
+    [tenant, subject, tool]: [&str; 3],
+    revisions: [i64; 3],
+    idem_key: &str,
+    key_sha256: &str,
+) -> Result<(), &'static str> {
+    let said = |field: &str| request.get(field).and_then(Value::as_str);
+    if said("tenant") != Some(tenant) {
+        return Err("tenant does not match the bound request");
+    }
+    if said("subject") != Some(subject) {
+        return Err("subject does not match the bound request");
+    }
+    if said("tool") != Some(tool) {
+        return Err("tool does not match the bound request");
+    }
+    let rev = |k: &str| request.get("revisions").and_then(|r| r.get(k)).and_then(Value::as_i64);
+    if [rev("input"), rev("output"), rev("effect")] != revisions.map(Some) {
+        return Err("contract revisions do not match the bound request");
+    }
+    if sha256_hex(idem_key.as_bytes()) != key_sha256 {
+        return Err("key_sha256 does not recompute");
+    }
+    Ok(())
+}
+
+/// The call identity an approval request holds (the call it would run).
+pub(crate) fn approval_call(a: &ApprovalRow) -> CallIdentity {
+    CallIdentity {
+        provider: a.call_provider.clone(),
+        api_family: a.call_api_family.clone(),
+        response_id: a.call_response_id.clone(),
+        call_id: a.call_id.clone(),
+        adapter_revision: a.adapter_revision.clone(),
+    }
+}
+
+/// The call identity an operation row holds.
+pub(crate) fn call_of(op: &OperationRow) -> CallIdentity {
+    CallIdentity {
+        provider: op.call_provider.clone(),
+        api_family: op.call_api_family.clone(),
+        response_id: op.call_response_id.clone(),
+        call_id: op.call_id.clone(),
+        adapter_revision: op.adapter_revision.clone(),
+    }
+}
+
 pub(crate) fn verify_row(op: &OperationRow) -> Result<(), &'static str> {
     let parse_canonical =
         |text: &str| parse_strict(text.as_bytes(), usize::MAX, 256).ok().filter(|v| canonical_string(v) == text);
@@ -163,23 +209,13 @@ pub(crate) fn verify_row(op: &OperationRow) -> Result<(), &'static str> {
     // Every column that restates the bound request must agree with it: the
     // scope columns decide which row a replay finds, the revisions which
     // contract it is checked against.
-    let said = |field: &str| request.get(field).and_then(Value::as_str);
-    if said("tenant") != Some(op.tenant.as_str()) {
-        return Err("tenant does not match the bound request");
-    }
-    if said("subject") != Some(op.subject.as_str()) {
-        return Err("subject does not match the bound request");
-    }
-    if said("tool") != Some(op.tool.as_str()) {
-        return Err("tool does not match the bound request");
-    }
-    let rev = |k: &str| request.get("revisions").and_then(|r| r.get(k)).and_then(Value::as_i64);
-    if (rev("input"), rev("output"), rev("effect")) != (Some(op.input_rev), Some(op.output_rev), Some(op.effect_rev)) {
-        return Err("contract revisions do not match the bound request");
-    }
-    if sha256_hex(op.idem_key.as_bytes()) != op.key_sha256 {
-        return Err("key_sha256 does not recompute");
-    }
+    check_restated(
+        &request,
+        [&op.tenant, &op.subject, &op.tool],
+        [op.input_rev, op.output_rev, op.effect_rev],
+        &op.idem_key,
+        &op.key_sha256,
+    )?;
     match (&op.result_json, &op.result_sha256) {
         (Some(r), Some(h)) => {
             if parse_canonical(r).is_none() {
@@ -205,13 +241,7 @@ pub(crate) fn op_envelope(
     principal_ref: String,
     last_code: Option<&str>,
 ) -> Envelope {
-    let call = CallIdentity {
-        provider: op.call_provider.clone(),
-        api_family: op.call_api_family.clone(),
-        response_id: op.call_response_id.clone(),
-        call_id: op.call_id.clone(),
-        adapter_revision: op.adapter_revision.clone(),
-    };
+    let call = call_of(op);
     let audit = ProtectedAudit {
         operation_id: Some(op.id.clone()),
         principal_ref,

@@ -512,13 +512,7 @@ impl Engine {
                 tx.decide_approval(&a)?;
                 return invalid("policy or contract revision changed since the request", "revision_changed", Some(&a));
             }
-            let call = CallIdentity {
-                provider: a.call_provider.clone(),
-                api_family: a.call_api_family.clone(),
-                response_id: a.call_response_id.clone(),
-                call_id: a.call_id.clone(),
-                adapter_revision: a.adapter_revision.clone(),
-            };
+            let call = super::dispatch::approval_call(&a);
             if let Err(why) = verify_approval(&a) {
                 return invalid(&format!("approval record failed its integrity check: {why}"), "tampered", Some(&a));
             }
@@ -915,31 +909,18 @@ pub(crate) fn verify_approval(a: &ApprovalRow) -> Result<(), &'static str> {
     if sha256_hex(a.request_json.as_bytes()) != a.request_sha256 {
         return Err("request_sha256 does not recompute");
     }
-    let said = |field: &str| request.get(field).and_then(Value::as_str);
-    if said("tenant") != Some(a.tenant.as_str())
-        || said("subject") != Some(a.subject.as_str())
-        || said("tool") != Some(a.tool.as_str())
-    {
-        return Err("tenant, subject or tool does not match the bound request");
-    }
-    let rev = |k: &str| request.get("revisions").and_then(|r| r.get(k)).and_then(Value::as_i64);
-    if (rev("input"), rev("output"), rev("effect")) != (Some(a.input_rev), Some(a.output_rev), Some(a.effect_rev)) {
-        return Err("contract revisions do not match the bound request");
-    }
-    if sha256_hex(a.idem_key.as_bytes()) != a.key_sha256 {
-        return Err("key_sha256 does not recompute");
-    }
+    super::dispatch::check_restated(
+        &request,
+        [&a.tenant, &a.subject, &a.tool],
+        [a.input_rev, a.output_rev, a.effect_rev],
+        &a.idem_key,
+        &a.key_sha256,
+    )?;
     let amount = request.get("arguments").and_then(|x| x.get("amount_minor")).and_then(Value::as_i64);
     if amount != a.amount_minor {
         return Err("amount_minor does not match the bound request");
     }
-    let call = CallIdentity {
-        provider: a.call_provider.clone(),
-        api_family: a.call_api_family.clone(),
-        response_id: a.call_response_id.clone(),
-        call_id: a.call_id.clone(),
-        adapter_revision: a.adapter_revision.clone(),
-    };
+    let call = super::dispatch::approval_call(a);
     let rev = Revisions { input: a.input_rev, output: a.output_rev, effect: a.effect_rev };
     let base = approval_base_sha256(
         &a.tenant,
@@ -1083,13 +1064,7 @@ fn check_operation(
             find("receipt", r, "the receipt the operation names is not in receipts");
         }
     }
-    let call = CallIdentity {
-        provider: op.call_provider.clone(),
-        api_family: op.call_api_family.clone(),
-        response_id: op.call_response_id.clone(),
-        call_id: op.call_id.clone(),
-        adapter_revision: op.adapter_revision.clone(),
-    };
+    let call = super::dispatch::call_of(op);
     match tx.call_identity(&call.key(&op.tenant, &op.subject))? {
         None => find("call_identity", r, "the call identity that created the operation is not bound"),
         Some(b) if b.request_sha256 != op.request_sha256 || b.purpose != "dispatch" => {

@@ -450,18 +450,6 @@ fn get_order(order: &str, call_id: &str) -> DispatchRequest {
     }
 }
 
-fn query_with(env: &toolgate::engine::envelope::Envelope, call_id: &str) -> toolgate::engine::QueryRequest {
-    toolgate::engine::QueryRequest {
-        tenant: "acme".into(),
-        subject: "agent_ana".into(),
-        status_ref: env.status_ref().unwrap().to_string(),
-        expected_request_sha256: env.protected_audit.binding.request_sha256.clone().unwrap(),
-        idempotency_key: None,
-        call: Some(call(call_id)),
-        operator: None,
-    }
-}
-
 #[test]
 fn a_read_binds_its_call_identity_on_first_use() {
     let fx = Fixture::new();
@@ -496,17 +484,17 @@ fn a_status_query_identity_is_bound_to_its_purpose_and_its_status_ref() {
     assert_eq!(code(&env_a), Some(Code::OutcomeUnknown));
     // A query under the dispatch's own identity: another purpose.
     assert_eq!(
-        code(&e.query_operation_status(&query_with(&env_a, "call_write_a")).unwrap()),
+        code(&e.query_operation_status(&crate::support::query_req(&env_a, "call_write_a")).unwrap()),
         Some(Code::CallIdConflict)
     );
     // A query identity first used for operation A, reused for B's status_ref.
-    let q = e.query_operation_status(&query_with(&env_a, "call_query_1")).unwrap();
+    let q = e.query_operation_status(&crate::support::query_req(&env_a, "call_query_1")).unwrap();
     assert_eq!(q.model_result.execution.delivery, Delivery::ReceiptReconciled);
     assert_eq!(
-        code(&e.query_operation_status(&query_with(&env_b, "call_query_1")).unwrap()),
+        code(&e.query_operation_status(&crate::support::query_req(&env_b, "call_query_1")).unwrap()),
         Some(Code::CallIdConflict)
     );
     // The same query retried under the same identity is answered again.
-    let again = e.query_operation_status(&query_with(&env_a, "call_query_1")).unwrap();
+    let again = e.query_operation_status(&crate::support::query_req(&env_a, "call_query_1")).unwrap();
     assert_eq!(again.model_result.status, Status::Succeeded);
 }

@@ -3,7 +3,7 @@
 //! console's reaper.
 
 use toolgate::engine::envelope::{Code, Delivery, Status};
-use toolgate::engine::{Engine, EngineError, EngineOptions, QueryRequest};
+use toolgate::engine::{Engine, EngineError, EngineOptions};
 
 use crate::support::{call, code, dispatch_with, raw, refund, refund_args, Fixture};
 
@@ -11,18 +11,6 @@ const DAY: i64 = 86_400_000;
 
 fn count(fx: &Fixture, sql: &str) -> i64 {
     raw(fx.path()).query_row(sql, [], |r| r.get(0)).unwrap()
-}
-
-fn caller_query(env: &toolgate::engine::envelope::Envelope, call_id: &str) -> QueryRequest {
-    QueryRequest {
-        tenant: "acme".into(),
-        subject: "agent_ana".into(),
-        status_ref: env.status_ref().unwrap().to_string(),
-        expected_request_sha256: env.protected_audit.binding.request_sha256.clone().unwrap(),
-        idempotency_key: None,
-        call: Some(call(call_id)),
-        operator: None,
-    }
 }
 
 #[test]
@@ -59,7 +47,7 @@ fn retention_counts_from_the_terminal_state_and_a_purge_leaves_a_tombstone() {
     let op = env.protected_audit.operation_id.clone().unwrap();
     fx.clock.advance(60 * DAY);
     // Settled by the caller's own status query (no person involved) on day 60.
-    let q = e.query_operation_status(&caller_query(&env, "call_q_ret")).unwrap();
+    let q = e.query_operation_status(&crate::support::query_req(&env, "call_q_ret")).unwrap();
     assert_eq!(q.model_result.status, Status::Succeeded);
     fx.clock.advance(29 * DAY);
     assert_eq!(e.purge_expired().unwrap().purged, 0, "29 days after it ended: kept");

@@ -138,3 +138,17 @@ pub fn snapshot(path: &Path) -> Vec<String> {
     }
     out
 }
+
+/// A status query by acme/agent_ana for the operation an envelope names, under
+/// the call identity `call_id`.
+pub fn query_req(env: &Envelope, call_id: &str) -> toolgate::engine::QueryRequest {
+    toolgate::engine::QueryRequest {
+        tenant: "acme".into(),
+        subject: "agent_ana".into(),
+        status_ref: env.status_ref().unwrap().to_string(),
+        expected_request_sha256: env.protected_audit.binding.request_sha256.clone().unwrap(),
+        idempotency_key: None,
+        call: Some(call(call_id)),
+        operator: None,
+    }
+}
