@@ -2,18 +2,25 @@
 //!
 //! Why no crate: a scrape endpoint needs one route, one response per
 //! connection (`Connection: close`) and no TLS; `std::net` does that in a page,
-//! adds no dependency to a ledger binary, and keeps every limit visible here:
-//! requests are read with a timeout and a size cap, one at a time, so a slow or
-//! hostile client cannot pile up threads or memory.
+//! adds no dependency to a ledger binary, and keeps every limit visible here.
+//! Connections are served concurrently, one thread each, at most
+//! [`MAX_CONNECTIONS`] at a time (more are answered 503 at once); a client has
+//! [`HEAD_DEADLINE`] for its whole request head (not per read), so one client
+//! trickling a byte every few seconds, or many idle ones, cannot stall a
+//! scrape. Only computing the metrics is serialized (one engine).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-/// How long a client may take to send its request head.
-const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a client may take to send its whole request head.
+pub const HEAD_DEADLINE: Duration = Duration::from_secs(5);
+/// How long writing the response may take.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections served at once; more are answered 503 and closed.
+pub const MAX_CONNECTIONS: usize = 32;
 /// The largest request head accepted.
 const MAX_HEAD: u64 = 16 * 1024;
 
@@ -59,29 +66,69 @@ pub fn stop_handle(listener: &TcpListener) -> std::io::Result<(StopHandle, Arc<A
 /// Serves `GET /metrics` with `metrics()` until `stop` is set (forever when it
 /// never is). Each connection gets one response and is closed. A handler error
 /// is a 500 with its message (which, like every message here, names no path).
-pub fn serve<E: std::fmt::Display>(
+pub fn serve<E: std::fmt::Display, F: FnMut() -> Result<Response, E> + Send>(
     listener: &TcpListener,
     stop: &AtomicBool,
-    mut metrics: impl FnMut() -> Result<Response, E>,
+    metrics: F,
 ) -> std::io::Result<()> {
-    for conn in listener.incoming() {
-        if stop.load(Ordering::SeqCst) {
-            break;
+    let metrics = Mutex::new(metrics);
+    let active = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for conn in listener.incoming() {
+            if stop.load(Ordering::SeqCst) {
+                break;
+            }
+            let Ok(stream) = conn else { continue };
+            if active.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
+                active.fetch_sub(1, Ordering::SeqCst);
+                let _ = busy(&stream);
+                continue;
+            }
+            let (metrics, active) = (&metrics, &active);
+            scope.spawn(move || {
+                // A client that misbehaves only loses its own connection.
+                let _ = handle(&stream, metrics);
+                active.fetch_sub(1, Ordering::SeqCst);
+            });
         }
-        let Ok(stream) = conn else { continue };
-        // A client that misbehaves only loses its own connection.
-        let _ = handle(&stream, &mut metrics);
-    }
+    });
     Ok(())
 }
 
-fn handle<E: std::fmt::Display>(
+/// 503 for a connection over the limit (written with a short timeout).
+fn busy(stream: &TcpStream) -> std::io::Result<()> {
+    stream.set_write_timeout(Some(Duration::from_millis(200)))?;
+    let mut out = stream;
+    out.write_all(
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\nRetry-After: 1\r\n\r\n",
+    )
+}
+
+/// A reader whose every read waits only for what is left of one deadline.
+struct Deadline<'a> {
+    stream: &'a TcpStream,
+    until: Instant,
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "request head deadline passed"));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        let mut s = self.stream;
+        s.read(buf)
+    }
+}
+
+fn handle<E: std::fmt::Display, F: FnMut() -> Result<Response, E>>(
     stream: &TcpStream,
-    metrics: &mut impl FnMut() -> Result<Response, E>,
+    metrics: &Mutex<F>,
 ) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(READ_TIMEOUT))?;
-    stream.set_write_timeout(Some(READ_TIMEOUT))?;
-    let mut reader = BufReader::new(stream.take(MAX_HEAD));
+    stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+    let head = Deadline { stream, until: Instant::now() + HEAD_DEADLINE };
+    let mut reader = BufReader::new(head.take(MAX_HEAD));
     let mut request_line = String::new();
     reader.read_line(&mut request_line)?;
     // Drain the headers (we need none of them).
@@ -96,7 +143,7 @@ fn handle<E: std::fmt::Display>(
     let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let path = target.split('?').next().unwrap_or("");
     let response = match (method, path) {
-        ("GET" | "HEAD", "/metrics") => match metrics() {
+        ("GET" | "HEAD", "/metrics") => match metrics.lock().map_err(|_| std::io::ErrorKind::Other)?() {
             Ok(r) => r,
             Err(e) => Response::text(500, &format!("metrics unavailable: {e}\n")),
         },
@@ -108,6 +155,7 @@ fn handle<E: std::fmt::Display>(
         200 => "OK",
         404 => "Not Found",
         405 => "Method Not Allowed",
+        503 => "Service Unavailable",
         _ => "Internal Server Error",
     };
     let mut out = stream;

@@ -797,3 +797,51 @@ fn exported_events_have_stable_names_and_text_lines_tell_the_step() {
         "{line}"
     );
 }
+
+#[test]
+fn a_slow_client_and_idle_connections_cannot_stall_a_scrape() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let fx = Fixture::new();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (handle, stop) = http::stop_handle(&listener).unwrap();
+    let path = fx.path().to_path_buf();
+    let clock = fx.clock.clone();
+    let server = std::thread::spawn(move || {
+        let mut engine = Engine::open(&path, crate::support::opts(&clock, "w-http-slow")).unwrap();
+        http::serve(&listener, &stop, || {
+            metrics::snapshot(&mut engine, Window::default(), &Slice::default()).map(|s| http::Response {
+                status: 200,
+                content_type: prometheus::CONTENT_TYPE,
+                body: prometheus::render(&s),
+            })
+        })
+    });
+    // Twenty idle connections and one client trickling its request head a byte at a time.
+    let idle: Vec<_> = (0..20).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
+    let trickling = std::sync::Arc::new(AtomicBool::new(true));
+    let done = std::sync::Arc::new(AtomicBool::new(false));
+    let slow = {
+        let (trickling, done) = (trickling.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            // Bounded: at most 100 bytes, 300 ms apart; stops once the scrape is done.
+            for b in b"GET /metrics HTTP/1.1\r\nHost: x\r\n".iter().cycle().take(100) {
+                if done.load(Ordering::SeqCst) || std::io::Write::write_all(&mut s, &[*b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(300));
+            }
+            trickling.store(false, Ordering::SeqCst);
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let (status, _) = http::get(addr, "/metrics").unwrap();
+    assert_eq!(status, 200);
+    assert!(trickling.load(Ordering::SeqCst), "the scrape waited for the slow client to finish");
+    done.store(true, Ordering::SeqCst);
+    slow.join().unwrap();
+    drop(idle);
+    handle.stop();
+    server.join().unwrap().unwrap();
+}
