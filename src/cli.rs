@@ -1,4 +1,4 @@
-//! The command line (SPEC §15). A stable contract: `--json` prints one JSON
+//! The command line (docs/design.md §15). A stable contract: `--json` prints one JSON
 //! document; exit codes are 0 ok, 1 the call's result is a failure or unknown,
 //! 2 usage or environment error. Errors print a stable code and a message, never
 //! a backtrace or a local path.
@@ -148,7 +148,7 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// The scenarios of SPEC §13 as scripts: list them, or run them on fresh databases.
+    /// The scenarios of docs/design.md §13 as scripts: list them, or run them on fresh databases.
     Scenario {
         /// What to do.
         #[command(subcommand)]
@@ -1194,7 +1194,7 @@ fn print_outcome(o: &crate::engine::OperatorOutcome, json: bool) {
     }
 }
 
-/// Prints an envelope: the whole §4 envelope as JSON, or a summary for people.
+/// Prints an envelope: the whole envelope (docs/design.md §4) as JSON, or a summary for people.
 pub fn print_envelope(env: &Envelope, json: bool) {
     if json {
         print_json(env);

@@ -1,4 +1,4 @@
-//! The demo database (SPEC §16): generated deterministically, committed as
+//! The demo database (docs/design.md §16): generated deterministically, committed as
 //! `demo.db`, and opened as a working copy whose timestamps are re-based to now.
 
 use std::path::{Path, PathBuf};

@@ -13,7 +13,7 @@
 //! - [`telemetry`]: the trace export, metrics computed from the database (and
 //!   their Prometheus format and `/metrics` endpoint), the diagnostic log.
 //! - [`failpoint`]: named crash points for crash tests.
-//! - [`scenarios`]: the `create_refund` scenarios of SPEC §13 as data
+//! - [`scenarios`]: the `create_refund` scenarios of docs/design.md §13 as data
 //!   (`assets/scenarios/`), and a stepper that runs them on a fresh database.
 //! - [`tui`]: the operations console (ratatui): panes, keys, popups, the
 //!   walkthrough; a client of the engine that never writes the database itself.

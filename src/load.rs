@@ -1,4 +1,4 @@
-//! The load generator (SPEC §14): simulated agents that behave like real
+//! The load generator (docs/design.md §14): simulated agents that behave like real
 //! harnesses, against a shared database. `toolgate load` runs a fixed number of
 //! intents flat out and prints a table; `toolgate demo` runs a few paced agents
 //! for ever while the console is open.

@@ -1,5 +1,5 @@
 //! Downstream providers: the adapter trait and the simulated, durable payments and
-//! notifications providers with their fault plans (SPEC §7).
+//! notifications providers with their fault plans (docs/design.md §7).
 //!
 //! The providers keep their effects in their own tables (`provider_effects`) on
 //! their own connection; the engine reaches them only through [`Downstream`].

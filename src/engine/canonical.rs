@@ -1,5 +1,5 @@
 //! Canonical JSON (RFC 8785), request/result/call-binding digests and the opaque
-//! `status_ref` (SPEC §3).
+//! `status_ref` (docs/design.md §3).
 //!
 //! Canonicalization itself is `serde_json_canonicalizer` (it passes the RFC 8785
 //! vectors, see `tests/it/canonical.rs`). What no crate does for us is the strict
@@ -333,7 +333,7 @@ pub struct Revisions {
 }
 
 /// The canonical request object whose digest is `request_sha256`. It excludes the
-/// call id, operation id and idempotency key on purpose (SPEC §3).
+/// call id, operation id and idempotency key on purpose (docs/design.md §3).
 pub fn request_object(tenant: &str, subject: &str, tool: &str, arguments: &Value, rev: Revisions) -> Value {
     serde_json::json!({
         "tenant": tenant,
@@ -344,7 +344,7 @@ pub fn request_object(tenant: &str, subject: &str, tool: &str, arguments: &Value
     })
 }
 
-/// The call identity of one provider call (SPEC §2).
+/// The call identity of one provider call (docs/design.md §2).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CallIdentity {
     /// Model provider, e.g. `openai`.
@@ -374,7 +374,7 @@ impl CallIdentity {
     }
 }
 
-/// Everything `call_binding_sha256` covers (SPEC §3).
+/// Everything `call_binding_sha256` covers (docs/design.md §3).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BindingInput<'a> {
     /// Tenant.

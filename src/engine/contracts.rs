@@ -6,7 +6,7 @@ use serde_json::Value;
 
 use super::canonical::Revisions;
 
-/// What a tool does to the world (SPEC §1, keel text: effect decides retry cost).
+/// What a tool does to the world (docs/design.md §1, the effect class decides what a retry costs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Effect {
@@ -29,7 +29,7 @@ impl Effect {
     }
 }
 
-/// When a new execution needs a human approval (SPEC §9).
+/// When a new execution needs a human approval (docs/design.md §9).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ApprovalPolicy {
@@ -69,7 +69,7 @@ impl DownstreamKind {
     }
 }
 
-/// Retry policy of a tool (SPEC §11).
+/// Retry policy of a tool (docs/design.md §11).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetryPolicy {
@@ -102,7 +102,7 @@ fn default_budget_burst() -> u32 {
     10
 }
 
-/// The circuit breaker of the tool's downstream (SPEC §11). The breaker's state is
+/// The circuit breaker of the tool's downstream (docs/design.md §11). The breaker's state is
 /// per downstream; the thresholds come from the contract of the tool calling it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]

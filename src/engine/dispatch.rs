@@ -1,4 +1,4 @@
-//! The dispatch pipeline (SPEC §5), the outbox worker and the reaper (§6).
+//! The dispatch pipeline (docs/design.md §5), the outbox worker and the reaper (docs/design.md §6).
 
 use std::panic::AssertUnwindSafe;
 use std::time::Instant;
@@ -66,7 +66,7 @@ pub(crate) fn intent_of(tenant: &str, subject: &str, tool: &str, caller_key: &st
     sha256_hex(format!("{tenant}\0{subject}\0{tool}\0{caller_key}").as_bytes())
 }
 
-/// Authorization of the current subject, read now (SPEC §1, §5.2).
+/// Authorization of the current subject, read now (docs/design.md §1, §5).
 pub(crate) fn authorize(
     tx: &Tx<'_>,
     tenant: &str,
@@ -87,7 +87,7 @@ pub(crate) fn authorize(
     Ok(None)
 }
 
-/// Business rules (SPEC §1).
+/// Business rules (docs/design.md §1).
 pub(crate) fn business_rules(tx: &Tx<'_>, tool: &str, args: &Value) -> Result<Option<&'static str>, StoreError> {
     if tool != "create_refund" {
         return Ok(None);
@@ -138,7 +138,7 @@ pub(crate) fn revisions_of(op: &OperationRow) -> Revisions {
     Revisions { input: op.input_rev, output: op.output_rev, effect: op.effect_rev }
 }
 
-/// Recomputes a row's digests and binding: any mismatch is tampering (SPEC §3).
+/// Recomputes a row's digests and binding: any mismatch is tampering (docs/design.md §3).
 /// The checks every stored copy of a bound request shares (an operation, an
 /// approval): tenant, subject and tool as the request says, the contract
 /// revisions it was bound under, and the key digest recomputed.
@@ -341,7 +341,7 @@ impl Engine {
         Ok(env)
     }
 
-    /// Dispatches one tool call through the whole pipeline (SPEC §5). Expected
+    /// Dispatches one tool call through the whole pipeline (docs/design.md §5). Expected
     /// outcomes, including every error of the catalog, come back as an [`Envelope`].
     pub fn dispatch(&mut self, req: &DispatchRequest) -> Result<Envelope, EngineError> {
         let t0 = Instant::now();
@@ -719,7 +719,7 @@ impl Engine {
         Ok(ran)
     }
 
-    /// One reaper pass (SPEC §6).
+    /// One reaper pass (docs/design.md §6).
     pub fn reap(&mut self) -> Result<ReapReport, EngineError> {
         let now = self.clock.now_ms();
         let contracts = self.contracts.clone();
@@ -752,7 +752,7 @@ impl Engine {
                     ev.reason = Some("requeued_same_key");
                     report.requeued_same_key += 1;
                 } else {
-                    // Past the deadline nothing is sent again (SPEC §11), and a
+                    // Past the deadline nothing is sent again (docs/design.md §11), and a
                     // re-queued row would never be picked up: the explicit status
                     // query (or a human) settles it.
                     tx.finish_attempt(&op.id, ob.attempt, "unknown", Some("OUTCOME_UNKNOWN"), now)?;
@@ -1092,7 +1092,7 @@ pub(crate) fn new_operation_for(
     op
 }
 
-/// Approval for a new execution (SPEC §9). `Some` answers the call now.
+/// Approval for a new execution (docs/design.md §9). `Some` answers the call now.
 fn approval_gate(
     tx: &Tx<'_>,
     c: &AcceptCtx<'_>,

@@ -1,4 +1,4 @@
-//! The error catalog and the two-part result envelope (SPEC §4).
+//! The error catalog and the two-part result envelope (docs/design.md §4).
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -41,7 +41,7 @@ pub enum Code {
     StatusConflict,
     /// A read handler failed.
     ToolError,
-    /// An operator cancelled the operation before anything was sent (SPEC §11).
+    /// An operator cancelled the operation before anything was sent (docs/design.md §11).
     Cancelled,
 }
 
@@ -177,7 +177,7 @@ impl Code {
         }
     }
 
-    /// Retryable exactly when the recovery is `retry_after` (SPEC §4).
+    /// Retryable exactly when the recovery is `retry_after` (docs/design.md §4).
     pub fn retryable(self) -> bool {
         self.catalog().2 == Recovery::RetryAfter
     }

@@ -1,4 +1,4 @@
-//! The classroom lab (SPEC §14): "defenses off" toggles, one at a time, from the
+//! The classroom lab (docs/design.md §14): "defenses off" toggles, one at a time, from the
 //! source text's failure-injection table ("four changes, and see where the
 //! defenses are") and its opening incident ("one timeout, two tickets"). Each toggle breaks one rule so that a class
 //! watches what the rule was for: the duplicate-effects counter turns red, or a
@@ -13,7 +13,7 @@
 //!
 //! Three toggles switch a defense off inside the engine ([`DefensesOff`]); two
 //! change what the simulated harness does (`crate::load`), because that is where
-//! the keel text puts the mistake.
+//! the source text (docs/design.md §14) puts the mistake.
 
 use serde::Serialize;
 use serde_json::json;

@@ -1,4 +1,4 @@
-//! Resilience policies (SPEC §11): when an automatic retry may happen, and when a
+//! Resilience policies (docs/design.md §11): when an automatic retry may happen, and when a
 //! downstream is left alone.
 //!
 //! - **Backoff**: exponential with full jitter, `uniform(0, min(cap, base·2^(n-1)))`

@@ -1,5 +1,5 @@
-//! Recovery: explicit status queries (SPEC §8), approvals (§9), human review and
-//! the operator log (§10), and the integrity audit.
+//! Recovery: explicit status queries (docs/design.md §8), approvals (docs/design.md §9), human review and
+//! the operator log (docs/design.md §10), and the integrity audit.
 
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -36,7 +36,7 @@ pub(crate) fn approval_base_sha256(
     }))
 }
 
-/// An explicit status query (SPEC §8).
+/// An explicit status query (docs/design.md §8).
 #[derive(Debug, Clone, Default)]
 pub struct QueryRequest {
     /// Tenant of the caller.
@@ -183,7 +183,7 @@ enum QueryStep {
 
 impl Engine {
     /// `query_operation_status(status_ref, expected_request_sha256)`, in the order
-    /// of SPEC §8. It never executes the tool.
+    /// of docs/design.md §8. It never executes the tool.
     pub fn query_operation_status(&mut self, q: &QueryRequest) -> Result<Envelope, EngineError> {
         if let Some(op) = &q.operator {
             super::check_operator(op)?;

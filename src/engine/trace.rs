@@ -1,4 +1,4 @@
-//! Trace events: one per pipeline step, with the SPEC §12 fields. Arguments appear
+//! Trace events: one per pipeline step, with the fields of docs/design.md §12. Arguments appear
 //! only as a digest plus their data classification; tenant and subject only as
 //! salted hashes; provider replies and result bodies only as digests.
 //!

@@ -1,5 +1,5 @@
 //! The world: tenants with approvers and thresholds, subjects, grants and orders,
-//! loaded from a JSON world file (SPEC §1).
+//! loaded from a JSON world file (docs/design.md §1).
 
 use serde::Deserialize;
 

@@ -1,4 +1,4 @@
-//! The `create_refund` scenarios of SPEC §13 (and a few more), as data that the
+//! The `create_refund` scenarios of docs/design.md §13 (and a few more), as data that the
 //! tests, `toolgate scenario` and the console all run.
 //!
 //! - [`script`]: the file format of `assets/scenarios/*.json` and its strict loader.
@@ -120,6 +120,6 @@ mod tests {
         sorted.sort_unstable();
         sorted.dedup();
         assert_eq!(ids, sorted, "ids unique and in file order");
-        assert!(ids.starts_with(&[1, 2, 3, 4, 5, 6, 7]), "the seven of SPEC §13 come first");
+        assert!(ids.starts_with(&[1, 2, 3, 4, 5, 6, 7]), "the seven of docs/design.md §13 come first");
     }
 }

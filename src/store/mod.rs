@@ -148,7 +148,7 @@ impl StoreError {
     }
 }
 
-/// Durability mode for the ledger (SPEC §6: FULL by default).
+/// Durability mode for the ledger (docs/design.md §6: FULL by default).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sync {
     /// fsync on every commit.

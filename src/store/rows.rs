@@ -298,7 +298,7 @@ row! {
         pub attempt: Option<i64>,
         /// Step duration.
         pub duration_us: Option<i64>,
-        /// The other §12 fields, canonical JSON.
+        /// The other trace fields (docs/design.md §12), canonical JSON.
         pub fields: String,
         /// The API call this event answers (`dispatch`, `query`, `approve`), on
         /// exactly one event per call.

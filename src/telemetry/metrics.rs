@@ -1,5 +1,5 @@
 //! Metrics computed from the database, so every process sees the same numbers
-//! (SPEC §12): counters from the trace rollups, gauges from the ledger's current
+//! (docs/design.md §12): counters from the trace rollups, gauges from the ledger's current
 //! state, latency histograms of answered calls. [`snapshot`] is the one entry
 //! point: the CLI (`toolgate metrics`), the `/metrics` endpoint and the console
 //! all call it.
@@ -145,7 +145,7 @@ pub struct ToolLatency {
     pub percentiles: Option<Percentiles>,
 }
 
-/// A metric the SPEC asks for that the engine does not have yet.
+/// A metric the design asks for that the engine does not have yet.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct NotTracked {
     /// The metric.
@@ -186,7 +186,7 @@ pub struct MetricsSnapshot {
     pub oldest_unknown_age_ms: Option<i64>,
     /// Intents with more than one committed downstream effect (must be 0).
     pub side_effect_duplicates: i64,
-    /// Metrics the SPEC names that are not exported yet, and why.
+    /// Metrics the design names that are not exported yet, and why.
     pub not_tracked: Vec<NotTracked>,
 }
 

@@ -1,4 +1,4 @@
-//! Observability (SPEC §12): the trace export, metrics computed from the
+//! Observability (docs/design.md §12): the trace export, metrics computed from the
 //! database, their Prometheus text format and `/metrics` endpoint, and the
 //! diagnostic log.
 //!

@@ -1,4 +1,4 @@
--- 0004: resilience policies (SPEC §11). Their state lives in the database, not
+-- 0004: resilience policies (docs/design.md §11). Their state lives in the database, not
 -- in a process: every dispatcher process that shares the ledger also shares the
 -- downstreams, so it must share one retry budget per tool and one circuit
 -- breaker per downstream. Every change happens inside the writer's

@@ -112,7 +112,7 @@ impl App {
         let evidence = vec![
             format!("switch OFF  {}", t.as_str()),
             format!("breaks      {}", t.rule()),
-            format!("keel text   {}", t.keel()),
+            format!("source text {}", t.keel()),
             format!("now         {}", self.lab.toggle.map_or("every defense on", LabToggle::as_str)),
             "every engine and agent on this demo database picks it up at its next call".to_string(),
         ];

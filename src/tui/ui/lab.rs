@@ -74,7 +74,8 @@ pub fn render(app: &App, frame: &mut Frame, t: Theme) {
         lines.push(Line::from(Span::styled(row, style)));
     }
     lines.push(Line::from(""));
-    for (name, text) in [("rule broken", chosen.rule()), ("what to watch", chosen.harm()), ("keel text", chosen.keel())]
+    for (name, text) in
+        [("rule broken", chosen.rule()), ("what to watch", chosen.harm()), ("source text", chosen.keel())]
     {
         for (i, part) in wrap(text, text_width).into_iter().enumerate() {
             let label = if i == 0 { name } else { "" };
