@@ -231,6 +231,11 @@ pub(crate) fn verify_row(op: &OperationRow) -> Result<(), &'static str> {
     if binding_of(op) != op.call_binding_sha256 {
         return Err("call_binding_sha256 does not recompute");
     }
+    // A derived key must recompute; a key of another shape is only valid on a
+    // row written before keys were derived (the audit checks which rows those are).
+    if !op.downstream_key.starts_with("dk_") && op.downstream_key != downstream_key_of(&op.id, &op.status_ref) {
+        return Err("downstream_key does not recompute");
+    }
     Ok(())
 }
 
@@ -1062,7 +1067,8 @@ pub(crate) fn new_operation_for(
         state: "accepted".into(),
         version: 1,
         status_ref: refs.mint(ids.bytes::<16>()),
-        downstream_key: ids.id("dk"),
+        // Derived below from the operation id and status_ref (both bound).
+        downstream_key: String::new(),
         code: None,
         result_json: None,
         result_sha256: None,
@@ -1088,8 +1094,18 @@ pub(crate) fn new_operation_for(
         terminal_at: None,
         state_since: Some(now),
     };
+    op.downstream_key = downstream_key_of(&op.id, &op.status_ref);
     op.call_binding_sha256 = binding_of(&op);
     op
+}
+
+/// The key the downstream sees, derived from two bound values (the operation
+/// id and its HMAC-minted `status_ref`), so a changed `downstream_key` column is
+/// found by recomputing it. Rows from before migration 0009 carry a random
+/// `dk_` key; the audit knows which rows those are.
+pub(crate) fn downstream_key_of(operation_id: &str, status_ref: &str) -> String {
+    let h = sha256_hex(format!("toolgate downstream key\0{operation_id}\0{status_ref}").as_bytes());
+    format!("dk2_{}", &h[..32])
 }
 
 /// Approval for a new execution (docs/design.md §9). `Some` answers the call now.

@@ -847,7 +847,8 @@ impl Engine {
     /// The integrity and semantic audit (`toolgate audit`).
     pub fn audit(&mut self) -> Result<Vec<AuditFinding>, EngineError> {
         let refs = self.refs.clone();
-        Ok(self.store.read(|tx| -> Result<Vec<AuditFinding>, StoreError> {
+        let mut settled = Vec::new();
+        let mut out = self.store.read(|tx| -> Result<Vec<AuditFinding>, StoreError> {
             let mut out = Vec::new();
             let mut find = |check: &str, reference: &str, detail: &str| {
                 out.push(AuditFinding { check: check.into(), reference: reference.into(), detail: detail.into() });
@@ -861,6 +862,9 @@ impl Engine {
             let ops = tx.all_operations()?;
             for op in &ops {
                 check_operation(tx, op, &refs, &mut find)?;
+            }
+            for id in tx.legacy_keys_after_migration()? {
+                find("digest", &id, "downstream_key is not the key derived for this operation");
             }
             for r in tx.orphan_receipts()? {
                 find("orphan_receipt", &r, "receipt does not belong to the operation it names");
@@ -883,8 +887,41 @@ impl Engine {
             if dups > 0 {
                 find("side_effect_duplicates", "downstream", &format!("{dups} intent(s) with more than one effect"));
             }
+            settled = ops
+                .into_iter()
+                .filter(|o| o.state == "succeeded" && o.receipt_id.is_some())
+                .map(|o| (o.id, o.tool, o.downstream_key, o.receipt_id.unwrap_or_default(), o.updated_at))
+                .collect();
             Ok(out)
-        })?)
+        })?;
+        // The downstream's side, through its adapter (the engine never reads its
+        // tables): every succeeded operation's effect is still there.
+        let contracts = self.contracts.clone();
+        let now = self.clock.now_ms();
+        for (id, tool, key, receipt, settled_at) in settled {
+            // A provider shows an effect from when it landed: an audit whose
+            // clock is before the operation settled (`--now` in the past) cannot ask.
+            if settled_at > now {
+                continue;
+            }
+            let Some(contract) = contracts.get(&tool) else { continue };
+            match self.downstream(contract.downstream).lookup(&key)? {
+                Lookup::Found(r) if r.receipt_id == receipt => {}
+                Lookup::Found(r) => out.push(AuditFinding {
+                    check: "downstream".into(),
+                    reference: id,
+                    detail: format!("the provider's receipt is {}, the ledger holds {receipt}", r.receipt_id),
+                }),
+                Lookup::NotFound => out.push(AuditFinding {
+                    check: "downstream".into(),
+                    reference: id,
+                    detail: "the provider has no effect for this succeeded operation".into(),
+                }),
+                // Cannot ask now: no finding either way.
+                Lookup::Unavailable => {}
+            }
+        }
+        Ok(out)
     }
 }
 

@@ -21,7 +21,7 @@ pub use rows::*;
 pub use views::{Cursor, LiveRow, OpsView};
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 8] = [
+const MIGRATIONS: [&str; 9] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
@@ -30,6 +30,7 @@ const MIGRATIONS: [&str; 8] = [
     include_str!("migrations/0006_latency_bucket.sql"),
     include_str!("migrations/0007_integrity.sql"),
     include_str!("migrations/0008_state_since.sql"),
+    include_str!("migrations/0009_downstream_key.sql"),
 ];
 
 /// The schema version this build writes.
@@ -1311,6 +1312,19 @@ impl Tx<'_> {
                 r.get(2)?,
             ))
         })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Operations written after keys became derived (migration 0009) that carry
+    /// a legacy-shaped (`dk_`) downstream key: a hand edit.
+    pub fn legacy_keys_after_migration(&self) -> R<Vec<String>> {
+        let mut st = self.conn.prepare(
+            "SELECT id FROM operations WHERE downstream_key NOT LIKE 'dk2!_%' ESCAPE '!'
+               AND rowid > coalesce((SELECT CAST(value AS INTEGER) FROM meta
+                                     WHERE key = 'legacy_downstream_keys_until_rowid'), 0)
+             ORDER BY id",
+        )?;
+        let rows = st.query_map([], |r| r.get(0))?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
