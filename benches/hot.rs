@@ -10,7 +10,6 @@ use toolgate::engine::canonical::{
     call_binding_sha256, canonical_string, parse_strict, request_object, sha256_hex, BindingInput, CallIdentity,
     Revisions, StatusRefKey, MAX_DEPTH, MAX_INPUT_BYTES,
 };
-use toolgate::engine::contracts::Contracts;
 
 const ARGS: &[u8] = br#"{"reason":"damaged","currency":"EUR","amount_minor":1000,"order_ref":"ord_1001"}"#;
 const RESULT: &str = r#"{"amount_minor":1000,"currency":"EUR","order_ref":"ord_1001","refund_id":"re_0123456789abcdef","status":"succeeded"}"#;
@@ -70,7 +69,7 @@ fn canonical(c: &mut Criterion) {
 }
 
 fn schemas(c: &mut Criterion) {
-    let contracts = Contracts::builtin().expect("contracts");
+    let contracts = toolgate::tools::demo_catalog().expect("contracts");
     let refund = contracts.get("create_refund").expect("create_refund");
     let args = parse_strict(ARGS, MAX_INPUT_BYTES, MAX_DEPTH).expect("valid");
     let result = parse_strict(RESULT.as_bytes(), MAX_INPUT_BYTES, MAX_DEPTH).expect("valid");

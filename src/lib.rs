@@ -36,4 +36,5 @@ pub mod load;
 pub mod scenarios;
 pub mod store;
 pub mod telemetry;
+pub mod tools;
 pub mod tui;

@@ -4,123 +4,101 @@
 //! The providers keep their effects in their own tables (`provider_effects`) on
 //! their own connection; the engine reaches them only through [`Downstream`].
 
-mod faults;
-
-use std::path::Path;
 use std::sync::Mutex;
 
 use serde_json::Value;
 
-pub use faults::{Fault, FaultParseError, FaultPlan};
+pub use crate::engine::faults::{Fault, FaultParseError, FaultPlan};
+pub use crate::engine::tool::{
+    Downstream, DownstreamContext, DownstreamError, DownstreamFactory, DownstreamRequest, Lookup, Receipt, Reply,
+};
 
 use crate::engine::canonical::{canonical_string, sha256_hex};
 use crate::engine::clock::Clock;
-use crate::engine::contracts::DownstreamKind;
-use crate::store::{EffectRow, OpenOptions, Store, StoreError, Sync};
+use crate::engine::contracts::{DownstreamRef, Effect};
+use crate::store::{EffectRow, OpenOptions, Store, StoreError};
 
-/// What the engine sends downstream.
-#[derive(Debug, Clone)]
-pub struct DownstreamRequest {
-    /// Business intent label (the hashed idempotency scope), for effect counting.
-    pub intent: String,
-    /// Tool name.
-    pub tool: String,
-    /// Validated arguments.
-    pub arguments: Value,
-    /// The request digest; the provider records it beside the effect.
-    pub request_sha256: String,
-    /// How long the caller waits for this attempt.
-    pub timeout_ms: u64,
+/// Which simulated provider: payments honours keys, notifications does not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SimKind {
+    /// Payments: honours idempotency keys.
+    Payments,
+    /// Notifications: does not de-duplicate.
+    Notifications,
 }
 
-/// Evidence of a committed effect.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Receipt {
-    /// Receipt id.
-    pub receipt_id: String,
-    /// Downstream request id.
-    pub request_id: String,
-    /// The request digest the provider recorded.
-    pub body_sha256: String,
-    /// The result body.
-    pub result: Value,
-    /// Reply headers, as a provider's HTTP reply carries them. The engine never
-    /// stores, traces or logs them (they may echo credentials).
-    pub headers: Vec<(String, String)>,
-}
+impl SimKind {
+    /// By downstream name.
+    pub fn of(name: &str) -> Option<SimKind> {
+        match name {
+            "payments" => Some(SimKind::Payments),
+            "notifications" => Some(SimKind::Notifications),
+            _ => None,
+        }
+    }
 
-/// Redacted on purpose: a receipt formatted into a log line or a panic message
-/// must not carry the result body or a header value.
-impl std::fmt::Debug for Receipt {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let header_names: Vec<&str> = self.headers.iter().map(|(k, _)| k.as_str()).collect();
-        f.debug_struct("Receipt")
-            .field("receipt_id", &self.receipt_id)
-            .field("request_id", &self.request_id)
-            .field("body_sha256", &self.body_sha256)
-            .field("result", &"<redacted>")
-            .field("headers", &header_names)
-            .finish()
+    /// Stable name (the provider column of its effects).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SimKind::Payments => "payments",
+            SimKind::Notifications => "notifications",
+        }
+    }
+
+    /// Whether it honours idempotency keys.
+    pub fn honours_keys(self) -> bool {
+        self == SimKind::Payments
     }
 }
 
-/// What an `execute` returned, as far as the caller can tell.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Reply {
-    /// Committed, reply received.
-    Committed(Receipt),
-    /// Definitively refused: no effect.
-    Rejected {
-        /// Provider's reason.
-        reason: String,
-    },
-    /// 429 with Retry-After: provably not accepted.
-    RateLimited {
-        /// Retry-After.
-        retry_after_ms: u64,
-    },
-    /// 503 before accepting: provably not accepted.
-    Unavailable,
-    /// The connection was never established: provably not received.
-    ConnectTimeout,
-    /// Sent, no reply in time: it may or may not have committed.
-    TimedOut,
-    /// A reply that cannot be parsed (the effect may exist).
-    Malformed,
-}
+/// The `simulated` adapter: opens the demo providers beside the ledger.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SimulatedAdapter;
 
-/// A status lookup by downstream key.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Lookup {
-    /// The provider has a receipt.
-    Found(Receipt),
-    /// Nothing (yet).
-    NotFound,
-    /// The lookup itself failed.
-    Unavailable,
-}
+impl DownstreamFactory for SimulatedAdapter {
+    fn check(&self, d: &DownstreamRef, _effect: Effect) -> Result<(), (String, String)> {
+        let Some(kind) = SimKind::of(&d.name) else {
+            return Err(("name".into(), "the simulated adapter serves `payments` and `notifications`".into()));
+        };
+        if d.http.is_some() {
+            return Err(("http".into(), "only the http adapter takes http settings".into()));
+        }
+        if d.dedupes_keys != kind.honours_keys() {
+            return Err((
+                "dedupes_keys".into(),
+                format!(
+                    "the simulated {} provider {} de-duplicate by key",
+                    kind.as_str(),
+                    if kind.honours_keys() { "does" } else { "does not" }
+                ),
+            ));
+        }
+        Ok(())
+    }
 
-/// Provider errors that are not replies (the provider's own storage failed).
-#[derive(Debug, thiserror::Error)]
-pub enum DownstreamError {
-    /// Its storage failed.
-    #[error("downstream storage: {0}")]
-    Store(#[from] StoreError),
-}
-
-/// The adapter every downstream implements.
-pub trait Downstream: Send {
-    /// Which downstream this is.
-    fn kind(&self) -> DownstreamKind;
-    /// Executes a request under a downstream key.
-    fn execute(&mut self, downstream_key: &str, req: &DownstreamRequest) -> Result<Reply, DownstreamError>;
-    /// Looks up what happened under a downstream key.
-    fn lookup(&mut self, downstream_key: &str) -> Result<Lookup, DownstreamError>;
+    fn open(&self, d: &DownstreamRef, ctx: &DownstreamContext<'_>) -> Result<Box<dyn Downstream>, DownstreamError> {
+        let kind = SimKind::of(&d.name).ok_or_else(|| DownstreamError::Setup {
+            name: d.name.clone(),
+            reason: "not a simulated provider".into(),
+        })?;
+        let store = if ctx.read_only {
+            Store::open_read_only(ctx.ledger_path)?
+        } else {
+            Store::open(ctx.ledger_path, OpenOptions { create: false, sync: ctx.sync })?
+        };
+        Ok(Box::new(Simulated {
+            kind,
+            store,
+            clock: ctx.clock.clone(),
+            faults: ctx.faults.clone(),
+            ids: ctx.ids.clone(),
+        }))
+    }
 }
 
 /// A simulated provider, durable in its own tables, with a fault plan.
 pub struct Simulated {
-    kind: DownstreamKind,
+    kind: SimKind,
     store: Store,
     clock: std::sync::Arc<dyn Clock>,
     faults: std::sync::Arc<Mutex<FaultPlan>>,
@@ -134,28 +112,17 @@ impl std::fmt::Debug for Simulated {
 }
 
 impl Simulated {
-    /// Opens a simulated provider on the database file.
+    /// Opens a simulated provider on the database file (its tables sit beside the ledger's).
     pub fn open(
-        kind: DownstreamKind,
-        path: &Path,
+        kind: SimKind,
+        path: &std::path::Path,
         clock: std::sync::Arc<dyn Clock>,
         faults: std::sync::Arc<Mutex<FaultPlan>>,
-        sync: Sync,
+        sync: crate::store::Sync,
         ids: crate::engine::ids::Ids,
     ) -> Result<Self, DownstreamError> {
         let store = Store::open(path, OpenOptions { create: false, sync })?;
         Ok(Self { kind, store, clock, faults, ids })
-    }
-
-    /// The provider beside a ledger opened read-only: lookups work, a commit is `DB_READ_ONLY`.
-    pub fn open_read_only(
-        kind: DownstreamKind,
-        path: &Path,
-        clock: std::sync::Arc<dyn Clock>,
-        faults: std::sync::Arc<Mutex<FaultPlan>>,
-        ids: crate::engine::ids::Ids,
-    ) -> Result<Self, DownstreamError> {
-        Ok(Self { kind, store: Store::open_read_only(path)?, clock, faults, ids })
     }
 
     fn next_fault(&self) -> Fault {
@@ -220,37 +187,32 @@ fn receipt_of(e: &EffectRow) -> Receipt {
     Receipt {
         receipt_id: e.receipt_id.clone(),
         request_id: e.request_id.clone(),
-        body_sha256: e.body_sha256.clone(),
+        body_sha256: Some(e.body_sha256.clone()),
         result: serde_json::from_str(&e.result_json).unwrap_or(Value::Null),
         headers: vec![("x-request-id".to_string(), e.request_id.clone())],
     }
 }
 
-fn result_for(kind: DownstreamKind, req: &DownstreamRequest, ids: &crate::engine::ids::Ids) -> Value {
+fn result_for(kind: SimKind, req: &DownstreamRequest, ids: &crate::engine::ids::Ids) -> Value {
     let a = &req.arguments;
     match kind {
-        DownstreamKind::Payments => serde_json::json!({
+        SimKind::Payments => serde_json::json!({
             "refund_id": ids.id_n::<8>("re"),
             "order_ref": a.get("order_ref").cloned().unwrap_or(Value::Null),
             "amount_minor": a.get("amount_minor").cloned().unwrap_or(Value::Null),
             "currency": a.get("currency").cloned().unwrap_or(Value::Null),
             "status": "succeeded",
         }),
-        DownstreamKind::Notifications => serde_json::json!({
+        SimKind::Notifications => serde_json::json!({
             "message_id": ids.id_n::<8>("msg"),
             "order_ref": a.get("order_ref").cloned().unwrap_or(Value::Null),
             "template": a.get("template").cloned().unwrap_or(Value::Null),
             "status": "sent",
         }),
-        DownstreamKind::Orders => Value::Null,
     }
 }
 
 impl Downstream for Simulated {
-    fn kind(&self) -> DownstreamKind {
-        self.kind
-    }
-
     fn execute(&mut self, key: &str, req: &DownstreamRequest) -> Result<Reply, DownstreamError> {
         let fault = self.next_fault();
         Ok(match fault {
@@ -289,7 +251,7 @@ impl Downstream for Simulated {
                 Err(reason) => Reply::Rejected { reason },
             },
             Fault::RateLimit(ms) => Reply::RateLimited { retry_after_ms: ms },
-            Fault::Unavailable => Reply::Unavailable,
+            Fault::Unavailable => Reply::Unavailable { retry_after_ms: None },
             Fault::ConnectTimeout => Reply::ConnectTimeout,
             Fault::TimeoutBeforeCommit => Reply::TimedOut,
             Fault::TimeoutAfterCommit => {

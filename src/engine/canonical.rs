@@ -323,6 +323,7 @@ pub fn digest_value(value: &Value) -> String {
 
 /// The contract revisions a request was made under.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Revisions {
     /// Input schema revision.
     pub input: i64,

@@ -1,5 +1,5 @@
-//! Tool contracts as data (`assets/contracts/*.json`), with their JSON Schemas
-//! compiled once at start-up (never per call).
+//! The tool catalog: one JSON file per tool (the demo's in `assets/catalog/`),
+//! loaded strictly, with its JSON Schemas compiled once at start-up (never per call).
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -41,31 +41,35 @@ pub enum ApprovalPolicy {
     Always,
 }
 
-/// Which simulated downstream serves the tool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DownstreamKind {
-    /// The engine's own order table (reads).
-    Orders,
-    /// Payments: honours idempotency keys.
-    Payments,
-    /// Notifications: does not de-duplicate.
-    Notifications,
+/// The `downstream` section of a catalog entry: which system executes the
+/// tool and what it promises about keys. The adapter named here checks its own
+/// settings when the toolset is built.
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DownstreamRef {
+    /// Name: the circuit breaker is per name, and tools naming one downstream share it.
+    pub name: String,
+    /// The adapter that reaches it: `local` (answered by the tool's domain),
+    /// `simulated` (the demo providers) or `http`.
+    pub adapter: String,
+    /// Whether the downstream de-duplicates by key (same key → the same effect).
+    /// A `write` tool needs it, an `external` tool must not claim it.
+    #[serde(default)]
+    pub dedupes_keys: bool,
+    /// The HTTP adapter's settings (only with `adapter: http`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<Value>,
 }
 
-impl DownstreamKind {
-    /// Stable name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DownstreamKind::Orders => "orders",
-            DownstreamKind::Payments => "payments",
-            DownstreamKind::Notifications => "notifications",
-        }
+impl DownstreamRef {
+    /// The downstream's name.
+    pub fn as_str(&self) -> &str {
+        &self.name
     }
 
     /// Whether the downstream honours idempotency keys (same key → same effect).
-    pub fn honours_keys(self) -> bool {
-        matches!(self, DownstreamKind::Payments | DownstreamKind::Orders)
+    pub fn honours_keys(&self) -> bool {
+        self.dedupes_keys
     }
 }
 
@@ -136,12 +140,14 @@ struct ContractFile {
     revisions: Revisions,
     effect: Effect,
     risk: String,
-    downstream: DownstreamKind,
+    downstream: DownstreamRef,
     data_classification: String,
     approval: ApprovalSpec,
     retry: RetryPolicy,
     #[serde(default)]
     circuit: CircuitPolicy,
+    #[serde(default)]
+    result_echoes: Vec<String>,
     retention_ms: u64,
     input_schema: Value,
     output_schema: Value,
@@ -159,8 +165,10 @@ pub struct Contract {
     pub effect: Effect,
     /// Risk label (metrics slice).
     pub risk: String,
+    /// The catalog file it came from (file name only: errors name it).
+    pub file: String,
     /// Downstream.
-    pub downstream: DownstreamKind,
+    pub downstream: DownstreamRef,
     /// Data classification of the arguments (traces show it beside the digest).
     pub data_classification: String,
     /// Approval policy.
@@ -169,6 +177,9 @@ pub struct Contract {
     pub retry: RetryPolicy,
     /// Circuit breaker thresholds for the tool's downstream.
     pub circuit: CircuitPolicy,
+    /// Arguments a receipt's result must restate (a receipt found by a status
+    /// query is accepted only if each of these equals the argument sent).
+    pub result_echoes: Vec<String>,
     /// Ledger retention; never shorter than the downstream's de-duplication window.
     pub retention_ms: u64,
     input: jsonschema::Validator,
@@ -200,6 +211,11 @@ impl Contract {
     pub fn check_output(&self, result: &Value) -> Result<(), SchemaViolation> {
         check(&self.output, result)
     }
+
+    /// Whether a result restates every argument of `result_echoes` as sent.
+    pub fn echoes(&self, args: &Value, result: &Value) -> bool {
+        self.result_echoes.iter().all(|k| args.get(k).is_none() || result.get(k) == args.get(k))
+    }
 }
 
 fn check(v: &jsonschema::Validator, instance: &Value) -> Result<(), SchemaViolation> {
@@ -224,24 +240,26 @@ fn violation_kind(e: &jsonschema::ValidationError<'_>) -> String {
     }
 }
 
-/// Why the contract catalog did not load.
+/// Why the tool catalog did not load (`CATALOG_INVALID`).
 #[derive(Debug, thiserror::Error)]
 pub enum ContractError {
-    /// The file is not a valid contract.
-    #[error("contract {file}: {reason}")]
+    /// A file is not a valid catalog entry.
+    #[error("catalog file {file}{}: {reason}", if field.is_empty() { String::new() } else { format!(", field {field}") })]
     Invalid {
-        /// File name.
+        /// File name (never a local path).
         file: String,
-        /// Reason.
+        /// Where in the file (`downstream.adapter`), empty for the whole file.
+        field: String,
+        /// What is wrong.
         reason: String,
     },
+    /// The catalog directory cannot be read.
+    #[error("catalog directory: {0}")]
+    Unreadable(String),
 }
 
-const BUILTIN: [(&str, &str); 3] = [
-    ("get_order.json", include_str!("../../assets/contracts/get_order.json")),
-    ("create_refund.json", include_str!("../../assets/contracts/create_refund.json")),
-    ("notify_customer.json", include_str!("../../assets/contracts/notify_customer.json")),
-];
+/// The longest catalog file accepted.
+pub const MAX_CATALOG_FILE_BYTES: u64 = 1 << 20;
 
 /// The tool catalog.
 #[derive(Debug)]
@@ -249,33 +267,139 @@ pub struct Contracts {
     tools: Vec<Contract>,
 }
 
+fn valid_name(s: &str) -> bool {
+    (1..=64).contains(&s.len())
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && s.as_bytes()[0].is_ascii_lowercase()
+}
+
 impl Contracts {
-    /// The contracts shipped in `assets/contracts/`.
-    pub fn builtin() -> Result<Self, ContractError> {
-        Self::from_texts(BUILTIN.iter().map(|(f, t)| (*f, *t)))
+    /// Loads every `*.json` file of a directory (other files, such as a README,
+    /// are ignored), in name order. Strict: unknown fields, bad schemas, duplicate
+    /// names and an effect class that does not fit the downstream are refused.
+    pub fn from_dir(dir: &std::path::Path) -> Result<Self, ContractError> {
+        let entries = std::fs::read_dir(dir).map_err(|e| ContractError::Unreadable(e.kind().to_string()))?;
+        let mut files = Vec::new();
+        for e in entries {
+            let e = e.map_err(|e| ContractError::Unreadable(e.kind().to_string()))?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            if std::path::Path::new(&name).extension().is_some_and(|x| x == "json") {
+                files.push((name, e.path()));
+            }
+        }
+        files.sort();
+        let mut texts = Vec::new();
+        for (name, path) in files {
+            let invalid = |reason: String| ContractError::Invalid { file: name.clone(), field: String::new(), reason };
+            let len = std::fs::metadata(&path).map_err(|e| invalid(e.kind().to_string()))?.len();
+            if len > MAX_CATALOG_FILE_BYTES {
+                return Err(invalid(format!("larger than {MAX_CATALOG_FILE_BYTES} bytes")));
+            }
+            let text = std::fs::read_to_string(&path).map_err(|e| invalid(e.kind().to_string()))?;
+            texts.push((name, text));
+        }
+        if texts.is_empty() {
+            return Err(ContractError::Unreadable("no *.json tool files in it".into()));
+        }
+        Self::from_texts(texts.iter().map(|(f, t)| (f.as_str(), t.as_str())))
     }
 
     /// Loads contracts from (file name, JSON text) pairs.
     pub fn from_texts<'a>(texts: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<Self, ContractError> {
-        let mut tools = Vec::new();
+        let mut tools: Vec<Contract> = Vec::new();
         for (file, text) in texts {
-            let invalid = |reason: String| ContractError::Invalid { file: file.to_string(), reason };
-            let c: ContractFile = serde_json::from_str(text).map_err(|e| invalid(e.to_string()))?;
+            let invalid = |field: &str, reason: String| ContractError::Invalid {
+                file: file.to_string(),
+                field: field.to_string(),
+                reason,
+            };
+            let mut de = serde_json::Deserializer::from_str(text);
+            let c: ContractFile = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+                let field = e.path().to_string();
+                let field = if field == "." { String::new() } else { field };
+                invalid(&field, e.into_inner().to_string())
+            })?;
+            if !valid_name(&c.name) {
+                return Err(invalid("name", "must be 1..64 of a-z, 0-9 and _, starting with a letter".into()));
+            }
+            if tools.iter().any(|t| t.name == c.name) {
+                return Err(invalid("name", format!("duplicate tool name {}", c.name)));
+            }
+            if !valid_name(&c.downstream.name) {
+                return Err(invalid(
+                    "downstream.name",
+                    "must be 1..64 of a-z, 0-9 and _, starting with a letter".into(),
+                ));
+            }
+            if let Some(other) = tools.iter().find(|t| t.downstream.name == c.downstream.name) {
+                if other.downstream != c.downstream {
+                    return Err(invalid(
+                        "downstream",
+                        format!("downstream {} is configured differently in {}", c.downstream.name, other.file),
+                    ));
+                }
+            }
+            match (c.effect, c.downstream.dedupes_keys) {
+                (Effect::Write, false) => {
+                    return Err(invalid(
+                        "downstream.dedupes_keys",
+                        "a `write` tool needs a downstream that de-duplicates by key (or declare it `external`)".into(),
+                    ))
+                }
+                (Effect::External, true) => {
+                    return Err(invalid(
+                        "downstream.dedupes_keys",
+                        "an `external` tool's downstream does not de-duplicate by key (or declare it `write`)".into(),
+                    ))
+                }
+                _ => {}
+            }
+            if [c.revisions.input, c.revisions.output, c.revisions.effect].iter().any(|r| *r < 1) {
+                return Err(invalid("revisions", "every revision is a positive integer".into()));
+            }
+            if c.retry.max_attempts == 0 || c.retry.attempt_timeout_ms == 0 || c.retry.deadline_ms == 0 {
+                return Err(invalid(
+                    "retry",
+                    "max_attempts, attempt_timeout_ms and deadline_ms must be positive".into(),
+                ));
+            }
+            if c.effect != Effect::Read && c.retention_ms == 0 {
+                return Err(invalid("retention_ms", "a tool with an effect keeps its ledger rows (> 0)".into()));
+            }
+            let props = c.input_schema.get("properties");
+            for (i, k) in c.result_echoes.iter().enumerate() {
+                if props.and_then(|p| p.get(k)).is_none() {
+                    return Err(invalid(&format!("result_echoes[{i}]"), format!("{k:?} is not an input property")));
+                }
+            }
+            if c.approval.policy == ApprovalPolicy::AboveThreshold {
+                // The amount at stake is the integer argument `amount_minor`
+                // (minor currency units), compared with the tenant's threshold.
+                let ty = props.and_then(|p| p.get("amount_minor")).and_then(|a| a.get("type"));
+                if ty != Some(&Value::String("integer".into())) {
+                    return Err(invalid(
+                        "approval.policy",
+                        "above_threshold needs an integer input property amount_minor".into(),
+                    ));
+                }
+            }
             let input =
-                jsonschema::validator_for(&c.input_schema).map_err(|e| invalid(format!("input_schema: {e}")))?;
+                jsonschema::validator_for(&c.input_schema).map_err(|e| invalid("input_schema", e.to_string()))?;
             let output =
-                jsonschema::validator_for(&c.output_schema).map_err(|e| invalid(format!("output_schema: {e}")))?;
+                jsonschema::validator_for(&c.output_schema).map_err(|e| invalid("output_schema", e.to_string()))?;
             tools.push(Contract {
                 name: c.name,
                 description: c.description,
                 revisions: c.revisions,
                 effect: c.effect,
                 risk: c.risk,
+                file: file.to_string(),
                 downstream: c.downstream,
                 data_classification: c.data_classification,
                 approval: c.approval.policy,
                 retry: c.retry,
                 circuit: c.circuit,
+                result_echoes: c.result_echoes,
                 retention_ms: c.retention_ms,
                 input,
                 output,
@@ -283,7 +407,6 @@ impl Contracts {
         }
         Ok(Self { tools })
     }
-
     /// A tool by name.
     pub fn get(&self, name: &str) -> Option<&Contract> {
         self.tools.iter().find(|c| c.name == name)

@@ -6,16 +6,17 @@ use std::time::Instant;
 use serde_json::{json, Value};
 
 use super::canonical::{
-    call_binding_sha256, canonical_string, parse_strict, request_object, sha256_hex, BindingInput, CallIdentity,
-    Revisions, MAX_DEPTH, MAX_INPUT_BYTES,
+    canonical_string, parse_strict, request_object, sha256_hex, CallIdentity, MAX_DEPTH, MAX_INPUT_BYTES,
 };
 use super::contracts::{ApprovalPolicy, Contract, Contracts, Effect};
-use super::envelope::{
-    Binding, Code, Delivery, Downstream as DownstreamInfo, Envelope, ErrorInfo, Execution, ModelResult, Outcome,
-    ProtectedAudit, Status,
-};
+use super::envelope::{Code, Delivery, Envelope, Execution, ModelResult, Outcome, ProtectedAudit, Status};
 use super::lab::{caller_key, scope_key, MASKED_CONFLICT};
+use super::operation::{
+    apply_business_effect, args_of, authorize, binding_of, business_rules, intent_of, new_operation_for, op_envelope,
+    revisions_of, verify_row, APPROVAL_TTL_MS,
+};
 use super::policy::{self, backoff_ms, Admission};
+use super::tool::{ToolCall, ToolDomain};
 use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, DefensesOff, Engine, EngineError};
 use crate::downstream::{DownstreamRequest, Reply};
@@ -58,245 +59,6 @@ pub struct ReapReport {
 /// A key is 8..=255 printable ASCII characters.
 fn valid_key(k: &str) -> bool {
     (8..=255).contains(&k.len()) && k.bytes().all(|b| (0x21..=0x7e).contains(&b))
-}
-
-/// The business intent a downstream effect is counted under: the whole scope
-/// (tenant, subject, tool, caller's key), hashed.
-pub(crate) fn intent_of(tenant: &str, subject: &str, tool: &str, caller_key: &str) -> String {
-    sha256_hex(format!("{tenant}\0{subject}\0{tool}\0{caller_key}").as_bytes())
-}
-
-/// Authorization of the current subject, read now (docs/design.md §1, §5).
-pub(crate) fn authorize(
-    tx: &Tx<'_>,
-    tenant: &str,
-    subject: &str,
-    tool: &str,
-    args: &Value,
-) -> Result<Option<Code>, StoreError> {
-    if tx.subject_tenant(subject)?.as_deref() != Some(tenant) || !tx.grant_active(tenant, subject, tool)? {
-        return Ok(Some(Code::PolicyDenied));
-    }
-    if let Some(order_ref) = args.get("order_ref").and_then(Value::as_str) {
-        // Not owned, cross-tenant and nonexistent look the same.
-        match tx.order(order_ref)? {
-            Some(o) if o.tenant == tenant && o.owner == subject => {}
-            _ => return Ok(Some(Code::NotFound)),
-        }
-    }
-    Ok(None)
-}
-
-/// Business rules (docs/design.md §1).
-pub(crate) fn business_rules(tx: &Tx<'_>, tool: &str, args: &Value) -> Result<Option<&'static str>, StoreError> {
-    if tool != "create_refund" {
-        return Ok(None);
-    }
-    let order_ref = args.get("order_ref").and_then(Value::as_str).unwrap_or_default();
-    let Some(o) = tx.order(order_ref)? else {
-        return Ok(Some("order_missing"));
-    };
-    let amount = args.get("amount_minor").and_then(Value::as_i64).unwrap_or(0);
-    let currency = args.get("currency").and_then(Value::as_str).unwrap_or_default();
-    if o.status == "refunded" {
-        return Ok(Some("order_not_refundable"));
-    }
-    if currency != o.currency {
-        return Ok(Some("currency_mismatch"));
-    }
-    if amount > o.captured_minor - o.refunded_minor {
-        return Ok(Some("amount_exceeds_remaining"));
-    }
-    Ok(None)
-}
-
-/// The arguments of a stored canonical request (`Null` if it does not parse:
-/// `verify_row` refuses such a row before anything uses them).
-pub(crate) fn args_of(request_json: &str) -> Value {
-    serde_json::from_str::<Value>(request_json).ok().and_then(|r| r.get("arguments").cloned()).unwrap_or(Value::Null)
-}
-
-/// The call binding of an operation row as it stands.
-pub(crate) fn binding_of(op: &OperationRow) -> String {
-    let call = call_of(op);
-    call_binding_sha256(&BindingInput {
-        tenant: &op.tenant,
-        subject: &op.subject,
-        call: &call,
-        operation_id: &op.id,
-        idempotency_key: &op.idem_key,
-        revisions: revisions_of(op),
-        request_sha256: &op.request_sha256,
-        result_sha256: op.result_sha256.as_deref(),
-        downstream_request_id: op.downstream_request_id.as_deref(),
-        receipt_id: op.receipt_id.as_deref(),
-        status_ref: &op.status_ref,
-    })
-}
-
-pub(crate) fn revisions_of(op: &OperationRow) -> Revisions {
-    Revisions { input: op.input_rev, output: op.output_rev, effect: op.effect_rev }
-}
-
-/// Recomputes a row's digests and binding: any mismatch is tampering (docs/design.md §3).
-/// The checks every stored copy of a bound request shares (an operation, an
-/// approval): tenant, subject and tool as the request says, the contract
-/// revisions it was bound under, and the key digest recomputed.
-pub(crate) fn check_restated(
-    request: &Value,
-    [tenant, subject, tool]: [&str; 3],
-    revisions: [i64; 3],
-    idem_key: &str,
-    key_sha256: &str,
-) -> Result<(), &'static str> {
-    let said = |field: &str| request.get(field).and_then(Value::as_str);
-    if said("tenant") != Some(tenant) {
-        return Err("tenant does not match the bound request");
-    }
-    if said("subject") != Some(subject) {
-        return Err("subject does not match the bound request");
-    }
-    if said("tool") != Some(tool) {
-        return Err("tool does not match the bound request");
-    }
-    let rev = |k: &str| request.get("revisions").and_then(|r| r.get(k)).and_then(Value::as_i64);
-    if [rev("input"), rev("output"), rev("effect")] != revisions.map(Some) {
-        return Err("contract revisions do not match the bound request");
-    }
-    if sha256_hex(idem_key.as_bytes()) != key_sha256 {
-        return Err("key_sha256 does not recompute");
-    }
-    Ok(())
-}
-
-/// The call identity an approval request holds (the call it would run).
-pub(crate) fn approval_call(a: &ApprovalRow) -> CallIdentity {
-    CallIdentity {
-        provider: a.call_provider.clone(),
-        api_family: a.call_api_family.clone(),
-        response_id: a.call_response_id.clone(),
-        call_id: a.call_id.clone(),
-        adapter_revision: a.adapter_revision.clone(),
-    }
-}
-
-/// The call identity an operation row holds.
-pub(crate) fn call_of(op: &OperationRow) -> CallIdentity {
-    CallIdentity {
-        provider: op.call_provider.clone(),
-        api_family: op.call_api_family.clone(),
-        response_id: op.call_response_id.clone(),
-        call_id: op.call_id.clone(),
-        adapter_revision: op.adapter_revision.clone(),
-    }
-}
-
-pub(crate) fn verify_row(op: &OperationRow) -> Result<(), &'static str> {
-    let parse_canonical =
-        |text: &str| parse_strict(text.as_bytes(), usize::MAX, 256).ok().filter(|v| canonical_string(v) == text);
-    if !matches!(
-        op.state.as_str(),
-        "accepted" | "in_flight" | "succeeded" | "failed" | "unknown" | "needs_review" | "resolved"
-    ) {
-        return Err("state is not a ledger state");
-    }
-    let Some(request) = parse_canonical(&op.request_json) else {
-        return Err("request_json is not canonical");
-    };
-    if sha256_hex(op.request_json.as_bytes()) != op.request_sha256 {
-        return Err("request_sha256 does not recompute");
-    }
-    // Every column that restates the bound request must agree with it: the
-    // scope columns decide which row a replay finds, the revisions which
-    // contract it is checked against.
-    check_restated(
-        &request,
-        [&op.tenant, &op.subject, &op.tool],
-        [op.input_rev, op.output_rev, op.effect_rev],
-        &op.idem_key,
-        &op.key_sha256,
-    )?;
-    match (&op.result_json, &op.result_sha256) {
-        (Some(r), Some(h)) => {
-            if parse_canonical(r).is_none() {
-                return Err("result_json is not canonical");
-            }
-            if &sha256_hex(r.as_bytes()) != h {
-                return Err("result_sha256 does not recompute");
-            }
-        }
-        (None, None) => {}
-        _ => return Err("result and result digest disagree"),
-    }
-    if binding_of(op) != op.call_binding_sha256 {
-        return Err("call_binding_sha256 does not recompute");
-    }
-    // A derived key must recompute; a key of another shape is only valid on a
-    // row written before keys were derived (the audit checks which rows those are).
-    if !op.downstream_key.starts_with("dk_") && op.downstream_key != downstream_key_of(&op.id, &op.status_ref) {
-        return Err("downstream_key does not recompute");
-    }
-    Ok(())
-}
-
-/// The envelope a caller gets for an operation in its current state.
-pub(crate) fn op_envelope(
-    op: &OperationRow,
-    delivery: Delivery,
-    principal_ref: String,
-    last_code: Option<&str>,
-) -> Envelope {
-    let call = call_of(op);
-    let audit = ProtectedAudit {
-        operation_id: Some(op.id.clone()),
-        principal_ref,
-        provider: Some(call),
-        tool: op.tool.clone(),
-        revisions: Some(revisions_of(op)),
-        binding: Binding {
-            request_sha256: Some(op.request_sha256.clone()),
-            result_sha256: op.result_sha256.clone(),
-            call_binding_sha256: Some(op.call_binding_sha256.clone()),
-        },
-        downstream: DownstreamInfo {
-            request_id: op.downstream_request_id.clone(),
-            receipt_id: op.receipt_id.clone(),
-            status_ref: Some(op.status_ref.clone()),
-        },
-        approval_id: op.approval_id.clone(),
-    };
-    // A copy parsed from the stored text: mutating it cannot change later replays.
-    let data = op.result_json.as_deref().and_then(|r| serde_json::from_str::<Value>(r).ok());
-    let stored_code = op.code.as_deref().and_then(Code::parse);
-    let (status, data, error, outcome, delivery) = match op.state.as_str() {
-        "succeeded" => (Status::Succeeded, data, None, Outcome::Committed, delivery),
-        "failed" => {
-            let code = stored_code.unwrap_or(Code::BusinessRuleViolation);
-            (Status::Failed, None, Some(ErrorInfo::new(code)), Outcome::NotStarted, delivery)
-        }
-        "resolved" => match op.resolution.as_deref() {
-            Some("succeeded") => (Status::Succeeded, data, None, Outcome::Committed, Delivery::HumanResolved),
-            Some("compensated") => (Status::Failed, data, None, Outcome::Committed, Delivery::HumanResolved),
-            _ => (Status::Failed, data, None, Outcome::NotStarted, Delivery::HumanResolved),
-        },
-        "accepted" => {
-            let code = last_code.and_then(Code::parse).filter(|c| c.retryable()).unwrap_or(Code::TimeoutBeforeExecute);
-            (Status::Failed, None, Some(ErrorInfo::new(code)), Outcome::NotStarted, delivery)
-        }
-        "needs_review" => {
-            let code = stored_code.filter(|c| c.catalog().1 == Outcome::Unknown).unwrap_or(Code::StatusConflict);
-            (Status::Unknown, None, Some(ErrorInfo::new(code)), Outcome::Unknown, delivery)
-        }
-        _ => {
-            // in_flight, unknown: never execute again, never reconcile implicitly.
-            let code = stored_code.filter(|c| c.catalog().1 == Outcome::Unknown).unwrap_or(Code::OutcomeUnknown);
-            (Status::Unknown, None, Some(ErrorInfo::new(code)), Outcome::Unknown, delivery)
-        }
-    };
-    Envelope {
-        model_result: ModelResult { status, data, error, execution: Execution { outcome, delivery } },
-        protected_audit: audit,
-    }
 }
 
 /// What the accept transaction decided.
@@ -429,9 +191,11 @@ impl Engine {
 
         let now = self.clock.now_ms();
         let deadline_ms = req.deadline_ms.unwrap_or(contract.retry.deadline_ms).min(24 * 3_600_000);
+        let domain = self.domain(&req.tool);
         let ctx = AcceptCtx {
             req,
             contract,
+            domain: &*domain,
             args: &args,
             call: &call,
             key: &key,
@@ -515,11 +279,12 @@ impl Engine {
         ev.key_sha256 = Some(key_sha256.clone());
         audit.binding.request_sha256 = Some(request_sha256.clone());
         let clock = self.clock.clone();
+        let domain = self.domain(tool);
         self.store.write_relaxed(|tx| -> Result<Envelope, EngineError> {
             let now = clock.now_ms();
             let mut ev = ev;
             let env = 'answer: {
-                if let Some(code) = authorize(tx, tenant, subject, tool, args)? {
+                if let Some(code) = authorize(tx, &*domain, tenant, subject, tool, args)? {
                     ev.step = "authorization";
                     ev.reason = Some("current_authorization");
                     break 'answer error_envelope(code, audit);
@@ -547,13 +312,7 @@ impl Engine {
                     },
                     now,
                 )?;
-                let order_ref = args.get("order_ref").and_then(Value::as_str).unwrap_or_default();
-                let data = tx.order(order_ref)?.map(|o| {
-                    json!({
-                        "order_ref": o.order_ref, "currency": o.currency, "captured_minor": o.captured_minor,
-                        "refunded_minor": o.refunded_minor, "status": o.status,
-                    })
-                });
+                let data = domain.read(tx, &ToolCall { tenant, subject, tool, arguments: args })?;
                 ev.step = "read";
                 match data {
                     Some(d) if contract.check_output(&d).is_ok() => {
@@ -607,7 +366,8 @@ impl Engine {
             };
             let lease_ms = contract.retry.attempt_timeout_ms as i64 + 1_000;
             let caller = Caller { principal_ref: &pref, salt: &salt, answer };
-            let claim = self.store.write(|tx| claim(tx, op_id, contract, &worker, now, lease_ms, &caller))?;
+            let domain = self.domain(&op0.tool);
+            let claim = self.store.write(|tx| claim(tx, op_id, contract, &*domain, &worker, now, lease_ms, &caller))?;
             let (attempt, op) = match claim {
                 Claim::Answer(env) => return Ok(env),
                 Claim::Claimed { attempt, op } => (attempt, op),
@@ -659,9 +419,8 @@ impl Engine {
             } else {
                 op.downstream_key.clone()
             };
-            let kind = contract.downstream;
             let reply = {
-                let ds = self.downstream(kind);
+                let ds = self.downstream(&contract.downstream.name)?;
                 std::panic::catch_unwind(AssertUnwindSafe(|| ds.execute(&key, &dreq)))
             };
             let reply = match reply {
@@ -687,6 +446,7 @@ impl Engine {
             let pctx = PersistCtx {
                 op: &op,
                 contract,
+                domain: &*domain,
                 worker: &worker,
                 attempt,
                 now,
@@ -808,6 +568,7 @@ impl Engine {
 struct AcceptCtx<'a> {
     req: &'a DispatchRequest,
     contract: &'a Contract,
+    domain: &'a dyn ToolDomain,
     args: &'a Value,
     call: &'a CallIdentity,
     key: &'a str,
@@ -837,7 +598,7 @@ fn accept(
     let r = c.req;
     let answer = |code: Code, audit: ProtectedAudit, ev: TraceEvent| Decision::Answer(error_envelope(code, audit), ev);
     // 2. Authorization of the current subject (also for replays).
-    if let Some(code) = authorize(tx, &r.tenant, &r.subject, &r.tool, c.args)? {
+    if let Some(code) = authorize(tx, c.domain, &r.tenant, &r.subject, &r.tool, c.args)? {
         ev.step = "authorization";
         ev.reason = Some("current_authorization");
         return Ok(answer(code, audit, ev));
@@ -964,14 +725,14 @@ fn accept(
     ev.checks.push("idempotency");
     // A new execution while the downstream's circuit is open: refused before
     // accept, nothing stored but this call's trace event.
-    if let Some(wait) = policy::admit_new(tx, c.contract.downstream, c.now)? {
+    if let Some(wait) = policy::admit_new(tx, &c.contract.downstream.name, c.now)? {
         ev.step = "circuit";
         ev.reason = Some("circuit_open");
         ev.note = Some(format!("circuit of {} is open: refused before accept", c.contract.downstream.as_str()));
         return Ok(Decision::Answer(with_retry_after(error_envelope(Code::ToolUnavailable, audit), wait), ev));
     }
     // 4. Business rules, then approval for a new execution.
-    if let Some(rule) = business_rules(tx, &r.tool, c.args)? {
+    if let Some(rule) = business_rules(tx, c.domain, &r.tenant, &r.subject, &r.tool, c.args)? {
         ev.step = "business_rules";
         ev.note = Some(rule.into());
         ev.reason = Some(rule);
@@ -1020,7 +781,7 @@ fn bind_call(tx: &Tx<'_>, ck: &CallKey<'_>, c: &AcceptCtx<'_>, op: Option<&str>)
 /// A fresh ledger row for an accepted dispatch.
 fn new_operation(c: &AcceptCtx<'_>, approval_id: Option<&str>) -> OperationRow {
     new_operation_for(
-        c.req,
+        [&c.req.tenant, &c.req.subject, &c.req.tool],
         c.contract,
         c.call,
         c.key,
@@ -1033,79 +794,6 @@ fn new_operation(c: &AcceptCtx<'_>, approval_id: Option<&str>) -> OperationRow {
         c.ids,
         approval_id,
     )
-}
-
-/// A fresh ledger row for an accepted call (from a dispatch or an approval).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn new_operation_for(
-    req: &DispatchRequest,
-    contract: &Contract,
-    call: &CallIdentity,
-    key: &str,
-    key_sha256: &str,
-    request_json: &str,
-    request_sha256: &str,
-    now: i64,
-    deadline_ms: u64,
-    refs: &super::canonical::StatusRefKey,
-    ids: &super::ids::Ids,
-    approval_id: Option<&str>,
-) -> OperationRow {
-    let mut op = OperationRow {
-        id: ids.id("op"),
-        tenant: req.tenant.clone(),
-        subject: req.subject.clone(),
-        tool: req.tool.clone(),
-        idem_key: key.to_string(),
-        key_sha256: key_sha256.to_string(),
-        request_sha256: request_sha256.to_string(),
-        request_json: request_json.to_string(),
-        input_rev: contract.revisions.input,
-        output_rev: contract.revisions.output,
-        effect_rev: contract.revisions.effect,
-        effect: contract.effect.as_str().to_string(),
-        state: "accepted".into(),
-        version: 1,
-        status_ref: refs.mint(ids.bytes::<16>()),
-        // Derived below from the operation id and status_ref (both bound).
-        downstream_key: String::new(),
-        code: None,
-        result_json: None,
-        result_sha256: None,
-        downstream_request_id: None,
-        receipt_id: None,
-        call_binding_sha256: String::new(),
-        call_provider: call.provider.clone(),
-        call_api_family: call.api_family.clone(),
-        call_response_id: call.response_id.clone(),
-        call_id: call.call_id.clone(),
-        adapter_revision: call.adapter_revision.clone(),
-        approval_id: approval_id.map(str::to_string),
-        resolution: None,
-        resolution_note: None,
-        resolved_by: None,
-        last_query_at: None,
-        last_query_result: None,
-        created_at: now,
-        updated_at: now,
-        deadline_at: now + deadline_ms as i64,
-        expires_at: now + contract.retention_ms as i64,
-        retention_ms: contract.retention_ms as i64,
-        terminal_at: None,
-        state_since: Some(now),
-    };
-    op.downstream_key = downstream_key_of(&op.id, &op.status_ref);
-    op.call_binding_sha256 = binding_of(&op);
-    op
-}
-
-/// The key the downstream sees, derived from two bound values (the operation
-/// id and its HMAC-minted `status_ref`), so a changed `downstream_key` column is
-/// found by recomputing it. Rows from before migration 0009 carry a random
-/// `dk_` key; the audit knows which rows those are.
-pub(crate) fn downstream_key_of(operation_id: &str, status_ref: &str) -> String {
-    let h = sha256_hex(format!("toolgate downstream key\0{operation_id}\0{status_ref}").as_bytes());
-    format!("dk2_{}", &h[..32])
 }
 
 /// Approval for a new execution (docs/design.md §9). `Some` answers the call now.
@@ -1130,7 +818,7 @@ fn approval_gate(
     }
     ev.step = "approval";
     ev.policy_revision = Some(tenant.policy_revision);
-    let base = super::recovery::approval_base_sha256(
+    let base = super::operation::approval_base_sha256(
         &r.tenant,
         &r.subject,
         &r.tool,
@@ -1218,7 +906,7 @@ fn approval_gate(
         operation_id: None,
         deadline_ms: c.deadline_ms as i64,
         created_at: c.now,
-        expires_at: c.now + super::recovery::APPROVAL_TTL_MS,
+        expires_at: c.now + APPROVAL_TTL_MS,
     };
     tx.insert_approval(&approval)?;
     let ck = c.call.key(&r.tenant, &r.subject);
@@ -1246,10 +934,12 @@ struct Caller<'a> {
 
 /// Claims the outbox row and re-checks authorization, business state and
 /// contract revision before anything is sent.
+#[allow(clippy::too_many_arguments)]
 fn claim(
     tx: &Tx<'_>,
     op_id: &str,
     contract: &Contract,
+    domain: &dyn ToolDomain,
     worker: &str,
     now: i64,
     lease_ms: i64,
@@ -1306,7 +996,7 @@ fn claim(
         return Ok(Claim::Answer(env));
     }
     // The downstream's circuit breaker: nothing is sent while it is open.
-    let admission = policy::admit_send(tx, contract.downstream, op_id, now, lease_ms)?;
+    let admission = policy::admit_send(tx, &contract.downstream.name, op_id, now, lease_ms)?;
     if let Admission::Refused { retry_after_ms } = admission {
         let code = Code::ToolUnavailable.as_str();
         tx.release_outbox(op_id, now + retry_after_ms as i64, Some(code))?;
@@ -1321,7 +1011,7 @@ fn claim(
         ob.attempt > 0 && tx.attempts(op_id)?.last().is_some_and(|a| a.outcome.as_deref() == Some("refused"));
     if retrying && !policy::budget_withdraw(tx, &op.tool, &contract.retry, now)? {
         if admission == Admission::Probe {
-            policy::release_probe(tx, contract.downstream, op_id, now)?;
+            policy::release_probe(tx, &contract.downstream.name, op_id, now)?;
         }
         // No jitter source here; the longest backoff is the honest hint.
         let wait = contract.retry.backoff_cap_ms.max(1);
@@ -1344,11 +1034,11 @@ fn claim(
     // Re-check: authorization, business state and contract revision, read now.
     let args: Value = args_of(&op.request_json);
     let mut failed: Option<(Code, &'static str)> = None;
-    if let Some(code) = authorize(tx, &op.tenant, &op.subject, &op.tool, &args)? {
+    if let Some(code) = authorize(tx, domain, &op.tenant, &op.subject, &op.tool, &args)? {
         failed = Some((code, "authorization"));
     } else if revisions_of(&op) != contract.revisions {
         failed = Some((Code::BusinessRuleViolation, "contract_revision_changed"));
-    } else if let Some(rule) = business_rules(tx, &op.tool, &args)? {
+    } else if let Some(rule) = business_rules(tx, domain, &op.tenant, &op.subject, &op.tool, &args)? {
         failed = Some((Code::BusinessRuleViolation, rule));
     }
     if let Some((code, why)) = failed {
@@ -1378,6 +1068,7 @@ fn claim(
 struct PersistCtx<'a> {
     op: &'a OperationRow,
     contract: &'a Contract,
+    domain: &'a dyn ToolDomain,
     worker: &'a str,
     attempt: i64,
     now: i64,
@@ -1424,7 +1115,9 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
     };
     op.updated_at = c.now;
     // The reply's health moves the downstream's circuit, in this transaction.
-    if let Some(t) = policy::record(tx, c.contract.downstream, &c.contract.circuit, policy::health(&reply), c.now)? {
+    if let Some(t) =
+        policy::record(tx, &c.contract.downstream.name, &c.contract.circuit, policy::health(&reply), c.now)?
+    {
         let mut cev = TraceEvent::of_operation("circuit", c.op, c.salt, c.now);
         cev.attempt = Some(c.attempt);
         cev.note = Some(format!("circuit of {}: {} → {}", c.contract.downstream.as_str(), t.from, t.to));
@@ -1460,7 +1153,7 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             ev.receipt_id = Some(r.receipt_id.clone());
             ev.downstream_request_id = Some(r.request_id.clone());
             ev.downstream_committed = Some(true);
-            if r.body_sha256 != op.request_sha256 {
+            if r.body_sha256.as_ref().is_some_and(|b| *b != op.request_sha256) {
                 return unknown(&mut op, Code::StatusConflict, &mut ev, None, "receipt is for another request".into());
             }
             if c.contract.check_output(&r.result).is_err() {
@@ -1484,12 +1177,13 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
                 receipt_id: r.receipt_id.clone(),
                 operation_id: op.id.clone(),
                 request_id: r.request_id.clone(),
-                body_sha256: r.body_sha256.clone(),
+                // A provider that records no digest: the key links it to what we sent.
+                body_sha256: r.body_sha256.clone().unwrap_or_else(|| op.request_sha256.clone()),
                 result_sha256: op.result_sha256.clone().unwrap_or_default(),
                 source: "reply".into(),
                 recorded_at: c.now,
             })?;
-            apply_business_effect(tx, &op)?;
+            apply_business_effect(tx, c.domain, &op)?;
             tx.finish_attempt(op_id, c.attempt, "committed", None, c.now)?;
             tx.close_outbox(op_id, "done", None)?;
             tx.update_operation(&op)?;
@@ -1538,7 +1232,9 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
         Ok(Reply::RateLimited { retry_after_ms }) => {
             refused(tx, c, &mut op, ev, Code::RateLimit, c.backoff_ms.max(retry_after_ms), None)
         }
-        Ok(Reply::Unavailable) => refused(tx, c, &mut op, ev, Code::ToolUnavailable, c.backoff_ms, None),
+        Ok(Reply::Unavailable { retry_after_ms }) => {
+            refused(tx, c, &mut op, ev, Code::ToolUnavailable, c.backoff_ms.max(retry_after_ms.unwrap_or(0)), None)
+        }
         Ok(Reply::ConnectTimeout) => {
             refused(tx, c, &mut op, ev, Code::TimeoutBeforeExecute, c.backoff_ms, Some("connect"))
         }
@@ -1554,6 +1250,34 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             &mut ev,
             Some("response"),
             "no reply in time: may have committed".into(),
+        ),
+        Ok(Reply::ServerError) => unknown(
+            &mut op,
+            Code::OutcomeUnknown,
+            &mut ev,
+            Some("response"),
+            "server error after the request was sent: may have committed".into(),
+        ),
+        Ok(Reply::InProgress { retry_after_ms }) => {
+            // Received and not finished: never re-sent blindly; a status query settles it.
+            let done = unknown(
+                &mut op,
+                Code::OutcomeUnknown,
+                &mut ev,
+                Some("response"),
+                "the provider is still processing this key: query later".into(),
+            )?;
+            Ok(match (done, retry_after_ms) {
+                (Persisted::Done(env), Some(ms)) => Persisted::Done(with_retry_after(env, ms)),
+                (other, _) => other,
+            })
+        }
+        Ok(Reply::KeyConflict) => unknown(
+            &mut op,
+            Code::StatusConflict,
+            &mut ev,
+            None,
+            "the provider holds this key for another request".into(),
         ),
         Ok(Reply::Malformed) => unknown(
             &mut op,
@@ -1611,17 +1335,6 @@ fn refused(
 /// Whether an attempt other than `this` may have been received downstream.
 fn earlier_possibly_received(tx: &Tx<'_>, op_id: &str, this: i64) -> Result<bool, StoreError> {
     Ok(tx.attempts(op_id)?.iter().any(|a| a.attempt != this && !a.proven_not_received()))
-}
-
-/// The business state change that goes with a committed effect.
-pub(crate) fn apply_business_effect(tx: &Tx<'_>, op: &OperationRow) -> Result<(), StoreError> {
-    if op.tool == "create_refund" {
-        let args: Value = args_of(&op.request_json);
-        let order_ref = args.get("order_ref").and_then(Value::as_str).unwrap_or_default();
-        let amount = args.get("amount_minor").and_then(Value::as_i64).unwrap_or(0);
-        tx.apply_refund(order_ref, amount)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -258,7 +258,7 @@ impl Engine {
         tool: &str,
         key: &str,
     ) -> Result<i64, EngineError> {
-        let intent = super::dispatch::intent_of(tenant, subject, tool, key);
+        let intent = super::operation::intent_of(tenant, subject, tool, key);
         Ok(self.store.read(|tx| tx.count_effects_for_intent(&intent))?)
     }
 

@@ -11,11 +11,14 @@ pub mod clock;
 pub mod contracts;
 mod dispatch;
 pub mod envelope;
+pub mod faults;
 pub mod ids;
 pub mod lab;
+pub(crate) mod operation;
 pub mod policy;
 mod recovery;
 pub mod retention;
+pub mod tool;
 mod trace;
 pub mod views;
 pub mod world;
@@ -28,18 +31,18 @@ use serde_json::Value;
 pub use cancel::CancelRequest;
 pub use dispatch::{DispatchRequest, ReapReport};
 pub use lab::{LabSide, LabState, LabToggle};
-pub use recovery::{
-    approval_amount, AuditFinding, OperationDetail, OperatorOutcome, QueryRequest, Resolution, ResolveRequest,
-};
+pub use operation::approval_amount;
+pub use recovery::{AuditFinding, OperationDetail, OperatorOutcome, QueryRequest, Resolution, ResolveRequest};
 pub use retention::PurgeReport;
 pub use trace::TraceEvent;
 
-use crate::downstream::{Downstream, DownstreamError, FaultPlan, Simulated};
 use crate::store::{OpenOptions, Store, StoreError, Sync};
 use canonical::{sha256_hex, CallIdentity, StatusRefKey};
-use clock::{Clock, SystemClock};
-use contracts::{ContractError, Contracts, DownstreamKind};
+use clock::Clock;
+use contracts::{ContractError, Contracts};
 use envelope::{Code, Delivery, Envelope, ErrorInfo, Execution, ModelResult, Outcome, ProtectedAudit, Status};
+use faults::FaultPlan;
+use tool::{Downstream, DownstreamContext, DownstreamError, Toolset};
 
 /// Environment errors (the database or a provider's storage failed). Expected
 /// outcomes of a call (a conflict, a replay, an unknown outcome) are never errors:
@@ -71,7 +74,7 @@ impl EngineError {
         match self {
             EngineError::Store(e) => e.code(),
             EngineError::Downstream(_) => "DOWNSTREAM_STORAGE",
-            EngineError::Contract(_) => "CONTRACT_INVALID",
+            EngineError::Contract(_) => "CATALOG_INVALID",
             EngineError::Invalid { code, .. } => code,
         }
     }
@@ -141,26 +144,17 @@ pub struct EngineOptions {
     pub sync: Sync,
     /// This worker's lease-owner name.
     pub worker_id: String,
-    /// The tool catalog.
+    /// The tools: a catalog with the domains and downstream adapters that
+    /// serve it. `EngineOptions::default()` (defined in `crate::tools`) is the
+    /// demo toolset.
+    pub toolset: Arc<Toolset>,
+    /// Replaces the toolset's catalog (tests and the lab change revisions with it).
     pub contracts: Option<Arc<Contracts>>,
     /// Seed for ids, secrets and jitter (deterministic runs); OS entropy when absent.
     pub seed: Option<u64>,
     /// Classroom / lab toggles that switch individual defenses off. All off (every
     /// defense on) by default; never set them on a ledger that matters.
     pub defenses_off: DefensesOff,
-}
-
-impl Default for EngineOptions {
-    fn default() -> Self {
-        Self {
-            clock: Arc::new(SystemClock),
-            sync: Sync::Full,
-            worker_id: format!("w{}-{}", std::process::id(), hex::encode(rand::random::<[u8; 4]>())),
-            contracts: None,
-            seed: None,
-            defenses_off: DefensesOff::default(),
-        }
-    }
 }
 
 /// Lab mode: each `true` switches one defense off so that a class (or a test of
@@ -225,8 +219,8 @@ pub struct Engine {
     pub(crate) refs: StatusRefKey,
     pub(crate) salt: String,
     pub(crate) worker_id: String,
-    pub(crate) payments: Simulated,
-    pub(crate) notifications: Simulated,
+    pub(crate) toolset: Arc<Toolset>,
+    pub(crate) downstreams: std::collections::BTreeMap<String, Box<dyn Downstream>>,
     pub(crate) faults: Arc<Mutex<FaultPlan>>,
     pub(crate) ids: ids::Ids,
     pub(crate) defenses_off: DefensesOff,
@@ -265,44 +259,20 @@ impl Engine {
     fn open_with(path: &Path, opts: EngineOptions, create: impl Into<Option<bool>>) -> Result<Self, EngineError> {
         let ids = opts.seed.map_or_else(ids::Ids::default, ids::Ids::seeded);
         let faults = Arc::new(Mutex::new(FaultPlan::none()));
-        let (mut store, payments, notifications) = match create.into() {
-            Some(create) => (
-                Store::open(path, OpenOptions { create, sync: opts.sync })?,
-                Simulated::open(
-                    DownstreamKind::Payments,
-                    path,
-                    opts.clock.clone(),
-                    faults.clone(),
-                    opts.sync,
-                    ids.clone(),
-                )?,
-                Simulated::open(
-                    DownstreamKind::Notifications,
-                    path,
-                    opts.clock.clone(),
-                    faults.clone(),
-                    opts.sync,
-                    ids.clone(),
-                )?,
-            ),
-            None => (
-                Store::open_read_only(path)?,
-                Simulated::open_read_only(
-                    DownstreamKind::Payments,
-                    path,
-                    opts.clock.clone(),
-                    faults.clone(),
-                    ids.clone(),
-                )?,
-                Simulated::open_read_only(
-                    DownstreamKind::Notifications,
-                    path,
-                    opts.clock.clone(),
-                    faults.clone(),
-                    ids.clone(),
-                )?,
-            ),
+        let create: Option<bool> = create.into();
+        let read_only = create.is_none();
+        let mut store = match create {
+            Some(create) => Store::open(path, OpenOptions { create, sync: opts.sync })?,
+            None => Store::open_read_only(path)?,
         };
+        let downstreams = opts.toolset.open_downstreams(&DownstreamContext {
+            ledger_path: path,
+            clock: opts.clock.clone(),
+            faults: faults.clone(),
+            sync: opts.sync,
+            ids: ids.clone(),
+            read_only,
+        })?;
         let now = opts.clock.now_ms();
         let (secret, salt, demo) = if store.is_read_only() {
             store.read(|tx| -> Result<_, StoreError> {
@@ -321,7 +291,7 @@ impl Engine {
         };
         let contracts = match opts.contracts {
             Some(c) => c,
-            None => Arc::new(Contracts::builtin()?),
+            None => opts.toolset.catalog().clone(),
         };
         Ok(Self {
             store,
@@ -330,8 +300,8 @@ impl Engine {
             refs: StatusRefKey::new(secret.as_bytes()),
             salt,
             worker_id: opts.worker_id,
-            payments,
-            notifications,
+            toolset: opts.toolset,
+            downstreams,
             faults,
             ids,
             defenses_off: opts.defenses_off,
@@ -374,11 +344,17 @@ impl Engine {
         &mut self.store
     }
 
-    pub(crate) fn downstream(&mut self, kind: DownstreamKind) -> &mut dyn Downstream {
-        match kind {
-            DownstreamKind::Notifications => &mut self.notifications,
-            _ => &mut self.payments,
+    /// The downstream a tool's catalog entry names (opened when the engine was).
+    pub(crate) fn downstream(&mut self, name: &str) -> Result<&mut dyn Downstream, EngineError> {
+        match self.downstreams.get_mut(name) {
+            Some(d) => Ok(d.as_mut()),
+            None => Err(EngineError::invalid("UNKNOWN_DOWNSTREAM", "the catalog names no adapter for this downstream")),
         }
+    }
+
+    /// The domain of a tool.
+    pub(crate) fn domain(&self, tool: &str) -> Arc<dyn tool::ToolDomain> {
+        self.toolset.domain(tool)
     }
 
     /// A hashed principal reference (tenant + subject), salted per database.

@@ -22,7 +22,7 @@
 //! every process sharing the ledger shares them; every change happens inside the
 //! claim's or the persist's `BEGIN IMMEDIATE` transaction.
 
-use super::contracts::{CircuitPolicy, DownstreamKind, RetryPolicy};
+use super::contracts::{CircuitPolicy, RetryPolicy};
 use super::ids::Ids;
 use crate::downstream::Reply;
 use crate::store::{CircuitRow, StoreError, Tx, MILLI_TOKEN};
@@ -91,8 +91,16 @@ pub(crate) enum Health {
 /// The health a reply reports.
 pub(crate) fn health(reply: &Result<Reply, String>) -> Health {
     match reply {
-        Ok(Reply::Committed(_) | Reply::Rejected { .. } | Reply::RateLimited { .. }) => Health::Healthy,
-        Ok(Reply::Unavailable | Reply::ConnectTimeout | Reply::TimedOut | Reply::Malformed) => Health::Failing,
+        Ok(
+            Reply::Committed(_)
+            | Reply::Rejected { .. }
+            | Reply::RateLimited { .. }
+            | Reply::InProgress { .. }
+            | Reply::KeyConflict,
+        ) => Health::Healthy,
+        Ok(
+            Reply::Unavailable { .. } | Reply::ConnectTimeout | Reply::TimedOut | Reply::ServerError | Reply::Malformed,
+        ) => Health::Failing,
         Err(_) => Health::Neutral,
     }
 }
@@ -104,8 +112,8 @@ fn wait_until(until: Option<i64>, now: i64) -> u64 {
 /// The gate for a *new* call, before accept: refused while the circuit is open
 /// and cooling down, or half-open with a probe out. It never takes the probe
 /// slot (nothing is sent at accept; the claim does that). A refusal is counted.
-pub(crate) fn admit_new(tx: &Tx<'_>, downstream: DownstreamKind, now: i64) -> Result<Option<u64>, StoreError> {
-    let Some(mut c) = tx.circuit(downstream.as_str())? else { return Ok(None) };
+pub(crate) fn admit_new(tx: &Tx<'_>, downstream: &str, now: i64) -> Result<Option<u64>, StoreError> {
+    let Some(mut c) = tx.circuit(downstream)? else { return Ok(None) };
     let wait = match c.state.as_str() {
         "open" if c.open_until.is_some_and(|u| now < u) => Some(wait_until(c.open_until, now)),
         "half_open" if c.probe_until.is_some_and(|u| now < u) => Some(wait_until(c.probe_until, now)),
@@ -124,12 +132,12 @@ pub(crate) fn admit_new(tx: &Tx<'_>, downstream: DownstreamKind, now: i64) -> Re
 /// slot for `probe_ms`.
 pub(crate) fn admit_send(
     tx: &Tx<'_>,
-    downstream: DownstreamKind,
+    downstream: &str,
     operation_id: &str,
     now: i64,
     probe_ms: i64,
 ) -> Result<Admission, StoreError> {
-    let Some(mut c) = tx.circuit(downstream.as_str())? else { return Ok(Admission::Closed) };
+    let Some(mut c) = tx.circuit(downstream)? else { return Ok(Admission::Closed) };
     let take_probe = |c: &mut CircuitRow| -> Result<Admission, StoreError> {
         c.state = "half_open".into();
         c.open_until = None;
@@ -156,13 +164,8 @@ pub(crate) fn admit_send(
 
 /// Gives a probe slot back without sending (the claim was refused for another
 /// reason after the circuit let it through).
-pub(crate) fn release_probe(
-    tx: &Tx<'_>,
-    downstream: DownstreamKind,
-    operation_id: &str,
-    now: i64,
-) -> Result<(), StoreError> {
-    if let Some(mut c) = tx.circuit(downstream.as_str())? {
+pub(crate) fn release_probe(tx: &Tx<'_>, downstream: &str, operation_id: &str, now: i64) -> Result<(), StoreError> {
+    if let Some(mut c) = tx.circuit(downstream)? {
         if c.state == "half_open" && c.probe_operation.as_deref() == Some(operation_id) {
             c.probe_operation = None;
             c.probe_until = Some(now);
@@ -194,17 +197,17 @@ fn state_name(s: &str) -> &'static str {
 /// transaction). A healthy reply on a clean closed circuit writes nothing.
 pub(crate) fn record(
     tx: &Tx<'_>,
-    downstream: DownstreamKind,
+    downstream: &str,
     policy: &CircuitPolicy,
     health: Health,
     now: i64,
 ) -> Result<Option<Transition>, StoreError> {
-    let existing = tx.circuit(downstream.as_str())?;
+    let existing = tx.circuit(downstream)?;
     let mut c = match (health, existing) {
         (Health::Neutral, _) | (Health::Healthy, None) => return Ok(None),
         (Health::Healthy, Some(c)) if c.state == "closed" && c.consecutive_failures == 0 => return Ok(None),
         (_, Some(c)) => c,
-        (Health::Failing, None) => CircuitRow::closed(downstream.as_str(), now),
+        (Health::Failing, None) => CircuitRow::closed(downstream, now),
     };
     let from = state_name(&c.state);
     c.updated_at = now;
@@ -263,7 +266,7 @@ mod tests {
         let check = |r: Result<Reply, String>, h: Health| assert_eq!(health(&r), h, "{r:?}");
         check(Ok(Reply::Rejected { reason: "x".into() }), Health::Healthy);
         check(Ok(Reply::RateLimited { retry_after_ms: 5 }), Health::Healthy);
-        check(Ok(Reply::Unavailable), Health::Failing);
+        check(Ok(Reply::Unavailable { retry_after_ms: None }), Health::Failing);
         check(Ok(Reply::ConnectTimeout), Health::Failing);
         check(Ok(Reply::TimedOut), Health::Failing);
         check(Ok(Reply::Malformed), Health::Failing);

@@ -5,36 +5,17 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::canonical::{canonical_string, digest_value, sha256_hex, CallIdentity, Revisions, StatusRefError};
-use super::dispatch::{
-    apply_business_effect, args_of, authorize, binding_of, op_envelope, revisions_of, verify_row, DispatchRequest,
-};
 use super::envelope::{Code, Delivery, Envelope, ProtectedAudit};
+use super::operation::{
+    apply_business_effect, approval_amount, args_of, authorize, binding_of, op_envelope, revisions_of, verify_approval,
+    verify_row,
+};
+use super::tool::ToolCall;
 use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, Engine, EngineError};
 use crate::downstream::Lookup;
 use crate::failpoint;
-use crate::store::{ApprovalRow, AuditRow, CallIdentityRow, OperationRow, ReceiptRow, StoreError, Tx};
-
-/// How long an approval request stays open.
-pub const APPROVAL_TTL_MS: i64 = 15 * 60 * 1000;
-
-/// The digest an approval binds, before the approver is known.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn approval_base_sha256(
-    tenant: &str,
-    subject: &str,
-    tool: &str,
-    request_sha256: &str,
-    key_sha256: &str,
-    call: &CallIdentity,
-    rev: Revisions,
-    policy_revision: i64,
-) -> String {
-    digest_value(&json!({
-        "tenant": tenant, "subject": subject, "tool": tool, "request_sha256": request_sha256,
-        "key_sha256": key_sha256, "call": call, "revisions": rev, "policy_revision": policy_revision,
-    }))
-}
+use crate::store::{AuditRow, CallIdentityRow, OperationRow, ReceiptRow, StoreError, Tx};
 
 /// An explicit status query (docs/design.md §8).
 #[derive(Debug, Clone, Default)]
@@ -185,6 +166,7 @@ impl Engine {
     /// `query_operation_status(status_ref, expected_request_sha256)`, in the order
     /// of docs/design.md §8. It never executes the tool.
     pub fn query_operation_status(&mut self, q: &QueryRequest) -> Result<Envelope, EngineError> {
+        let toolset = self.toolset.clone();
         if let Some(op) = &q.operator {
             super::check_operator(op)?;
         }
@@ -256,7 +238,14 @@ impl Engine {
             if op.tenant != q.tenant || op.subject != q.subject {
                 return answer(error_envelope(Code::NotFound, audit.clone()), ev.clone().because("other_principal"));
             }
-            if let Some(code) = authorize(tx, &op.tenant, &op.subject, &op.tool, &args_of(&op.request_json))? {
+            if let Some(code) = authorize(
+                tx,
+                &*toolset.domain(&op.tool),
+                &op.tenant,
+                &op.subject,
+                &op.tool,
+                &args_of(&op.request_json),
+            )? {
                 let ev = ev.clone().because("current_authorization");
                 return answer(error_envelope(code, audit.clone()), ev);
             }
@@ -330,7 +319,7 @@ impl Engine {
         let Some(contract) = contracts.get(&op.tool) else {
             return Err(EngineError::invalid("UNKNOWN_TOOL", "operation names a tool not in the catalog"));
         };
-        let lookup = self.downstream(contract.downstream).lookup(&op.downstream_key)?;
+        let lookup = self.downstream(&contract.downstream.name)?.lookup(&op.downstream_key)?;
         let actor = q.operator.clone().unwrap_or_else(|| pref.clone());
         let out = self.store.write(|tx| -> Result<Envelope, EngineError> {
             let Some(mut cur) = tx.operation(&op.id)? else {
@@ -351,11 +340,9 @@ impl Engine {
                     ev.receipt_id = Some(r.receipt_id.clone());
                     ev.downstream_request_id = Some(r.request_id.clone());
                     let args = args_of(&cur.request_json);
-                    let matches = r.body_sha256 == cur.request_sha256
+                    let matches = r.body_sha256.as_ref().is_none_or(|b| *b == cur.request_sha256)
                         && contract.check_output(&r.result).is_ok()
-                        && ["order_ref", "amount_minor", "currency", "template"]
-                            .iter()
-                            .all(|k| args.get(*k).is_none() || r.result.get(*k) == args.get(*k));
+                        && contract.echoes(&args, &r.result);
                     if matches {
                         failpoint::hit("inside_reconcile");
                         let result_json = canonical_string(&r.result);
@@ -371,12 +358,13 @@ impl Engine {
                             receipt_id: r.receipt_id.clone(),
                             operation_id: cur.id.clone(),
                             request_id: r.request_id.clone(),
-                            body_sha256: r.body_sha256.clone(),
+                            // A provider that records no digest: the key links it to what we sent.
+                            body_sha256: r.body_sha256.clone().unwrap_or_else(|| cur.request_sha256.clone()),
                             result_sha256: cur.result_sha256.clone().unwrap_or_default(),
                             source: "query".into(),
                             recorded_at: now,
                         })?;
-                        apply_business_effect(tx, &cur)?;
+                        apply_business_effect(tx, &*toolset.domain(&cur.tool), &cur)?;
                         if let Some(ob) = tx.outbox(&cur.id)? {
                             if ob.attempt > 0 {
                                 tx.finish_attempt(&cur.id, ob.attempt, "committed", None, now)?;
@@ -512,7 +500,7 @@ impl Engine {
                 tx.decide_approval(&a)?;
                 return invalid("policy or contract revision changed since the request", "revision_changed", Some(&a));
             }
-            let call = super::dispatch::approval_call(&a);
+            let call = super::operation::approval_call(&a);
             if let Err(why) = verify_approval(&a) {
                 return invalid(&format!("approval record failed its integrity check: {why}"), "tampered", Some(&a));
             }
@@ -520,17 +508,7 @@ impl Engine {
                 return invalid("the intent already has an operation", "already_accepted", Some(&a));
             }
             // Accept the held call.
-            let req = DispatchRequest {
-                tenant: a.tenant.clone(),
-                subject: a.subject.clone(),
-                tool: a.tool.clone(),
-                arguments: Vec::new(),
-                idempotency_key: Some(a.idem_key.clone()),
-                call: Some(call.clone()),
-                approval_id: Some(a.id.clone()),
-                deadline_ms: Some(a.deadline_ms as u64),
-            };
-            let op = super::dispatch::new_operation_for(&req, contract, &call, &a.idem_key, &a.key_sha256, &a.request_json, &a.request_sha256, now, a.deadline_ms as u64, &refs, &ids, Some(&a.id));
+            let op = super::operation::new_operation_for([&a.tenant, &a.subject, &a.tool], contract, &call, &a.idem_key, &a.key_sha256, &a.request_json, &a.request_sha256, now, a.deadline_ms as u64, &refs, &ids, Some(&a.id));
             tx.insert_operation(&op)?;
             tx.insert_outbox(&op.id, i64::from(contract.retry.max_attempts), now)?;
             let ck = call.key(&a.tenant, &a.subject);
@@ -665,7 +643,7 @@ impl Engine {
         let contracts = self.contracts.clone();
         let Some(contract) = contracts.get(&op.tool) else { return Ok(None) };
         let claimed = r.evidence.as_deref().map(str::trim).filter(|e| !e.is_empty());
-        Ok(Some(match self.downstream(contract.downstream).lookup(&op.downstream_key)? {
+        Ok(Some(match self.downstream(&contract.downstream.name)?.lookup(&op.downstream_key)? {
             Lookup::Found(receipt) => {
                 let seen =
                     json!({"lookup": "found", "receipt_id": receipt.receipt_id, "request_id": receipt.request_id});
@@ -690,6 +668,7 @@ impl Engine {
     }
 
     fn resolve_with(&mut self, r: &ResolveRequest, against_evidence: bool) -> Result<OperatorOutcome, EngineError> {
+        let toolset = self.toolset.clone();
         // An empty name or note is refused (and logged) below; a hostile one is
         // refused here, before anything of it is stored.
         if !r.operator.trim().is_empty() {
@@ -787,7 +766,7 @@ impl Engine {
                 return refuse("STALE_VERSION", "operation changed while resolving".into());
             }
             if r.resolution == Resolution::Succeeded {
-                apply_business_effect(tx, &op)?;
+                apply_business_effect(tx, &*toolset.domain(&op.tool), &op)?;
             }
             tx.close_outbox(&op.id, "done", None)?;
             let ev = json!({
@@ -846,6 +825,7 @@ impl Engine {
 
     /// The integrity and semantic audit (`toolgate audit`).
     pub fn audit(&mut self) -> Result<Vec<AuditFinding>, EngineError> {
+        let toolset = self.toolset.clone();
         let refs = self.refs.clone();
         let mut settled = Vec::new();
         let mut out = self.store.read(|tx| -> Result<Vec<AuditFinding>, StoreError> {
@@ -874,7 +854,25 @@ impl Engine {
                     find("approval", &a.id, why);
                 }
             }
-            check_orders(tx, &ops, &mut find)?;
+            // Each domain checks its local state against the calls the ledger holds as succeeded.
+            let succeeded: Vec<(&OperationRow, Value, Value)> = ops
+                .iter()
+                .filter(|o| o.state == "succeeded")
+                .map(|o| {
+                    let result = o.result_json.as_deref().and_then(|r| serde_json::from_str(r).ok());
+                    (o, args_of(&o.request_json), result.unwrap_or(Value::Null))
+                })
+                .collect();
+            for (tools, domain) in toolset.domain_groups() {
+                let calls: Vec<(ToolCall<'_>, Value)> = succeeded
+                    .iter()
+                    .filter(|(o, ..)| tools.contains(&o.tool))
+                    .map(|(o, a, r)| {
+                        (ToolCall { tenant: &o.tenant, subject: &o.subject, tool: &o.tool, arguments: a }, r.clone())
+                    })
+                    .collect();
+                domain.audit(tx, &calls, &mut find)?;
+            }
             let (bad, gaps) = tx.trace_damage()?;
             for seq in bad {
                 find("trace", &format!("trace_events {seq}"), "fields are not valid JSON");
@@ -905,7 +903,7 @@ impl Engine {
                 continue;
             }
             let Some(contract) = contracts.get(&tool) else { continue };
-            match self.downstream(contract.downstream).lookup(&key)? {
+            match self.downstream(&contract.downstream.name)?.lookup(&key)? {
                 Lookup::Found(r) if r.receipt_id == receipt => {}
                 Lookup::Found(r) => out.push(AuditFinding {
                     check: "downstream".into(),
@@ -923,97 +921,6 @@ impl Engine {
         }
         Ok(out)
     }
-}
-
-/// The amount an approver is shown: from the bound, digest-checked request,
-/// never from the copy stored beside it.
-pub fn approval_amount(a: &ApprovalRow) -> Option<i64> {
-    verify_approval(a).ok()?;
-    let v: Value = serde_json::from_str(&a.request_json).ok()?;
-    v.get("arguments")?.get("amount_minor")?.as_i64()
-}
-
-/// Checks an approval row against what binds it: the request digest, every
-/// column that restates the request, the key digest, the stored amount copy
-/// and the approval's base digest.
-pub(crate) fn verify_approval(a: &ApprovalRow) -> Result<(), &'static str> {
-    let Ok(request) = super::canonical::parse_strict(a.request_json.as_bytes(), usize::MAX, 256) else {
-        return Err("request_json does not parse");
-    };
-    if super::canonical::canonical_string(&request) != a.request_json {
-        return Err("request_json is not canonical");
-    }
-    if sha256_hex(a.request_json.as_bytes()) != a.request_sha256 {
-        return Err("request_sha256 does not recompute");
-    }
-    super::dispatch::check_restated(
-        &request,
-        [&a.tenant, &a.subject, &a.tool],
-        [a.input_rev, a.output_rev, a.effect_rev],
-        &a.idem_key,
-        &a.key_sha256,
-    )?;
-    let amount = request.get("arguments").and_then(|x| x.get("amount_minor")).and_then(Value::as_i64);
-    if amount != a.amount_minor {
-        return Err("amount_minor does not match the bound request");
-    }
-    let call = super::dispatch::approval_call(a);
-    let rev = Revisions { input: a.input_rev, output: a.output_rev, effect: a.effect_rev };
-    let base = approval_base_sha256(
-        &a.tenant,
-        &a.subject,
-        &a.tool,
-        &a.request_sha256,
-        &a.key_sha256,
-        &call,
-        rev,
-        a.policy_revision,
-    );
-    if base != a.base_sha256 {
-        return Err("base_sha256 does not recompute");
-    }
-    Ok(())
-}
-
-/// Each order's `refunded_minor` covers at least the refunds the ledger holds
-/// as succeeded (the world file's starting balance is not kept, so a balance
-/// above the ledger's refunds is not a finding).
-fn check_orders(tx: &Tx<'_>, ops: &[OperationRow], find: &mut impl FnMut(&str, &str, &str)) -> Result<(), StoreError> {
-    let mut refunded: std::collections::BTreeMap<String, i64> = std::collections::BTreeMap::new();
-    for op in ops.iter().filter(|o| o.tool == "create_refund" && o.state == "succeeded") {
-        let args = super::dispatch::args_of(&op.request_json);
-        if let (Some(order), Some(amount)) =
-            (args.get("order_ref").and_then(Value::as_str), args.get("amount_minor").and_then(Value::as_i64))
-        {
-            *refunded.entry(order.to_string()).or_default() += amount;
-        }
-    }
-    for o in tx.orders()? {
-        let held = refunded.get(&o.order_ref).copied().unwrap_or(0);
-        if o.refunded_minor < held {
-            find(
-                "order",
-                &o.order_ref,
-                &format!(
-                    "refunded_minor {} is below the {held} the ledger's succeeded refunds add up to",
-                    o.refunded_minor
-                ),
-            );
-        }
-        let expected = match o.refunded_minor {
-            0 => "paid",
-            r if r == o.captured_minor => "refunded",
-            _ => "partially_refunded",
-        };
-        if o.status != expected {
-            find(
-                "order",
-                &o.order_ref,
-                &format!("status {} does not match refunded_minor {}", o.status, o.refunded_minor),
-            );
-        }
-    }
-    Ok(())
 }
 
 /// The operator log's hash chain (migration 0007): every linked row carries the
@@ -1101,7 +1008,7 @@ fn check_operation(
             find("receipt", r, "the receipt the operation names is not in receipts");
         }
     }
-    let call = super::dispatch::call_of(op);
+    let call = super::operation::call_of(op);
     match tx.call_identity(&call.key(&op.tenant, &op.subject))? {
         None => find("call_identity", r, "the call identity that created the operation is not bound"),
         Some(b) if b.request_sha256 != op.request_sha256 || b.purpose != "dispatch" => {

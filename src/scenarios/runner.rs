@@ -297,7 +297,7 @@ impl ScenarioRun {
             (Home::Temp(dir), path, None)
         };
         let clock = Arc::new(ScenarioClock::new(script.start_ms));
-        let contracts = Arc::new(Contracts::builtin().map_err(EngineError::from)?);
+        let contracts = Arc::new(crate::tools::demo_catalog().map_err(EngineError::from)?);
         let mut engine = Engine::create(&path, engine_options(&clock, &contracts, "scenario-w1", seed(script.id, 1)))?;
         engine.load_world(&script.world)?;
         let observer = Store::open(&path, OpenOptions { create: false, sync: Sync::Normal })?;

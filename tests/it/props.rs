@@ -8,12 +8,11 @@ use std::sync::{Arc, Mutex};
 
 use proptest::prelude::*;
 use serde_json::Value;
-use toolgate::downstream::{Downstream, DownstreamRequest, FaultPlan, Simulated};
+use toolgate::downstream::{Downstream, DownstreamRequest, FaultPlan, SimKind, Simulated};
 use toolgate::engine::canonical::{
     canonical_string, canonicalize_text, parse_strict, CanonicalError, StatusRefError, StatusRefKey,
 };
 use toolgate::engine::clock::{Clock, ManualClock};
-use toolgate::engine::contracts::DownstreamKind;
 use toolgate::engine::envelope::{Code, Delivery, Status};
 use toolgate::engine::world::{World, DEMO_WORLD};
 use toolgate::engine::{DispatchRequest, Engine, EngineOptions, QueryRequest, Resolution, ResolveRequest};
@@ -345,8 +344,7 @@ impl Machine {
         };
         assert!(store.write(|tx| tx.mark_sent(&op.id, "doomed-worker", attempt, now)).unwrap());
         if commit {
-            let kind =
-                if op.tool == "create_refund" { DownstreamKind::Payments } else { DownstreamKind::Notifications };
+            let kind = if op.tool == "create_refund" { SimKind::Payments } else { SimKind::Notifications };
             let clock: Arc<dyn Clock> = Arc::new(self.clock.clone());
             let faults = Arc::new(Mutex::new(FaultPlan::none()));
             let ids = toolgate::engine::ids::Ids::default();

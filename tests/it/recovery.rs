@@ -190,7 +190,7 @@ fn a_contract_revision_change_invalidates_a_pending_approval() {
     let fx = Fixture::new();
     let mut e = fx.engine();
     let id = approval_id(&e.dispatch(&big_refund("refund-big-0004")).unwrap());
-    let mut contracts = toolgate::engine::contracts::Contracts::builtin().unwrap();
+    let mut contracts = toolgate::tools::demo_catalog().unwrap();
     contracts.set_revisions("create_refund", toolgate::engine::canonical::Revisions { input: 1, output: 2, effect: 1 });
     e.set_contracts(std::sync::Arc::new(contracts));
     assert_eq!(code(&e.approve(&id, "bob").unwrap()), Some(Code::ApprovalInvalid));

@@ -1,0 +1,397 @@
+//! What every step knows about a stored operation or approval: its call
+//! identity, binding, envelope, the checks that find a tampered row, and how a
+//! fresh row is made. Admission (`dispatch`), the worker, the reaper and
+//! recovery all stand on this module; it imports none of them.
+
+use serde_json::{json, Value};
+
+use super::canonical::{
+    call_binding_sha256, canonical_string, digest_value, parse_strict, sha256_hex, BindingInput, CallIdentity,
+    Revisions,
+};
+use super::contracts::Contract;
+use super::envelope::{
+    Binding, Code, Delivery, Downstream as DownstreamInfo, Envelope, ErrorInfo, Execution, ModelResult, Outcome,
+    ProtectedAudit, Status,
+};
+use super::tool::{ToolCall, ToolDomain};
+use crate::store::{ApprovalRow, OperationRow, StoreError, Tx};
+
+/// The business intent a downstream effect is counted under: the whole scope
+/// (tenant, subject, tool, caller's key), hashed.
+pub(crate) fn intent_of(tenant: &str, subject: &str, tool: &str, caller_key: &str) -> String {
+    sha256_hex(format!("{tenant}\0{subject}\0{tool}\0{caller_key}").as_bytes())
+}
+
+/// The arguments of a stored canonical request (`Null` if it does not parse:
+/// `verify_row` refuses such a row before anything uses them).
+pub(crate) fn args_of(request_json: &str) -> Value {
+    serde_json::from_str::<Value>(request_json).ok().and_then(|r| r.get("arguments").cloned()).unwrap_or(Value::Null)
+}
+
+/// The call binding of an operation row as it stands.
+pub(crate) fn binding_of(op: &OperationRow) -> String {
+    let call = call_of(op);
+    call_binding_sha256(&BindingInput {
+        tenant: &op.tenant,
+        subject: &op.subject,
+        call: &call,
+        operation_id: &op.id,
+        idempotency_key: &op.idem_key,
+        revisions: revisions_of(op),
+        request_sha256: &op.request_sha256,
+        result_sha256: op.result_sha256.as_deref(),
+        downstream_request_id: op.downstream_request_id.as_deref(),
+        receipt_id: op.receipt_id.as_deref(),
+        status_ref: &op.status_ref,
+    })
+}
+
+pub(crate) fn revisions_of(op: &OperationRow) -> Revisions {
+    Revisions { input: op.input_rev, output: op.output_rev, effect: op.effect_rev }
+}
+
+/// Recomputes a row's digests and binding: any mismatch is tampering (docs/design.md §3).
+/// The checks every stored copy of a bound request shares (an operation, an
+/// approval): tenant, subject and tool as the request says, the contract
+/// revisions it was bound under, and the key digest recomputed.
+pub(crate) fn check_restated(
+    request: &Value,
+    [tenant, subject, tool]: [&str; 3],
+    revisions: [i64; 3],
+    idem_key: &str,
+    key_sha256: &str,
+) -> Result<(), &'static str> {
+    let said = |field: &str| request.get(field).and_then(Value::as_str);
+    if said("tenant") != Some(tenant) {
+        return Err("tenant does not match the bound request");
+    }
+    if said("subject") != Some(subject) {
+        return Err("subject does not match the bound request");
+    }
+    if said("tool") != Some(tool) {
+        return Err("tool does not match the bound request");
+    }
+    let rev = |k: &str| request.get("revisions").and_then(|r| r.get(k)).and_then(Value::as_i64);
+    if [rev("input"), rev("output"), rev("effect")] != revisions.map(Some) {
+        return Err("contract revisions do not match the bound request");
+    }
+    if sha256_hex(idem_key.as_bytes()) != key_sha256 {
+        return Err("key_sha256 does not recompute");
+    }
+    Ok(())
+}
+
+/// The call identity an approval request holds (the call it would run).
+pub(crate) fn approval_call(a: &ApprovalRow) -> CallIdentity {
+    CallIdentity {
+        provider: a.call_provider.clone(),
+        api_family: a.call_api_family.clone(),
+        response_id: a.call_response_id.clone(),
+        call_id: a.call_id.clone(),
+        adapter_revision: a.adapter_revision.clone(),
+    }
+}
+
+/// The call identity an operation row holds.
+pub(crate) fn call_of(op: &OperationRow) -> CallIdentity {
+    CallIdentity {
+        provider: op.call_provider.clone(),
+        api_family: op.call_api_family.clone(),
+        response_id: op.call_response_id.clone(),
+        call_id: op.call_id.clone(),
+        adapter_revision: op.adapter_revision.clone(),
+    }
+}
+
+pub(crate) fn verify_row(op: &OperationRow) -> Result<(), &'static str> {
+    let parse_canonical =
+        |text: &str| parse_strict(text.as_bytes(), usize::MAX, 256).ok().filter(|v| canonical_string(v) == text);
+    if !matches!(
+        op.state.as_str(),
+        "accepted" | "in_flight" | "succeeded" | "failed" | "unknown" | "needs_review" | "resolved"
+    ) {
+        return Err("state is not a ledger state");
+    }
+    let Some(request) = parse_canonical(&op.request_json) else {
+        return Err("request_json is not canonical");
+    };
+    if sha256_hex(op.request_json.as_bytes()) != op.request_sha256 {
+        return Err("request_sha256 does not recompute");
+    }
+    // Every column that restates the bound request must agree with it: the
+    // scope columns decide which row a replay finds, the revisions which
+    // contract it is checked against.
+    check_restated(
+        &request,
+        [&op.tenant, &op.subject, &op.tool],
+        [op.input_rev, op.output_rev, op.effect_rev],
+        &op.idem_key,
+        &op.key_sha256,
+    )?;
+    match (&op.result_json, &op.result_sha256) {
+        (Some(r), Some(h)) => {
+            if parse_canonical(r).is_none() {
+                return Err("result_json is not canonical");
+            }
+            if &sha256_hex(r.as_bytes()) != h {
+                return Err("result_sha256 does not recompute");
+            }
+        }
+        (None, None) => {}
+        _ => return Err("result and result digest disagree"),
+    }
+    if binding_of(op) != op.call_binding_sha256 {
+        return Err("call_binding_sha256 does not recompute");
+    }
+    // A derived key must recompute; a key of another shape is only valid on a
+    // row written before keys were derived (the audit checks which rows those are).
+    if !op.downstream_key.starts_with("dk_") && op.downstream_key != downstream_key_of(&op.id, &op.status_ref) {
+        return Err("downstream_key does not recompute");
+    }
+    Ok(())
+}
+
+/// The envelope a caller gets for an operation in its current state.
+pub(crate) fn op_envelope(
+    op: &OperationRow,
+    delivery: Delivery,
+    principal_ref: String,
+    last_code: Option<&str>,
+) -> Envelope {
+    let call = call_of(op);
+    let audit = ProtectedAudit {
+        operation_id: Some(op.id.clone()),
+        principal_ref,
+        provider: Some(call),
+        tool: op.tool.clone(),
+        revisions: Some(revisions_of(op)),
+        binding: Binding {
+            request_sha256: Some(op.request_sha256.clone()),
+            result_sha256: op.result_sha256.clone(),
+            call_binding_sha256: Some(op.call_binding_sha256.clone()),
+        },
+        downstream: DownstreamInfo {
+            request_id: op.downstream_request_id.clone(),
+            receipt_id: op.receipt_id.clone(),
+            status_ref: Some(op.status_ref.clone()),
+        },
+        approval_id: op.approval_id.clone(),
+    };
+    // A copy parsed from the stored text: mutating it cannot change later replays.
+    let data = op.result_json.as_deref().and_then(|r| serde_json::from_str::<Value>(r).ok());
+    let stored_code = op.code.as_deref().and_then(Code::parse);
+    let (status, data, error, outcome, delivery) = match op.state.as_str() {
+        "succeeded" => (Status::Succeeded, data, None, Outcome::Committed, delivery),
+        "failed" => {
+            let code = stored_code.unwrap_or(Code::BusinessRuleViolation);
+            (Status::Failed, None, Some(ErrorInfo::new(code)), Outcome::NotStarted, delivery)
+        }
+        "resolved" => match op.resolution.as_deref() {
+            Some("succeeded") => (Status::Succeeded, data, None, Outcome::Committed, Delivery::HumanResolved),
+            Some("compensated") => (Status::Failed, data, None, Outcome::Committed, Delivery::HumanResolved),
+            _ => (Status::Failed, data, None, Outcome::NotStarted, Delivery::HumanResolved),
+        },
+        "accepted" => {
+            let code = last_code.and_then(Code::parse).filter(|c| c.retryable()).unwrap_or(Code::TimeoutBeforeExecute);
+            (Status::Failed, None, Some(ErrorInfo::new(code)), Outcome::NotStarted, delivery)
+        }
+        "needs_review" => {
+            let code = stored_code.filter(|c| c.catalog().1 == Outcome::Unknown).unwrap_or(Code::StatusConflict);
+            (Status::Unknown, None, Some(ErrorInfo::new(code)), Outcome::Unknown, delivery)
+        }
+        _ => {
+            // in_flight, unknown: never execute again, never reconcile implicitly.
+            let code = stored_code.filter(|c| c.catalog().1 == Outcome::Unknown).unwrap_or(Code::OutcomeUnknown);
+            (Status::Unknown, None, Some(ErrorInfo::new(code)), Outcome::Unknown, delivery)
+        }
+    };
+    Envelope {
+        model_result: ModelResult { status, data, error, execution: Execution { outcome, delivery } },
+        protected_audit: audit,
+    }
+}
+
+/// A fresh ledger row for an accepted call (from a dispatch or an approval).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn new_operation_for(
+    [tenant, subject, tool]: [&str; 3],
+    contract: &Contract,
+    call: &CallIdentity,
+    key: &str,
+    key_sha256: &str,
+    request_json: &str,
+    request_sha256: &str,
+    now: i64,
+    deadline_ms: u64,
+    refs: &super::canonical::StatusRefKey,
+    ids: &super::ids::Ids,
+    approval_id: Option<&str>,
+) -> OperationRow {
+    let mut op = OperationRow {
+        id: ids.id("op"),
+        tenant: tenant.to_string(),
+        subject: subject.to_string(),
+        tool: tool.to_string(),
+        idem_key: key.to_string(),
+        key_sha256: key_sha256.to_string(),
+        request_sha256: request_sha256.to_string(),
+        request_json: request_json.to_string(),
+        input_rev: contract.revisions.input,
+        output_rev: contract.revisions.output,
+        effect_rev: contract.revisions.effect,
+        effect: contract.effect.as_str().to_string(),
+        state: "accepted".into(),
+        version: 1,
+        status_ref: refs.mint(ids.bytes::<16>()),
+        // Derived below from the operation id and status_ref (both bound).
+        downstream_key: String::new(),
+        code: None,
+        result_json: None,
+        result_sha256: None,
+        downstream_request_id: None,
+        receipt_id: None,
+        call_binding_sha256: String::new(),
+        call_provider: call.provider.clone(),
+        call_api_family: call.api_family.clone(),
+        call_response_id: call.response_id.clone(),
+        call_id: call.call_id.clone(),
+        adapter_revision: call.adapter_revision.clone(),
+        approval_id: approval_id.map(str::to_string),
+        resolution: None,
+        resolution_note: None,
+        resolved_by: None,
+        last_query_at: None,
+        last_query_result: None,
+        created_at: now,
+        updated_at: now,
+        deadline_at: now + deadline_ms as i64,
+        expires_at: now + contract.retention_ms as i64,
+        retention_ms: contract.retention_ms as i64,
+        terminal_at: None,
+        state_since: Some(now),
+    };
+    op.downstream_key = downstream_key_of(&op.id, &op.status_ref);
+    op.call_binding_sha256 = binding_of(&op);
+    op
+}
+
+/// The key the downstream sees, derived from two bound values (the operation
+/// id and its HMAC-minted `status_ref`), so a changed `downstream_key` column is
+/// found by recomputing it. Rows from before migration 0009 carry a random
+/// `dk_` key; the audit knows which rows those are.
+pub(crate) fn downstream_key_of(operation_id: &str, status_ref: &str) -> String {
+    let h = sha256_hex(format!("toolgate downstream key\0{operation_id}\0{status_ref}").as_bytes());
+    format!("dk2_{}", &h[..32])
+}
+
+/// How long an approval request stays open.
+pub const APPROVAL_TTL_MS: i64 = 15 * 60 * 1000;
+
+/// The digest an approval binds, before the approver is known.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn approval_base_sha256(
+    tenant: &str,
+    subject: &str,
+    tool: &str,
+    request_sha256: &str,
+    key_sha256: &str,
+    call: &CallIdentity,
+    rev: Revisions,
+    policy_revision: i64,
+) -> String {
+    digest_value(&json!({
+        "tenant": tenant, "subject": subject, "tool": tool, "request_sha256": request_sha256,
+        "key_sha256": key_sha256, "call": call, "revisions": rev, "policy_revision": policy_revision,
+    }))
+}
+
+/// The amount an approver is shown: from the bound, digest-checked request,
+/// never from the copy stored beside it.
+pub fn approval_amount(a: &ApprovalRow) -> Option<i64> {
+    verify_approval(a).ok()?;
+    let v: Value = serde_json::from_str(&a.request_json).ok()?;
+    v.get("arguments")?.get("amount_minor")?.as_i64()
+}
+
+/// Checks an approval row against what binds it: the request digest, every
+/// column that restates the request, the key digest, the stored amount copy
+/// and the approval's base digest.
+pub(crate) fn verify_approval(a: &ApprovalRow) -> Result<(), &'static str> {
+    let Ok(request) = super::canonical::parse_strict(a.request_json.as_bytes(), usize::MAX, 256) else {
+        return Err("request_json does not parse");
+    };
+    if super::canonical::canonical_string(&request) != a.request_json {
+        return Err("request_json is not canonical");
+    }
+    if sha256_hex(a.request_json.as_bytes()) != a.request_sha256 {
+        return Err("request_sha256 does not recompute");
+    }
+    check_restated(
+        &request,
+        [&a.tenant, &a.subject, &a.tool],
+        [a.input_rev, a.output_rev, a.effect_rev],
+        &a.idem_key,
+        &a.key_sha256,
+    )?;
+    let amount = request.get("arguments").and_then(|x| x.get("amount_minor")).and_then(Value::as_i64);
+    if amount != a.amount_minor {
+        return Err("amount_minor does not match the bound request");
+    }
+    let call = approval_call(a);
+    let rev = Revisions { input: a.input_rev, output: a.output_rev, effect: a.effect_rev };
+    let base = approval_base_sha256(
+        &a.tenant,
+        &a.subject,
+        &a.tool,
+        &a.request_sha256,
+        &a.key_sha256,
+        &call,
+        rev,
+        a.policy_revision,
+    );
+    if base != a.base_sha256 {
+        return Err("base_sha256 does not recompute");
+    }
+    Ok(())
+}
+
+/// Authorization of the current subject, read now (docs/design.md §1, §5): the
+/// grant, then whether the tool's domain lets the subject see the resource the
+/// call touches (not owned, another tenant's and missing all answer `NOT_FOUND`).
+pub(crate) fn authorize(
+    tx: &Tx<'_>,
+    domain: &dyn ToolDomain,
+    tenant: &str,
+    subject: &str,
+    tool: &str,
+    args: &Value,
+) -> Result<Option<Code>, StoreError> {
+    if tx.subject_tenant(subject)?.as_deref() != Some(tenant) || !tx.grant_active(tenant, subject, tool)? {
+        return Ok(Some(Code::PolicyDenied));
+    }
+    if !domain.visible(tx, &ToolCall { tenant, subject, tool, arguments: args })? {
+        return Ok(Some(Code::NotFound));
+    }
+    Ok(None)
+}
+
+/// The tool domain's business rules for a new execution (docs/design.md §1).
+pub(crate) fn business_rules(
+    tx: &Tx<'_>,
+    domain: &dyn ToolDomain,
+    tenant: &str,
+    subject: &str,
+    tool: &str,
+    args: &Value,
+) -> Result<Option<&'static str>, StoreError> {
+    domain.rules(tx, &ToolCall { tenant, subject, tool, arguments: args })
+}
+
+/// The local state change that goes with a committed effect (the domain's),
+/// in the transaction that records the result.
+pub(crate) fn apply_business_effect(tx: &Tx<'_>, domain: &dyn ToolDomain, op: &OperationRow) -> Result<(), StoreError> {
+    let args = args_of(&op.request_json);
+    let result = op.result_json.as_deref().and_then(|r| serde_json::from_str(r).ok()).unwrap_or(Value::Null);
+    domain.apply(tx, &ToolCall { tenant: &op.tenant, subject: &op.subject, tool: &op.tool, arguments: &args }, &result)
+}

@@ -1,0 +1,385 @@
+//! What the engine needs from a tool and from the system behind it, as traits:
+//! a [`ToolDomain`] (which resource a call touches, the business rules of a new
+//! execution, the local effect of a committed result) and a [`Downstream`]
+//! (execute under a key, look up by key), opened per engine by a
+//! [`DownstreamFactory`]. A [`Toolset`] carries a catalog with the domains and
+//! adapters that serve it; the engine is handed one when it is built and never
+//! names a tool, an order or a provider itself.
+//!
+//! Implementations live above the engine: the demo world in `crate::tools::demo`,
+//! the simulated providers in `crate::downstream`, the HTTP adapter in
+//! `crate::downstream::http`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use serde_json::Value;
+
+use super::clock::Clock;
+use super::contracts::{ContractError, Contracts, DownstreamRef, Effect};
+use super::faults::FaultPlan;
+use super::ids::Ids;
+use crate::store::{StoreError, Tx};
+
+/// The parts of a call a domain sees (arguments already schema-valid).
+#[derive(Debug, Clone, Copy)]
+pub struct ToolCall<'a> {
+    /// Tenant.
+    pub tenant: &'a str,
+    /// Subject the agent acts for.
+    pub subject: &'a str,
+    /// Tool name.
+    pub tool: &'a str,
+    /// Validated arguments.
+    pub arguments: &'a Value,
+}
+
+/// A tool's business domain. Every method has the default of a tool with no
+/// domain code (the common case for a real API): authorized by grants alone,
+/// no rules beyond the schema, no local effect (the downstream's receipt is the
+/// result). Methods run inside the ledger transaction of the step that asks, so
+/// what they read and write commits or rolls back with it.
+pub trait ToolDomain: Send + Sync {
+    /// Whether the resource the call touches exists and the subject may see it.
+    /// `false` answers `NOT_FOUND`: not owned, another tenant's and missing look
+    /// the same (fail closed).
+    fn visible(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>) -> Result<bool, StoreError> {
+        Ok(true)
+    }
+
+    /// The business rules of a new execution (checked at admission and again
+    /// before the send): `Some(rule)` refuses it as `BUSINESS_RULE_VIOLATION`
+    /// with that rule name (a stable, lower-case identifier).
+    fn rules(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>) -> Result<Option<&'static str>, StoreError> {
+        Ok(None)
+    }
+
+    /// The local effect of a committed result, in the transaction that records
+    /// the result (from a reply, a status query or a human decision).
+    fn apply(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>, _result: &Value) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// A read tool answered from local state; `None` when there is nothing to
+    /// show (the caller gets `TOOL_ERROR`).
+    fn read(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>) -> Result<Option<Value>, StoreError> {
+        Ok(None)
+    }
+
+    /// The integrity audit of the domain's local state against the calls the
+    /// ledger holds as succeeded: `find(kind, id, what)` reports a finding.
+    fn audit(
+        &self,
+        _tx: &Tx<'_>,
+        _succeeded: &[(ToolCall<'_>, Value)],
+        _find: &mut dyn FnMut(&str, &str, &str),
+    ) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// The domain of a tool with no domain code.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoDomain;
+
+impl ToolDomain for NoDomain {}
+
+/// What the engine sends downstream.
+#[derive(Debug, Clone)]
+pub struct DownstreamRequest {
+    /// Business intent label (the hashed idempotency scope), for effect counting.
+    pub intent: String,
+    /// Tool name.
+    pub tool: String,
+    /// Validated arguments.
+    pub arguments: Value,
+    /// The request digest; a provider that records it beside the effect lets a
+    /// receipt prove which request it is for.
+    pub request_sha256: String,
+    /// How long the caller waits for this attempt (the attempt timeout capped by
+    /// the operation deadline).
+    pub timeout_ms: u64,
+}
+
+/// Evidence of a committed effect.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Receipt {
+    /// Receipt id.
+    pub receipt_id: String,
+    /// Downstream request id.
+    pub request_id: String,
+    /// The request digest the provider recorded, when it records one (a real
+    /// API usually does not: then the key is the only link, and the engine
+    /// records the digest it sent under that key).
+    pub body_sha256: Option<String>,
+    /// The result body.
+    pub result: Value,
+    /// Reply headers, as a provider's HTTP reply carries them. The engine never
+    /// stores, traces or logs them (they may echo credentials).
+    pub headers: Vec<(String, String)>,
+}
+
+/// Redacted on purpose: a receipt formatted into a log line or a panic message
+/// must not carry the result body or a header value.
+impl std::fmt::Debug for Receipt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let header_names: Vec<&str> = self.headers.iter().map(|(k, _)| k.as_str()).collect();
+        f.debug_struct("Receipt")
+            .field("receipt_id", &self.receipt_id)
+            .field("request_id", &self.request_id)
+            .field("body_sha256", &self.body_sha256)
+            .field("result", &"<redacted>")
+            .field("headers", &header_names)
+            .finish()
+    }
+}
+
+/// What an `execute` returned, as far as the caller can tell: classified by
+/// the evidence of docs/design.md §7 (was the request provably not received, or
+/// may it have committed?).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    /// Committed, reply received.
+    Committed(Receipt),
+    /// Definitively refused: no effect.
+    Rejected {
+        /// Provider's reason (never stored or traced: it is raw reply text).
+        reason: String,
+    },
+    /// 429 with Retry-After: provably not accepted.
+    RateLimited {
+        /// Retry-After.
+        retry_after_ms: u64,
+    },
+    /// 503 (or a 5xx the tool's configuration says means "not committed"):
+    /// provably not accepted.
+    Unavailable {
+        /// Retry-After, when the provider sent one.
+        retry_after_ms: Option<u64>,
+    },
+    /// The connection was never established (refused, connect timeout, name
+    /// not resolved): provably not received.
+    ConnectTimeout,
+    /// Sent, no reply in time (or the connection dropped after the request was
+    /// written): it may or may not have committed.
+    TimedOut,
+    /// A server error after the request was sent: it may have committed.
+    ServerError,
+    /// The provider says the same key is still being processed: received, not
+    /// finished; ask again later.
+    InProgress {
+        /// Retry-After, when the provider sent one.
+        retry_after_ms: Option<u64>,
+    },
+    /// The provider says the key was used before with another request: the
+    /// ledger and the provider disagree about what this key means.
+    KeyConflict,
+    /// A reply that cannot be parsed (the effect may exist).
+    Malformed,
+}
+
+/// A status lookup by downstream key.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Lookup {
+    /// The provider has a receipt.
+    Found(Receipt),
+    /// Nothing (yet).
+    NotFound,
+    /// The lookup itself failed.
+    Unavailable,
+}
+
+/// Downstream errors that are not replies (the adapter's own storage or set-up failed).
+#[derive(Debug, thiserror::Error)]
+pub enum DownstreamError {
+    /// Its storage failed.
+    #[error("downstream storage: {0}")]
+    Store(#[from] StoreError),
+    /// It could not be set up (a missing secret, a bad URL).
+    #[error("downstream {name}: {reason}")]
+    Setup {
+        /// Downstream name.
+        name: String,
+        /// What is wrong (no secret values, no local paths).
+        reason: String,
+    },
+}
+
+/// The adapter every downstream implements.
+pub trait Downstream: Send {
+    /// Executes a request under a downstream key.
+    fn execute(&mut self, downstream_key: &str, req: &DownstreamRequest) -> Result<Reply, DownstreamError>;
+    /// Looks up what happened under a downstream key.
+    fn lookup(&mut self, downstream_key: &str) -> Result<Lookup, DownstreamError>;
+}
+
+/// What an adapter may use when an engine opens it.
+pub struct DownstreamContext<'a> {
+    /// The ledger the engine is on (a simulated provider keeps its tables beside it).
+    pub ledger_path: &'a Path,
+    /// The engine's clock.
+    pub clock: Arc<dyn Clock>,
+    /// The fault plan the engine's `set_faults` changes (simulated providers).
+    pub faults: Arc<Mutex<FaultPlan>>,
+    /// Durability of the ledger.
+    pub sync: crate::store::Sync,
+    /// The engine's id source.
+    pub ids: Ids,
+    /// The engine is read-only: the adapter must not write.
+    pub read_only: bool,
+}
+
+/// Opens one downstream per engine from the catalog's `downstream` section.
+pub trait DownstreamFactory: Send + Sync {
+    /// Checks the section when the toolset is built; `Err(field, why)` refuses
+    /// the catalog (`CATALOG_INVALID`).
+    fn check(&self, downstream: &DownstreamRef, effect: Effect) -> Result<(), (String, String)>;
+    /// Opens an instance for one engine.
+    fn open(
+        &self,
+        downstream: &DownstreamRef,
+        ctx: &DownstreamContext<'_>,
+    ) -> Result<Box<dyn Downstream>, DownstreamError>;
+}
+
+/// The adapter name of a tool answered locally by its domain (reads).
+pub const LOCAL_ADAPTER: &str = "local";
+
+/// A catalog with the domains and adapters that serve it.
+#[derive(Clone)]
+pub struct Toolset {
+    catalog: Arc<Contracts>,
+    domains: BTreeMap<String, Arc<dyn ToolDomain>>,
+    adapters: BTreeMap<String, Arc<dyn DownstreamFactory>>,
+}
+
+impl std::fmt::Debug for Toolset {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Toolset")
+            .field("tools", &self.catalog.all().iter().map(|c| c.name.as_str()).collect::<Vec<_>>())
+            .field("domains", &self.domains.keys().collect::<Vec<_>>())
+            .field("adapters", &self.adapters.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// Builds a [`Toolset`]: add the adapters and domains, then [`ToolsetBuilder::build`]
+/// checks that every tool of the catalog is served.
+pub struct ToolsetBuilder {
+    catalog: Arc<Contracts>,
+    domains: BTreeMap<String, Arc<dyn ToolDomain>>,
+    adapters: BTreeMap<String, Arc<dyn DownstreamFactory>>,
+}
+
+impl ToolsetBuilder {
+    /// A downstream adapter under the name the catalog's `downstream.adapter` uses.
+    #[must_use]
+    pub fn adapter(mut self, name: &str, factory: Arc<dyn DownstreamFactory>) -> Self {
+        self.adapters.insert(name.to_string(), factory);
+        self
+    }
+
+    /// A domain for these tools (tools the catalog does not hold are ignored:
+    /// one domain can serve a world that a catalog only partly uses).
+    #[must_use]
+    pub fn domain(mut self, tools: &[&str], domain: &Arc<dyn ToolDomain>) -> Self {
+        for t in tools {
+            self.domains.insert((*t).to_string(), Arc::clone(domain));
+        }
+        self
+    }
+
+    /// Checks that every tool's adapter exists and accepts its section, and that
+    /// a locally answered tool has a domain.
+    pub fn build(self) -> Result<Toolset, ContractError> {
+        for c in self.catalog.all() {
+            let d = &c.downstream;
+            let invalid =
+                |field: String, reason: String| ContractError::Invalid { file: c.file.clone(), field, reason };
+            if d.adapter == LOCAL_ADAPTER {
+                if c.effect != Effect::Read {
+                    return Err(invalid(
+                        "downstream.adapter".into(),
+                        "a write or external tool needs a downstream that executes it, not `local`".into(),
+                    ));
+                }
+                if !self.domains.contains_key(&c.name) {
+                    return Err(invalid(
+                        "downstream.adapter".into(),
+                        format!("`local` needs a domain that answers {}; none is registered", c.name),
+                    ));
+                }
+                continue;
+            }
+            if c.effect == Effect::Read {
+                return Err(invalid(
+                    "downstream.adapter".into(),
+                    "read tools are answered locally by their domain in this version (adapter `local`)".into(),
+                ));
+            }
+            let Some(f) = self.adapters.get(&d.adapter) else {
+                let known: Vec<&str> = self.adapters.keys().map(String::as_str).collect();
+                return Err(invalid(
+                    "downstream.adapter".into(),
+                    format!("unknown adapter {:?} (known: local, {})", d.adapter, known.join(", ")),
+                ));
+            };
+            f.check(d, c.effect).map_err(|(field, why)| invalid(format!("downstream.{field}"), why))?;
+        }
+        Ok(Toolset { catalog: self.catalog, domains: self.domains, adapters: self.adapters })
+    }
+}
+
+impl Toolset {
+    /// Starts a toolset over a catalog.
+    pub fn builder(catalog: Arc<Contracts>) -> ToolsetBuilder {
+        ToolsetBuilder { catalog, domains: BTreeMap::new(), adapters: BTreeMap::new() }
+    }
+
+    /// The catalog.
+    pub fn catalog(&self) -> &Arc<Contracts> {
+        &self.catalog
+    }
+
+    /// The same domains and adapters over another catalog (a revision change in
+    /// a test or the lab); checked like a new toolset.
+    pub fn with_catalog(&self, catalog: Arc<Contracts>) -> Result<Toolset, ContractError> {
+        ToolsetBuilder { catalog, domains: self.domains.clone(), adapters: self.adapters.clone() }.build()
+    }
+
+    /// The domain of a tool ([`NoDomain`] when it has none).
+    pub fn domain(&self, tool: &str) -> Arc<dyn ToolDomain> {
+        self.domains.get(tool).cloned().unwrap_or_else(|| Arc::new(NoDomain))
+    }
+
+    /// Each distinct domain with the tools it serves (for the audit).
+    pub fn domain_groups(&self) -> Vec<(Vec<String>, Arc<dyn ToolDomain>)> {
+        let mut groups: Vec<(Vec<String>, Arc<dyn ToolDomain>)> = Vec::new();
+        for (tool, d) in &self.domains {
+            match groups.iter_mut().find(|(_, g)| Arc::ptr_eq(g, d)) {
+                Some((tools, _)) => tools.push(tool.clone()),
+                None => groups.push((vec![tool.clone()], d.clone())),
+            }
+        }
+        groups
+    }
+
+    /// Opens one instance of every downstream the catalog names, by downstream name.
+    pub(crate) fn open_downstreams(
+        &self,
+        ctx: &DownstreamContext<'_>,
+    ) -> Result<BTreeMap<String, Box<dyn Downstream>>, DownstreamError> {
+        let mut out = BTreeMap::new();
+        for c in self.catalog.all() {
+            let d = &c.downstream;
+            if d.adapter == LOCAL_ADAPTER || out.contains_key(&d.name) {
+                continue;
+            }
+            if let Some(f) = self.adapters.get(&d.adapter) {
+                out.insert(d.name.clone(), f.open(d, ctx)?);
+            }
+        }
+        Ok(out)
+    }
+}

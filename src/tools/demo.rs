@@ -1,0 +1,112 @@
+//! The demo world's domain: orders owned by subjects, `get_order` answered
+//! from them, `create_refund`'s rules (refundable, same currency, within what
+//! is left) and its balance update, and the audit of the balances against the
+//! ledger's succeeded refunds. `notify_customer` only needs the order to be
+//! the caller's. Nothing else in toolgate names an order.
+
+use serde_json::{json, Value};
+
+use crate::engine::tool::{ToolCall, ToolDomain};
+use crate::store::{StoreError, Tx};
+
+/// The tools this domain serves.
+pub const TOOLS: [&str; 3] = ["get_order", "create_refund", "notify_customer"];
+
+/// The demo world's domain.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DemoDomain;
+
+fn order_ref<'a>(call: &ToolCall<'a>) -> Option<&'a str> {
+    call.arguments.get("order_ref").and_then(Value::as_str)
+}
+
+impl ToolDomain for DemoDomain {
+    fn visible(&self, tx: &Tx<'_>, call: &ToolCall<'_>) -> Result<bool, StoreError> {
+        let Some(r) = order_ref(call) else { return Ok(true) };
+        // Not owned, cross-tenant and nonexistent look the same.
+        Ok(tx.order(r)?.is_some_and(|o| o.tenant == call.tenant && o.owner == call.subject))
+    }
+
+    fn rules(&self, tx: &Tx<'_>, call: &ToolCall<'_>) -> Result<Option<&'static str>, StoreError> {
+        if call.tool != "create_refund" {
+            return Ok(None);
+        }
+        let Some(o) = tx.order(order_ref(call).unwrap_or_default())? else {
+            return Ok(Some("order_missing"));
+        };
+        let amount = call.arguments.get("amount_minor").and_then(Value::as_i64).unwrap_or(0);
+        let currency = call.arguments.get("currency").and_then(Value::as_str).unwrap_or_default();
+        if o.status == "refunded" {
+            return Ok(Some("order_not_refundable"));
+        }
+        if currency != o.currency {
+            return Ok(Some("currency_mismatch"));
+        }
+        if amount > o.captured_minor - o.refunded_minor {
+            return Ok(Some("amount_exceeds_remaining"));
+        }
+        Ok(None)
+    }
+
+    fn apply(&self, tx: &Tx<'_>, call: &ToolCall<'_>, _result: &Value) -> Result<(), StoreError> {
+        if call.tool == "create_refund" {
+            let amount = call.arguments.get("amount_minor").and_then(Value::as_i64).unwrap_or(0);
+            tx.apply_refund(order_ref(call).unwrap_or_default(), amount)?;
+        }
+        Ok(())
+    }
+
+    fn read(&self, tx: &Tx<'_>, call: &ToolCall<'_>) -> Result<Option<Value>, StoreError> {
+        Ok(tx.order(order_ref(call).unwrap_or_default())?.map(|o| {
+            json!({
+                "order_ref": o.order_ref, "currency": o.currency, "captured_minor": o.captured_minor,
+                "refunded_minor": o.refunded_minor, "status": o.status,
+            })
+        }))
+    }
+
+    /// Each order's `refunded_minor` covers at least the refunds the ledger holds
+    /// as succeeded (the world file's starting balance is not kept, so a balance
+    /// above the ledger's refunds is not a finding), and its status matches it.
+    fn audit(
+        &self,
+        tx: &Tx<'_>,
+        succeeded: &[(ToolCall<'_>, Value)],
+        find: &mut dyn FnMut(&str, &str, &str),
+    ) -> Result<(), StoreError> {
+        let mut refunded: std::collections::BTreeMap<&str, i64> = std::collections::BTreeMap::new();
+        for (call, _) in succeeded.iter().filter(|(c, _)| c.tool == "create_refund") {
+            if let (Some(order), Some(amount)) =
+                (order_ref(call), call.arguments.get("amount_minor").and_then(Value::as_i64))
+            {
+                *refunded.entry(order).or_default() += amount;
+            }
+        }
+        for o in tx.orders()? {
+            let held = refunded.get(o.order_ref.as_str()).copied().unwrap_or(0);
+            if o.refunded_minor < held {
+                find(
+                    "order",
+                    &o.order_ref,
+                    &format!(
+                        "refunded_minor {} is below the {held} the ledger's succeeded refunds add up to",
+                        o.refunded_minor
+                    ),
+                );
+            }
+            let expected = match o.refunded_minor {
+                0 => "paid",
+                r if r == o.captured_minor => "refunded",
+                _ => "partially_refunded",
+            };
+            if o.status != expected {
+                find(
+                    "order",
+                    &o.order_ref,
+                    &format!("status {} does not match refunded_minor {}", o.status, o.refunded_minor),
+                );
+            }
+        }
+        Ok(())
+    }
+}

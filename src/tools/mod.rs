@@ -1,0 +1,84 @@
+//! The tools toolgate ships, above the engine: the demo catalog
+//! (`assets/catalog/`, embedded) with its domain ([`demo::DemoDomain`]), and
+//! the toolsets that put a catalog together with the domains and adapters
+//! that serve it (`simulated`, `http`).
+//!
+//! `EngineOptions::default()` is defined here, not in the engine: it is the
+//! demo toolset, so the engine itself names no tool and no provider. An
+//! embedder builds its own [`Toolset`] (see `examples/embed.rs`).
+
+pub mod demo;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::downstream::SimulatedAdapter;
+use crate::engine::clock::SystemClock;
+use crate::engine::contracts::{ContractError, Contracts};
+use crate::engine::tool::{ToolDomain, Toolset};
+use crate::engine::{DefensesOff, EngineOptions};
+use crate::store::Sync;
+
+const DEMO_CATALOG: [(&str, &str); 3] = [
+    ("create_refund.json", include_str!("../../assets/catalog/create_refund.json")),
+    ("get_order.json", include_str!("../../assets/catalog/get_order.json")),
+    ("notify_customer.json", include_str!("../../assets/catalog/notify_customer.json")),
+];
+
+/// The demo catalog shipped in `assets/catalog/` (embedded in the binary).
+pub fn demo_catalog() -> Result<Contracts, ContractError> {
+    Contracts::from_texts(DEMO_CATALOG.iter().map(|(f, t)| (*f, *t)))
+}
+
+/// A catalog served by the demo domain and the `simulated` and `http` adapters.
+pub fn toolset_for(catalog: Arc<Contracts>) -> Result<Toolset, ContractError> {
+    Toolset::builder(catalog)
+        .adapter("simulated", Arc::new(SimulatedAdapter))
+        .domain(&demo::TOOLS, &(Arc::new(demo::DemoDomain) as Arc<dyn ToolDomain>))
+        .build()
+}
+
+/// The demo catalog with its domain and the simulated providers.
+pub fn demo_toolset() -> Arc<Toolset> {
+    static DEMO: std::sync::OnceLock<Arc<Toolset>> = std::sync::OnceLock::new();
+    DEMO.get_or_init(|| {
+        // The embedded catalog is part of the build; the unit test below loads it.
+        let catalog = demo_catalog().expect("the embedded demo catalog loads");
+        Arc::new(toolset_for(Arc::new(catalog)).expect("the demo catalog's adapters exist"))
+    })
+    .clone()
+}
+
+/// `--catalog DIR`: that directory's catalog, served like the demo's; the
+/// built-in demo catalog without it.
+pub fn load_toolset(dir: Option<&Path>) -> Result<Arc<Toolset>, ContractError> {
+    match dir {
+        None => Ok(demo_toolset()),
+        Some(d) => Ok(Arc::new(toolset_for(Arc::new(Contracts::from_dir(d)?))?)),
+    }
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            clock: Arc::new(SystemClock),
+            sync: Sync::Full,
+            worker_id: format!("w{}-{}", std::process::id(), hex::encode(rand::random::<[u8; 4]>())),
+            toolset: demo_toolset(),
+            contracts: None,
+            seed: None,
+            defenses_off: DefensesOff::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_demo_catalog_loads_and_is_served() {
+        let t = toolset_for(Arc::new(demo_catalog().unwrap())).unwrap();
+        assert_eq!(t.catalog().all().len(), 3);
+    }
+}
