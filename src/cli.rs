@@ -48,14 +48,46 @@ pub struct Cli {
     /// Refuse every state-changing action.
     #[arg(long, global = true)]
     pub read_only: bool,
+    /// The tool catalog: a directory with one JSON file per tool (see
+    /// assets/catalog/); the built-in demo catalog when absent.
+    #[arg(long, global = true, value_name = "DIR")]
+    pub catalog: Option<PathBuf>,
     /// Command (the console opens when none is given, once it lands).
     #[command(subcommand)]
     pub command: Option<Command>,
 }
 
+/// `toolgate provider ...`.
+#[derive(Debug, Subcommand)]
+pub enum ProviderCommand {
+    /// Serve the simulated providers over HTTP (loopback only unless --public)
+    /// until Ctrl-C or SIGTERM; prints `listening on ADDR` once bound.
+    Serve {
+        /// Address to listen on (port 0: any free port).
+        #[arg(long, default_value = "127.0.0.1:8081")]
+        listen: std::net::SocketAddr,
+        /// The provider's own database (created when missing).
+        #[arg(long = "provider-db", value_name = "PATH")]
+        provider_db: PathBuf,
+        /// Allow a non-loopback address.
+        #[arg(long)]
+        public: bool,
+        /// Faults for requests without a Toolgate-Fault header: a script
+        /// (`rate_limit(2000),ok`) or a rate (`random(0.05,seed=7)`).
+        #[arg(long, value_name = "SPEC")]
+        faults: Option<String>,
+    },
+}
+
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// The simulated payments and notifications providers over HTTP.
+    Provider {
+        /// What to do.
+        #[command(subcommand)]
+        what: ProviderCommand,
+    },
     /// Create a database and load a world file (the demo world by default).
     Init {
         /// World file (JSON); the demo world when absent.
@@ -560,7 +592,7 @@ fn command_wants_json(c: Option<&Command>) -> bool {
             | Command::Bench { json, .. },
         ) => *json,
         Some(Command::DemoDb { json, .. }) => *json,
-        Some(Command::Demo { .. }) => false,
+        Some(Command::Demo { .. } | Command::Provider { .. }) => false,
         Some(Command::Dispatch(a)) => a.json,
         Some(Command::Query(a)) => a.json,
         Some(Command::Resolve(a)) => a.act.json,
@@ -589,10 +621,16 @@ fn db_path(cli: &Cli) -> Result<&Path, CliError> {
     cli.db.as_deref().ok_or_else(|| CliError::new("DB_REQUIRED", "--db PATH is required for this command"))
 }
 
+/// The engine options of a command: its clock and its catalog (`--catalog`).
+fn engine_options(cli: &Cli) -> Result<EngineOptions, CliError> {
+    let clock = clock_from(cli.now.as_deref())?;
+    let toolset = crate::tools::load_toolset(cli.catalog.as_deref()).map_err(EngineError::from)?;
+    Ok(EngineOptions { clock, toolset, ..EngineOptions::default() })
+}
+
 fn open(cli: &Cli) -> Result<Engine, CliError> {
     let path = db_path(cli)?;
-    let clock = clock_from(cli.now.as_deref())?;
-    let engine = Engine::open(path, EngineOptions { clock, ..EngineOptions::default() })?;
+    let engine = Engine::open(path, engine_options(cli)?)?;
     // Diagnostics go to `<db>.log` (or $TOOLGATE_LOG), never to the terminal.
     crate::telemetry::logging::init_for_db(path);
     tracing::info!(read_only = cli.read_only, pid = std::process::id(), "cli opened the ledger");
@@ -603,8 +641,7 @@ fn open(cli: &Cli) -> Result<Engine, CliError> {
 /// written (an empty or foreign file is DB_NOT_TOOLGATE).
 fn open_read(cli: &Cli) -> Result<Engine, CliError> {
     let path = db_path(cli)?;
-    let clock = clock_from(cli.now.as_deref())?;
-    let engine = Engine::open_read_only(path, EngineOptions { clock, ..EngineOptions::default() })?;
+    let engine = Engine::open_read_only(path, engine_options(cli)?)?;
     crate::telemetry::logging::init_for_db(path);
     tracing::info!(pid = std::process::id(), "cli opened the ledger read-only");
     Ok(engine)
@@ -733,8 +770,9 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 }
             }
             let existed = path.exists();
-            let clock = clock_from(cli.now.as_deref())?;
-            let mut engine = Engine::create(path, EngineOptions { clock, ..EngineOptions::default() })?;
+            // The catalog loads (or is refused) before anything is created.
+            let opts = engine_options(cli)?;
+            let mut engine = Engine::create(path, opts)?;
             if let Err(e) = engine.load_world(&w) {
                 drop(engine);
                 if !existed {
@@ -921,6 +959,21 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 Ok(0)
             }
         },
+        Command::Provider { what: ProviderCommand::Serve { listen, provider_db, public, faults } } => {
+            let faults = match faults {
+                Some(spec) => {
+                    crate::downstream::FaultPlan::parse(spec).map_err(|e| CliError::new("BAD_FAULT", e.to_string()))?
+                }
+                None => crate::downstream::FaultPlan::none(),
+            };
+            crate::telemetry::logging::init_for_db(provider_db);
+            let opts = crate::downstream::serve::ServeOptions { listen: *listen, public: *public, faults };
+            crate::downstream::serve::serve(provider_db, opts, |addr| {
+                outln!("listening on {addr}");
+            })
+            .map_err(|e| CliError::new(e.code(), e.to_string()))?;
+            Ok(0)
+        }
         Command::Counts { json } => {
             let mut engine = open_read(cli)?;
             let c = engine.counts()?;

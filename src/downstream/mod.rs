@@ -4,6 +4,9 @@
 //! The providers keep their effects in their own tables (`provider_effects`) on
 //! their own connection; the engine reaches them only through [`Downstream`].
 
+pub mod http;
+pub mod serve;
+
 use std::sync::Mutex;
 
 use serde_json::Value;
@@ -129,7 +132,10 @@ impl Simulated {
         self.faults.lock().map_or(Fault::Ok, |mut f| f.next_fault())
     }
 
-    fn commit(
+    /// Commits an effect under a key (the same key with the same body finds the
+    /// original; another body is refused), visible to lookups after
+    /// `visible_delay_ms`; `drift` records something other than what was asked.
+    pub fn commit(
         &mut self,
         key: &str,
         req: &DownstreamRequest,
@@ -273,6 +279,15 @@ impl Downstream for Simulated {
             Fault::PanicAfterCommit => {
                 let _ = self.commit(key, req, 0, false)?;
                 panic!("simulated handler panic after commit");
+            }
+            Fault::DropAfterCommit => {
+                let _ = self.commit(key, req, 0, false)?;
+                Reply::TimedOut
+            }
+            Fault::InProgress(ms) => Reply::InProgress { retry_after_ms: Some(ms) },
+            Fault::ServerErrorAfterCommit => {
+                let _ = self.commit(key, req, 0, false)?;
+                Reply::ServerError
             }
             Fault::CrashAfterCommit => {
                 let _ = self.commit(key, req, 0, false)?;

@@ -16,10 +16,10 @@ use super::operation::{
     revisions_of, verify_row, APPROVAL_TTL_MS,
 };
 use super::policy::{self, backoff_ms, Admission};
+use super::tool::{DownstreamRequest, Reply};
 use super::tool::{ToolCall, ToolDomain};
 use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, DefensesOff, Engine, EngineError};
-use crate::downstream::{DownstreamRequest, Reply};
 use crate::failpoint;
 use crate::store::{ApprovalRow, CallIdentityRow, CallKey, OperationRow, ReceiptRow, StoreError, Sync, Tx};
 
@@ -558,7 +558,7 @@ impl Engine {
                 ev.write(tx, now)?;
                 report.parked_unknown += 1;
             }
-            tx.prune_metric_minutes(crate::telemetry::metrics::minutes_retained_from(now))?;
+            tx.prune_metric_minutes(super::trace::minutes_retained_from(now))?;
             Ok(report)
         })?)
     }

@@ -40,6 +40,13 @@ pub enum Fault {
     PanicAfterCommit,
     /// Committed, then the process aborts.
     CrashAfterCommit,
+    /// Committed, then the connection drops with no reply (a reset after the
+    /// request was written).
+    DropAfterCommit,
+    /// The same key is still being processed (409 with Retry-After, ms): no effect yet.
+    InProgress(u64),
+    /// Committed, then a 500: a server error after the request was sent.
+    ServerErrorAfterCommit,
     /// A misbehaving provider (redaction tests): commits, and its reply echoes a
     /// credential in an `authorization` header and, when `in_result`, in an
     /// undeclared result field too. Its own records stay clean.
@@ -53,10 +60,35 @@ pub enum Fault {
 
 /// A fault spec that could not be parsed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("bad fault spec {0:?}: expected e.g. ok, latency(ms), reject(code), rate_limit(ms), unavailable, connect_timeout, timeout_before_commit, timeout_after_commit, receipt_delay(ms), mismatch_after_commit, malformed_response, panic_after_commit, crash_after_commit, or random(rate,seed=N)")]
+#[error("bad fault spec {0:?}: expected e.g. ok, latency(ms), reject(code), rate_limit(ms), unavailable, connect_timeout, timeout_before_commit, timeout_after_commit, receipt_delay(ms), mismatch_after_commit, malformed_response, panic_after_commit, crash_after_commit, drop_after_commit, in_progress(ms), server_error_after_commit, or random(rate,seed=N)")]
 pub struct FaultParseError(pub String);
 
 impl Fault {
+    /// The spec [`Fault::parse`] reads back (how a fault travels in the
+    /// `Toolgate-Fault` header to a provider served over HTTP).
+    pub fn spec(&self) -> String {
+        match self {
+            Fault::Ok => "ok".into(),
+            Fault::Latency(ms) => format!("latency({ms})"),
+            Fault::Reject(code) => format!("reject({code})"),
+            Fault::RateLimit(ms) => format!("rate_limit({ms})"),
+            Fault::Unavailable => "unavailable".into(),
+            Fault::ConnectTimeout => "connect_timeout".into(),
+            Fault::TimeoutBeforeCommit => "timeout_before_commit".into(),
+            Fault::TimeoutAfterCommit => "timeout_after_commit".into(),
+            Fault::ReceiptDelay(ms) => format!("receipt_delay({ms})"),
+            Fault::MismatchAfterCommit => "mismatch_after_commit".into(),
+            Fault::MalformedResponse => "malformed_response".into(),
+            Fault::PanicAfterCommit => "panic_after_commit".into(),
+            Fault::CrashAfterCommit => "crash_after_commit".into(),
+            Fault::DropAfterCommit => "drop_after_commit".into(),
+            Fault::InProgress(ms) => format!("in_progress({ms})"),
+            Fault::ServerErrorAfterCommit => "server_error_after_commit".into(),
+            Fault::EchoCredential { value, in_result: false } => format!("echo_header({value})"),
+            Fault::EchoCredential { value, in_result: true } => format!("echo_credential({value})"),
+        }
+    }
+
     /// Parses one fault (durations in milliseconds, bounded: see [`MAX_WAIT_MS`]).
     pub fn parse(s: &str) -> Result<Fault, FaultParseError> {
         let s = s.trim();
@@ -87,6 +119,9 @@ impl Fault {
             ("malformed_response", None) => Fault::MalformedResponse,
             ("panic_after_commit", None) => Fault::PanicAfterCommit,
             ("crash_after_commit", None) => Fault::CrashAfterCommit,
+            ("drop_after_commit", None) => Fault::DropAfterCommit,
+            ("in_progress", Some(_)) => Fault::InProgress(num_max(MAX_WAIT_MS)?),
+            ("server_error_after_commit", None) => Fault::ServerErrorAfterCommit,
             ("echo_header", Some(v)) if !v.is_empty() && v.len() <= 128 => {
                 Fault::EchoCredential { value: v.to_string(), in_result: false }
             }
@@ -178,12 +213,40 @@ mod tests {
     }
 
     #[test]
+    fn every_spec_reads_back() {
+        for spec in [
+            "ok",
+            "latency(5)",
+            "reject(card_declined)",
+            "rate_limit(2000)",
+            "unavailable",
+            "connect_timeout",
+            "timeout_before_commit",
+            "timeout_after_commit",
+            "receipt_delay(7)",
+            "mismatch_after_commit",
+            "malformed_response",
+            "panic_after_commit",
+            "crash_after_commit",
+            "drop_after_commit",
+            "in_progress(9)",
+            "server_error_after_commit",
+            "echo_header(t)",
+            "echo_credential(t)",
+        ] {
+            assert_eq!(Fault::parse(spec).map(|f| f.spec()), Ok(spec.to_string()));
+        }
+    }
+
+    #[test]
     fn parses_scripts() {
         check("ok", Ok(vec![Fault::Ok, Fault::Ok]));
         check("rate_limit(2000),ok", Ok(vec![Fault::RateLimit(2000), Fault::Ok]));
         check("receipt_delay(5000)", Ok(vec![Fault::ReceiptDelay(5000)]));
         check("reject(card_declined)", Ok(vec![Fault::Reject("card_declined".into())]));
         check("crash_after_commit", Ok(vec![Fault::CrashAfterCommit]));
+        check("drop_after_commit,in_progress(1500)", Ok(vec![Fault::DropAfterCommit, Fault::InProgress(1500)]));
+        check("server_error_after_commit", Ok(vec![Fault::ServerErrorAfterCommit]));
         check("echo_header(tok_1)", Ok(vec![Fault::EchoCredential { value: "tok_1".into(), in_result: false }]));
         check("echo_credential(tok_2)", Ok(vec![Fault::EchoCredential { value: "tok_2".into(), in_result: true }]));
         check("echo_header()", Err(()));

@@ -19,7 +19,7 @@ pub mod policy;
 mod recovery;
 pub mod retention;
 pub mod tool;
-mod trace;
+pub mod trace;
 pub mod views;
 pub mod world;
 
@@ -73,6 +73,7 @@ impl EngineError {
     pub fn code(&self) -> &'static str {
         match self {
             EngineError::Store(e) => e.code(),
+            EngineError::Downstream(DownstreamError::Setup { .. }) => "DOWNSTREAM_SETUP",
             EngineError::Downstream(_) => "DOWNSTREAM_STORAGE",
             EngineError::Contract(_) => "CATALOG_INVALID",
             EngineError::Invalid { code, .. } => code,

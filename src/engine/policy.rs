@@ -24,7 +24,7 @@
 
 use super::contracts::{CircuitPolicy, RetryPolicy};
 use super::ids::Ids;
-use crate::downstream::Reply;
+use super::tool::Reply;
 use crate::store::{CircuitRow, StoreError, Tx, MILLI_TOKEN};
 
 /// Full-jitter exponential backoff: uniform in `[0, min(cap, base·2^(attempt-1))]`

@@ -10,10 +10,10 @@ use super::operation::{
     apply_business_effect, approval_amount, args_of, authorize, binding_of, op_envelope, revisions_of, verify_approval,
     verify_row,
 };
+use super::tool::Lookup;
 use super::tool::ToolCall;
 use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, Engine, EngineError};
-use crate::downstream::Lookup;
 use crate::failpoint;
 use crate::store::{AuditRow, CallIdentityRow, OperationRow, ReceiptRow, StoreError, Tx};
 

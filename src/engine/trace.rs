@@ -322,3 +322,11 @@ fn fill<T: Clone>(slot: &mut Option<T>, from: Option<&T>) {
         slot.clone_from(&from.cloned());
     }
 }
+
+/// How long the per-minute rollups are kept (the all-time totals stay).
+pub const MINUTES_RETAINED: i64 = 7 * 24 * 60;
+
+/// The oldest minute the reaper keeps, given the time now.
+pub fn minutes_retained_from(now_ms: i64) -> i64 {
+    now_ms.div_euclid(60_000) - MINUTES_RETAINED
+}

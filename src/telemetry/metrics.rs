@@ -21,13 +21,7 @@ use super::histogram::{Histogram, Percentiles, PROMETHEUS_BOUNDS_US};
 use crate::engine::{Engine, EngineError};
 use crate::store::{ApprovalStateRow, LatencyRow, MetricRow, OpenOperationsRow, StoreError};
 
-/// How long the per-minute rollups are kept (the all-time totals stay).
-pub const MINUTES_RETAINED: i64 = 7 * 24 * 60;
-
-/// The oldest minute the reaper keeps, given the time now.
-pub fn minutes_retained_from(now_ms: i64) -> i64 {
-    now_ms.div_euclid(60_000) - MINUTES_RETAINED
-}
+pub use crate::engine::trace::{minutes_retained_from, MINUTES_RETAINED};
 
 /// The time window for rates and windowed percentiles: the last `span_minutes`
 /// (the current, partial minute included), in buckets of `bucket_minutes`.

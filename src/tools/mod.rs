@@ -12,6 +12,7 @@ pub mod demo;
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::downstream::http::HttpAdapter;
 use crate::downstream::SimulatedAdapter;
 use crate::engine::clock::SystemClock;
 use crate::engine::contracts::{ContractError, Contracts};
@@ -34,6 +35,7 @@ pub fn demo_catalog() -> Result<Contracts, ContractError> {
 pub fn toolset_for(catalog: Arc<Contracts>) -> Result<Toolset, ContractError> {
     Toolset::builder(catalog)
         .adapter("simulated", Arc::new(SimulatedAdapter))
+        .adapter("http", Arc::new(HttpAdapter))
         .domain(&demo::TOOLS, &(Arc::new(demo::DemoDomain) as Arc<dyn ToolDomain>))
         .build()
 }

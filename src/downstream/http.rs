@@ -1,0 +1,458 @@
+//! The `http` adapter: a real HTTP service as a downstream (docs/design.md §7
+//! over a real network). The catalog's `downstream.http` section says where to
+//! send, which header carries the key, where to look a key up and how to read
+//! the reply; the reply is classified by evidence: was the request provably
+//! not received (retry), or may it have committed (unknown, ask later)?
+//!
+//! The client is `ureq` 3: blocking fits the engine's synchronous worker (one
+//! engine per thread, one call at a time), it has per-request global,
+//! connect, send and receive timeouts and a body-size limit, and its errors
+//! say at which stage a call failed (resolve, connect, send, receive), which is
+//! the evidence the classification needs. Connections are not pooled: a
+//! pooled connection the server had closed would fail after the request was
+//! written and look like a possibly-received call.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::engine::canonical::{canonical_string, parse_strict};
+use crate::engine::contracts::{DownstreamRef, Effect};
+use crate::engine::faults::Fault;
+use crate::engine::tool::{
+    Downstream, DownstreamContext, DownstreamError, DownstreamFactory, DownstreamRequest, Lookup, Receipt, Reply,
+};
+
+/// The header that carries the request digest, so that a provider that
+/// records it can prove which request a receipt is for.
+pub const REQUEST_DIGEST_HEADER: &str = "Toolgate-Request-Sha256";
+/// The header that carries the business intent label (a hash of the scope),
+/// so a provider can count effects per intent.
+pub const INTENT_HEADER: &str = "Toolgate-Intent";
+/// The test header a simulated provider server obeys (a fault spec).
+pub const FAULT_HEADER: &str = "Toolgate-Fault";
+/// The longest reply body read by default.
+pub const DEFAULT_MAX_BODY_BYTES: u64 = 256 * 1024;
+/// The largest Retry-After honoured: one hour.
+const MAX_RETRY_AFTER_MS: u64 = 3_600_000;
+
+/// One endpoint: a method and a URL template (`{key}` is the downstream key,
+/// percent-encoded; the URL starts with the base URL).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Endpoint {
+    /// `POST` or `PUT` for execute, `GET` for lookup.
+    pub method: String,
+    /// Path after the base URL, e.g. `/v1/refunds` or `/v1/refunds/by-key/{key}`.
+    pub path: String,
+}
+
+/// Where each part of a reply is, as JSON pointers into its body.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplyPointers {
+    /// The receipt id (required in a 2xx reply).
+    pub receipt_id: String,
+    /// The provider's request id (optional).
+    #[serde(default)]
+    pub request_id: Option<String>,
+    /// The result the tool's output contract checks (`""`: the whole body).
+    #[serde(default)]
+    pub result: String,
+    /// The request digest the provider recorded (optional; see [`REQUEST_DIGEST_HEADER`]).
+    #[serde(default)]
+    pub body_sha256: Option<String>,
+}
+
+/// A header whose value is a secret, read from the environment or a file
+/// when an engine opens the downstream; never stored in the catalog, the
+/// ledger, traces or logs.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretHeader {
+    /// Header name.
+    pub header: String,
+    /// Environment variable holding the value.
+    #[serde(default)]
+    pub env: Option<String>,
+    /// File holding the value (trailing line break dropped).
+    #[serde(default)]
+    pub file: Option<String>,
+    /// Put before the value (e.g. `Bearer `).
+    #[serde(default)]
+    pub prefix: String,
+}
+
+/// The `downstream.http` section of a catalog entry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    /// The base URL (`http://127.0.0.1:8081`), or
+    #[serde(default)]
+    pub base_url: Option<String>,
+    /// the environment variable that holds it.
+    #[serde(default)]
+    pub base_url_env: Option<String>,
+    /// Execute endpoint.
+    pub execute: Endpoint,
+    /// Lookup-by-key endpoint.
+    pub lookup: Endpoint,
+    /// The header that carries the downstream key (IETF httpapi
+    /// Idempotency-Key draft, Stripe); empty for a downstream that takes none.
+    #[serde(default = "default_key_header")]
+    pub key_header: String,
+    /// Where the reply's parts are.
+    pub reply: ReplyPointers,
+    /// Connect timeout (the attempt timeout of the tool bounds the whole call).
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout_ms: u64,
+    /// Largest reply body read.
+    #[serde(default = "default_max_body")]
+    pub max_body_bytes: u64,
+    /// The provider documents that its 5xx replies mean "not committed":
+    /// then a 5xx is retried like a 503. Off by default: a 5xx after the
+    /// request was sent may have committed.
+    #[serde(default)]
+    pub server_error_means_not_committed: bool,
+    /// Headers with secret values.
+    #[serde(default)]
+    pub secret_headers: Vec<SecretHeader>,
+}
+
+fn default_key_header() -> String {
+    "Idempotency-Key".into()
+}
+fn default_connect_timeout() -> u64 {
+    1_000
+}
+fn default_max_body() -> u64 {
+    DEFAULT_MAX_BODY_BYTES
+}
+
+impl HttpConfig {
+    /// Parses and checks a section; `Err((field, why))` names the field.
+    pub fn parse(d: &DownstreamRef) -> Result<HttpConfig, (String, String)> {
+        let Some(v) = &d.http else {
+            return Err(("http".into(), "the http adapter needs an `http` section".into()));
+        };
+        let c: HttpConfig = serde_path_to_error::deserialize(v.clone())
+            .map_err(|e| (format!("http.{}", e.path()), e.into_inner().to_string()))?;
+        match (&c.base_url, &c.base_url_env) {
+            (Some(u), None) => {
+                if !(u.starts_with("http://") || u.starts_with("https://")) {
+                    return Err(("http.base_url".into(), "must start with http:// or https://".into()));
+                }
+            }
+            (None, Some(e)) if !e.is_empty() => {}
+            _ => return Err(("http.base_url".into(), "give exactly one of base_url and base_url_env".into())),
+        }
+        if !matches!(c.execute.method.as_str(), "POST" | "PUT") {
+            return Err(("http.execute.method".into(), "POST or PUT".into()));
+        }
+        if c.lookup.method != "GET" {
+            return Err(("http.lookup.method".into(), "GET".into()));
+        }
+        for (f, p) in [("http.execute.path", &c.execute.path), ("http.lookup.path", &c.lookup.path)] {
+            if !p.starts_with('/') {
+                return Err((f.into(), "starts with /".into()));
+            }
+        }
+        if !c.lookup.path.contains("{key}") {
+            return Err(("http.lookup.path".into(), "looks a call up by its key: put {key} in it".into()));
+        }
+        let pointers = [
+            Some(&c.reply.receipt_id),
+            c.reply.request_id.as_ref(),
+            Some(&c.reply.result),
+            c.reply.body_sha256.as_ref(),
+        ];
+        if pointers.iter().flatten().any(|p| !p.is_empty() && !p.starts_with('/')) {
+            return Err(("http.reply".into(), "JSON pointers start with / (\"\" is the whole body)".into()));
+        }
+        if c.connect_timeout_ms == 0 || c.max_body_bytes == 0 || c.max_body_bytes > 16 * 1024 * 1024 {
+            return Err(("http".into(), "connect_timeout_ms > 0 and 0 < max_body_bytes <= 16 MiB".into()));
+        }
+        for (i, s) in c.secret_headers.iter().enumerate() {
+            if s.env.is_some() == s.file.is_some() {
+                return Err((format!("http.secret_headers[{i}]"), "give exactly one of env and file".into()));
+            }
+            if s.header.is_empty() || !s.header.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+                return Err((format!("http.secret_headers[{i}].header"), "a header name (letters, digits, -)".into()));
+            }
+        }
+        Ok(c)
+    }
+}
+
+/// The `http` adapter factory.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HttpAdapter;
+
+impl DownstreamFactory for HttpAdapter {
+    fn check(&self, d: &DownstreamRef, _effect: Effect) -> Result<(), (String, String)> {
+        let c = HttpConfig::parse(d)?;
+        if d.dedupes_keys && c.key_header.is_empty() {
+            // It cannot de-duplicate a key it is never sent.
+            return Err(("dedupes_keys".into(), "claims key de-duplication but http.key_header is empty".into()));
+        }
+        Ok(())
+    }
+
+    fn open(&self, d: &DownstreamRef, ctx: &DownstreamContext<'_>) -> Result<Box<dyn Downstream>, DownstreamError> {
+        let setup = |reason: String| DownstreamError::Setup { name: d.name.clone(), reason };
+        let cfg = HttpConfig::parse(d).map_err(|(f, why)| setup(format!("{f}: {why}")))?;
+        let base = match (&cfg.base_url, &cfg.base_url_env) {
+            (Some(u), _) => u.clone(),
+            (None, Some(var)) => {
+                std::env::var(var).map_err(|_| setup(format!("environment variable {var} is not set")))?
+            }
+            (None, None) => return Err(setup("no base URL".into())),
+        };
+        let base = base.trim_end_matches('/').to_string();
+        let mut secrets = Vec::new();
+        for s in &cfg.secret_headers {
+            let value = match (&s.env, &s.file) {
+                (Some(var), _) => {
+                    std::env::var(var).map_err(|_| setup(format!("secret header {}: {var} is not set", s.header)))?
+                }
+                (None, Some(file)) => std::fs::read_to_string(file)
+                    .map_err(|e| setup(format!("secret header {}: its file cannot be read ({})", s.header, e.kind())))?
+                    .trim_end_matches(['\n', '\r'])
+                    .to_string(),
+                (None, None) => return Err(setup("a secret header without a source".into())),
+            };
+            secrets.push((s.header.clone(), format!("{}{value}", s.prefix)));
+        }
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .max_redirects(0)
+            .max_idle_connections(0)
+            .user_agent("toolgate")
+            .build()
+            .into();
+        Ok(Box::new(HttpDownstream { name: d.name.clone(), cfg, base, secrets, agent, faults: ctx.faults.clone() }))
+    }
+}
+
+/// One HTTP downstream as an engine holds it.
+pub struct HttpDownstream {
+    name: String,
+    cfg: HttpConfig,
+    base: String,
+    /// (header, value): only in memory, never formatted.
+    secrets: Vec<(String, String)>,
+    agent: ureq::Agent,
+    /// The engine's fault plan: a fault set there (tests, `--fault`, the lab)
+    /// travels as a `Toolgate-Fault` header, which the simulated provider
+    /// server obeys; with no plan set nothing is added.
+    faults: std::sync::Arc<std::sync::Mutex<crate::engine::faults::FaultPlan>>,
+}
+
+impl std::fmt::Debug for HttpDownstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpDownstream").field("name", &self.name).field("base", &self.base).finish_non_exhaustive()
+    }
+}
+
+/// Percent-encodes a key for a URL path segment (RFC 3986 unreserved kept).
+fn encode_segment(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push('%');
+            out.push(char::from(b"0123456789ABCDEF"[usize::from(b >> 4)]));
+            out.push(char::from(b"0123456789ABCDEF"[usize::from(b & 15)]));
+        }
+    }
+    out
+}
+
+/// Retry-After as delta-seconds or an HTTP date (RFC 9110 §10.2.3), in ms, bounded.
+pub fn retry_after_ms(value: Option<&str>, now: std::time::SystemTime) -> Option<u64> {
+    let v = value?.trim();
+    if let Ok(secs) = v.parse::<u64>() {
+        return Some(secs.saturating_mul(1000).min(MAX_RETRY_AFTER_MS));
+    }
+    let at = chrono::DateTime::parse_from_rfc2822(v).ok()?;
+    let now = chrono::DateTime::<chrono::Utc>::from(now);
+    let ms = (at.with_timezone(&chrono::Utc) - now).num_milliseconds().max(0) as u64;
+    Some(ms.min(MAX_RETRY_AFTER_MS))
+}
+
+/// Whether a failed call provably never reached the server (nothing was sent).
+fn not_received(e: &ureq::Error) -> Option<Reply> {
+    match e {
+        ureq::Error::Timeout(ureq::Timeout::Connect | ureq::Timeout::Resolve) => Some(Reply::ConnectTimeout),
+        ureq::Error::HostNotFound | ureq::Error::ConnectionFailed | ureq::Error::BadUri(_) => {
+            Some(Reply::Unavailable { retry_after_ms: None })
+        }
+        ureq::Error::Io(io)
+            if matches!(io.kind(), std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::AddrNotAvailable) =>
+        {
+            Some(Reply::Unavailable { retry_after_ms: None })
+        }
+        _ => None,
+    }
+}
+
+fn pointer<'a>(body: &'a Value, p: &str) -> Option<&'a Value> {
+    if p.is_empty() {
+        Some(body)
+    } else {
+        body.pointer(p)
+    }
+}
+
+impl HttpDownstream {
+    fn url(&self, path: &str, key: &str) -> String {
+        format!("{}{}", self.base, path.replace("{key}", &encode_segment(key)))
+    }
+
+    /// A 2xx body as a receipt (`None`: it does not say what the contract needs).
+    fn receipt(&self, body: &[u8], headers: Vec<(String, String)>) -> Option<Receipt> {
+        let v = parse_strict(body, body.len(), 64).ok()?;
+        let p = &self.cfg.reply;
+        let receipt_id = pointer(&v, &p.receipt_id)?.as_str()?.to_string();
+        if receipt_id.is_empty() || receipt_id.len() > 256 {
+            return None;
+        }
+        let request_id = match &p.request_id {
+            Some(rp) => pointer(&v, rp)?.as_str()?.to_string(),
+            None => String::new(),
+        };
+        let body_sha256 = match &p.body_sha256 {
+            Some(bp) => Some(pointer(&v, bp)?.as_str()?.to_string()),
+            None => None,
+        };
+        let result = pointer(&v, &p.result)?.clone();
+        Some(Receipt { receipt_id, request_id, body_sha256, result, headers })
+    }
+
+    fn read_body(&self, resp: &mut ureq::http::Response<ureq::Body>) -> Result<Vec<u8>, ureq::Error> {
+        resp.body_mut().with_config().limit(self.cfg.max_body_bytes).read_to_vec()
+    }
+}
+
+fn header(resp: &ureq::http::Response<ureq::Body>, name: &str) -> Option<String> {
+    resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string)
+}
+
+impl Downstream for HttpDownstream {
+    fn execute(&mut self, key: &str, req: &DownstreamRequest) -> Result<Reply, DownstreamError> {
+        let total = Duration::from_millis(req.timeout_ms.max(1));
+        // Strictly before the whole-call deadline, so a connect that times
+        // out is reported as the connect stage (provably not received).
+        let connect = Duration::from_millis(self.cfg.connect_timeout_ms)
+            .min(total.saturating_sub(Duration::from_millis(1)).max(Duration::from_millis(1)));
+        let url = self.url(&self.cfg.execute.path, key);
+        let builder = if self.cfg.execute.method == "PUT" { self.agent.put(&url) } else { self.agent.post(&url) };
+        let mut builder = builder
+            .config()
+            .timeout_global(Some(total))
+            .timeout_connect(Some(connect))
+            .build()
+            .header("Content-Type", "application/json")
+            .header(REQUEST_DIGEST_HEADER, &req.request_sha256)
+            .header(INTENT_HEADER, &req.intent);
+        if !self.cfg.key_header.is_empty() {
+            builder = builder.header(&self.cfg.key_header, key);
+        }
+        for (h, v) in &self.secrets {
+            builder = builder.header(h, v);
+        }
+        let fault = self.faults.lock().map_or(Fault::Ok, |mut f| f.next_fault());
+        if fault != Fault::Ok {
+            builder = builder.header(FAULT_HEADER, &fault.spec());
+        }
+        let body = canonical_string(&req.arguments);
+        let mut resp = match builder.send(body.as_bytes()) {
+            Ok(r) => r,
+            Err(e) => {
+                let reply = not_received(&e).unwrap_or(Reply::TimedOut);
+                tracing::info!(downstream = %self.name, error = %e, "http execute failed");
+                return Ok(reply);
+            }
+        };
+        let status = resp.status().as_u16();
+        let retry_after = retry_after_ms(header(&resp, "retry-after").as_deref(), std::time::SystemTime::now());
+        Ok(match status {
+            200..=299 => {
+                let headers: Vec<(String, String)> = resp
+                    .headers()
+                    .iter()
+                    .filter_map(|(k, v)| v.to_str().ok().map(|v| (k.as_str().to_string(), v.to_string())))
+                    .collect();
+                match self.read_body(&mut resp) {
+                    // Committed, but the receipt did not arrive whole.
+                    Err(ureq::Error::BodyExceedsLimit(_)) => Reply::Malformed,
+                    Err(_) => Reply::TimedOut,
+                    Ok(b) => self.receipt(&b, headers).map_or(Reply::Malformed, Reply::Committed),
+                }
+            }
+            409 => Reply::InProgress { retry_after_ms: retry_after },
+            422 => Reply::KeyConflict,
+            429 => Reply::RateLimited { retry_after_ms: retry_after.unwrap_or(0) },
+            503 => Reply::Unavailable { retry_after_ms: retry_after },
+            500..=599 if self.cfg.server_error_means_not_committed => {
+                Reply::Unavailable { retry_after_ms: retry_after }
+            }
+            400..=499 => Reply::Rejected { reason: format!("http {status}") },
+            // 5xx after the request was sent, or a status this adapter does not
+            // expect (a redirect): it may have committed.
+            _ => Reply::ServerError,
+        })
+    }
+
+    fn lookup(&mut self, key: &str) -> Result<Lookup, DownstreamError> {
+        let url = self.url(&self.cfg.lookup.path, key);
+        let mut builder = self
+            .agent
+            .get(&url)
+            .config()
+            .timeout_global(Some(Duration::from_millis(self.cfg.connect_timeout_ms.saturating_mul(5).max(5_000))))
+            .timeout_connect(Some(Duration::from_millis(self.cfg.connect_timeout_ms)))
+            .build();
+        for (h, v) in &self.secrets {
+            builder = builder.header(h, v);
+        }
+        let mut resp = match builder.call() {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::info!(downstream = %self.name, error = %e, "http lookup failed");
+                return Ok(Lookup::Unavailable);
+            }
+        };
+        Ok(match resp.status().as_u16() {
+            200..=299 => match self.read_body(&mut resp) {
+                Ok(b) => self.receipt(&b, Vec::new()).map_or(Lookup::Unavailable, Lookup::Found),
+                Err(_) => Lookup::Unavailable,
+            },
+            404 => Lookup::NotFound,
+            _ => Lookup::Unavailable,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_takes_seconds_and_http_dates() {
+        let now = std::time::UNIX_EPOCH + Duration::from_secs(1_445_412_480); // Wed, 21 Oct 2015 07:28:00 GMT
+        assert_eq!(retry_after_ms(Some("2"), now), Some(2_000));
+        assert_eq!(retry_after_ms(Some("Wed, 21 Oct 2015 07:28:05 GMT"), now), Some(5_000));
+        assert_eq!(retry_after_ms(Some("Wed, 21 Oct 2015 07:27:00 GMT"), now), Some(0));
+        assert_eq!(retry_after_ms(Some("99999999999"), now), Some(MAX_RETRY_AFTER_MS));
+        assert_eq!(retry_after_ms(Some("soon"), now), None);
+        assert_eq!(retry_after_ms(None, now), None);
+    }
+
+    #[test]
+    fn keys_are_encoded_as_one_path_segment() {
+        assert_eq!(encode_segment("dk2_ab/../x y"), "dk2_ab%2F..%2Fx%20y");
+    }
+}
