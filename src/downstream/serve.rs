@@ -351,6 +351,22 @@ async fn execute(state: Arc<State>, kill: Arc<tokio::sync::Notify>, kind: SimKin
         request_sha256: digest,
         timeout_ms: 0,
     };
+    // The work goes on when the caller hangs up (as a real provider's would):
+    // hyper drops this handler on a disconnect, not the spawned task.
+    tokio::spawn(run(state, kill, kind, key, dreq, fault))
+        .await
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "internal"))
+}
+
+/// What a fault does to one call, after the request was read.
+async fn run(
+    state: Arc<State>,
+    kill: Arc<tokio::sync::Notify>,
+    kind: SimKind,
+    key: String,
+    dreq: DownstreamRequest,
+    fault: Fault,
+) -> Reply {
     let committed = |r: Option<Result<Receipt, String>>| match r {
         Some(Ok(r)) => reply(StatusCode::OK, &receipt_json(&r)),
         Some(Err(_)) => error(StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused"),

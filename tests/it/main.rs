@@ -12,6 +12,7 @@ mod demo;
 mod dispatch;
 mod failpoints;
 mod hostile;
+mod http;
 mod invariants;
 mod lab;
 mod observability;

@@ -1,0 +1,596 @@
+//! The `http` adapter over real sockets (issue 15 §3, §4): a real
+//! `toolgate provider serve` child process on an ephemeral loopback port, the
+//! demo catalog behind it, and every class of reply classified by evidence.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+
+use serde_json::Value;
+use tempfile::TempDir;
+use toolgate::downstream::http::HttpAdapter;
+use toolgate::downstream::{DownstreamContext, DownstreamFactory, DownstreamRequest, FaultPlan, Lookup, Reply};
+use toolgate::engine::clock::{Clock, ManualClock};
+use toolgate::engine::envelope::{Code, Status};
+use toolgate::engine::world::{World, DEMO_WORLD};
+use toolgate::engine::{Engine, EngineOptions};
+use toolgate::store::Sync;
+
+use crate::support::{call, dispatch_with, query_req, T0};
+
+/// A create_refund for agent_ana with a call identity of the query's provider profile.
+fn refund(key: &str, amount: i64) -> toolgate::engine::DispatchRequest {
+    toolgate::engine::DispatchRequest {
+        call: Some(call(&format!("call-{key}-{amount}"))),
+        ..crate::support::refund(key, amount)
+    }
+}
+
+/// A `toolgate provider serve` child on an ephemeral loopback port; killed on drop.
+pub struct ProviderServer {
+    child: Child,
+    pub addr: String,
+    pub db: PathBuf,
+}
+
+impl ProviderServer {
+    pub fn start(dir: &Path, extra: &[&str]) -> Self {
+        let db = dir.join("provider.db");
+        let mut child = Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
+            .args(["provider", "serve", "--listen", "127.0.0.1:0", "--provider-db"])
+            .arg(&db)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let addr =
+            line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("no address in {line:?}")).to_string();
+        Self { child, addr, db }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Effects the provider committed (all, or for one intent's key count).
+    pub fn effects(&self) -> i64 {
+        let c = rusqlite::Connection::open(&self.db).unwrap();
+        c.busy_timeout(std::time::Duration::from_secs(10)).unwrap();
+        c.query_row("SELECT count(*) FROM provider_effects", [], |r| r.get(0)).unwrap()
+    }
+
+    /// Intents with more than one effect (must be 0).
+    pub fn duplicates(&self) -> i64 {
+        let c = rusqlite::Connection::open(&self.db).unwrap();
+        c.busy_timeout(std::time::Duration::from_secs(10)).unwrap();
+        c.query_row(
+            "SELECT count(*) FROM (SELECT intent FROM provider_effects GROUP BY intent HAVING count(*) > 1)",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap()
+    }
+}
+
+impl Drop for ProviderServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The shipped `assets/catalog-http/` pointed at `base_url`, with a 1 s attempt
+/// timeout (so a lost reply costs the test one second), optionally with a
+/// secret header read from a file.
+pub fn write_catalog(dir: &Path, base_url: &str, secret_file: Option<&Path>) -> PathBuf {
+    let out = dir.join("catalog");
+    std::fs::create_dir_all(&out).unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog-http");
+    for name in ["create_refund.json", "get_order.json", "notify_customer.json"] {
+        let mut v: Value = serde_json::from_str(&std::fs::read_to_string(src.join(name)).unwrap()).unwrap();
+        if let Some(http) = v["downstream"].get_mut("http").and_then(Value::as_object_mut) {
+            http.remove("base_url_env");
+            http.insert("base_url".into(), Value::String(base_url.into()));
+            if let Some(f) = secret_file {
+                http.insert(
+                    "secret_headers".into(),
+                    serde_json::json!([{"header": "Authorization", "file": f, "prefix": "Bearer "}]),
+                );
+            }
+            v["retry"]["attempt_timeout_ms"] = Value::from(1000);
+        }
+        std::fs::write(out.join(name), serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    }
+    out
+}
+
+/// A ledger with the demo world whose tools run behind a served provider.
+pub struct HttpFixture {
+    pub dir: TempDir,
+    pub server: ProviderServer,
+    pub catalog: PathBuf,
+    pub ledger: PathBuf,
+    pub clock: ManualClock,
+}
+
+impl HttpFixture {
+    pub fn new() -> Self {
+        Self::with(&[], None)
+    }
+
+    pub fn with(server_args: &[&str], secret_file: Option<&Path>) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let server = ProviderServer::start(dir.path(), server_args);
+        let catalog = write_catalog(dir.path(), &server.url(), secret_file);
+        let ledger = dir.path().join("ledger.db");
+        let clock = ManualClock::new(T0);
+        let fx = Self { dir, server, catalog, ledger, clock };
+        let mut e = Engine::create(&fx.ledger, fx.opts()).unwrap();
+        e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
+        fx
+    }
+
+    pub fn opts(&self) -> EngineOptions {
+        EngineOptions {
+            clock: Arc::new(self.clock.clone()),
+            worker_id: "w-http".into(),
+            toolset: toolgate::tools::load_toolset(Some(&self.catalog)).unwrap(),
+            ..EngineOptions::default()
+        }
+    }
+
+    pub fn engine(&self) -> Engine {
+        Engine::open(&self.ledger, self.opts()).unwrap()
+    }
+}
+
+/// The state of the newest operation.
+fn state(e: &mut Engine) -> String {
+    e.list_operations(None, 1).unwrap()[0].state.clone()
+}
+
+/// Waits (bounded) until the provider holds `n` effects: an effect that lands
+/// after the reply was lost.
+fn wait_for_effects(server: &ProviderServer, n: i64) {
+    for _ in 0..200 {
+        if server.effects() >= n {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(25));
+    }
+    panic!("the provider never reached {n} effects");
+}
+
+#[test]
+fn a_committed_reply_succeeds_once_and_a_retry_replays_it() {
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    let first = e.dispatch(&refund("http-ok-000001", 1500)).unwrap();
+    assert_eq!(first.model_result.status, Status::Succeeded, "{first:?}");
+    let again = e.dispatch(&refund("http-ok-000001", 1500)).unwrap();
+    assert_eq!(again.model_result.data, first.model_result.data);
+    assert_eq!(fx.server.effects(), 1);
+    assert_eq!(e.orders().unwrap().iter().find(|o| o.order_ref == "ord_1001").unwrap().refunded_minor, 1500);
+    assert!(e.audit().unwrap().is_empty(), "the audit looks the effect up over HTTP and finds it");
+}
+
+#[test]
+fn a_refused_connection_is_provably_not_received_and_retried() {
+    // A port nobody listens on: bind, note it, close it.
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = write_catalog(dir.path(), &format!("http://127.0.0.1:{port}"), None);
+    let ledger = dir.path().join("ledger.db");
+    let clock = ManualClock::new(T0);
+    let opts = || EngineOptions {
+        clock: Arc::new(clock.clone()),
+        toolset: toolgate::tools::load_toolset(Some(&catalog)).unwrap(),
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::create(&ledger, opts()).unwrap();
+    e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
+    let env = e.dispatch(&refund("http-refused-01", 1500)).unwrap();
+    assert_eq!(env.code(), Some(Code::ToolUnavailable), "{env:?}");
+    assert!(env.model_result.error.as_ref().unwrap().retry_after_ms.is_some());
+    let op = &e.list_operations(None, 1).unwrap()[0];
+    assert_eq!(op.state, "accepted", "nothing was sent, so it may run again");
+    let detail = e.operation_detail(&op.id).unwrap().unwrap();
+    assert!(
+        detail.attempts.iter().all(|a| a.outcome.as_deref() == Some("refused") && a.proven_not_received()),
+        "{:?}",
+        detail.attempts
+    );
+    assert_eq!(detail.attempts.len(), 5, "retried up to the attempt cap");
+}
+
+#[test]
+fn a_reply_slower_than_the_attempt_timeout_is_unknown_until_a_query_finds_it() {
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    let env = dispatch_with(&mut e, &refund("http-slow-00001", 1500), "latency(2000)");
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown), "{env:?}");
+    assert_eq!(state(&mut e), "unknown");
+    // The provider goes on and commits after the client gave up.
+    wait_for_effects(&fx.server, 1);
+    let q = e.query_operation_status(&query_req(&env, "q-slow")).unwrap();
+    assert_eq!(q.model_result.status, Status::Succeeded, "{q:?}");
+    assert_eq!(fx.server.effects(), 1);
+}
+
+#[test]
+fn a_connection_dropped_after_commit_is_unknown_and_a_status_query_settles_it() {
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    let env = dispatch_with(&mut e, &refund("http-drop-00001", 1500), "drop_after_commit");
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown), "{env:?}");
+    assert_eq!(fx.server.effects(), 1);
+    // A retry with the same key never re-sends: it reports the unknown.
+    let retry = e.dispatch(&refund("http-drop-00001", 1500)).unwrap();
+    assert_eq!(retry.code(), Some(Code::OutcomeUnknown));
+    assert_eq!(fx.server.effects(), 1);
+    let q = e.query_operation_status(&query_req(&env, "q-drop")).unwrap();
+    assert_eq!(q.model_result.status, Status::Succeeded, "{q:?}");
+    assert_eq!(fx.server.duplicates(), 0);
+}
+
+#[test]
+fn a_429_with_retry_after_is_rate_limit_with_retry_after_ms() {
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    let mut req = refund("http-429-000001", 1500);
+    req.deadline_ms = Some(1_500);
+    let env = dispatch_with(&mut e, &req, "rate_limit(3000)");
+    assert_eq!(env.code(), Some(Code::RateLimit), "{env:?}");
+    assert_eq!(env.model_result.error.as_ref().unwrap().retry_after_ms, Some(3000), "Retry-After: 3 (seconds)");
+    assert_eq!(state(&mut e), "accepted");
+    assert_eq!(fx.server.effects(), 0);
+}
+
+#[test]
+fn a_503_is_retried_and_then_succeeds() {
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    let env = dispatch_with(&mut e, &refund("http-503-000001", 1500), "unavailable,unavailable");
+    assert_eq!(env.model_result.status, Status::Succeeded, "{env:?}");
+    let op = e.list_operations(None, 1).unwrap()[0].id.clone();
+    assert_eq!(e.operation_detail(&op).unwrap().unwrap().attempts.len(), 3);
+    assert_eq!(fx.server.effects(), 1);
+}
+
+#[test]
+fn a_409_same_key_in_progress_is_unknown_with_retry_after_and_never_resent() {
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    let env = dispatch_with(&mut e, &refund("http-409-000001", 1500), "in_progress(2000)");
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown), "{env:?}");
+    assert_eq!(env.model_result.error.as_ref().unwrap().retry_after_ms, Some(2000));
+    assert_eq!(state(&mut e), "unknown");
+    // Nothing there yet: the query says so and the operation stays unknown.
+    let q = e.query_operation_status(&query_req(&env, "q-409")).unwrap();
+    assert_eq!(q.code(), Some(Code::OutcomeUnknown));
+    assert_eq!(fx.server.effects(), 0);
+}
+
+#[test]
+fn another_4xx_is_a_definitive_failure_with_no_effect() {
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    let env = dispatch_with(&mut e, &refund("http-400-000001", 1500), "reject(card_declined)");
+    assert_eq!(env.code(), Some(Code::BusinessRuleViolation), "{env:?}");
+    assert_eq!(state(&mut e), "failed");
+    assert_eq!(fx.server.effects(), 0);
+}
+
+#[test]
+fn a_500_after_the_send_is_unknown_and_the_query_finds_the_effect() {
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    let env = dispatch_with(&mut e, &refund("http-500-000001", 1500), "server_error_after_commit");
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown), "{env:?}");
+    assert_eq!(state(&mut e), "unknown");
+    let q = e.query_operation_status(&query_req(&env, "q-500")).unwrap();
+    assert_eq!(q.model_result.status, Status::Succeeded);
+    assert_eq!(fx.server.effects(), 1);
+}
+
+#[test]
+fn a_2xx_that_breaks_the_output_contract_goes_to_human_review() {
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    for (key, fault) in [("http-bad-000001", "malformed_response"), ("http-bad-000002", "echo_credential(tok_x)")] {
+        let env = dispatch_with(&mut e, &refund(key, 100), fault);
+        assert_eq!(env.code(), Some(Code::OutputContractViolation), "{fault}: {env:?}");
+        assert_eq!(state(&mut e), "unknown", "{fault}");
+    }
+}
+
+#[test]
+fn a_hung_response_cannot_hold_the_worker_past_its_attempt_timeout() {
+    // The server holds the request for 10 s and never commits; the attempt
+    // timeout (1 s) ends the call and parks it as unknown.
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    let started = std::time::Instant::now();
+    let env = dispatch_with(&mut e, &refund("http-hang-00001", 1500), "timeout_before_commit");
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown), "{env:?}");
+    // Not a timing assertion of speed: only that it did not wait for the server's 10 s hold.
+    assert!(started.elapsed() < std::time::Duration::from_secs(9));
+    let q = e.query_operation_status(&query_req(&env, "q-hang")).unwrap();
+    assert_eq!(q.code(), Some(Code::OutcomeUnknown), "not found yet: stays unknown");
+    assert_eq!(fx.server.effects(), 0);
+}
+
+fn adapter_for(catalog: &Path, tool: &str) -> Box<dyn toolgate::downstream::Downstream> {
+    let set = toolgate::tools::load_toolset(Some(catalog)).unwrap();
+    let d = set.catalog().get(tool).unwrap().downstream.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = DownstreamContext {
+        ledger_path: &dir.path().join("unused.db"),
+        clock: Arc::new(ManualClock::new(T0)) as Arc<dyn Clock>,
+        faults: Arc::new(Mutex::new(FaultPlan::none())),
+        sync: Sync::Normal,
+        ids: toolgate::engine::ids::Ids::default(),
+        read_only: false,
+    };
+    HttpAdapter.open(&d, &ctx).unwrap()
+}
+
+fn request(digest: &str) -> DownstreamRequest {
+    DownstreamRequest {
+        intent: format!("intent-{digest}"),
+        tool: "create_refund".into(),
+        arguments: serde_json::json!({"order_ref": "ord_1001", "amount_minor": 5, "currency": "EUR", "reason": "other"}),
+        request_sha256: digest.into(),
+        timeout_ms: 2_000,
+    }
+}
+
+#[test]
+fn a_key_reused_with_another_payload_is_a_422_key_conflict_and_status_conflict() {
+    let fx = HttpFixture::new();
+    let mut ds = adapter_for(&fx.catalog, "create_refund");
+    assert!(matches!(ds.execute("dk-shared-key-1", &request("aaaa")).unwrap(), Reply::Committed(_)));
+    assert_eq!(ds.execute("dk-shared-key-1", &request("bbbb")).unwrap(), Reply::KeyConflict);
+    // The same payload again is the original effect, not a new one.
+    assert!(matches!(ds.execute("dk-shared-key-1", &request("aaaa")).unwrap(), Reply::Committed(_)));
+    assert_eq!(fx.server.effects(), 1);
+}
+
+#[test]
+fn lookups_answer_found_not_found_and_unavailable() {
+    let fx = HttpFixture::new();
+    let mut ds = adapter_for(&fx.catalog, "create_refund");
+    let Reply::Committed(r) = ds.execute("dk-lookup-0001", &request("cccc")).unwrap() else { panic!() };
+    match ds.lookup("dk-lookup-0001").unwrap() {
+        Lookup::Found(found) => assert_eq!(found.receipt_id, r.receipt_id),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(ds.lookup("dk-nothing-here").unwrap(), Lookup::NotFound);
+    drop(fx.server);
+    assert_eq!(ds.lookup("dk-lookup-0001").unwrap(), Lookup::Unavailable);
+}
+
+/// A one-shot loopback listener that records the raw request and answers 503.
+fn capture_one_request() -> (String, std::thread::JoinHandle<String>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let h = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+        let mut buf = vec![0u8; 16 * 1024];
+        let mut got = Vec::new();
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = s.read(&mut buf).unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
+        let _ = s.write_all(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+        String::from_utf8_lossy(&got).into_owned()
+    });
+    (url, h)
+}
+
+#[test]
+fn a_secret_header_is_sent_and_never_stored_traced_or_logged() {
+    const SECRET: &str = "sk_live_canary_5f1d3c9e";
+    let dir = tempfile::tempdir().unwrap();
+    let secret_file = dir.path().join("provider.token");
+    std::fs::write(&secret_file, format!("{SECRET}\n")).unwrap();
+    // On the wire: the captured request carries it.
+    let (url, captured) = capture_one_request();
+    let catalog = write_catalog(dir.path(), &url, Some(&secret_file));
+    let mut ds = adapter_for(&catalog, "create_refund");
+    assert_eq!(ds.execute("dk-secret-0001", &request("dddd")).unwrap(), Reply::Unavailable { retry_after_ms: None });
+    let head = captured.join().unwrap();
+    assert!(head.contains(&format!("authorization: Bearer {SECRET}")), "{head}");
+    assert!(head.contains("idempotency-key: dk-secret-0001"), "{head}");
+    assert!(!std::fs::read_to_string(catalog.join("create_refund.json")).unwrap().contains(SECRET));
+
+    // Through the whole CLI against a served provider: not in the ledger, its
+    // trace export, its log, or any output.
+    let fx = HttpFixture::with(&[], Some(&secret_file));
+    let log = fx.dir.path().join("toolgate.log");
+    let run = |args: &[&str]| {
+        let out = Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
+            .arg("--db")
+            .arg(&fx.ledger)
+            .arg("--catalog")
+            .arg(&fx.catalog)
+            .args(args)
+            .env("TOOLGATE_LOG", &log)
+            .output()
+            .unwrap();
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    };
+    let mut seen = String::new();
+    for fault in ["ok", "echo_header(x)", "drop_after_commit"] {
+        seen += &run(&[
+            "dispatch",
+            "--tenant",
+            "acme",
+            "--subject",
+            "agent_ana",
+            "--tool",
+            "create_refund",
+            "--key",
+            &format!("canary-{fault}-key"),
+            "--fault",
+            fault,
+            "--args",
+            r#"{"order_ref":"ord_1001","amount_minor":10,"currency":"EUR","reason":"other"}"#,
+        ]);
+    }
+    seen += &run(&["trace", "--format", "jsonl"]);
+    assert!(seen.contains("succeeded"), "{seen}");
+    assert!(!seen.contains(SECRET));
+    let mut files = vec![fx.ledger.clone(), log, fx.server.db.clone()];
+    files.extend(["db-wal", "db-shm"].iter().map(|x| fx.ledger.with_extension(x)));
+    for f in files {
+        if let Ok(bytes) = std::fs::read(&f) {
+            assert!(!String::from_utf8_lossy(&bytes).contains(SECRET), "{} holds the secret", f.display());
+        }
+    }
+}
+
+#[test]
+fn a_missing_secret_or_base_url_is_a_setup_error_naming_the_variable_not_a_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = dir.path().join("l.db");
+    let out = Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
+        .args(["init", "--catalog", "assets/catalog-http", "--db"])
+        .arg(&ledger)
+        .env_remove("TOOLGATE_PROVIDER_URL")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("error[DOWNSTREAM_SETUP]") && err.contains("TOOLGATE_PROVIDER_URL"), "{err}");
+}
+
+#[test]
+fn the_provider_server_refuses_a_public_address_unless_told() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
+        .args(["provider", "serve", "--listen", "0.0.0.0:0", "--provider-db"])
+        .arg(dir.path().join("p.db"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("error[NOT_LOOPBACK]"));
+}
+
+#[test]
+fn the_provider_server_answers_bad_requests_with_stable_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ProviderServer::start(dir.path(), &[]);
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let post = |path: &str, key: Option<&str>, body: &[u8]| {
+        let mut r = agent.post(&format!("{}{path}", server.url())).header("content-type", "application/json");
+        if let Some(k) = key {
+            r = r.header("idempotency-key", k);
+        }
+        let mut resp = r.send(body).unwrap();
+        (resp.status().as_u16(), resp.body_mut().read_to_string().unwrap())
+    };
+    assert_eq!(post("/v1/payments/calls", None, b"{}").0, 400, "payments needs a key");
+    assert_eq!(
+        post("/v1/payments/calls", Some("k1"), b"{\"a\":1,\"a\":2}"),
+        (400, r#"{"error":"body_not_json"}"#.into())
+    );
+    assert_eq!(post("/v1/payments/calls", Some("k1"), &vec![b' '; 70 * 1024]).0, 413);
+    assert_eq!(post("/v1/nope/calls", Some("k1"), b"{}").0, 404);
+    assert_eq!(server.effects(), 0);
+}
+
+#[test]
+fn the_catalog_is_loaded_strictly_and_a_refusal_writes_nothing() {
+    let base: Value = serde_json::from_str(include_str!("../../assets/catalog/create_refund.json")).unwrap();
+    type Change = Box<dyn Fn(&mut Value)>;
+    let cases: Vec<(&str, Change, &str)> = vec![
+        ("unknown field", Box::new(|v| v["colour"] = "blue".into()), "field colour"),
+        (
+            "write without dedupe",
+            Box::new(|v| v["downstream"]["dedupes_keys"] = false.into()),
+            "field downstream.dedupes_keys",
+        ),
+        ("external claiming dedupe", Box::new(|v| v["effect"] = "external".into()), "field downstream.dedupes_keys"),
+        ("bad schema", Box::new(|v| v["input_schema"]["type"] = 7.into()), "field input_schema"),
+        ("unknown adapter", Box::new(|v| v["downstream"]["adapter"] = "smtp".into()), "field downstream.adapter"),
+        (
+            "http key header missing",
+            Box::new(|v| {
+                v["downstream"] = serde_json::json!({"name": "payments", "adapter": "http", "dedupes_keys": true, "http": {
+                    "base_url": "http://127.0.0.1:1", "key_header": "",
+                    "execute": {"method": "POST", "path": "/x"}, "lookup": {"method": "GET", "path": "/x/{key}"},
+                    "reply": {"receipt_id": "/id"}}});
+            }),
+            "field downstream.dedupes_keys",
+        ),
+        ("bad revision", Box::new(|v| v["revisions"]["output"] = 0.into()), "field revisions"),
+        ("unknown echo", Box::new(|v| v["result_echoes"] = serde_json::json!(["nope"])), "field result_echoes[0]"),
+    ];
+    for (what, change, expect) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let cat = dir.path().join("cat");
+        std::fs::create_dir(&cat).unwrap();
+        let mut v = base.clone();
+        change(&mut v);
+        std::fs::write(cat.join("create_refund.json"), v.to_string()).unwrap();
+        std::fs::write(cat.join("get_order.json"), include_str!("../../assets/catalog/get_order.json")).unwrap();
+        let ledger = dir.path().join("l.db");
+        let out = Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
+            .args(["init", "--catalog"])
+            .arg(&cat)
+            .arg("--db")
+            .arg(&ledger)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{what}: {err}");
+        assert!(err.starts_with("error[CATALOG_INVALID]: catalog file create_refund.json"), "{what}: {err}");
+        assert!(err.contains(expect), "{what}: {err}");
+        assert!(!err.contains(&*dir.path().to_string_lossy()), "{what}: no local path: {err}");
+        assert!(!ledger.exists(), "{what}: nothing written");
+    }
+    // Two files with one name.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("a.json"), base.to_string()).unwrap();
+    std::fs::write(dir.path().join("b.json"), base.to_string()).unwrap();
+    let err = toolgate::engine::contracts::Contracts::from_dir(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("catalog file b.json, field name: duplicate tool name create_refund"), "{err}");
+}
+
+#[test]
+fn a_new_revision_in_the_catalog_changes_new_digests_and_never_replays_the_old_result() {
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    let first = e.dispatch(&refund("http-rev-000001", 700)).unwrap();
+    assert_eq!(first.model_result.status, Status::Succeeded);
+    // The catalog's output revision moves on (a new file set on disk).
+    let path = fx.catalog.join("create_refund.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    v["revisions"]["output"] = 2.into();
+    std::fs::write(&path, v.to_string()).unwrap();
+    let mut e2 = fx.engine();
+    // The model's retry carries a new call id; the key is the same.
+    let retry =
+        toolgate::engine::DispatchRequest { call: Some(call("call-rev-retry")), ..refund("http-rev-000001", 700) };
+    let again = e2.dispatch(&retry).unwrap();
+    assert_ne!(
+        again.protected_audit.binding.request_sha256, first.protected_audit.binding.request_sha256,
+        "the revision is part of the request digest"
+    );
+    assert_ne!(again.model_result.data, first.model_result.data, "never replayed as the new contract's result");
+    assert_eq!(again.code(), Some(Code::IdempotencyConflict), "{again:?}");
+    let fresh = e2.dispatch(&refund("http-rev-000002", 700)).unwrap();
+    assert_eq!(fresh.model_result.status, Status::Succeeded);
+    assert_eq!(fx.server.effects(), 2);
+}
