@@ -1482,6 +1482,10 @@ pub struct LoadArgs {
     /// Seed of the agents' choices and faults.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// The providers' database when they run as `toolgate provider serve`
+    /// (with `--catalog assets/catalog-http`): the referee counts effects there.
+    #[arg(long = "provider-db", value_name = "PATH")]
+    pub provider_db: Option<PathBuf>,
     /// Switch this defense off for the run (demo databases only; see `toolgate lab`).
     #[arg(long, value_name = "TOGGLE")]
     pub lab: Option<String>,
@@ -1592,6 +1596,8 @@ fn load_command(cli: &Cli, a: &LoadArgs) -> Result<i32, CliError> {
         lab,
         operator: cli.operator.clone().unwrap_or_else(|| "loadgen".into()),
         clock: clock_from(cli.now.as_deref())?,
+        toolset: engine_options(cli)?.toolset,
+        provider_db: a.provider_db.clone(),
         ..crate::load::LoadOptions::default()
     };
     let bar = std::io::stderr().is_terminal();

@@ -42,8 +42,9 @@ use crate::downstream::FaultPlan;
 use crate::engine::canonical::CallIdentity;
 use crate::engine::clock::{Clock, SystemClock};
 use crate::engine::envelope::{Code, Envelope, Status};
+use crate::engine::tool::Toolset;
 use crate::engine::{DispatchRequest, Engine, EngineError, EngineOptions, LabToggle, QueryRequest};
-use crate::store::Sync;
+use crate::store::{Store, StoreError, Sync};
 
 /// How to run the agents.
 #[derive(Clone)]
@@ -81,6 +82,12 @@ pub struct LoadOptions {
     /// wall-clock ms, as a dispatcher deployment's worker loop does. None: no
     /// background worker (the final settle still runs the outbox).
     pub worker_interval_ms: Option<u64>,
+    /// The tools (catalog, domains, adapters) the agents' dispatchers use.
+    pub toolset: Arc<Toolset>,
+    /// Where the referee counts effects when the providers run in another
+    /// process (`toolgate provider serve --provider-db PATH`): that database,
+    /// read-only. None: the simulated providers' tables beside the ledger.
+    pub provider_db: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for LoadOptions {
@@ -112,6 +119,8 @@ impl Default for LoadOptions {
             notify_percent: 10,
             settle_ms: 0,
             worker_interval_ms: Some(250),
+            toolset: crate::tools::demo_toolset(),
+            provider_db: None,
         }
     }
 }
@@ -389,6 +398,7 @@ fn open_replicas(shared: &Shared, n: usize, generation: u64) -> Result<Vec<Engin
                     worker_id: format!("agent-{n}-{generation}-r{r}"),
                     seed: Some(seed),
                     sync: shared.opts.sync,
+                    toolset: shared.opts.toolset.clone(),
                     ..EngineOptions::default()
                 },
             )
@@ -568,7 +578,12 @@ impl Agent<'_> {
         *self.tally.beliefs.entry(belief.label().to_string()).or_default() += 1;
         if belief == Belief::Failed {
             // The referee peeks: did the provider do it anyway?
-            if self.replicas[0].effects_for_intent(p.tenant, p.subject, tool, &key)? > 0 {
+            if effects_for_intent(
+                &mut self.replicas[0],
+                self.shared.opts.provider_db.as_deref(),
+                [p.tenant, p.subject, tool, &key],
+            )? > 0
+            {
                 LoadStats::bump(&self.shared.stats.wrong_beliefs);
             }
             self.tally.believed_failed.push((p.tenant.into(), p.subject.into(), tool.into(), key.clone()));
@@ -606,8 +621,7 @@ impl Agent<'_> {
 }
 
 fn start(path: &Path, opts: &LoadOptions, stats: Arc<LoadStats>) -> Result<Arc<Shared>, EngineError> {
-    let mut control =
-        Engine::open(path, EngineOptions { clock: opts.clock.clone(), sync: opts.sync, ..EngineOptions::default() })?;
+    let mut control = Engine::open(path, engine_options(opts))?;
     if let Some(toggle) = opts.lab {
         control.set_lab_toggle(Some(toggle), &opts.operator)?;
     }
@@ -663,6 +677,7 @@ fn spawn_worker(shared: &Arc<Shared>) -> Result<Option<std::thread::JoinHandle<R
             clock: shared.opts.clock.clone(),
             worker_id: format!("loadgen-worker-{}", shared.run_id),
             sync: shared.opts.sync,
+            toolset: shared.opts.toolset.clone(),
             ..EngineOptions::default()
         },
     )?;
@@ -711,6 +726,43 @@ pub fn spawn_agents(path: &Path, n: usize) -> Result<Agents, EngineError> {
     Ok(Agents { stop: shared.stop.clone(), threads, worker, stats })
 }
 
+fn engine_options(opts: &LoadOptions) -> EngineOptions {
+    EngineOptions {
+        clock: opts.clock.clone(),
+        sync: opts.sync,
+        toolset: opts.toolset.clone(),
+        ..EngineOptions::default()
+    }
+}
+
+/// The referee's count: (effects, intents with more than one effect), where
+/// the providers keep them.
+fn effect_counts(referee: &mut Engine, provider_db: Option<&Path>) -> Result<(i64, i64), EngineError> {
+    match provider_db {
+        None => {
+            let c = referee.counts()?;
+            Ok((c.downstream_effects, c.side_effect_duplicates))
+        }
+        Some(p) => Ok(Store::open_read_only(p)?
+            .read(|tx| -> Result<_, StoreError> { Ok((tx.count_effects()?, tx.side_effect_duplicates()?)) })?),
+    }
+}
+
+/// Effects one intent has at its provider.
+fn effects_for_intent(
+    e: &mut Engine,
+    provider_db: Option<&Path>,
+    [tenant, subject, tool, key]: [&str; 4],
+) -> Result<i64, EngineError> {
+    match provider_db {
+        None => e.effects_for_intent(tenant, subject, tool, key),
+        Some(p) => {
+            let intent = crate::engine::operation::intent_of(tenant, subject, tool, key);
+            Ok(Store::open_read_only(p)?.read(|tx| tx.count_effects_for_intent(&intent))?)
+        }
+    }
+}
+
 fn percentile(sorted: &[u64], p: f64) -> u64 {
     if sorted.is_empty() {
         return 0;
@@ -723,9 +775,8 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 /// second while the agents run (and once at the end).
 pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) -> Result<LoadReport, EngineError> {
     let started = Instant::now();
-    let mut referee =
-        Engine::open(path, EngineOptions { clock: opts.clock.clone(), sync: opts.sync, ..EngineOptions::default() })?;
-    let before = referee.counts()?;
+    let mut referee = Engine::open(path, engine_options(opts))?;
+    let before = effect_counts(&mut referee, opts.provider_db.as_deref())?;
     let stats = Arc::new(LoadStats::default());
     let shared = start(path, opts, stats.clone())?;
     let threads = spawn_threads(&shared)?;
@@ -783,11 +834,11 @@ pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) 
     }
     let mut wrong_beliefs = 0;
     for (tenant, subject, tool, key) in &total.believed_failed {
-        if referee.effects_for_intent(tenant, subject, tool, key)? > 0 {
+        if effects_for_intent(&mut referee, opts.provider_db.as_deref(), [tenant, subject, tool, key])? > 0 {
             wrong_beliefs += 1;
         }
     }
-    let after = referee.counts()?;
+    let after = effect_counts(&mut referee, opts.provider_db.as_deref())?;
     let fault_bp = referee.lab_controls()?.1;
     if opts.lab.is_some() {
         referee.set_lab_toggle(None, &opts.operator)?;
@@ -805,8 +856,8 @@ pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) 
         calls: stats.calls.load(Ordering::Relaxed),
         answers: total.answers,
         beliefs: total.beliefs,
-        effects: after.downstream_effects - before.downstream_effects,
-        duplicates: after.side_effect_duplicates - before.side_effect_duplicates,
+        effects: after.0 - before.0,
+        duplicates: after.1 - before.1,
         masked_conflicts: masked,
         replay_mismatches: mismatches,
         wrong_beliefs,

@@ -77,7 +77,8 @@ pub struct World {
     pub subjects: Vec<SubjectSpec>,
     /// Grants.
     pub grants: Vec<GrantSpec>,
-    /// Orders.
+    /// Orders (the demo domain's data; a world for other tools has none).
+    #[serde(default)]
     pub orders: Vec<OrderSpec>,
 }
 

@@ -36,6 +36,8 @@ use crate::support::{raw, T0};
 
 /// The child's entry point: a no-op unless the parent set this variable.
 const CHILD_ENV: &str = "TOOLGATE_CRASH_CHILD";
+/// The catalog of an HTTP loop's child.
+const CATALOG_ENV: &str = "TOOLGATE_CRASH_CATALOG";
 
 /// How a loop runs.
 #[derive(Debug, Clone, Copy)]
@@ -44,6 +46,9 @@ struct LoopConfig {
     kills: u32,
     /// The control: the downstream key changes with every attempt.
     defense_off: bool,
+    /// `create_refund` and `notify_customer` behind a real `toolgate provider
+    /// serve` over HTTP (the provider outlives every killed dispatcher).
+    http: bool,
 }
 
 /// What a loop saw, for the report and the assertions.
@@ -70,7 +75,7 @@ fn seed() -> u64 {
 
 #[test]
 fn crash_loop_kill_at_random_keeps_every_invariant() {
-    let cfg = LoopConfig { seed: seed(), kills: soak_kills(), defense_off: false };
+    let cfg = LoopConfig { seed: seed(), kills: soak_kills(), defense_off: false, http: false };
     eprintln!("crash loop: seed {} kills {}", cfg.seed, cfg.kills);
     let r = crash_loop(cfg);
     eprintln!("crash loop report (seed {}): {r:#?}", cfg.seed);
@@ -89,7 +94,7 @@ fn crash_loop_kill_at_random_keeps_every_invariant() {
 /// The checker is proven: with one defense off, the same loop reports duplicates.
 #[test]
 fn crash_loop_control_with_a_defense_off_reports_duplicates() {
-    let cfg = LoopConfig { seed: seed(), kills: 6, defense_off: true };
+    let cfg = LoopConfig { seed: seed(), kills: 6, defense_off: true, http: false };
     let r = crash_loop(cfg);
     eprintln!("control report (seed {}): {r:#?}", cfg.seed);
     assert!(r.tally.duplicates > 0, "seed {}: the defense-off control produced no duplicate: {r:#?}", cfg.seed);
@@ -99,6 +104,26 @@ fn crash_loop_control_with_a_defense_off_reports_duplicates() {
         cfg.seed,
         r.violations
     );
+}
+
+/// The same loop with the providers behind HTTP: SIGKILLed dispatchers,
+/// dropped connections and lost replies over real sockets, 0 duplicates.
+#[test]
+fn crash_loop_over_http_keeps_every_invariant() {
+    let cfg = LoopConfig { seed: seed(), kills: soak_kills().div_ceil(2), defense_off: false, http: true };
+    eprintln!("crash loop over http: seed {} kills {}", cfg.seed, cfg.kills);
+    let r = crash_loop(cfg);
+    eprintln!("crash loop over http report (seed {}): {r:#?}", cfg.seed);
+    assert!(
+        r.violations.is_empty(),
+        "crash loop over http broke invariants; reproduce with TOOLGATE_SEED={} TOOLGATE_SOAK={} cargo test crash_loop_over_http\n{}",
+        cfg.seed,
+        cfg.kills * 2,
+        r.violations.join("\n")
+    );
+    assert_eq!(r.tally.duplicates, 0);
+    assert!(r.killed > 0, "the loop crashed nothing: {r:?}");
+    assert!(r.tally.effects > 0, "the loop did nothing: {r:?}");
 }
 
 /// The latest instant the database holds (the next run's clock starts after it).
@@ -117,7 +142,7 @@ fn latest_instant(path: &Path) -> i64 {
         .max(T0)
 }
 
-fn engine_at(path: &Path, clock: &ManualClock, worker: &str, defense_off: bool) -> Engine {
+fn engine_at(path: &Path, clock: &ManualClock, worker: &str, defense_off: bool, catalog: Option<&Path>) -> Engine {
     Engine::open(
         path,
         EngineOptions {
@@ -125,15 +150,19 @@ fn engine_at(path: &Path, clock: &ManualClock, worker: &str, defense_off: bool) 
             worker_id: worker.to_string(),
             sync: Sync::Full,
             defenses_off: DefensesOff { unique_downstream_key_per_attempt: defense_off, ..DefensesOff::default() },
+            toolset: toolgate::tools::load_toolset(catalog).unwrap(),
             ..EngineOptions::default()
         },
     )
     .unwrap()
 }
 
-fn spawn_child(path: &Path, cfg: LoopConfig, run: u32, base: i64) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "crash::crash_child", "--nocapture", "--test-threads=1", "-q"])
+fn spawn_child(path: &Path, cfg: LoopConfig, run: u32, base: i64, catalog: Option<&Path>) -> Child {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    if let Some(c) = catalog {
+        cmd.env(CATALOG_ENV, c);
+    }
+    cmd.args(["--exact", "crash::crash_child", "--nocapture", "--test-threads=1", "-q"])
         .env(CHILD_ENV, path)
         .env("TOOLGATE_CRASH_SEED", cfg.seed.to_string())
         .env("TOOLGATE_CRASH_RUN", run.to_string())
@@ -155,6 +184,9 @@ fn crash_loop(cfg: LoopConfig) -> LoopReport {
         let mut e = Engine::create(&path, crate::support::opts(&clock, "init")).unwrap();
         e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
     }
+    // Over HTTP: one provider process for the whole loop, outliving every child.
+    let server = cfg.http.then(|| crate::http::ProviderServer::start(dir.path(), &[]));
+    let catalog = server.as_ref().map(|s| crate::http::write_catalog(dir.path(), &s.url(), None));
     let mut rng = StdRng::seed_from_u64(cfg.seed);
     let mut report = LoopReport::default();
     for run in 0..cfg.kills {
@@ -172,7 +204,7 @@ fn crash_loop(cfg: LoopConfig) -> LoopReport {
         };
         let base = latest_instant(&path) + jump;
         let delay = if cfg.defense_off { rng.gen_range(150..600) } else { rng.gen_range(20..500) };
-        let mut child = spawn_child(&path, cfg, run, base);
+        let mut child = spawn_child(&path, cfg, run, base, catalog.as_deref());
         std::thread::sleep(Duration::from_millis(delay));
         let _ = child.kill();
         let out = child.wait_with_output().unwrap();
@@ -190,8 +222,15 @@ fn crash_loop(cfg: LoopConfig) -> LoopReport {
             ),
         }
     }
-    recover(&path, cfg, &mut report);
-    let (violations, tally) = check(&path, Expect { settled: true, queried: true });
+    recover(&path, cfg, &mut report, catalog.as_deref());
+    let expect = Expect { settled: true, queried: true };
+    let (violations, tally) = match &server {
+        None => check(&path, expect),
+        Some(s) => {
+            let mut e = engine_at(&path, &ManualClock::new(0), "checker", false, catalog.as_deref());
+            crate::invariants::check_effects_at(&path, &s.db, expect, &mut e)
+        }
+    };
     report.violations = violations;
     report.tally = tally;
     if std::env::var_os("TOOLGATE_CRASH_KEEP").is_some() {
@@ -204,9 +243,9 @@ fn crash_loop(cfg: LoopConfig) -> LoopReport {
 /// Recovery as operators and callers would do it: reaper, workers, every
 /// caller retries its intent once (same key, same arguments), workers again, then
 /// an explicit status query for every operation still unknown.
-fn recover(path: &Path, cfg: LoopConfig, report: &mut LoopReport) {
+fn recover(path: &Path, cfg: LoopConfig, report: &mut LoopReport, catalog: Option<&Path>) {
     let clock = ManualClock::new(latest_instant(path) + 3_600_000);
-    let mut e = engine_at(path, &clock, "recovery", cfg.defense_off);
+    let mut e = engine_at(path, &clock, "recovery", cfg.defense_off, catalog);
     e.reap().unwrap();
     e.work(usize::MAX).unwrap();
     for op in e.list_operations(None, i64::MAX).unwrap() {
@@ -229,6 +268,11 @@ fn recover(path: &Path, cfg: LoopConfig, report: &mut LoopReport) {
     clock.advance(3_600_000);
     e.reap().unwrap();
     e.work(usize::MAX).unwrap();
+    if catalog.is_some() {
+        // A provider over HTTP finishes in real time what a lost reply left
+        // running (a slow commit, a delayed receipt): let it land before asking.
+        std::thread::sleep(Duration::from_secs(3));
+    }
     let unknown = e.list_operations(Some("unknown"), i64::MAX).unwrap();
     report.unknown_before_queries = unknown.len();
     for op in unknown {
@@ -262,16 +306,18 @@ fn crash_child() {
     let (run, kills, base) =
         (var("TOOLGATE_CRASH_RUN") as u64, var("TOOLGATE_CRASH_KILLS") as u64, var("TOOLGATE_CRASH_BASE"));
     let defense_off = var("TOOLGATE_CRASH_DEFENSE_OFF") == 1;
-    child_main(Path::new(&path), seed, run, kills, base, defense_off);
+    let catalog = std::env::var_os(CATALOG_ENV).map(std::path::PathBuf::from);
+    child_main(Path::new(&path), seed, run, kills, base, defense_off, catalog.as_deref());
 }
 
 const TEMPLATES: [&str; 3] = ["refund_issued", "refund_delayed", "order_update"];
 
 /// The child: a stream of dispatches with same-key retries, approvals, workers,
 /// reaper passes, status queries and clock steps, until it is killed.
-fn child_main(path: &Path, seed: u64, run: u64, kills: u64, base: i64, defense_off: bool) {
+fn child_main(path: &Path, seed: u64, run: u64, kills: u64, base: i64, defense_off: bool, catalog: Option<&Path>) {
+    let http = catalog.is_some();
     let clock = ManualClock::new(base);
-    let mut e = engine_at(path, &clock, &format!("crash-run-{run}"), defense_off);
+    let mut e = engine_at(path, &clock, &format!("crash-run-{run}"), defense_off, catalog);
     let mut rng = StdRng::seed_from_u64(seed ^ (run + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
     // A restarted worker process reaps and works first.
     e.reap().unwrap();
@@ -297,7 +343,7 @@ fn child_main(path: &Path, seed: u64, run: u64, kills: u64, base: i64, defense_o
             0..=49 => {
                 let i = rng.gen_range(0..refunds);
                 let req = refund_request(&format!("crash-refund-{i:05}"), 1 + (i as i64 % 40));
-                e.set_faults(pick_fault(&mut rng));
+                e.set_faults(pick_fault(&mut rng, http));
                 let env = e.dispatch(&req).unwrap();
                 e.set_faults(FaultPlan::none());
                 remember(&mut seen, &req, &env);
@@ -310,7 +356,7 @@ fn child_main(path: &Path, seed: u64, run: u64, kills: u64, base: i64, defense_o
                 if env.code() == Some(Code::ApprovalRequired) && rng.gen_bool(0.8) {
                     let id = env.protected_audit.approval_id.clone().unwrap();
                     let approver = if rng.gen_bool(0.5) { "alice" } else { "bob" };
-                    e.set_faults(pick_fault(&mut rng));
+                    e.set_faults(pick_fault(&mut rng, http));
                     let env = e.approve(&id, approver).unwrap();
                     e.set_faults(FaultPlan::none());
                     remember(&mut seen, &req, &env);
@@ -376,12 +422,16 @@ fn notify_request(key: &str, template: &str) -> DispatchRequest {
 }
 
 /// Mostly no fault; otherwise one of the provider's failure modes for this call.
-fn pick_fault(rng: &mut StdRng) -> FaultPlan {
+/// Over HTTP a `crash_after_commit` would abort the provider process, not the
+/// dispatcher: it becomes a connection dropped after the commit.
+fn pick_fault(rng: &mut StdRng, http: bool) -> FaultPlan {
     if rng.gen_bool(0.6) {
         return FaultPlan::none();
     }
     let spec = match rng.gen_range(0..20) {
         0..=3 => "timeout_after_commit".to_string(),
+        // Over HTTP the delays are real time: short enough for the recovery to see them land.
+        4..=5 if http => format!("receipt_delay({})", rng.gen_range(100..2_000)),
         4..=5 => format!("receipt_delay({})", rng.gen_range(500..20_000)),
         6..=7 => "connect_timeout".to_string(),
         8..=9 => format!("rate_limit({})", rng.gen_range(100..3_000)),
@@ -390,8 +440,10 @@ fn pick_fault(rng: &mut StdRng) -> FaultPlan {
         13 => "malformed_response".to_string(),
         14 => "mismatch_after_commit".to_string(),
         15 => "reject(card_declined)".to_string(),
+        16 if http => format!("latency({})", rng.gen_range(10..2_500)),
         16 => format!("latency({})", rng.gen_range(10..8_000)),
         // A crash right after the provider commits: the window a random kill rarely hits.
+        17 if http => "drop_after_commit".to_string(),
         17 => "crash_after_commit".to_string(),
         _ => "connect_timeout,timeout_after_commit".to_string(),
     };

@@ -237,7 +237,7 @@ fn cli_hostile_world_files_are_refused_and_leave_no_database() {
         ("not JSON", "tenants: []".into()),
         ("empty file", String::new()),
         ("100-deep nesting", format!(r#"{{"tenants":{deep},"subjects":[],"grants":[],"orders":[]}}"#)),
-        ("missing section", r#"{"tenants":[],"subjects":[],"grants":[]}"#.into()),
+        ("missing section", r#"{"tenants":[],"subjects":[],"orders":[]}"#.into()),
         ("duplicate tenant", format!(r#"{{"tenants":[{ok_tenant},{ok_tenant}],"subjects":[],"grants":[],"orders":[]}}"#)),
         ("dangling grant", format!(r#"{{"tenants":[{ok_tenant}],"subjects":[],"grants":[{{"tenant":"t","subject":"ghost","tool":"create_refund"}}],"orders":[]}}"#)),
         ("refunded more than captured", format!(r#"{{"tenants":[{ok_tenant}],"subjects":[{{"id":"s","tenant":"t"}}],"grants":[],"orders":[{{"order_ref":"ord_1","tenant":"t","owner":"s","currency":"EUR","captured_minor":5,"refunded_minor":6,"status":"paid"}}]}}"#)),

@@ -594,3 +594,26 @@ fn a_new_revision_in_the_catalog_changes_new_digests_and_never_replays_the_old_r
     assert_eq!(fresh.model_result.status, Status::Succeeded);
     assert_eq!(fx.server.effects(), 2);
 }
+
+#[test]
+fn the_load_generator_against_a_served_provider_reports_no_duplicate_and_no_silently_wrong_result() {
+    // Random faults (5%) travel to the provider as headers; the referee counts
+    // the effects in the provider's own database.
+    let fx = HttpFixture::new();
+    let out = Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
+        .arg("--db")
+        .arg(&fx.ledger)
+        .arg("--catalog")
+        .arg(&fx.catalog)
+        .args(["load", "--agents", "3", "--ops", "60", "--fault-rate", "5%", "--seed", "3", "--json", "--provider-db"])
+        .arg(&fx.server.db)
+        .output()
+        .unwrap();
+    let report: Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!(out.status.code(), Some(0), "{report}");
+    assert_eq!(report["duplicates"], 0, "{report}");
+    assert_eq!(report["silently_wrong"], 0, "{report}");
+    assert!(report["effects"].as_i64().unwrap() > 0, "{report}");
+    assert_eq!(report["effects"].as_i64().unwrap(), fx.server.effects(), "counted at the provider: {report}");
+}

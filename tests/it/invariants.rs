@@ -108,8 +108,16 @@ pub fn check(path: &Path, expect: Expect) -> (Vec<String>, Tally) {
 /// [`check`] with an engine the caller already has open on `path` (its audit is
 /// read-only).
 pub fn check_with(path: &Path, expect: Expect, e: &mut Engine) -> (Vec<String>, Tally) {
+    check_effects_at(path, path, expect, e)
+}
+
+/// [`check`] for a ledger whose providers keep their effects in another
+/// database (`toolgate provider serve`), with an engine on the ledger that
+/// reaches them over HTTP.
+pub fn check_effects_at(path: &Path, effects_db: &Path, expect: Expect, e: &mut Engine) -> (Vec<String>, Tally) {
     let mut v = Vec::new();
     let c = raw(path);
+    let ce = raw(effects_db);
     let ops: Vec<Op> = {
         let mut st = c
             .prepare(
@@ -144,7 +152,8 @@ pub fn check_with(path: &Path, expect: Expect, e: &mut Engine) -> (Vec<String>, 
         .collect()
     };
     let effects: Vec<Effect> = {
-        let mut st = c.prepare("SELECT downstream_key, intent, body_sha256, receipt_id FROM provider_effects").unwrap();
+        let mut st =
+            ce.prepare("SELECT downstream_key, intent, body_sha256, receipt_id FROM provider_effects").unwrap();
         st.query_map([], |r| {
             Ok(Effect { downstream_key: r.get(0)?, intent: r.get(1)?, body_sha256: r.get(2)?, receipt_id: r.get(3)? })
         })
@@ -168,7 +177,7 @@ pub fn check_with(path: &Path, expect: Expect, e: &mut Engine) -> (Vec<String>, 
             v.push(format!("duplicate: intent {} has {} provider effects", &i[..12], es.len()));
         }
     }
-    let counted: i64 = c
+    let counted: i64 = ce
         .query_row(
             "SELECT count(*) FROM (SELECT intent FROM provider_effects GROUP BY intent HAVING count(*) > 1)",
             [],
