@@ -701,6 +701,7 @@ fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
         workers: true,
         scratch: scratch.clone(),
         load: load.as_ref().map(|l| l.stats.clone()),
+        toolset: engine_options(cli)?.toolset,
     });
     if let Some(l) = load {
         l.stop();

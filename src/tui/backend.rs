@@ -31,6 +31,8 @@ pub struct BackendOptions {
     pub exe: Option<PathBuf>,
     /// Live counters of the simulated agents running in this process (`toolgate demo`).
     pub load: Option<Arc<crate::load::LoadStats>>,
+    /// The tools the console's engines use (`--catalog`; the demo's by default).
+    pub toolset: Arc<crate::engine::tool::Toolset>,
 }
 
 /// Handles to the running threads.
@@ -62,7 +64,11 @@ pub fn spawn(opts: &BackendOptions, events: UnboundedSender<Action>) -> Result<B
     // Open once here so a broken database fails before the terminal is taken over.
     let engine = Engine::open(
         &opts.path,
-        EngineOptions { worker_id: format!("console-{}", std::process::id()), ..EngineOptions::default() },
+        EngineOptions {
+            worker_id: format!("console-{}", std::process::id()),
+            toolset: opts.toolset.clone(),
+            ..EngineOptions::default()
+        },
     )?;
     let mut threads = Vec::new();
     let o = opts.clone();
@@ -71,7 +77,11 @@ pub fn spawn(opts: &BackendOptions, events: UnboundedSender<Action>) -> Result<B
     if opts.workers {
         let worker = Engine::open(
             &opts.path,
-            EngineOptions { worker_id: format!("console-worker-{}", std::process::id()), ..EngineOptions::default() },
+            EngineOptions {
+                worker_id: format!("console-worker-{}", std::process::id()),
+                toolset: opts.toolset.clone(),
+                ..EngineOptions::default()
+            },
         )?;
         let s = stop.clone();
         threads.push(std::thread::spawn(move || work(worker, &s, &events)));

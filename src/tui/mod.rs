@@ -55,6 +55,8 @@ pub struct ConsoleOptions {
     pub scratch: PathBuf,
     /// Live counters of simulated agents running in this process (`toolgate demo`).
     pub load: Option<std::sync::Arc<crate::load::LoadStats>>,
+    /// The tools (`--catalog`; the demo's by default).
+    pub toolset: std::sync::Arc<crate::engine::tool::Toolset>,
 }
 
 /// Most frames per second when the engine is busy.
@@ -105,6 +107,7 @@ async fn run_async(opts: &ConsoleOptions) -> Result<(), ConsoleError> {
             scratch: opts.scratch.clone(),
             exe: std::env::current_exe().ok(),
             load: opts.load.clone(),
+            toolset: opts.toolset.clone(),
         },
         ev_tx,
     )?;
