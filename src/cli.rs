@@ -1170,7 +1170,7 @@ fn scenario_command(what: &ScenarioCommand) -> Result<i32, CliError> {
                 });
                 let r = ScenarioRun::run(
                     s,
-                    RunOptions { crash_mode: CrashMode::ChildProcess(bin.clone()), keep_db: keep },
+                    RunOptions { crash_mode: CrashMode::ChildProcess(bin.clone()), keep_db: keep, http: None },
                 )?;
                 if r.passed {
                     passed += 1;

@@ -34,6 +34,10 @@ pub const INTENT_HEADER: &str = "Toolgate-Intent";
 pub const FAULT_HEADER: &str = "Toolgate-Fault";
 /// The longest reply body read by default.
 pub const DEFAULT_MAX_BODY_BYTES: u64 = 256 * 1024;
+/// The shortest attempt worth starting: below it nothing is sent.
+const MIN_ATTEMPT_MS: u64 = 100;
+/// How much earlier than the whole-call deadline the connect deadline falls.
+const CONNECT_MARGIN_MS: u64 = 50;
 /// The largest Retry-After honoured: one hour.
 const MAX_RETRY_AFTER_MS: u64 = 3_600_000;
 
@@ -342,11 +346,16 @@ fn header(resp: &ureq::http::Response<ureq::Body>, name: &str) -> Option<String>
 
 impl Downstream for HttpDownstream {
     fn execute(&mut self, key: &str, req: &DownstreamRequest) -> Result<Reply, DownstreamError> {
-        let total = Duration::from_millis(req.timeout_ms.max(1));
-        // Strictly before the whole-call deadline, so a connect that times
-        // out is reported as the connect stage (provably not received).
-        let connect = Duration::from_millis(self.cfg.connect_timeout_ms)
-            .min(total.saturating_sub(Duration::from_millis(1)).max(Duration::from_millis(1)));
+        // ureq reports a timeout by the earliest deadline it ran into, so the
+        // connect deadline must come strictly before the whole-call deadline
+        // for a connect that runs out of time to say "connect" (provably not
+        // received) rather than "global" (ambiguous: treated as unknown).
+        if req.timeout_ms < MIN_ATTEMPT_MS {
+            // Too little time left to even connect: nothing is sent.
+            return Ok(Reply::ConnectTimeout);
+        }
+        let total = Duration::from_millis(req.timeout_ms);
+        let connect = Duration::from_millis(self.cfg.connect_timeout_ms.min(req.timeout_ms - CONNECT_MARGIN_MS));
         let url = self.url(&self.cfg.execute.path, key);
         let builder = if self.cfg.execute.method == "PUT" { self.agent.put(&url) } else { self.agent.post(&url) };
         let mut builder = builder

@@ -15,7 +15,8 @@ pub mod runner;
 pub mod script;
 
 pub use runner::{
-    CrashKind, CrashMode, CrashReport, Mismatch, RunOptions, ScenarioReport, ScenarioRun, StepObservation,
+    CrashKind, CrashMode, CrashReport, HttpProviders, Mismatch, RunOptions, ScenarioReport, ScenarioRun,
+    StepObservation,
 };
 pub use script::{Action, Expectation, Script, Step, Transition};
 

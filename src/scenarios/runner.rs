@@ -46,6 +46,21 @@ pub struct RunOptions {
     /// Create the database here and leave it (it must not exist); a temporary
     /// directory, removed at the end, when absent.
     pub keep_db: Option<PathBuf>,
+    /// The providers' tools behind a served provider instead of in process.
+    pub http: Option<HttpProviders>,
+}
+
+/// A run whose downstream tools go over HTTP to `toolgate provider serve`:
+/// the catalog that points there and the provider's database (where the
+/// runner counts effects). A crash step then kills the child dispatcher after
+/// the provider's reply arrived (failpoint `before_persist`), since
+/// `crash_after_commit` would kill the provider.
+#[derive(Debug, Clone)]
+pub struct HttpProviders {
+    /// A catalog directory (e.g. `assets/catalog-http` pointed at the server).
+    pub catalog: PathBuf,
+    /// The served provider's database.
+    pub provider_db: PathBuf,
 }
 
 /// Which crash ran, for the screen.
@@ -240,6 +255,10 @@ pub struct ScenarioRun {
     crash_mode: CrashMode,
     clock: Arc<ScenarioClock>,
     contracts: Arc<Contracts>,
+    toolset: Arc<crate::engine::tool::Toolset>,
+    http: Option<HttpProviders>,
+    /// The served provider's database, read-only, when the tools go over HTTP.
+    effects_observer: Option<Store>,
     path: PathBuf,
     kept: Option<PathBuf>,
     engine: Option<Engine>,
@@ -297,15 +316,25 @@ impl ScenarioRun {
             (Home::Temp(dir), path, None)
         };
         let clock = Arc::new(ScenarioClock::new(script.start_ms));
-        let contracts = Arc::new(crate::tools::demo_catalog().map_err(EngineError::from)?);
-        let mut engine = Engine::create(&path, engine_options(&clock, &contracts, "scenario-w1", seed(script.id, 1)))?;
+        let toolset =
+            crate::tools::load_toolset(opts.http.as_ref().map(|h| h.catalog.as_path())).map_err(EngineError::from)?;
+        let contracts = toolset.catalog().clone();
+        let mut engine =
+            Engine::create(&path, engine_options(&clock, &contracts, &toolset, "scenario-w1", seed(script.id, 1)))?;
         engine.load_world(&script.world)?;
         let observer = Store::open(&path, OpenOptions { create: false, sync: Sync::Normal })?;
+        let effects_observer = match &opts.http {
+            Some(h) => Some(Store::open_read_only(&h.provider_db)?),
+            None => None,
+        };
         Ok(Self {
             script: script.clone(),
             crash_mode: opts.crash_mode,
             clock,
             contracts,
+            toolset,
+            http: opts.http,
+            effects_observer,
             path,
             kept,
             engine: Some(engine),
@@ -420,7 +449,8 @@ impl ScenarioRun {
 
     /// (effects, duplicates) in the whole database.
     fn counts(&mut self) -> Result<(i64, i64), StoreError> {
-        self.observer.read(|tx| Ok::<_, StoreError>((tx.count_effects()?, tx.side_effect_duplicates()?)))
+        let at = self.effects_observer.as_mut().unwrap_or(&mut self.observer);
+        at.read(|tx| Ok::<_, StoreError>((tx.count_effects()?, tx.side_effect_duplicates()?)))
     }
 
     fn op_of(&mut self, scope: Option<&Scope>) -> Result<Option<OperationRow>, StoreError> {
@@ -726,6 +756,7 @@ impl ScenarioRun {
                 let opts = engine_options(
                     &self.clock,
                     &self.contracts,
+                    &self.toolset,
                     &worker,
                     seed(self.script.id, u64::from(self.generation)),
                 );
@@ -774,6 +805,7 @@ impl ScenarioRun {
         let opts = engine_options(
             &self.clock,
             &self.contracts,
+            &self.toolset,
             &format!("scenario-bg{n}"),
             seed(self.script.id, 1000 + n as u64),
         );
@@ -822,7 +854,8 @@ impl ScenarioRun {
             .get(&op.tool)
             .map(|c| c.downstream.as_str())
             .ok_or_else(|| StepError::new("evidence", "the operation's tool is not in the catalog"))?;
-        let effect = self.observer.read(|tx| tx.provider_effect_by_key(provider, &op.downstream_key))?;
+        let at = self.effects_observer.as_mut().unwrap_or(&mut self.observer);
+        let effect = at.read(|tx| tx.provider_effect_by_key(provider, &op.downstream_key))?;
         effect
             .map(|e| e.receipt_id)
             .ok_or_else(|| StepError::new("evidence", format!("the provider has no record for step {k}'s operation")))
@@ -848,10 +881,19 @@ impl ScenarioRun {
             .args(["--provider", &call.provider, "--api-family", &call.api_family])
             .args(["--response-id", &call.response_id, "--call-id", &call.call_id])
             .args(["--adapter-revision", &call.adapter_revision])
-            .args(["--fault", "crash_after_commit"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
+        match &self.http {
+            // Over HTTP the provider is another process: the dispatcher dies
+            // right after the reply arrived, before it records it.
+            Some(h) => {
+                cmd.arg("--catalog").arg(&h.catalog).env("TOOLGATE_FAILPOINT", "before_persist");
+            }
+            None => {
+                cmd.args(["--fault", "crash_after_commit"]);
+            }
+        }
         if let Some(d) = req.deadline_ms {
             cmd.arg("--deadline-ms").arg(d.to_string());
         }
@@ -888,7 +930,13 @@ impl ScenarioRun {
 /// Options of one engine of a run. Each engine gets its own seed (derived from
 /// the scenario and the engine's role) so that ids, receipts and backoff jitter
 /// are the same on every run, and two engines never mint the same id.
-fn engine_options(clock: &Arc<ScenarioClock>, contracts: &Arc<Contracts>, worker: &str, seed: u64) -> EngineOptions {
+fn engine_options(
+    clock: &Arc<ScenarioClock>,
+    contracts: &Arc<Contracts>,
+    toolset: &Arc<crate::engine::tool::Toolset>,
+    worker: &str,
+    seed: u64,
+) -> EngineOptions {
     EngineOptions {
         clock: clock.clone(),
         // Process crashes are what scenarios exercise, and WAL with NORMAL survives
@@ -896,6 +944,7 @@ fn engine_options(clock: &Arc<ScenarioClock>, contracts: &Arc<Contracts>, worker
         sync: Sync::Normal,
         worker_id: worker.to_string(),
         contracts: Some(contracts.clone()),
+        toolset: toolset.clone(),
         seed: Some(seed),
         ..EngineOptions::default()
     }

@@ -61,7 +61,7 @@ impl Walkthrough {
             }
             match ScenarioRun::new(
                 script,
-                RunOptions { crash_mode: CrashMode::InProcess, keep_db: Some(dir.join("walkthrough.db")) },
+                RunOptions { crash_mode: CrashMode::InProcess, keep_db: Some(dir.join("walkthrough.db")), http: None },
             ) {
                 Ok(r) => {
                     self.run = Some(r);

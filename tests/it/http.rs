@@ -617,3 +617,48 @@ fn the_load_generator_against_a_served_provider_reports_no_duplicate_and_no_sile
     assert!(report["effects"].as_i64().unwrap() > 0, "{report}");
     assert_eq!(report["effects"].as_i64().unwrap(), fx.server.effects(), "counted at the provider: {report}");
 }
+
+/// The scenarios with `create_refund` and `notify_customer` behind a served
+/// provider, one provider per scenario (the expectations count its effects).
+/// A served provider keeps real time, not the scenario's clock, so three
+/// parts cannot hold and are checked to be the only ones that differ:
+/// scenario 4's "late receipt" step 10 (the receipt becomes visible a
+/// scenario-minute later, which is a real minute to the provider), and
+/// scenarios 9 and 11, whose gate holds a call inside the in-process provider.
+#[test]
+fn the_scenarios_run_with_the_providers_behind_http() {
+    use toolgate::scenarios::{self, report, CrashMode, HttpProviders, RunOptions, ScenarioRun};
+    let mut failed = Vec::new();
+    for s in scenarios::builtin().unwrap() {
+        if matches!(s.id, 9 | 11) {
+            continue;
+        }
+        let fx = HttpFixture::new();
+        let opts = RunOptions {
+            crash_mode: CrashMode::ChildProcess(PathBuf::from(env!("CARGO_BIN_EXE_toolgate"))),
+            keep_db: None,
+            http: Some(HttpProviders { catalog: fx.catalog.clone(), provider_db: fx.server.db.clone() }),
+        };
+        let r = ScenarioRun::run(&s, opts).unwrap();
+        let wrong: Vec<usize> = r.steps.iter().filter(|o| !o.passed).map(|o| o.step).collect();
+        let allowed: &[usize] = if s.id == 4 { &[10] } else { &[] };
+        if wrong != allowed || r.steps.len() != r.total_steps {
+            failed.push(report::render(&r));
+        }
+        assert_eq!(fx.server.duplicates(), 0, "scenario {}", s.id);
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+#[test]
+fn an_attempt_with_almost_no_time_left_is_not_sent_at_all() {
+    // Under 100 ms left of the deadline: provably not received, because nothing
+    // is sent (a connect racing the whole-call deadline could not say which
+    // stage it died in, and would have to count as possibly received).
+    let fx = HttpFixture::new();
+    let mut ds = adapter_for(&fx.catalog, "create_refund");
+    let mut r = request("eeee");
+    r.timeout_ms = 40;
+    assert_eq!(ds.execute("dk-no-time-0001", &r).unwrap(), Reply::ConnectTimeout);
+    assert_eq!(fx.server.effects(), 0);
+}

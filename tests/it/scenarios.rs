@@ -17,7 +17,7 @@ fn child() -> CrashMode {
 }
 
 fn opts(crash_mode: CrashMode) -> RunOptions {
-    RunOptions { crash_mode, keep_db: None }
+    RunOptions { crash_mode, keep_db: None, http: None }
 }
 
 fn builtin(id: u32) -> Script {
@@ -47,7 +47,7 @@ fn every_scenario_passes_with_a_real_crash_and_leaves_a_ledger_that_audits_clean
     let mut failed = Vec::new();
     for s in &all {
         let db = dir.path().join(format!("{}.db", s.slug));
-        let r = ScenarioRun::run(s, RunOptions { crash_mode: child(), keep_db: Some(db.clone()) }).unwrap();
+        let r = ScenarioRun::run(s, RunOptions { crash_mode: child(), keep_db: Some(db.clone()), http: None }).unwrap();
         if !r.passed {
             failed.push(report::render(&r));
         }
@@ -319,7 +319,8 @@ fn the_files_in_assets_are_exactly_the_builtin_ones() {
 fn keep_db_leaves_a_database_the_cli_can_open() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("kept.db");
-    let r = ScenarioRun::run(&builtin(1), RunOptions { crash_mode: child(), keep_db: Some(db.clone()) }).unwrap();
+    let r = ScenarioRun::run(&builtin(1), RunOptions { crash_mode: child(), keep_db: Some(db.clone()), http: None })
+        .unwrap();
     assert!(r.passed);
     assert_eq!(r.kept_db.as_deref(), Some(db.as_path()));
     let out = toolgate().args(["counts", "--json", "--db"]).arg(&db).output().unwrap();
@@ -328,7 +329,7 @@ fn keep_db_leaves_a_database_the_cli_can_open() {
     assert_eq!(counts["downstream_effects"], 1);
     assert_eq!(counts["side_effect_duplicates"], 0);
     // An existing path is never overwritten.
-    let again = ScenarioRun::new(&builtin(1), RunOptions { crash_mode: child(), keep_db: Some(db) });
+    let again = ScenarioRun::new(&builtin(1), RunOptions { crash_mode: child(), keep_db: Some(db), http: None });
     assert!(matches!(again, Err(ScenarioError::Db(_))));
 }
 
