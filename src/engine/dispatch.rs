@@ -241,7 +241,7 @@ impl Engine {
             Decision::Synced
         };
         if matches!(decision, Decision::Synced) {
-            decision = self.store.write(|tx| step(tx, audit, ev, false))?;
+            decision = self.store.write(|tx| step(tx, audit.clone(), ev.clone(), false))?;
         }
         match decision {
             Decision::Answer(env, _) => Ok(env),
@@ -282,7 +282,8 @@ impl Engine {
         let domain = self.domain(tool);
         self.store.write_relaxed(|tx| -> Result<Envelope, EngineError> {
             let now = clock.now_ms();
-            let mut ev = ev;
+            let mut ev = ev.clone();
+            let audit = audit.clone();
             let env = 'answer: {
                 if let Some(code) = authorize(tx, &*domain, tenant, subject, tool, args)? {
                     ev.step = "authorization";
@@ -458,7 +459,7 @@ impl Engine {
                 answer,
                 naive_timeout_retry: defenses.naive_timeout_retry,
             };
-            let step = self.store.write(|tx| persist(tx, &pctx, reply))?;
+            let step = self.store.write(|tx| persist(tx, &pctx, reply.clone()))?;
             match step {
                 Persisted::Done(env) => return Ok(env),
                 Persisted::RetryAfter(ms) => self.clock.sleep_ms(ms),

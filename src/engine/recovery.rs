@@ -335,7 +335,7 @@ impl Engine {
             }
             cur.updated_at = now;
             cur.last_query_at = Some(now);
-            let (result, env, reason) = match lookup {
+            let (result, env, reason) = match lookup.clone() {
                 Lookup::Found(r) => {
                     ev.receipt_id = Some(r.receipt_id.clone());
                     ev.downstream_request_id = Some(r.request_id.clone());

@@ -24,7 +24,7 @@
 
 use std::path::Path;
 
-use rusqlite::{params, OptionalExtension};
+use super::sql::params;
 
 use super::{OpenOptions, OperationRow, OrderRow, Store, StoreError, Sync, Tx, OP_COLS, R};
 
@@ -77,11 +77,11 @@ impl BareLedger {
             let mut st = ledger
                 .conn
                 .prepare("SELECT name FROM sqlite_schema WHERE type = 'trigger' AND tbl_name <> 'audit_log'")?;
-            let rows = st.query_map([], |r| r.get(0))?;
+            let rows = st.query_map((), |r| r.get(0))?;
             rows.collect::<Result<_, _>>()?
         };
         for t in triggers {
-            ledger.conn.execute_batch(&format!("DROP TRIGGER \"{t}\""))?;
+            ledger.conn.execute(&format!("DROP TRIGGER \"{t}\""), ())?;
         }
         ledger.write(|tx| -> R<()> {
             tx.insert_tenant(TENANT, i64::MAX / 2)?;
@@ -252,13 +252,12 @@ impl BareLedger {
     pub fn lookup(&mut self, n: u64) -> R<Option<OperationRow>> {
         let key = idem_key(n);
         self.ledger.read(|tx| -> R<Option<OperationRow>> {
-            Ok(tx
+            tx
                 .conn
                 .prepare_cached(&format!(
                     "SELECT {OP_COLS} FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4"
                 ))?
-                .query_row(params![TENANT, SUBJECT, TOOL, key], OperationRow::from_row)
-                .optional()?)
+                .query_opt(params![TENANT, SUBJECT, TOOL, key], OperationRow::from_row)
         })
     }
 
@@ -275,8 +274,7 @@ impl BareLedger {
                 .prepare_cached(&format!(
                     "SELECT {OP_COLS} FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4"
                 ))?
-                .query_row(params![TENANT, SUBJECT, TOOL, key], OperationRow::from_row)
-                .optional()?;
+                .query_opt(params![TENANT, SUBJECT, TOOL, key], OperationRow::from_row)?;
             if let Some(op) = &op {
                 tx.conn
                     .prepare_cached(

@@ -1,12 +1,17 @@
-//! SQLite storage: connection set-up, embedded migrations and typed queries.
+//! Storage: connection set-up, embedded migrations and typed queries, on an
+//! embedded SQLite file or a PostgreSQL server.
 //!
 //! **This is the only module with SQL.** The engine sees [`Store`] (open, run a
-//! transaction) and [`Tx`] (typed reads and writes inside one transaction), so a
-//! PostgreSQL backend can implement the same surface later.
+//! transaction) and [`Tx`] (typed reads and writes inside one transaction).
+//! Every query is written once against [`sql`]'s neutral statement API and runs
+//! on either backend; a `--db` value that is a `postgres://` or
+//! `postgresql://` URL selects PostgreSQL, anything else is a SQLite path.
 
 pub mod bench;
+mod pg;
 mod resilience;
 mod rows;
+pub(crate) mod sql;
 mod views;
 
 use std::collections::HashMap;
@@ -14,10 +19,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
-use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
+use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 
 pub use resilience::{CircuitRow, RetryBudgetRow, MILLI_TOKEN};
 pub use rows::*;
+pub use sql::Backend;
+use sql::{params, Conn};
 pub use views::{Cursor, LiveRow, OpsView};
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
@@ -36,12 +43,6 @@ const MIGRATIONS: [&str; 9] = [
 /// The schema version this build writes.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
-/// SQL condition on an audit-log row `a`: it records a person's act. Everything
-/// but a caller's own status query, whose actor is the caller's principal
-/// reference (`pr_` + 16 hex digits, a shape operator names may not take).
-const BY_A_PERSON: &str =
-    "NOT (a.action = 'query' AND length(a.actor) = 19 AND a.actor GLOB 'pr_[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*')";
-
 /// The link of the first row of the operator log's hash chain.
 pub const AUDIT_GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
@@ -54,10 +55,12 @@ const STATEMENT_CACHE: usize = 160;
 
 /// How long a writer waits for the lock before SQLite reports busy.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long we keep retrying `BEGIN IMMEDIATE` on busy before surfacing it.
+/// How long we keep retrying `BEGIN IMMEDIATE` on busy (or, on PostgreSQL, a
+/// transaction that met a serialization failure) before surfacing it.
 const BEGIN_RETRY_BUDGET: Duration = Duration::from_secs(60);
 
-/// Storage errors. Messages never include a local path.
+/// Storage errors, the same for every backend. Messages never include a local
+/// path, a connection URL or SQL text.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// The database could not be opened or created.
@@ -103,12 +106,20 @@ pub enum StoreError {
         number: usize,
         /// Version the file claimed.
         found: i64,
-        /// SQLite's reason, without the SQL text.
+        /// The database's reason, without the SQL text.
         reason: String,
     },
-    /// Any other SQLite error: its description only (never SQL text or a path).
+    /// A constraint refused a write (unique, check, foreign key).
+    #[error("database constraint: {0}")]
+    Constraint(String),
+    /// Two transactions conflicted (PostgreSQL serialization failure or
+    /// deadlock). The store retries the transaction; callers only see this
+    /// when the retries ran out.
+    #[error("the transaction kept conflicting with concurrent writers; run the command again")]
+    Conflict,
+    /// Any other database error: its description only (never SQL text or a path).
     #[error("database error: {0}")]
-    Sqlite(String),
+    Other(String),
 }
 
 impl From<rusqlite::Error> for StoreError {
@@ -122,11 +133,12 @@ impl From<rusqlite::Error> for StoreError {
                 C::NotADatabase => StoreError::NotToolgate,
                 // SQLite's own message ("no such table: x", "UNIQUE constraint
                 // failed: t.c") names schema objects, never the statement text.
-                _ => StoreError::Sqlite(msg.clone().unwrap_or_else(|| f.to_string())),
+                C::ConstraintViolation => StoreError::Constraint(msg.clone().unwrap_or_else(|| f.to_string())),
+                _ => StoreError::Other(msg.clone().unwrap_or_else(|| f.to_string())),
             },
             // These variants carry the SQL text: say what kind of error it was only.
-            rusqlite::Error::SqlInputError { msg, .. } => StoreError::Sqlite(msg.clone()),
-            other => StoreError::Sqlite(other.to_string()),
+            rusqlite::Error::SqlInputError { msg, .. } => StoreError::Other(msg.clone()),
+            other => StoreError::Other(other.to_string()),
         }
     }
 }
@@ -142,9 +154,10 @@ impl StoreError {
             StoreError::NotToolgate => "DB_NOT_TOOLGATE",
             StoreError::ReadOnly => "DB_READ_ONLY",
             StoreError::DiskFull => "DISK_FULL",
-            StoreError::Busy => "DB_BUSY",
+            StoreError::Busy | StoreError::Conflict => "DB_BUSY",
             StoreError::Migration { .. } => "DB_MIGRATION_FAILED",
-            StoreError::Sqlite(_) => "DB_ERROR",
+            StoreError::Constraint(_) => "DB_CONSTRAINT",
+            StoreError::Other(_) => "DB_ERROR",
         }
     }
 }
@@ -152,9 +165,11 @@ impl StoreError {
 /// Durability mode for the ledger (docs/design.md §6: FULL by default).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sync {
-    /// fsync on every commit.
+    /// fsync on every commit (PostgreSQL: `synchronous_commit = on`).
     Full,
-    /// WAL NORMAL: survives process crashes, not power loss.
+    /// WAL NORMAL: survives process crashes, not power loss (PostgreSQL:
+    /// `synchronous_commit = off`, which loses no committed state on a crash
+    /// of a client, only the newest commits on a crash of the server's host).
     Normal,
 }
 
@@ -173,31 +188,59 @@ impl Default for OpenOptions {
     }
 }
 
+/// Where a ledger lives: what a `--db` value names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Location<'a> {
+    /// A SQLite file.
+    File(&'a Path),
+    /// A PostgreSQL connection URL (`postgres://` or `postgresql://`).
+    Postgres(&'a str),
+}
+
+impl<'a> Location<'a> {
+    /// What `db` names: a PostgreSQL URL, or else a SQLite path.
+    pub fn of(db: &'a Path) -> Self {
+        match db.to_str() {
+            Some(s) if s.starts_with("postgres://") || s.starts_with("postgresql://") => Location::Postgres(s),
+            _ => Location::File(db),
+        }
+    }
+
+    /// Whether `db` is a PostgreSQL URL.
+    pub fn is_postgres(db: &Path) -> bool {
+        matches!(Location::of(db), Location::Postgres(_))
+    }
+}
+
 /// One connection to a toolgate database.
 pub struct Store {
-    conn: Connection,
+    conn: Conn,
     /// The durability it was opened with.
     sync: Sync,
     /// A relaxed commit left the connection at `synchronous=NORMAL` and
     /// restoring FULL failed: the next synced write restores it first.
     relaxed: bool,
-    /// This process's writers' turn on the file ([`writer_lock`]).
+    /// This process's writers' turn on the database ([`writer_lock`]).
     writer: Arc<Mutex<()>>,
     /// Opened with [`Store::open_read_only`].
     read_only: bool,
 }
 
-/// One lock per database file in this process, held around every write
+/// One lock per database in this process, held around every write
 /// transaction. Writers of one process (an engine per thread, the providers'
 /// connections) queue on it and are woken as soon as it is free, instead of
 /// polling SQLite's write lock from its busy handler, which sleeps up to 100 ms
 /// between tries: under contention that made the slowest calls wait seconds.
-/// Other processes still meet SQLite's lock and the busy timeout. Nothing
-/// writes through a second connection while holding a write transaction, so
-/// the lock cannot be taken twice by one thread.
-fn writer_lock(path: &Path) -> Arc<Mutex<()>> {
+/// Other processes still meet SQLite's lock and the busy timeout (on
+/// PostgreSQL: serializable conflicts, retried). Nothing writes through a
+/// second connection while holding a write transaction, so the lock cannot be
+/// taken twice by one thread.
+fn writer_lock(key: &Path) -> Arc<Mutex<()>> {
     static LOCKS: OnceLock<Mutex<HashMap<PathBuf, Weak<Mutex<()>>>>> = OnceLock::new();
-    let key = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let key = match Location::of(key) {
+        Location::File(path) => std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf()),
+        Location::Postgres(url) => PathBuf::from(url),
+    };
     let mut locks = LOCKS.get_or_init(Mutex::default).lock().unwrap_or_else(PoisonError::into_inner);
     if let Some(lock) = locks.get(&key).and_then(Weak::upgrade) {
         return lock;
@@ -228,6 +271,10 @@ impl Store {
     /// writes the file. An empty or foreign file is `DB_NOT_TOOLGATE`, an older
     /// schema `DB_SCHEMA_OLD`; every write through it is `DB_READ_ONLY`.
     pub fn open_read_only(path: &Path) -> Result<Self, StoreError> {
+        if let Location::Postgres(url) = Location::of(path) {
+            let conn = pg::open(url, Sync::Full, true)?;
+            return Ok(Self { conn, sync: Sync::Full, relaxed: false, writer: writer_lock(path), read_only: true });
+        }
         if !path.exists() {
             return Err(StoreError::Missing);
         }
@@ -252,11 +299,23 @@ impl Store {
             return Err(StoreError::SchemaOld { found: version, supported: SCHEMA_VERSION });
         }
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
-        Ok(Self { conn, sync: Sync::Full, relaxed: false, writer: writer_lock(path), read_only: true })
+        Ok(Self {
+            conn: Conn::Lite(conn),
+            sync: Sync::Full,
+            relaxed: false,
+            writer: writer_lock(path),
+            read_only: true,
+        })
     }
 
-    /// Opens (and migrates) a database file.
+    /// Opens (and migrates) a database: a SQLite file, or a PostgreSQL
+    /// database when `path` is a `postgres://` URL (`create` has no meaning
+    /// there: the database must exist; its schema is created on first use).
     pub fn open(path: &Path, opts: OpenOptions) -> Result<Self, StoreError> {
+        if let Location::Postgres(url) = Location::of(path) {
+            let conn = pg::open(url, opts.sync, false)?;
+            return Ok(Self { conn, sync: opts.sync, relaxed: false, writer: writer_lock(path), read_only: false });
+        }
         if !opts.create && !path.exists() {
             return Err(StoreError::Missing);
         }
@@ -301,43 +360,14 @@ impl Store {
         // Room for every statement the engine, the console's views and the
         // metrics prepare (about a hundred): none is evicted and re-prepared.
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
-        let mut store = Self { conn, sync, relaxed: false, writer, read_only: false };
-        store.migrate(version)?;
-        Ok(store)
+        let mut conn = conn;
+        migrate_sqlite(&mut conn, version)?;
+        Ok(Self { conn: Conn::Lite(conn), sync, relaxed: false, writer, read_only: false })
     }
 
-    fn migrate(&mut self, from: i64) -> Result<(), StoreError> {
-        if from < 0 {
-            return Err(StoreError::NotToolgate);
-        }
-        if from == 0 {
-            // A non-empty file with user_version 0 is someone else's database.
-            let tables: i64 = self.conn.query_row(
-                "SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%'",
-                [],
-                |r| r.get(0),
-            )?;
-            if tables > 0 {
-                return Err(StoreError::NotToolgate);
-            }
-        }
-        for (i, sql) in MIGRATIONS.iter().enumerate().skip(from as usize) {
-            let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            // Re-check under the write lock: another process may have migrated.
-            let now: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
-            if now > i as i64 {
-                tx.commit()?;
-                continue;
-            }
-            // A failure rolls the migration back whole (the transaction drops).
-            tx.execute_batch(sql).map_err(|e| match StoreError::from(e) {
-                StoreError::Sqlite(reason) => StoreError::Migration { number: i + 1, found: from, reason },
-                other => other,
-            })?;
-            tx.execute_batch(&format!("PRAGMA user_version = {}", i + 1))?;
-            tx.commit()?;
-        }
-        Ok(())
+    /// Which backend holds this ledger.
+    pub fn backend(&self) -> Backend {
+        self.conn.backend()
     }
 
     /// Whether this connection was opened read-only.
@@ -345,15 +375,19 @@ impl Store {
         self.read_only
     }
 
-    /// Runs `f` in a `BEGIN IMMEDIATE` transaction (the write lock is taken at the
-    /// start, so the reads inside see what the writes will be checked against).
-    /// Commits when `f` returns `Ok`, rolls back otherwise. Busy is retried.
-    pub fn write<T, E: From<StoreError>>(&mut self, f: impl FnOnce(&Tx<'_>) -> Result<T, E>) -> Result<T, E> {
+    /// Runs `f` in a write transaction: `BEGIN IMMEDIATE` on SQLite (the write
+    /// lock is taken at the start, so the reads inside see what the writes will
+    /// be checked against), `SERIALIZABLE` on PostgreSQL (the same guarantee:
+    /// the transaction commits only if it is equivalent to running alone).
+    /// Commits when `f` returns `Ok`, rolls back otherwise. Busy (and, on
+    /// PostgreSQL, a serialization failure) is retried, which is why `f` may
+    /// run more than once: it must do nothing outside the transaction.
+    pub fn write<T, E: From<StoreError>>(&mut self, f: impl FnMut(&Tx<'_>) -> Result<T, E>) -> Result<T, E> {
         if self.relaxed {
             self.set_synchronous(self.sync)?;
             self.relaxed = false;
         }
-        self.transaction(true, f)
+        self.transaction(Mode::Write, f)
     }
 
     /// [`Store::write`] for a transaction that changes no state and only
@@ -363,14 +397,18 @@ impl Store {
     /// the next synced commit of any connection, in order; a power loss (not a
     /// process crash) can lose the newest of these records, never a state
     /// change, and never one without the records before it. At
-    /// `synchronous=NORMAL` it is [`Store::write`].
-    pub fn write_relaxed<T, E: From<StoreError>>(&mut self, f: impl FnOnce(&Tx<'_>) -> Result<T, E>) -> Result<T, E> {
+    /// `synchronous=NORMAL` it is [`Store::write`]. (PostgreSQL: the same, with
+    /// `SET LOCAL synchronous_commit = off`.)
+    pub fn write_relaxed<T, E: From<StoreError>>(&mut self, f: impl FnMut(&Tx<'_>) -> Result<T, E>) -> Result<T, E> {
         if self.sync != Sync::Full {
             return self.write(f);
         }
+        if let Conn::Pg(_) = self.conn {
+            return self.transaction(Mode::WriteRelaxed, f);
+        }
         self.relaxed = true;
         self.set_synchronous(Sync::Normal)?;
-        let out = self.transaction(true, f);
+        let out = self.transaction(Mode::Write, f);
         // A failure here leaves `relaxed` set: the next synced write restores it.
         if self.set_synchronous(Sync::Full).is_ok() {
             self.relaxed = false;
@@ -379,11 +417,14 @@ impl Store {
     }
 
     fn set_synchronous(&self, sync: Sync) -> Result<(), StoreError> {
+        let Conn::Lite(conn) = &self.conn else {
+            return Ok(());
+        };
         let sql = match sync {
             Sync::Full => "PRAGMA synchronous=FULL",
             Sync::Normal => "PRAGMA synchronous=NORMAL",
         };
-        self.conn.prepare_cached(sql)?.execute([])?;
+        conn.prepare_cached(sql)?.execute([])?;
         Ok(())
     }
 
@@ -393,58 +434,120 @@ impl Store {
     }
 
     /// Runs `f` in a read transaction (one consistent snapshot).
-    pub fn read<T, E: From<StoreError>>(&mut self, f: impl FnOnce(&Tx<'_>) -> Result<T, E>) -> Result<T, E> {
-        self.transaction(false, f)
+    pub fn read<T, E: From<StoreError>>(&mut self, f: impl FnMut(&Tx<'_>) -> Result<T, E>) -> Result<T, E> {
+        self.transaction(Mode::Read, f)
     }
 
-    /// One transaction: `BEGIN IMMEDIATE` (busy retried) or `BEGIN DEFERRED`,
-    /// `f`, then `COMMIT`, or `ROLLBACK` when `f` fails, panics or the commit
-    /// fails. The three statements are prepared once per connection (rusqlite's
-    /// `Transaction` re-parses them on every call).
     fn transaction<T, E: From<StoreError>>(
         &mut self,
-        immediate: bool,
-        f: impl FnOnce(&Tx<'_>) -> Result<T, E>,
+        mode: Mode,
+        f: impl FnMut(&Tx<'_>) -> Result<T, E>,
     ) -> Result<T, E> {
-        let begin = if immediate { "BEGIN IMMEDIATE" } else { "BEGIN DEFERRED" };
         let writer = Arc::clone(&self.writer);
         // A panic in another writer's `f` rolled its transaction back: the lock
         // guards no data of its own, so a poisoned one is as good as free.
-        let _turn = immediate.then(|| writer.lock().unwrap_or_else(PoisonError::into_inner));
-        let started = Instant::now();
-        loop {
-            match self.conn.prepare_cached(begin).and_then(|mut st| st.execute([])) {
-                Ok(_) => break,
-                Err(rusqlite::Error::SqliteFailure(f, _))
-                    if immediate
-                        && matches!(
-                            f.code,
-                            rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
-                        )
-                        && started.elapsed() < BEGIN_RETRY_BUDGET =>
-                {
-                    std::thread::sleep(Duration::from_millis(1 + rand::random::<u64>() % 10));
-                }
-                Err(e) => return Err(StoreError::from(e).into()),
-            }
+        let _turn = (mode != Mode::Read).then(|| writer.lock().unwrap_or_else(PoisonError::into_inner));
+        match &self.conn {
+            Conn::Lite(conn) => lite_transaction(conn, &self.conn, mode != Mode::Read, f),
+            Conn::Pg(pg) => pg::transaction(pg, &self.conn, mode, f),
         }
-        let open = OpenTransaction { conn: &self.conn };
-        let out = f(&Tx { conn: &self.conn })?;
-        self.conn.prepare_cached("COMMIT").and_then(|mut st| st.execute([])).map_err(StoreError::from)?;
-        drop(open);
-        Ok(out)
     }
 
-    /// Folds the write-ahead log into the main file.
+    /// Folds the write-ahead log into the main file (SQLite; PostgreSQL
+    /// manages its own).
     pub fn checkpoint(&mut self) -> Result<(), StoreError> {
-        self.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+        if let Conn::Lite(conn) = &self.conn {
+            conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+        }
         Ok(())
     }
 
-    /// SQLite's `PRAGMA data_version`: changes when another connection commits.
+    /// A change token: a number that changes when another connection commits
+    /// (SQLite's `PRAGMA data_version`; on PostgreSQL the server's WAL insert
+    /// position, which moves with every commit that wrote anything).
     pub fn data_version(&self) -> Result<i64, StoreError> {
-        Ok(self.conn.query_row("PRAGMA data_version", [], |r| r.get(0))?)
+        match &self.conn {
+            Conn::Lite(conn) => Ok(conn.query_row("PRAGMA data_version", [], |r| r.get(0))?),
+            Conn::Pg(pg) => pg::data_version(pg),
+        }
     }
+}
+
+/// What a transaction may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Read,
+    Write,
+    /// A write whose commit need not wait for the disk ([`Store::write_relaxed`]).
+    WriteRelaxed,
+}
+
+fn migrate_sqlite(conn: &mut Connection, from: i64) -> Result<(), StoreError> {
+    if from < 0 {
+        return Err(StoreError::NotToolgate);
+    }
+    if from == 0 {
+        // A non-empty file with user_version 0 is someone else's database.
+        let tables: i64 = conn.query_row(
+            "SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%'",
+            [],
+            |r| r.get(0),
+        )?;
+        if tables > 0 {
+            return Err(StoreError::NotToolgate);
+        }
+    }
+    for (i, sql) in MIGRATIONS.iter().enumerate().skip(from as usize) {
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        // Re-check under the write lock: another process may have migrated.
+        let now: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        if now > i as i64 {
+            tx.commit()?;
+            continue;
+        }
+        // A failure rolls the migration back whole (the transaction drops).
+        tx.execute_batch(sql).map_err(|e| match StoreError::from(e) {
+            StoreError::Other(reason) | StoreError::Constraint(reason) => {
+                StoreError::Migration { number: i + 1, found: from, reason }
+            }
+            other => other,
+        })?;
+        tx.execute_batch(&format!("PRAGMA user_version = {}", i + 1))?;
+        tx.commit()?;
+    }
+    Ok(())
+}
+
+/// One SQLite transaction: `BEGIN IMMEDIATE` (busy retried) or `BEGIN
+/// DEFERRED`, `f`, then `COMMIT`, or `ROLLBACK` when `f` fails, panics or the
+/// commit fails. The three statements are prepared once per connection
+/// (rusqlite's `Transaction` re-parses them on every call).
+fn lite_transaction<T, E: From<StoreError>>(
+    conn: &Connection,
+    neutral: &Conn,
+    immediate: bool,
+    mut f: impl FnMut(&Tx<'_>) -> Result<T, E>,
+) -> Result<T, E> {
+    let begin = if immediate { "BEGIN IMMEDIATE" } else { "BEGIN DEFERRED" };
+    let started = Instant::now();
+    loop {
+        match conn.prepare_cached(begin).and_then(|mut st| st.execute([])) {
+            Ok(_) => break,
+            Err(rusqlite::Error::SqliteFailure(f, _))
+                if immediate
+                    && matches!(f.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+                    && started.elapsed() < BEGIN_RETRY_BUDGET =>
+            {
+                std::thread::sleep(Duration::from_millis(1 + rand::random::<u64>() % 10));
+            }
+            Err(e) => return Err(StoreError::from(e).into()),
+        }
+    }
+    let open = OpenTransaction { conn };
+    let out = f(&Tx { conn: neutral })?;
+    conn.prepare_cached("COMMIT").and_then(|mut st| st.execute([])).map_err(StoreError::from)?;
+    drop(open);
+    Ok(out)
 }
 
 /// Rolls back on drop whatever is still open: `f` failed or panicked, or the
@@ -461,23 +564,39 @@ impl Drop for OpenTransaction<'_> {
     }
 }
 
-/// Typed queries inside one transaction.
+type R<T> = Result<T, StoreError>;
+
+/// Typed queries inside one transaction, on either backend.
 pub struct Tx<'a> {
-    conn: &'a Connection,
+    conn: &'a Conn,
 }
 
-type R<T> = Result<T, StoreError>;
+impl Tx<'_> {
+    /// Which backend this transaction runs on.
+    pub fn backend(&self) -> Backend {
+        self.conn.backend()
+    }
+
+    /// SQL condition on an audit-log row `a`: it records a person's act.
+    /// Everything but a caller's own status query, whose actor is the caller's
+    /// principal reference (`pr_` + 16 hex digits, a shape operator names may
+    /// not take).
+    fn by_a_person(&self) -> &'static str {
+        match self.backend() {
+            Backend::Sqlite => {
+                "NOT (a.action = 'query' AND length(a.actor) = 19 AND a.actor GLOB 'pr_[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*')"
+            }
+            Backend::Postgres => "NOT (a.action = 'query' AND length(a.actor) = 19 AND a.actor ~ '^pr_[0-9a-f]{4}')",
+        }
+    }
+}
 
 impl Tx<'_> {
     // ---------------------------------------------------------------- meta
 
     /// A meta value.
     pub fn meta(&self, key: &str) -> R<Option<String>> {
-        Ok(self
-            .conn
-            .prepare_cached("SELECT value FROM meta WHERE key = ?1")?
-            .query_row([key], |r| r.get(0))
-            .optional()?)
+        self.conn.prepare_cached("SELECT value FROM meta WHERE key = ?1")?.query_opt([key], |r| r.get(0))
     }
 
     /// Sets a meta value if absent; returns the stored value.
@@ -529,7 +648,7 @@ impl Tx<'_> {
             .prepare_cached(
                 "INSERT INTO grants (tenant, subject, tool, granted_at) VALUES (?1, ?2, ?3, ?4)
                  ON CONFLICT (tenant, subject, tool) DO UPDATE SET granted_at = excluded.granted_at, revoked_at = NULL
-                 WHERE revoked_at IS NOT NULL",
+                 WHERE grants.revoked_at IS NOT NULL",
             )?
             .execute(params![tenant, subject, tool, now])?;
         Ok(n > 0)
@@ -568,11 +687,7 @@ impl Tx<'_> {
 
     /// The tenant a subject acts for.
     pub fn subject_tenant(&self, subject: &str) -> R<Option<String>> {
-        Ok(self
-            .conn
-            .prepare_cached("SELECT tenant FROM subjects WHERE id = ?1")?
-            .query_row([subject], |r| r.get(0))
-            .optional()?)
+        self.conn.prepare_cached("SELECT tenant FROM subjects WHERE id = ?1")?.query_opt([subject], |r| r.get(0))
     }
 
     /// Whether an unrevoked grant exists (read now, never cached).
@@ -583,20 +698,17 @@ impl Tx<'_> {
                 "SELECT 1 FROM grants g JOIN subjects s ON s.id = g.subject AND s.tenant = g.tenant
                  WHERE g.tenant = ?1 AND g.subject = ?2 AND g.tool = ?3 AND g.revoked_at IS NULL",
             )?
-            .query_row([tenant, subject, tool], |_| Ok(()))
-            .optional()?
+            .query_opt([tenant, subject, tool], |_| Ok(()))?
             .is_some())
     }
 
     /// A tenant.
     pub fn tenant(&self, id: &str) -> R<Option<TenantRow>> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached("SELECT id, approval_threshold_minor, policy_revision FROM tenants WHERE id = ?1")?
-            .query_row([id], |r| {
+            .query_opt([id], |r| {
                 Ok(TenantRow { id: r.get(0)?, approval_threshold_minor: r.get(1)?, policy_revision: r.get(2)? })
             })
-            .optional()?)
     }
 
     /// Bumps a tenant's policy revision (invalidates pending approvals).
@@ -613,32 +725,30 @@ impl Tx<'_> {
         Ok(self
             .conn
             .prepare_cached("SELECT 1 FROM approvers WHERE tenant = ?1 AND approver = ?2")?
-            .query_row([tenant, approver], |_| Ok(()))
-            .optional()?
+            .query_opt([tenant, approver], |_| Ok(()))?
             .is_some())
     }
 
     /// An order.
     pub fn order(&self, order_ref: &str) -> R<Option<OrderRow>> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached(&format!("SELECT {ORDER_COLS} FROM orders WHERE order_ref = ?1"))?
-            .query_row([order_ref], OrderRow::from_row)
-            .optional()?)
+            .query_opt([order_ref], OrderRow::from_row)
     }
 
     /// All orders, in order_ref order.
     pub fn orders(&self) -> R<Vec<OrderRow>> {
         let mut st = self.conn.prepare_cached(&format!("SELECT {ORDER_COLS} FROM orders ORDER BY order_ref"))?;
-        let rows = st.query_map([], OrderRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        let rows = st.query_map((), OrderRow::from_row)?;
+        rows.collect::<Result<_, _>>()
     }
 
     /// Applies a committed refund to an order.
     pub fn apply_refund(&self, order_ref: &str, amount: i64) -> R<()> {
         self.conn
             .prepare_cached(
-                "UPDATE orders SET refunded_minor = min(captured_minor, refunded_minor + ?2),
+                "UPDATE orders SET refunded_minor = CASE WHEN refunded_minor + ?2 > captured_minor THEN captured_minor
+                                           ELSE refunded_minor + ?2 END,
                    status = CASE WHEN refunded_minor + ?2 >= captured_minor THEN 'refunded' ELSE 'partially_refunded' END,
                    revision = revision + 1
                  WHERE order_ref = ?1",
@@ -651,13 +761,13 @@ impl Tx<'_> {
 
     /// A call identity's binding.
     pub fn call_identity(&self, k: &CallKey<'_>) -> R<Option<CallIdentityRow>> {
-        Ok(self
+        self
             .conn
             .prepare_cached(
                 "SELECT purpose, request_sha256, key_sha256, operation_id FROM call_identities
                  WHERE tenant = ?1 AND subject = ?2 AND provider = ?3 AND api_family = ?4 AND response_id = ?5 AND call_id = ?6",
             )?
-            .query_row(params![k.tenant, k.subject, k.provider, k.api_family, k.response_id, k.call_id], |r| {
+            .query_opt(params![k.tenant, k.subject, k.provider, k.api_family, k.response_id, k.call_id], |r| {
                 Ok(CallIdentityRow {
                     purpose: r.get(0)?,
                     request_sha256: r.get(1)?,
@@ -665,7 +775,6 @@ impl Tx<'_> {
                     operation_id: r.get(3)?,
                 })
             })
-            .optional()?)
     }
 
     /// Binds a call identity on first use (no-op if already bound).
@@ -675,7 +784,8 @@ impl Tx<'_> {
                 "INSERT INTO call_identities
                    (tenant, subject, provider, api_family, response_id, call_id, purpose, request_sha256, key_sha256, operation_id, created_at)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
-                 ON CONFLICT DO UPDATE SET operation_id = coalesce(call_identities.operation_id, excluded.operation_id)",
+                 ON CONFLICT (tenant, subject, provider, api_family, response_id, call_id)
+                 DO UPDATE SET operation_id = coalesce(call_identities.operation_id, excluded.operation_id)",
             )?
             .execute(params![
                 k.tenant,
@@ -697,42 +807,34 @@ impl Tx<'_> {
 
     /// The operation for a scope.
     pub fn operation_by_scope(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Option<OperationRow>> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached(&format!(
                 "SELECT {OP_COLS} FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4"
             ))?
-            .query_row([tenant, subject, tool, key], OperationRow::from_row)
-            .optional()?)
+            .query_opt([tenant, subject, tool, key], OperationRow::from_row)
     }
 
     /// The state of the operation for a scope (no row: `None`).
     pub fn operation_state_by_scope(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Option<String>> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached(
                 "SELECT state FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4",
             )?
-            .query_row([tenant, subject, tool, key], |r| r.get(0))
-            .optional()?)
+            .query_opt([tenant, subject, tool, key], |r| r.get(0))
     }
 
     /// An operation by id.
     pub fn operation(&self, id: &str) -> R<Option<OperationRow>> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached(&format!("SELECT {OP_COLS} FROM operations WHERE id = ?1"))?
-            .query_row([id], OperationRow::from_row)
-            .optional()?)
+            .query_opt([id], OperationRow::from_row)
     }
 
     /// An operation by status_ref.
     pub fn operation_by_status_ref(&self, status_ref: &str) -> R<Option<OperationRow>> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached(&format!("SELECT {OP_COLS} FROM operations WHERE status_ref = ?1"))?
-            .query_row([status_ref], OperationRow::from_row)
-            .optional()?)
+            .query_opt([status_ref], OperationRow::from_row)
     }
 
     /// Inserts a new operation (unique scope enforced by the schema).
@@ -758,7 +860,7 @@ impl Tx<'_> {
                    resolution = ?10, resolution_note = ?11, resolved_by = ?12, last_query_at = ?13,
                    last_query_result = ?14, updated_at = ?15, deadline_at = ?16, version = version + 1,
                    -- Retention counts from the moment the operation becomes terminal.
-                   state_since = CASE WHEN state IS NOT ?2 THEN ?15 ELSE state_since END,
+                   state_since = CASE WHEN state IS DISTINCT FROM ?2 THEN ?15 ELSE state_since END,
                    terminal_at = CASE WHEN ?2 IN ('succeeded', 'failed', 'resolved')
                                       THEN coalesce(terminal_at, ?15) END,
                    expires_at = CASE WHEN ?2 IN ('succeeded', 'failed', 'resolved') AND terminal_at IS NULL
@@ -801,14 +903,14 @@ impl Tx<'_> {
              ORDER BY updated_at DESC, id DESC LIMIT ?4"
         ))?;
         let rows = st.query_map(params![state, b_at, b_id, limit], OperationRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// Every operation id (for the integrity audit).
     pub fn all_operations(&self) -> R<Vec<OperationRow>> {
         let mut st = self.conn.prepare_cached(&format!("SELECT {OP_COLS} FROM operations ORDER BY created_at, id"))?;
-        let rows = st.query_map([], OperationRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        let rows = st.query_map((), OperationRow::from_row)?;
+        rows.collect::<Result<_, _>>()
     }
 
     /// The operations under the same key string in other scopes (index
@@ -820,7 +922,7 @@ impl Tx<'_> {
              WHERE idem_key = ?1 AND NOT (tenant = ?2 AND subject = ?3 AND tool = ?4) LIMIT 64"
         ))?;
         let rows = st.query_map(params![key, tenant, subject, tool], OperationRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// Operation counts per state.
@@ -828,38 +930,39 @@ impl Tx<'_> {
         let mut st =
             // Kept by triggers (migration 0003): constant time on any ledger size.
             self.conn.prepare_cached("SELECT state, n FROM state_counts WHERE n > 0 ORDER BY state")?;
-        let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        let rows = st.query_map((), |r| Ok((r.get(0)?, r.get(1)?)))?;
+        rows.collect::<Result<_, _>>()
     }
 
     /// Terminal operations whose retention has passed (counted from the moment
     /// they became terminal) and that no person acted on (no audit-log entry,
     /// no approval): the only ones a purge may take. Oldest first, at most `limit`.
     pub fn purgeable_operations(&self, now: i64, limit: i64) -> R<Vec<OperationRow>> {
+        let by_a_person = self.by_a_person();
         let mut st = self.conn.prepare_cached(&format!(
             "SELECT {OP_COLS} FROM operations o
              WHERE o.terminal_at IS NOT NULL AND o.expires_at <= ?1
                AND o.state IN ('succeeded', 'failed', 'resolved')
                AND o.approval_id IS NULL
-               AND NOT EXISTS (SELECT 1 FROM audit_log a WHERE a.operation_id = o.id AND {BY_A_PERSON})
+               AND NOT EXISTS (SELECT 1 FROM audit_log a WHERE a.operation_id = o.id AND {by_a_person})
              ORDER BY o.expires_at, o.id LIMIT ?2"
         ))?;
         let rows = st.query_map(params![now, limit], OperationRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// Terminal operations past their retention that are kept because a person
     /// acted on them (they stay as long as their audit entries, which are never deleted).
     pub fn count_kept_for_audit(&self, now: i64) -> R<i64> {
-        Ok(self
-            .conn
+        let by_a_person = self.by_a_person();
+        self.conn
             .prepare_cached(&format!(
                 "SELECT count(*) FROM operations o
                  WHERE o.terminal_at IS NOT NULL AND o.expires_at <= ?1
                    AND (o.approval_id IS NOT NULL
-                        OR EXISTS (SELECT 1 FROM audit_log a WHERE a.operation_id = o.id AND {BY_A_PERSON}))"
+                        OR EXISTS (SELECT 1 FROM audit_log a WHERE a.operation_id = o.id AND {by_a_person}))"
             ))?
-            .query_row([now], |r| r.get(0))?)
+            .query_row([now], |r| r.get(0))
     }
 
     /// Purges one operation: writes its tombstone, then deletes its attempts,
@@ -872,7 +975,7 @@ impl Tx<'_> {
                 "SELECT count(*) FROM operations WHERE id = ?1 AND terminal_at IS NOT NULL AND expires_at <= ?2
                    AND state IN ('succeeded', 'failed', 'resolved')",
             )?
-            .query_row(params![t.operation_id, t.purged_at], |r| r.get::<_, i64>(0))?
+            .query_row(params![t.operation_id, t.purged_at], |r| r.get::<i64>(0))?
             == 1;
         if !still {
             return Ok(false);
@@ -894,22 +997,18 @@ impl Tx<'_> {
 
     /// The tombstone of a purged operation.
     pub fn tombstone(&self, operation_id: &str) -> R<Option<TombstoneRow>> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached(&format!("SELECT {TOMBSTONE_COLS} FROM purged_operations WHERE operation_id = ?1"))?
-            .query_row([operation_id], TombstoneRow::from_row)
-            .optional()?)
+            .query_opt([operation_id], TombstoneRow::from_row)
     }
 
     /// The newest tombstone of a scope, if its operation was purged.
     pub fn tombstone_by_scope(&self, scope_sha256: &str) -> R<Option<TombstoneRow>> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached(&format!(
                 "SELECT {TOMBSTONE_COLS} FROM purged_operations WHERE scope_sha256 = ?1 ORDER BY purged_at DESC LIMIT 1"
             ))?
-            .query_row([scope_sha256], TombstoneRow::from_row)
-            .optional()?)
+            .query_opt([scope_sha256], TombstoneRow::from_row)
     }
 
     // --------------------------------------------------------------- outbox
@@ -926,11 +1025,9 @@ impl Tx<'_> {
 
     /// An outbox row.
     pub fn outbox(&self, operation_id: &str) -> R<Option<OutboxRow>> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached(&format!("SELECT {OUTBOX_COLS} FROM outbox WHERE operation_id = ?1"))?
-            .query_row([operation_id], OutboxRow::from_row)
-            .optional()?)
+            .query_opt([operation_id], OutboxRow::from_row)
     }
 
     /// Claims a pending, due outbox row with a lease; bumps the attempt. Returns the
@@ -943,8 +1040,7 @@ impl Tx<'_> {
                  WHERE operation_id = ?1 AND state = 'pending' AND available_at <= ?3
                  RETURNING attempt",
             )?
-            .query_row(params![operation_id, owner, now, lease_until], |r| r.get(0))
-            .optional()?;
+            .query_opt(params![operation_id, owner, now, lease_until], |r| r.get(0))?;
         if let Some(a) = attempt {
             self.conn
                 .prepare_cached(
@@ -963,8 +1059,7 @@ impl Tx<'_> {
             .prepare_cached(
                 "SELECT 1 FROM outbox WHERE operation_id = ?1 AND state = 'leased' AND lease_owner = ?2 AND attempt = ?3",
             )?
-            .query_row(params![operation_id, owner, attempt], |_| Ok(()))
-            .optional()?
+            .query_opt(params![operation_id, owner, attempt], |_| Ok(()))?
             .is_some())
     }
 
@@ -1039,7 +1134,7 @@ impl Tx<'_> {
                 code: r.get(7)?,
             })
         })?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// Due pending outbox rows whose operation deadline has not passed.
@@ -1050,7 +1145,7 @@ impl Tx<'_> {
              ORDER BY o.available_at, o.operation_id LIMIT ?2",
         )?;
         let rows = st.query_map(params![now, limit], |r| r.get(0))?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// Leases that have expired (`lease_until <= now`).
@@ -1059,7 +1154,7 @@ impl Tx<'_> {
             "SELECT {OUTBOX_COLS} FROM outbox WHERE state = 'leased' AND lease_until <= ?1"
         ))?;
         let rows = st.query_map([now], OutboxRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// Operations re-queued after a possibly-sent attempt (`in_flight` with a
@@ -1071,14 +1166,14 @@ impl Tx<'_> {
              ORDER BY o.operation_id",
         )?;
         let rows = st.query_map([now], |r| r.get(0))?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// Outbox counts per state.
     pub fn count_outbox_by_state(&self) -> R<Vec<(String, i64)>> {
         let mut st = self.conn.prepare_cached("SELECT state, count(*) FROM outbox GROUP BY state ORDER BY state")?;
-        let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        let rows = st.query_map((), |r| Ok((r.get(0)?, r.get(1)?)))?;
+        rows.collect::<Result<_, _>>()
     }
 
     // ------------------------------------------------------------- receipts
@@ -1098,42 +1193,53 @@ impl Tx<'_> {
     pub fn orphan_receipts(&self) -> R<Vec<String>> {
         let mut st = self.conn.prepare_cached(
             "SELECT r.receipt_id FROM receipts r LEFT JOIN operations o ON o.id = r.operation_id
-             WHERE o.id IS NULL OR o.receipt_id IS NOT r.receipt_id ORDER BY r.receipt_id",
+             WHERE o.id IS NULL OR o.receipt_id IS DISTINCT FROM r.receipt_id ORDER BY r.receipt_id",
         )?;
-        let rows = st.query_map([], |r| r.get(0))?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        let rows = st.query_map((), |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()
     }
 
     // ---------------------------------------------------------------- trace
 
     /// Appends a trace event.
     pub fn insert_trace(&self, e: &TraceRow) -> R<()> {
-        self.conn
-            .prepare_cached(
+        // The trace's sequence has no gaps (a gap is a deleted event, which the
+        // audit reports). SQLite's rowid never leaves one; a PostgreSQL
+        // sequence does on every rolled-back insert, so there the number is the
+        // next one under the transaction's serializable snapshot.
+        let sql = match self.backend() {
+            Backend::Sqlite => {
                 "INSERT INTO trace_events (at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us, fields,
                    answer, latency_us, tenant_ref, tool_version, timeout_stage, reason, latency_bucket_us)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
-            )?
-            .execute(params![
-                e.at,
-                e.operation_id,
-                e.step,
-                e.tool,
-                e.code,
-                e.outcome,
-                e.delivery,
-                e.attempt,
-                e.duration_us,
-                e.fields,
-                e.answer,
-                e.latency_us,
-                e.tenant_ref,
-                e.tool_version,
-                e.timeout_stage,
-                e.reason,
-                // The one rounding rule of the latency rollups (migration 0006).
-                e.latency_us.map(crate::telemetry::histogram::bucket_upper)
-            ])?;
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)"
+            }
+            Backend::Postgres => {
+                "INSERT INTO trace_events (seq, at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us, fields,
+                   answer, latency_us, tenant_ref, tool_version, timeout_stage, reason, latency_bucket_us)
+                 SELECT coalesce(max(seq), 0) + 1, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17
+                 FROM trace_events"
+            }
+        };
+        self.conn.prepare_cached(sql)?.execute(params![
+            e.at,
+            e.operation_id,
+            e.step,
+            e.tool,
+            e.code,
+            e.outcome,
+            e.delivery,
+            e.attempt,
+            e.duration_us,
+            e.fields,
+            e.answer,
+            e.latency_us,
+            e.tenant_ref,
+            e.tool_version,
+            e.timeout_stage,
+            e.reason,
+            // The one rounding rule of the latency rollups (migration 0006).
+            e.latency_us.map(crate::telemetry::histogram::bucket_upper)
+        ])?;
         Ok(())
     }
 
@@ -1143,7 +1249,7 @@ impl Tx<'_> {
             .conn
             .prepare_cached(&format!("SELECT {TRACE_COLS} FROM trace_events WHERE operation_id = ?1 ORDER BY seq"))?;
         let rows = st.query_map([operation_id], TraceRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// Trace events with seq > `after`, in order.
@@ -1152,7 +1258,7 @@ impl Tx<'_> {
             "SELECT {TRACE_COLS} FROM trace_events WHERE seq > ?1 AND at >= ?2 ORDER BY seq LIMIT ?3"
         ))?;
         let rows = st.query_map(params![after_seq, since_at, limit], TraceRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     // ------------------------------------------------------------ approvals
@@ -1170,23 +1276,20 @@ impl Tx<'_> {
 
     /// An approval request.
     pub fn approval(&self, id: &str) -> R<Option<ApprovalRow>> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached(&format!("SELECT {APPROVAL_COLS} FROM approvals WHERE id = ?1"))?
-            .query_row([id], ApprovalRow::from_row)
-            .optional()?)
+            .query_opt([id], ApprovalRow::from_row)
     }
 
     /// The newest approval request for a scope.
     pub fn latest_approval(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Option<ApprovalRow>> {
-        Ok(self
+        self
             .conn
             .prepare_cached(&format!(
                 "SELECT {APPROVAL_COLS} FROM approvals WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4
                  ORDER BY created_at DESC, rowid DESC LIMIT 1"
             ))?
-            .query_row([tenant, subject, tool, key], ApprovalRow::from_row)
-            .optional()?)
+            .query_opt([tenant, subject, tool, key], ApprovalRow::from_row)
     }
 
     /// Records a decision on an approval; only from `pending`. Returns whether it applied.
@@ -1207,7 +1310,7 @@ impl Tx<'_> {
             "SELECT {APPROVAL_COLS} FROM approvals WHERE state = 'pending' ORDER BY expires_at, id LIMIT ?1"
         ))?;
         let rows = st.query_map([limit], ApprovalRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     // ------------------------------------------------------------ audit log
@@ -1218,16 +1321,18 @@ impl Tx<'_> {
         let last = self
             .conn
             .prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq DESC LIMIT 1"))?
-            .query_row([], AuditRow::from_row)
-            .optional()?;
+            .query_opt((), AuditRow::from_row)?;
         let link = last.as_ref().map_or_else(|| AUDIT_GENESIS.to_string(), AuditRow::chain_hash);
-        self.conn
+        let seq: i64 = self
+            .conn
             .prepare_cached(
                 "INSERT INTO audit_log (at, action_id, actor, action, operation_id, approval_id, result, reason, evidence, chain_sha256)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10) RETURNING seq",
             )?
-            .execute(params![a.at, a.action_id, a.actor, a.action, a.operation_id, a.approval_id, a.result, a.reason, a.evidence, link])?;
-        let seq = self.conn.last_insert_rowid();
+            .query_row(
+                params![a.at, a.action_id, a.actor, a.action, a.operation_id, a.approval_id, a.result, a.reason, a.evidence, link],
+                |r| r.get(0),
+            )?;
         let mut stored = a.clone();
         stored.seq = seq;
         stored.chain_sha256 = Some(link);
@@ -1237,8 +1342,8 @@ impl Tx<'_> {
     /// Every operator-log row, oldest first (for the chain check).
     pub fn audit_log_ascending(&self) -> R<Vec<AuditRow>> {
         let mut st = self.conn.prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq"))?;
-        let rows = st.query_map([], AuditRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        let rows = st.query_map((), AuditRow::from_row)?;
+        rows.collect::<Result<_, _>>()
     }
 
     /// The operator log, newest first.
@@ -1246,16 +1351,14 @@ impl Tx<'_> {
         let mut st =
             self.conn.prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq DESC LIMIT ?1"))?;
         let rows = st.query_map([limit], AuditRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// The applied operator-log row carrying an action id, if any.
     pub fn audit_by_action_id(&self, action_id: &str) -> R<Option<AuditRow>> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log WHERE action_id = ?1"))?
-            .query_row([action_id], AuditRow::from_row)
-            .optional()?)
+            .query_opt([action_id], AuditRow::from_row)
     }
 
     /// The operator log rows about one operation.
@@ -1264,7 +1367,7 @@ impl Tx<'_> {
             .conn
             .prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log WHERE operation_id = ?1 ORDER BY seq"))?;
         let rows = st.query_map([operation_id], AuditRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     // ------------------------------------------------------------ integrity
@@ -1273,14 +1376,14 @@ impl Tx<'_> {
     pub fn sqlite_checks(&self) -> R<Vec<String>> {
         let mut out = Vec::new();
         let mut st = self.conn.prepare("PRAGMA integrity_check")?;
-        for r in st.query_map([], |r| r.get::<_, String>(0))? {
+        for r in st.query_map((), |r| r.get::<String>(0))? {
             let r = r?;
             if r != "ok" {
                 out.push(format!("integrity_check: {r}"));
             }
         }
         let mut st = self.conn.prepare("PRAGMA foreign_key_check")?;
-        for r in st.query_map([], |r| r.get::<_, String>(0))? {
+        for r in st.query_map((), |r| r.get::<String>(0))? {
             out.push(format!("foreign key violation in table {}", r?));
         }
         Ok(out)
@@ -1291,28 +1394,20 @@ impl Tx<'_> {
     /// constraints leaves one.
     pub fn invalid_states(&self) -> R<Vec<(String, String, String)>> {
         let mut st = self.conn.prepare(
-            "SELECT 'operations', id, quote(state) FROM operations
+            "SELECT 'operations', id, state FROM operations
                WHERE state NOT IN ('accepted', 'in_flight', 'succeeded', 'failed', 'unknown', 'needs_review', 'resolved')
-             UNION ALL SELECT 'outbox', operation_id, quote(state) FROM outbox
+             UNION ALL SELECT 'outbox', operation_id, state FROM outbox
                WHERE state NOT IN ('pending', 'leased', 'done', 'parked')
-             UNION ALL SELECT 'approvals', id, quote(state) FROM approvals
+             UNION ALL SELECT 'approvals', id, state FROM approvals
                WHERE state NOT IN ('pending', 'approved', 'denied', 'expired', 'invalidated')
-             UNION ALL SELECT 'attempts', operation_id || '#' || attempt, quote(outcome) FROM attempts
+             UNION ALL SELECT 'attempts', operation_id || '#' || CAST(attempt AS TEXT), outcome FROM attempts
                WHERE outcome IS NOT NULL AND outcome NOT IN ('not_sent', 'refused', 'committed', 'rejected', 'unknown')
-             UNION ALL SELECT 'audit_log', seq, quote(result) FROM audit_log WHERE result NOT IN ('applied', 'refused')",
+             UNION ALL SELECT 'audit_log', CAST(seq AS TEXT), result FROM audit_log WHERE result NOT IN ('applied', 'refused')",
         )?;
-        let rows = st.query_map([], |r| {
-            Ok((
-                r.get(0)?,
-                r.get::<_, rusqlite::types::Value>(1).map(|v| match v {
-                    rusqlite::types::Value::Integer(i) => i.to_string(),
-                    rusqlite::types::Value::Text(t) => t,
-                    other => format!("{other:?}"),
-                })?,
-                r.get(2)?,
-            ))
-        })?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        // The value as an SQL literal (the tables are STRICT / typed: always text).
+        let quote = |v: String| format!("'{}'", v.replace('\'', "''"));
+        let rows = st.query_map((), |r| Ok((r.get(0)?, r.get(1)?, quote(r.get(2)?))))?;
+        rows.collect::<Result<_, _>>()
     }
 
     /// Operations written after keys became derived (migration 0009) that carry
@@ -1320,12 +1415,12 @@ impl Tx<'_> {
     pub fn legacy_keys_after_migration(&self) -> R<Vec<String>> {
         let mut st = self.conn.prepare(
             "SELECT id FROM operations WHERE downstream_key NOT LIKE 'dk2!_%' ESCAPE '!'
-               AND rowid > coalesce((SELECT CAST(value AS INTEGER) FROM meta
+               AND rowid > coalesce((SELECT CAST(value AS BIGINT) FROM meta
                                      WHERE key = 'legacy_downstream_keys_until_rowid'), 0)
              ORDER BY id",
         )?;
-        let rows = st.query_map([], |r| r.get(0))?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        let rows = st.query_map((), |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()
     }
 
     /// Whether a receipt row exists.
@@ -1333,16 +1428,15 @@ impl Tx<'_> {
         Ok(self
             .conn
             .prepare_cached("SELECT count(*) FROM receipts WHERE receipt_id = ?1")?
-            .query_row([receipt_id], |r| r.get::<_, i64>(0))?
+            .query_row([receipt_id], |r| r.get::<i64>(0))?
             > 0)
     }
 
     /// How many trace events name an operation.
     pub fn trace_count_for(&self, operation_id: &str) -> R<i64> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached("SELECT count(*) FROM trace_events WHERE operation_id = ?1")?
-            .query_row([operation_id], |r| r.get(0))?)
+            .query_row([operation_id], |r| r.get(0))
     }
 
     /// Trace events whose fields are not valid JSON, and the gaps in the trace's
@@ -1350,33 +1444,32 @@ impl Tx<'_> {
     /// (first missing, last missing).
     pub fn trace_damage(&self) -> R<TraceDamage> {
         let mut st = self.conn.prepare("SELECT seq FROM trace_events WHERE json_valid(fields) = 0 ORDER BY seq")?;
-        let bad = st.query_map([], |r| r.get(0))?.collect::<Result<Vec<i64>, _>>()?;
+        let bad = st.query_map((), |r| r.get(0))?.collect::<Result<Vec<i64>, _>>()?;
         let mut st = self.conn.prepare(
-            "SELECT seq + 1, next - 1 FROM (SELECT seq, lead(seq) OVER (ORDER BY seq) AS next FROM trace_events)
+            "SELECT seq + 1, next - 1 FROM (SELECT seq, lead(seq) OVER (ORDER BY seq) AS next FROM trace_events) AS t
              WHERE next > seq + 1",
         )?;
-        let gaps = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<Result<Vec<_>, _>>()?;
+        let gaps = st.query_map((), |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<Result<Vec<_>, _>>()?;
         Ok((bad, gaps))
     }
 
     /// Every approval request (for the integrity audit).
     pub fn all_approvals(&self) -> R<Vec<ApprovalRow>> {
         let mut st = self.conn.prepare(&format!("SELECT {APPROVAL_COLS} FROM approvals ORDER BY created_at, id"))?;
-        let rows = st.query_map([], ApprovalRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        let rows = st.query_map((), ApprovalRow::from_row)?;
+        rows.collect::<Result<_, _>>()
     }
 
     // ------------------------------------------------------------- provider
 
     /// The effect a provider committed under a downstream key (the first one).
     pub fn provider_effect_by_key(&self, provider: &str, downstream_key: &str) -> R<Option<EffectRow>> {
-        Ok(self
+        self
             .conn
             .prepare_cached(&format!(
                 "SELECT {EFFECT_COLS} FROM provider_effects WHERE provider = ?1 AND downstream_key = ?2 ORDER BY seq LIMIT 1"
             ))?
-            .query_row([provider, downstream_key], EffectRow::from_row)
-            .optional()?)
+            .query_opt([provider, downstream_key], EffectRow::from_row)
     }
 
     /// Commits a provider effect.
@@ -1402,23 +1495,19 @@ impl Tx<'_> {
 
     /// Total committed provider effects.
     pub fn count_effects(&self) -> R<i64> {
-        Ok(self.conn.prepare_cached("SELECT effects FROM effect_totals WHERE id = 1")?.query_row([], |r| r.get(0))?)
+        self.conn.prepare_cached("SELECT effects FROM effect_totals WHERE id = 1")?.query_row((), |r| r.get(0))
     }
 
     /// Effects committed for one business intent.
     pub fn count_effects_for_intent(&self, intent: &str) -> R<i64> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached("SELECT count(*) FROM provider_effects WHERE intent = ?1")?
-            .query_row([intent], |r| r.get(0))?)
+            .query_row([intent], |r| r.get(0))
     }
 
     /// Intents with more than one committed effect (must be 0 outside lab mode).
     pub fn side_effect_duplicates(&self) -> R<i64> {
-        Ok(self
-            .conn
-            .prepare_cached("SELECT duplicates FROM effect_totals WHERE id = 1")?
-            .query_row([], |r| r.get(0))?)
+        self.conn.prepare_cached("SELECT duplicates FROM effect_totals WHERE id = 1")?.query_row((), |r| r.get(0))
     }
 }
 
@@ -1434,9 +1523,10 @@ const METRIC_DIMS: &str =
 impl Tx<'_> {
     /// All-time event counts, one row per series.
     pub fn metric_totals(&self) -> R<Vec<MetricRow>> {
-        let mut st = self.conn.prepare_cached(&format!("SELECT NULL, {METRIC_DIMS} FROM metric_totals"))?;
-        let rows = st.query_map([], MetricRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        let mut st =
+            self.conn.prepare_cached(&format!("SELECT CAST(NULL AS BIGINT), {METRIC_DIMS} FROM metric_totals"))?;
+        let rows = st.query_map((), MetricRow::from_row)?;
+        rows.collect::<Result<_, _>>()
     }
 
     /// Per-minute event counts for minutes in `[from_minute, to_minute)`.
@@ -1445,16 +1535,16 @@ impl Tx<'_> {
             "SELECT minute, {METRIC_DIMS} FROM metric_minutes WHERE minute >= ?1 AND minute < ?2 ORDER BY minute"
         ))?;
         let rows = st.query_map(params![from_minute, to_minute], MetricRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// The all-time latency histogram of answered calls.
     pub fn latency_totals(&self) -> R<Vec<LatencyRow>> {
         let mut st = self.conn.prepare_cached(
-            "SELECT NULL, answer, tool, tenant_ref, tool_version, bucket_us, count FROM latency_totals",
+            "SELECT CAST(NULL AS BIGINT), answer, tool, tenant_ref, tool_version, bucket_us, count FROM latency_totals",
         )?;
-        let rows = st.query_map([], LatencyRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        let rows = st.query_map((), LatencyRow::from_row)?;
+        rows.collect::<Result<_, _>>()
     }
 
     /// The latency histogram of calls answered in minutes `[from_minute, to_minute)`.
@@ -1464,7 +1554,7 @@ impl Tx<'_> {
              WHERE minute >= ?1 AND minute < ?2",
         )?;
         let rows = st.query_map(params![from_minute, to_minute], LatencyRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// Non-terminal operations per state, tool, tenant and contract revisions,
@@ -1475,7 +1565,7 @@ impl Tx<'_> {
              FROM operations WHERE state IN ('accepted', 'in_flight', 'unknown', 'needs_review')
              GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4",
         )?;
-        let rows = st.query_map([], |r| {
+        let rows = st.query_map((), |r| {
             Ok(OpenOperationsRow {
                 state: r.get(0)?,
                 tool: r.get(1)?,
@@ -1485,7 +1575,7 @@ impl Tx<'_> {
                 oldest_created_at: r.get(5)?,
             })
         })?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// Approval requests per tool, tenant and effective state: a pending request
@@ -1498,7 +1588,7 @@ impl Tx<'_> {
         let rows = st.query_map([now], |r| {
             Ok(ApprovalStateRow { tool: r.get(0)?, tenant: r.get(1)?, state: r.get(2)?, count: r.get(3)? })
         })?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// Deletes per-minute rollups older than `before_minute` (the all-time totals stay).
@@ -1510,7 +1600,7 @@ impl Tx<'_> {
 
     /// The newest trace sequence number (0 when the trace is empty).
     pub fn last_trace_seq(&self) -> R<i64> {
-        Ok(self.conn.prepare_cached("SELECT coalesce(max(seq), 0) FROM trace_events")?.query_row([], |r| r.get(0))?)
+        self.conn.prepare_cached("SELECT coalesce(max(seq), 0) FROM trace_events")?.query_row((), |r| r.get(0))
     }
 }
 
@@ -1529,7 +1619,8 @@ mod error_tests {
         check(rusqlite::ffi::SQLITE_READONLY, "DB_READ_ONLY");
         check(rusqlite::ffi::SQLITE_BUSY, "DB_BUSY");
         check(rusqlite::ffi::SQLITE_NOTADB, "DB_NOT_TOOLGATE");
-        check(rusqlite::ffi::SQLITE_CONSTRAINT, "DB_ERROR");
+        check(rusqlite::ffi::SQLITE_CONSTRAINT, "DB_CONSTRAINT");
+        check(rusqlite::ffi::SQLITE_ERROR, "DB_ERROR");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! `engine::policy`; this file only reads and writes the rows, inside the
 //! caller's transaction.
 
-use rusqlite::{params, OptionalExtension, Row};
+use super::sql::{params, Row};
 use serde::Serialize;
 
 use super::{Tx, R};
@@ -29,7 +29,7 @@ pub struct RetryBudgetRow {
 }
 
 impl RetryBudgetRow {
-    fn from_row(r: &Row<'_>) -> rusqlite::Result<Self> {
+    fn from_row(r: &Row<'_>) -> R<Self> {
         Ok(Self {
             tool: r.get(0)?,
             tokens_milli: r.get(1)?,
@@ -80,7 +80,7 @@ impl CircuitRow {
         }
     }
 
-    fn from_row(r: &Row<'_>) -> rusqlite::Result<Self> {
+    fn from_row(r: &Row<'_>) -> R<Self> {
         Ok(Self {
             downstream: r.get(0)?,
             state: r.get(1)?,
@@ -108,7 +108,7 @@ impl Tx<'_> {
     pub fn budget_deposit(&self, tool: &str, deposit_milli: i64, capacity_milli: i64, now: i64) -> R<()> {
         self.conn
             .prepare_cached(
-                "UPDATE retry_budgets SET tokens_milli = min(?3, tokens_milli + ?2), capacity_milli = ?3, updated_at = ?4
+                "UPDATE retry_budgets SET tokens_milli = CASE WHEN tokens_milli + ?2 > ?3 THEN ?3 ELSE tokens_milli + ?2 END, capacity_milli = ?3, updated_at = ?4
                  WHERE tool = ?1 AND tokens_milli < ?3",
             )?
             .execute(params![tool, deposit_milli, capacity_milli, now])?;
@@ -127,9 +127,9 @@ impl Tx<'_> {
         let took = self
             .conn
             .prepare_cached(
-                "UPDATE retry_budgets SET tokens_milli = min(tokens_milli, ?2) - ?4, capacity_milli = ?2,
+                "UPDATE retry_budgets SET tokens_milli = CASE WHEN tokens_milli > ?2 THEN ?2 ELSE tokens_milli END - ?4, capacity_milli = ?2,
                    retries = retries + 1, updated_at = ?3
-                 WHERE tool = ?1 AND min(tokens_milli, ?2) >= ?4",
+                 WHERE tool = ?1 AND CASE WHEN tokens_milli > ?2 THEN ?2 ELSE tokens_milli END >= ?4",
             )?
             .execute(params![tool, capacity_milli, now, MILLI_TOKEN])?
             == 1;
@@ -144,19 +144,17 @@ impl Tx<'_> {
     /// Every tool's budget row (tools never short of a token have none).
     pub fn retry_budgets(&self) -> R<Vec<RetryBudgetRow>> {
         let mut st = self.conn.prepare_cached(&format!("SELECT {BUDGET_COLS} FROM retry_budgets ORDER BY tool"))?;
-        let rows = st.query_map([], RetryBudgetRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        let rows = st.query_map((), RetryBudgetRow::from_row)?;
+        rows.collect::<Result<_, _>>()
     }
 
     // ---------------------------------------------------- circuit breaker
 
     /// A downstream's circuit, if it ever left the initial closed state.
     pub fn circuit(&self, downstream: &str) -> R<Option<CircuitRow>> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached(&format!("SELECT {CIRCUIT_COLS} FROM circuits WHERE downstream = ?1"))?
-            .query_row([downstream], CircuitRow::from_row)
-            .optional()?)
+            .query_opt([downstream], CircuitRow::from_row)
     }
 
     /// Writes a circuit's row (insert or replace).
@@ -187,8 +185,8 @@ impl Tx<'_> {
     /// Every downstream's circuit row (downstreams never disturbed have none).
     pub fn circuits(&self) -> R<Vec<CircuitRow>> {
         let mut st = self.conn.prepare_cached(&format!("SELECT {CIRCUIT_COLS} FROM circuits ORDER BY downstream"))?;
-        let rows = st.query_map([], CircuitRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        let rows = st.query_map((), CircuitRow::from_row)?;
+        rows.collect::<Result<_, _>>()
     }
 }
 
@@ -198,9 +196,8 @@ impl Tx<'_> {
     /// How many trace events, all time, carry this decision reason (read from
     /// the rollups, never the trace itself).
     pub fn trace_reason_total(&self, reason: &str) -> R<i64> {
-        Ok(self
-            .conn
-            .prepare_cached("SELECT coalesce(sum(events), 0) FROM metric_totals WHERE reason = ?1")?
-            .query_row([reason], |r| r.get(0))?)
+        self.conn
+            .prepare_cached("SELECT CAST(coalesce(sum(events), 0) AS BIGINT) FROM metric_totals WHERE reason = ?1")?
+            .query_row([reason], |r| r.get(0))
     }
 }

@@ -1,6 +1,7 @@
 //! Row types: plain data, one struct per table.
 
-use rusqlite::{Row, ToSql};
+use super::sql::{Param, Row};
+use super::StoreError;
 use serde::Serialize;
 
 /// Defines a row struct whose fields are, in order, the columns a query selects.
@@ -30,7 +31,7 @@ macro_rules! row {
             pub(crate) const WIDTH: usize = [$(stringify!($field)),*].len();
 
             /// Reads the columns in field order.
-            pub(crate) fn from_row(r: &Row<'_>) -> rusqlite::Result<Self> {
+            pub(crate) fn from_row(r: &Row<'_>) -> Result<Self, StoreError> {
                 let mut i = 0..;
                 let mut next = || i.next().unwrap_or(0);
                 Ok(Self { $( $field: r.get(next())?, )* })
@@ -38,8 +39,8 @@ macro_rules! row {
 
             /// The values in column order (for an insert of every column).
             #[allow(dead_code)]
-            pub(crate) fn params(&self) -> [&dyn ToSql; Self::WIDTH] {
-                [$( &self.$field as &dyn ToSql ),*]
+            pub(crate) fn params(&self) -> [&dyn Param; Self::WIDTH] {
+                [$( &self.$field as &dyn Param ),*]
             }
         }
     };

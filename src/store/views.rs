@@ -1,7 +1,7 @@
 //! Read queries for the console's panes: keyset-paged, index-backed, only the
 //! rows that are visible.
 
-use rusqlite::{params, OptionalExtension};
+use super::sql::params;
 
 use super::rows::{ApprovalRow, OperationRow, APPROVAL_COLS, OP_COLS};
 use super::{StoreError, Tx};
@@ -68,7 +68,7 @@ impl Tx<'_> {
         );
         let mut st = self.conn.prepare_cached(&sql)?;
         let rows = st.query_map(params![at, id, filter, limit], OperationRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// In-flight and waiting outbox rows, soonest first.
@@ -100,7 +100,7 @@ impl Tx<'_> {
                 deadline_at: r.get(12)?,
             })
         })?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// Pending approvals matching `filter`, soonest expiry first, after `cursor`.
@@ -113,7 +113,7 @@ impl Tx<'_> {
              ORDER BY expires_at, id LIMIT ?4"
         ))?;
         let rows = st.query_map(params![at, id, filter, limit], ApprovalRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// Operator-log rows, newest first, before `before_seq`; with a filter,
@@ -132,23 +132,22 @@ impl Tx<'_> {
             super::rows::AUDIT_COLS
         ))?;
         let rows = st.query_map(params![before_seq.unwrap_or(i64::MAX), limit, filter], super::AuditRow::from_row)?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        rows.collect::<Result<_, _>>()
     }
 
     /// Count of pending approvals.
     /// (Pending and not yet expired: expiry is exclusive.)
     pub fn count_pending_approvals(&self, now: i64) -> R<i64> {
-        Ok(self
-            .conn
+        self.conn
             .prepare_cached("SELECT count(*) FROM approvals WHERE state = 'pending' AND expires_at > ?1")?
-            .query_row([now], |r| r.get(0))?)
+            .query_row([now], |r| r.get(0))
     }
 
     /// Every tenant's approver allowlist, as (tenant, approver), sorted.
     pub fn approver_lists(&self) -> R<Vec<(String, String)>> {
         let mut st = self.conn.prepare_cached("SELECT tenant, approver FROM approvers ORDER BY tenant, approver")?;
-        let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        let rows = st.query_map((), |r| Ok((r.get(0)?, r.get(1)?)))?;
+        rows.collect::<Result<_, _>>()
     }
 
     /// The age anchor of the oldest unknown / needs-review operation.
@@ -156,8 +155,7 @@ impl Tx<'_> {
         Ok(self
             .conn
             .prepare_cached("SELECT min(updated_at) FROM operations WHERE state IN ('unknown', 'needs_review')")?
-            .query_row([], |r| r.get(0))
-            .optional()?
+            .query_opt((), |r| r.get(0))?
             .flatten())
     }
 

@@ -1,0 +1,218 @@
+//! The PostgreSQL backend: connecting, its own numbered migrations, and
+//! transactions.
+//!
+//! Isolation, step by step (ARCHITECTURE.md says why):
+//! - every write transaction is `SERIALIZABLE`: PostgreSQL commits it only if
+//!   the result is what running the transactions one at a time would give,
+//!   which is the guarantee SQLite's `BEGIN IMMEDIATE` gives by running them
+//!   one at a time. Every check-then-write of the engine (scope lookup then
+//!   accept, claim, the fenced persist, the retry budget's last token, the
+//!   breaker's half-open probe, the call-identity binding) keeps its meaning
+//!   across hosts without a lock of its own;
+//! - a serialization failure or deadlock is retried here, with a jittered
+//!   backoff, re-running the whole closure (so closures do nothing outside the
+//!   transaction), and never surfaces unless the retries run out (`DB_BUSY`);
+//! - reads are `REPEATABLE READ READ ONLY`: one snapshot, as a SQLite read
+//!   transaction is, and they never abort.
+
+use std::time::{Duration, Instant};
+
+use super::sql::{pg_error, Conn, PgConn};
+use super::{Mode, StoreError, Sync, Tx, BEGIN_RETRY_BUDGET};
+
+type R<T> = Result<T, StoreError>;
+
+/// PostgreSQL migrations, in order (numbered on their own: PostgreSQL 0001 is
+/// the shape of SQLite schema 9). The version applied is meta `schema_version`.
+const MIGRATIONS: [&str; 1] = [include_str!("pg/0001_ledger.sql")];
+
+/// The PostgreSQL schema version this build writes.
+pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+/// How long a connection attempt may take when the URL does not say.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Lock key that serializes migrations of one database across processes.
+const MIGRATION_LOCK: i64 = 0x746f_6f6c_6761_7465; // "toolgate"
+
+/// Connects, checks the schema, and migrates unless `read_only`.
+pub(crate) fn open(url: &str, sync: Sync, read_only: bool) -> R<Conn> {
+    // The URL may carry a password: no error here repeats it.
+    let mut config: postgres::Config = url
+        .parse()
+        .map_err(|_| StoreError::Open("the PostgreSQL URL is not valid (postgres://USER@HOST/DB?...)".into()))?;
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(CONNECT_TIMEOUT);
+    }
+    config.application_name("toolgate");
+    let mut client = config.connect(postgres::NoTls).map_err(|e| connect_error(&e))?;
+    let mut session = String::from("SET client_min_messages = warning;");
+    if sync == Sync::Normal {
+        session.push_str("SET synchronous_commit = off;");
+    }
+    if read_only {
+        session.push_str("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY;");
+    }
+    client.batch_execute(&session).map_err(|e| pg_error(&e))?;
+    let version = schema_version(&mut client)?;
+    if version > SCHEMA_VERSION {
+        return Err(StoreError::SchemaTooNew { found: version, supported: SCHEMA_VERSION });
+    }
+    if read_only {
+        if version <= 0 {
+            return Err(StoreError::NotToolgate);
+        }
+        if version < SCHEMA_VERSION {
+            return Err(StoreError::SchemaOld { found: version, supported: SCHEMA_VERSION });
+        }
+    } else {
+        migrate(&mut client, version)?;
+    }
+    Ok(Conn::Pg(PgConn::new(client)))
+}
+
+fn connect_error(e: &postgres::Error) -> StoreError {
+    match e.as_db_error() {
+        // The server's own words (a missing database, a refused login).
+        Some(db) => StoreError::Open(db.message().to_string()),
+        // The driver's: "error connecting to server: Connection refused", no URL.
+        None => StoreError::Open(e.to_string()),
+    }
+}
+
+/// The applied version: 0 for an empty database, an error for a database that
+/// holds someone else's tables.
+fn schema_version(client: &mut postgres::Client) -> R<i64> {
+    let has_meta: bool = client
+        .query_one("SELECT to_regclass('meta') IS NOT NULL", &[])
+        .and_then(|r| r.try_get(0))
+        .map_err(|e| pg_error(&e))?;
+    if !has_meta {
+        let tables: i64 = client
+            .query_one("SELECT count(*) FROM pg_tables WHERE schemaname = current_schema()", &[])
+            .and_then(|r| r.try_get(0))
+            .map_err(|e| pg_error(&e))?;
+        return if tables > 0 { Err(StoreError::NotToolgate) } else { Ok(0) };
+    }
+    let v: Option<String> = client
+        .query_opt("SELECT value FROM meta WHERE key = 'schema_version'", &[])
+        .map_err(|e| pg_error(&e))?
+        .map(|r| r.try_get(0))
+        .transpose()
+        .map_err(|e| pg_error(&e))?;
+    match v.as_deref().map(str::parse::<i64>) {
+        Some(Ok(n)) if n > 0 => Ok(n),
+        _ => Err(StoreError::NotToolgate),
+    }
+}
+
+fn migrate(client: &mut postgres::Client, from: i64) -> R<()> {
+    for (i, sql) in MIGRATIONS.iter().enumerate().skip(from as usize) {
+        let mut tx = client.transaction().map_err(|e| pg_error(&e))?;
+        // One migrator at a time; re-check under the lock (another process may
+        // have migrated meanwhile).
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).map_err(|e| pg_error(&e))?;
+        let has_meta: bool = tx
+            .query_one("SELECT to_regclass('meta') IS NOT NULL", &[])
+            .and_then(|r| r.try_get(0))
+            .map_err(|e| pg_error(&e))?;
+        let now: i64 = if has_meta {
+            tx.query_opt("SELECT value FROM meta WHERE key = 'schema_version'", &[])
+                .map_err(|e| pg_error(&e))?
+                .and_then(|r| r.try_get::<_, String>(0).ok())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        } else {
+            0
+        };
+        if now > i as i64 {
+            tx.commit().map_err(|e| pg_error(&e))?;
+            continue;
+        }
+        // Transactional DDL: a failure rolls the migration back whole.
+        tx.batch_execute(sql).map_err(|e| match pg_error(&e) {
+            StoreError::Other(reason) | StoreError::Constraint(reason) => {
+                StoreError::Migration { number: i + 1, found: from, reason }
+            }
+            other => other,
+        })?;
+        tx.execute(
+            "INSERT INTO meta (key, value) VALUES ('schema_version', $1)
+             ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            &[&(i as i64 + 1).to_string()],
+        )
+        .map_err(|e| pg_error(&e))?;
+        tx.commit().map_err(|e| pg_error(&e))?;
+    }
+    Ok(())
+}
+
+/// One transaction on PostgreSQL, retried on serialization failure.
+pub(crate) fn transaction<T, E: From<StoreError>>(
+    pg: &PgConn,
+    neutral: &Conn,
+    mode: Mode,
+    mut f: impl FnMut(&Tx<'_>) -> Result<T, E>,
+) -> Result<T, E> {
+    let begin = match mode {
+        Mode::Read => "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY",
+        Mode::Write => "BEGIN ISOLATION LEVEL SERIALIZABLE",
+        Mode::WriteRelaxed => "BEGIN ISOLATION LEVEL SERIALIZABLE; SET LOCAL synchronous_commit = off",
+    };
+    let started = Instant::now();
+    let mut tries: u32 = 0;
+    loop {
+        tries += 1;
+        pg.failed.set(None);
+        pg.client.borrow_mut().batch_execute(begin).map_err(|e| pg_error(&e))?;
+        let out = f(&Tx { conn: neutral });
+        let failed = pg.failed.get();
+        let retry = match (&out, failed) {
+            // Nothing failed: commit (which may itself meet a serialization failure).
+            (Ok(_), None) => match pg.client.borrow_mut().batch_execute("COMMIT") {
+                Ok(()) => return out,
+                Err(e) => match pg_error(&e) {
+                    StoreError::Conflict => true,
+                    other => {
+                        rollback(pg);
+                        return Err(other.into());
+                    }
+                },
+            },
+            (_, Some(true)) => true,
+            // A statement failed and `f` went on as if it had not: PostgreSQL
+            // has aborted the transaction, so nothing of it can commit.
+            (Ok(_), Some(false)) => {
+                rollback(pg);
+                return Err(StoreError::Other("a statement of the transaction failed".into()).into());
+            }
+            (Err(_), _) => {
+                rollback(pg);
+                return out;
+            }
+        };
+        rollback(pg);
+        if !retry || started.elapsed() >= BEGIN_RETRY_BUDGET {
+            return Err(StoreError::Conflict.into());
+        }
+        // Full jitter, growing with the tries, at most ~50 ms.
+        let cap = 1u64 << tries.min(6);
+        std::thread::sleep(Duration::from_micros(500 + rand::random::<u64>() % (cap * 800)));
+    }
+}
+
+fn rollback(pg: &PgConn) {
+    let _ = pg.client.borrow_mut().batch_execute("ROLLBACK");
+    pg.failed.set(None);
+}
+
+/// The server's WAL insert position as a number: it moves with every commit
+/// that wrote anything, which is what the console needs to know to refetch.
+pub(crate) fn data_version(pg: &PgConn) -> R<i64> {
+    let row = pg
+        .client
+        .borrow_mut()
+        .query_one("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint", &[])
+        .map_err(|e| pg_error(&e))?;
+    row.try_get(0).map_err(|e| pg_error(&e))
+}
