@@ -19,6 +19,7 @@ use crate::engine::world::{World, DEMO_WORLD};
 use crate::engine::{
     fresh_call_identity, DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest, Resolution, ResolveRequest,
 };
+use crate::store::Location;
 
 /// `print!` through [`write_stdout`]: never panics on a closed pipe.
 macro_rules! out {
@@ -36,8 +37,9 @@ macro_rules! outln {
 #[derive(Debug, Parser)]
 #[command(name = "toolgate", version, about, long_about = None)]
 pub struct Cli {
-    /// The ledger database.
-    #[arg(long, global = true, value_name = "PATH")]
+    /// The ledger database: a SQLite file, or a PostgreSQL URL
+    /// (`postgres://USER@HOST[:PORT]/DB`, also `postgresql://`).
+    #[arg(long, global = true, value_name = "PATH|URL", env = "TOOLGATE_DB")]
     pub db: Option<PathBuf>,
     /// Fix the clock at this instant (RFC 3339), for tests and scripted demos.
     #[arg(long, global = true, value_name = "RFC3339")]
@@ -668,7 +670,7 @@ fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
     let (db, label) = if let (Some(p), true) = (&cli.db, agents > 0) {
         // `toolgate demo --db PATH`: the demo runs there.
         let name = p.file_name().map_or_else(|| "demo".into(), |n| n.to_string_lossy().into_owned());
-        if p.exists() {
+        if Location::is_postgres(p) || p.exists() {
             let demo = Engine::open(p, EngineOptions::default())?.is_demo();
             if !demo {
                 return Err(CliError::new(
@@ -681,10 +683,10 @@ fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
         }
         (p.clone(), name)
     } else if let (Some(p), 0) = (&cli.db, agents) {
-        if !p.exists() {
+        if !Location::is_postgres(p) && !p.exists() {
             return Err(CliError::new("DB_NOT_FOUND", "no database at the given path (run `toolgate init` first)"));
         }
-        (p.clone(), p.file_name().map_or_else(|| "ledger".into(), |n| n.to_string_lossy().into_owned()))
+        (p.clone(), Location::of(p).label())
     } else {
         let now = chrono::Utc::now().timestamp_millis();
         (crate::demo::working_copy(&scratch, now)?, "demo.db (working copy)".to_string())
@@ -762,7 +764,8 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 .and_then(Path::file_name)
                 .map_or_else(|| "the built-in world".to_string(), |n| n.to_string_lossy().into_owned());
             let w = World::parse_named(&name, &text)?;
-            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            let file = !Location::is_postgres(path);
+            if let Some(parent) = path.parent().filter(|p| file && !p.as_os_str().is_empty()) {
                 if !parent.is_dir() {
                     return Err(CliError::new(
                         "DB_OPEN_FAILED",
@@ -770,7 +773,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                     ));
                 }
             }
-            let existed = path.exists();
+            let existed = !file || path.exists();
             // The catalog loads (or is refused) before anything is created.
             let opts = engine_options(cli)?;
             let mut engine = Engine::create(path, opts)?;

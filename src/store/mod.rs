@@ -206,6 +206,25 @@ impl<'a> Location<'a> {
         }
     }
 
+    /// A name to show for it: the file's name, or `HOST/DB` of a URL (never
+    /// its user or password).
+    pub fn label(&self) -> String {
+        match self {
+            Location::File(p) => p.file_name().map_or_else(|| "ledger".into(), |n| n.to_string_lossy().into_owned()),
+            Location::Postgres(url) => url.parse::<postgres::Config>().map_or_else(
+                |_| "postgres".into(),
+                |c| {
+                    let host = match c.get_hosts().first() {
+                        Some(postgres::config::Host::Tcp(h)) => h.clone(),
+                        Some(postgres::config::Host::Unix(p)) => p.display().to_string(),
+                        None => "localhost".into(),
+                    };
+                    format!("postgres {host}/{}", c.get_dbname().unwrap_or("postgres"))
+                },
+            ),
+        }
+    }
+
     /// Whether `db` is a PostgreSQL URL.
     pub fn is_postgres(db: &Path) -> bool {
         matches!(Location::of(db), Location::Postgres(_))
@@ -899,7 +918,7 @@ impl Tx<'_> {
         let (b_at, b_id) = before.map_or((i64::MAX, ""), |(a, i)| (a, i));
         let mut st = self.conn.prepare_cached(&format!(
             "SELECT {OP_COLS} FROM operations
-             WHERE (?1 IS NULL OR state = ?1) AND (updated_at < ?2 OR (updated_at = ?2 AND id < ?3) OR ?3 = '')
+             WHERE (CAST(?1 AS TEXT) IS NULL OR state = ?1) AND (updated_at < ?2 OR (updated_at = ?2 AND id < ?3) OR ?3 = '')
              ORDER BY updated_at DESC, id DESC LIMIT ?4"
         ))?;
         let rows = st.query_map(params![state, b_at, b_id, limit], OperationRow::from_row)?;
@@ -1373,8 +1392,13 @@ impl Tx<'_> {
     // ------------------------------------------------------------ integrity
 
     /// SQLite's own integrity and foreign-key checks; returns problems found.
+    /// On PostgreSQL the server enforces every constraint as rows are written
+    /// (there is no per-file integrity check to run): nothing to report.
     pub fn sqlite_checks(&self) -> R<Vec<String>> {
         let mut out = Vec::new();
+        if self.backend() == Backend::Postgres {
+            return Ok(out);
+        }
         let mut st = self.conn.prepare("PRAGMA integrity_check")?;
         for r in st.query_map((), |r| r.get::<String>(0))? {
             let r = r?;

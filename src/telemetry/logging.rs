@@ -17,12 +17,14 @@ use std::sync::Mutex;
 use tracing::level_filters::LevelFilter;
 use tracing::Subscriber;
 
-/// Where the log of a database goes: `$TOOLGATE_LOG`, or `<db>.log`; `None`
-/// when `$TOOLGATE_LOG` is `off`.
+/// Where the log of a database goes: `$TOOLGATE_LOG`, or `<db>.log` beside a
+/// SQLite file; `None` when `$TOOLGATE_LOG` is `off` (or unset for PostgreSQL).
 pub fn log_path_for(db: &Path) -> Option<PathBuf> {
     match std::env::var_os("TOOLGATE_LOG") {
         Some(v) if v == "off" => None,
         Some(v) if !v.is_empty() => Some(PathBuf::from(v)),
+        // A PostgreSQL ledger has no directory of its own to log beside.
+        _ if crate::store::Location::is_postgres(db) => None,
         _ => {
             let mut name = db.as_os_str().to_os_string();
             name.push(".log");

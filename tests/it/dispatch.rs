@@ -8,11 +8,10 @@ use toolgate::engine::envelope::{Code, Delivery, Outcome, Recovery, Status};
 use toolgate::engine::DispatchRequest;
 use toolgate::store::{OpenOptions, Store, StoreError, Sync};
 
-use crate::support::{call, code, dispatch_with, duplicates, effects, raw, refund, snapshot, Fixture};
+use crate::support::{call, code, dispatch_with, duplicates, effects, raw, refund, snapshot, Backend, Fixture};
 
-#[test]
-fn first_success_then_replay_after_restart_and_from_another_connection() {
-    let fx = Fixture::new();
+fn first_success_then_replay_after_restart_and_from_another_connection(backend: Backend) {
+    let fx = Fixture::on(backend);
     let first = {
         let mut e = fx.engine();
         let env = e.dispatch(&refund("refund-key-001", 1000)).unwrap();
@@ -36,9 +35,8 @@ fn first_success_then_replay_after_restart_and_from_another_connection() {
     assert_eq!((order.refunded_minor, order.status.as_str()), (1000, "partially_refunded"));
 }
 
-#[test]
-fn same_key_other_arguments_conflicts_in_every_state_and_scopes_are_independent() {
-    let fx = Fixture::new();
+fn same_key_other_arguments_conflicts_in_every_state_and_scopes_are_independent(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     e.dispatch(&refund("refund-key-002", 1000)).unwrap();
     let c = e.dispatch(&refund("refund-key-002", 1500)).unwrap();
@@ -72,9 +70,8 @@ fn same_key_other_arguments_conflicts_in_every_state_and_scopes_are_independent(
     assert_eq!(duplicates(&mut e), 0);
 }
 
-#[test]
-fn eight_threads_racing_one_intent_make_one_operation_and_one_effect() {
-    let fx = Fixture::new();
+fn eight_threads_racing_one_intent_make_one_operation_and_one_effect(backend: Backend) {
+    let fx = Fixture::on(backend);
     let barrier = Arc::new(Barrier::new(8));
     let results: Vec<_> = (0..8)
         .map(|i| {
@@ -102,9 +99,8 @@ fn eight_threads_racing_one_intent_make_one_operation_and_one_effect() {
     assert_eq!(c.downstream_effects, 1);
 }
 
-#[test]
-fn two_different_intents_racing_on_one_key_one_wins_one_conflicts() {
-    let fx = Fixture::new();
+fn two_different_intents_racing_on_one_key_one_wins_one_conflicts(backend: Backend) {
+    let fx = Fixture::on(backend);
     let barrier = Arc::new(Barrier::new(2));
     let results: Vec<_> = [1000, 2000]
         .into_iter()
@@ -138,13 +134,12 @@ fn parked_in_outbox(fx: &Fixture, key: &str) -> String {
     env.protected_audit.operation_id.unwrap()
 }
 
-#[test]
-fn eight_workers_racing_one_outbox_row_make_one_effect() {
-    let fx = Fixture::new();
+fn eight_workers_racing_one_outbox_row_make_one_effect(backend: Backend) {
+    let fx = Fixture::on(backend);
     let op = parked_in_outbox(&fx, "refund-outbox-1");
     // The retry is due; the deadline is refreshed by nobody, so widen it by a new call's worth.
     fx.clock.advance(60_000);
-    raw(fx.path()).execute("UPDATE operations SET deadline_at = deadline_at + 600000 WHERE id = ?1", [&op]).unwrap();
+    fx.exec("UPDATE operations SET deadline_at = deadline_at + 600000 WHERE id = ?1", &[&op]);
     let barrier = Arc::new(Barrier::new(8));
     let handles: Vec<_> = (0..8)
         .map(|i| {
@@ -163,12 +158,20 @@ fn eight_workers_racing_one_outbox_row_make_one_effect() {
     assert_eq!(e.operation_detail(&op).unwrap().unwrap().operation.state, "succeeded");
 }
 
-#[test]
-fn a_failing_outbox_insert_rolls_back_the_operation() {
-    let fx = Fixture::new();
-    raw(fx.path())
-        .execute_batch("CREATE TRIGGER boom BEFORE INSERT ON outbox BEGIN SELECT RAISE(ABORT, 'boom'); END;")
-        .unwrap();
+fn a_failing_outbox_insert_rolls_back_the_operation(backend: Backend) {
+    let fx = Fixture::on(backend);
+    match &fx.pg {
+        None => raw(fx.path())
+            .execute_batch("CREATE TRIGGER boom BEFORE INSERT ON outbox BEGIN SELECT RAISE(ABORT, 'boom'); END;")
+            .unwrap(),
+        Some(db) => db
+            .client()
+            .batch_execute(
+                "CREATE FUNCTION boom() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'boom'; END $$;
+                 CREATE TRIGGER boom BEFORE INSERT ON outbox FOR EACH ROW EXECUTE FUNCTION boom();",
+            )
+            .unwrap(),
+    }
     let before = snapshot(fx.path());
     let mut e = fx.engine();
     assert!(e.dispatch(&refund("refund-atomic-1", 100)).is_err());
@@ -176,9 +179,8 @@ fn a_failing_outbox_insert_rolls_back_the_operation() {
     assert_eq!(effects(&mut e), 0);
 }
 
-#[test]
-fn leases_are_exclusive_reclaimable_at_expiry_and_fence_zombies() {
-    let fx = Fixture::new();
+fn leases_are_exclusive_reclaimable_at_expiry_and_fence_zombies(backend: Backend) {
+    let fx = Fixture::on(backend);
     let op = parked_in_outbox(&fx, "refund-lease-01");
     let mut store = Store::open(fx.path(), OpenOptions { create: false, sync: Sync::Full }).unwrap();
     let t = fx.clock.clone();
@@ -204,9 +206,8 @@ fn leases_are_exclusive_reclaimable_at_expiry_and_fence_zombies() {
     let _: Result<(), StoreError> = Ok(());
 }
 
-#[test]
-fn timeout_before_execute_only_when_nothing_left() {
-    let fx = Fixture::new();
+fn timeout_before_execute_only_when_nothing_left(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     // connect_timeout: provably not received; the retry within the deadline succeeds.
     let env = dispatch_with(&mut e, &refund("refund-tbe-001", 300), "connect_timeout,ok");
@@ -225,9 +226,8 @@ fn timeout_before_execute_only_when_nothing_left() {
     assert_eq!(code(&env), Some(Code::OutcomeUnknown));
 }
 
-#[test]
-fn lost_reply_is_unknown_and_a_retry_stays_unknown_with_one_effect() {
-    let fx = Fixture::new();
+fn lost_reply_is_unknown_and_a_retry_stays_unknown_with_one_effect(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let u = dispatch_with(&mut e, &refund("refund-lost-01", 400), "timeout_after_commit");
     assert_eq!(u.model_result.status, Status::Unknown);
@@ -241,9 +241,8 @@ fn lost_reply_is_unknown_and_a_retry_stays_unknown_with_one_effect() {
     assert_eq!(effects(&mut e), 1);
 }
 
-#[test]
-fn handler_panic_and_malformed_reply_are_unknown_and_never_replayed() {
-    let fx = Fixture::new();
+fn handler_panic_and_malformed_reply_are_unknown_and_never_replayed(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let p = dispatch_with(&mut e, &refund("refund-panic-1", 100), "panic_after_commit");
     assert_eq!(p.model_result.status, Status::Unknown);
@@ -258,9 +257,8 @@ fn handler_panic_and_malformed_reply_are_unknown_and_never_replayed() {
     assert_eq!(effects(&mut e), 2);
 }
 
-#[test]
-fn a_call_identity_reused_for_another_request_conflicts() {
-    let fx = Fixture::new();
+fn a_call_identity_reused_for_another_request_conflicts(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let mut a = refund("refund-callid-1", 100);
     a.call = Some(call("call_abc"));
@@ -274,17 +272,19 @@ fn a_call_identity_reused_for_another_request_conflicts() {
     assert_eq!(effects(&mut e), 1);
 }
 
-#[test]
-fn tampered_rows_are_refused_before_any_effect() {
+fn tampered_rows_are_refused_before_any_effect(backend: Backend) {
     for (what, sql) in [
-        ("zeroed digest", "UPDATE operations SET request_sha256 = printf('%064d', 0)"),
+        (
+            "zeroed digest",
+            "UPDATE operations SET request_sha256 = '0000000000000000000000000000000000000000000000000000000000000000'",
+        ),
         ("non-canonical json", "UPDATE operations SET request_json = ' ' || request_json"),
         ("swapped receipt", "UPDATE operations SET receipt_id = 'rcpt_other'"),
     ] {
-        let fx = Fixture::new();
+        let fx = Fixture::on(backend);
         let mut e = fx.engine();
         e.dispatch(&refund("refund-tamper-1", 100)).unwrap();
-        raw(fx.path()).execute_batch(sql).unwrap();
+        fx.exec(sql, &[]);
         let env = e.dispatch(&refund("refund-tamper-1", 100)).unwrap();
         // A damaged row is the ledger's fault, never the caller's: STATUS_CONFLICT,
         // not IDEMPOTENCY_CONFLICT, even where the stored digest no longer matches.
@@ -295,21 +295,19 @@ fn tampered_rows_are_refused_before_any_effect() {
     }
 }
 
-#[test]
-fn tampered_pending_row_is_refused_by_the_worker_before_sending() {
-    let fx = Fixture::new();
+fn tampered_pending_row_is_refused_by_the_worker_before_sending(backend: Backend) {
+    let fx = Fixture::on(backend);
     let op = parked_in_outbox(&fx, "refund-tamper-2");
-    raw(fx.path()).execute("UPDATE operations SET request_json = replace(request_json, '600', '60000')", []).unwrap();
+    fx.exec("UPDATE operations SET request_json = replace(request_json, '600', '60000')", &[]);
     fx.clock.advance(60_000);
     let mut e = fx.engine();
-    raw(fx.path()).execute("UPDATE operations SET deadline_at = deadline_at + 600000 WHERE id = ?1", [&op]).unwrap();
+    fx.exec("UPDATE operations SET deadline_at = deadline_at + 600000 WHERE id = ?1", &[&op]);
     e.work(10).unwrap();
     assert_eq!(effects(&mut e), 0);
 }
 
-#[test]
-fn rate_limit_is_retried_after_max_of_retry_after_and_backoff_within_the_deadline() {
-    let fx = Fixture::new();
+fn rate_limit_is_retried_after_max_of_retry_after_and_backoff_within_the_deadline(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     use toolgate::engine::clock::Clock;
     let start = fx.clock.now_ms();
@@ -319,9 +317,8 @@ fn rate_limit_is_retried_after_max_of_retry_after_and_backoff_within_the_deadlin
     assert_eq!(effects(&mut e), 1);
 }
 
-#[test]
-fn retry_after_beyond_the_deadline_answers_rate_limit_then_a_later_retry_runs_once() {
-    let fx = Fixture::new();
+fn retry_after_beyond_the_deadline_answers_rate_limit_then_a_later_retry_runs_once(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let mut r = refund("refund-429-002", 100);
     r.deadline_ms = Some(3_000);
@@ -340,9 +337,8 @@ fn retry_after_beyond_the_deadline_answers_rate_limit_then_a_later_retry_runs_on
     assert_eq!(e.dispatch(&r).unwrap().model_result.execution.delivery, Delivery::LocalReplay);
 }
 
-#[test]
-fn downstream_rejection_is_a_definitive_failure_that_replays() {
-    let fx = Fixture::new();
+fn downstream_rejection_is_a_definitive_failure_that_replays(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let env = dispatch_with(&mut e, &refund("refund-reject-1", 100), "reject(card_closed)");
     assert_eq!(code(&env), Some(Code::BusinessRuleViolation));
@@ -353,9 +349,8 @@ fn downstream_rejection_is_a_definitive_failure_that_replays() {
     assert_eq!(effects(&mut e), 0);
 }
 
-#[test]
-fn authorization_is_rechecked_on_replay_and_leaks_nothing() {
-    let fx = Fixture::new();
+fn authorization_is_rechecked_on_replay_and_leaks_nothing(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     e.dispatch(&refund("refund-revoke-1", 100)).unwrap();
     e.revoke("acme", "agent_ana", "create_refund").unwrap();
@@ -378,9 +373,8 @@ fn authorization_is_rechecked_on_replay_and_leaks_nothing() {
     }
 }
 
-#[test]
-fn business_rules_are_checked_before_acceptance() {
-    let fx = Fixture::new();
+fn business_rules_are_checked_before_acceptance(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     for (args, rule) in [
         (
@@ -399,9 +393,8 @@ fn business_rules_are_checked_before_acceptance() {
     assert_eq!(e.counts().unwrap().operations.values().sum::<i64>(), 0);
 }
 
-#[test]
-fn get_order_reads_without_a_key_and_fails_closed() {
-    let fx = Fixture::new();
+fn get_order_reads_without_a_key_and_fails_closed(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let r = DispatchRequest {
         tenant: "acme".into(),
@@ -450,9 +443,8 @@ fn get_order(order: &str, call_id: &str) -> DispatchRequest {
     }
 }
 
-#[test]
-fn a_read_binds_its_call_identity_on_first_use() {
-    let fx = Fixture::new();
+fn a_read_binds_its_call_identity_on_first_use(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let first = e.dispatch(&get_order("ord_1001", "call_read_1")).unwrap();
     assert_eq!(first.model_result.status, Status::Succeeded);
@@ -471,9 +463,8 @@ fn a_read_binds_its_call_identity_on_first_use() {
     assert_eq!(effects(&mut e), 0);
 }
 
-#[test]
-fn a_status_query_identity_is_bound_to_its_purpose_and_its_status_ref() {
-    let fx = Fixture::new();
+fn a_status_query_identity_is_bound_to_its_purpose_and_its_status_ref(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let mut a = refund("refund-q-bind-1", 100);
     a.call = Some(call("call_write_a"));
@@ -498,3 +489,27 @@ fn a_status_query_identity_is_bound_to_its_purpose_and_its_status_ref() {
     let again = e.query_operation_status(&crate::support::query_req(&env_a, "call_query_1")).unwrap();
     assert_eq!(again.model_result.status, Status::Succeeded);
 }
+
+crate::on_both_backends!(
+    a_failing_outbox_insert_rolls_back_the_operation,
+    eight_workers_racing_one_outbox_row_make_one_effect,
+    tampered_rows_are_refused_before_any_effect,
+    tampered_pending_row_is_refused_by_the_worker_before_sending,
+    a_read_binds_its_call_identity_on_first_use,
+    first_success_then_replay_after_restart_and_from_another_connection,
+    same_key_other_arguments_conflicts_in_every_state_and_scopes_are_independent,
+    eight_threads_racing_one_intent_make_one_operation_and_one_effect,
+    two_different_intents_racing_on_one_key_one_wins_one_conflicts,
+    leases_are_exclusive_reclaimable_at_expiry_and_fence_zombies,
+    timeout_before_execute_only_when_nothing_left,
+    lost_reply_is_unknown_and_a_retry_stays_unknown_with_one_effect,
+    handler_panic_and_malformed_reply_are_unknown_and_never_replayed,
+    a_call_identity_reused_for_another_request_conflicts,
+    rate_limit_is_retried_after_max_of_retry_after_and_backoff_within_the_deadline,
+    retry_after_beyond_the_deadline_answers_rate_limit_then_a_later_retry_runs_once,
+    downstream_rejection_is_a_definitive_failure_that_replays,
+    authorization_is_rechecked_on_replay_and_leaks_nothing,
+    business_rules_are_checked_before_acceptance,
+    get_order_reads_without_a_key_and_fails_closed,
+    a_status_query_identity_is_bound_to_its_purpose_and_its_status_ref,
+);

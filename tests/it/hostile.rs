@@ -10,7 +10,7 @@ use serde_json::Value;
 use toolgate::engine::envelope::{Code, Outcome};
 use toolgate::engine::{DispatchRequest, QueryRequest};
 
-use crate::support::{refund, snapshot, Fixture};
+use crate::support::{refund, snapshot, Backend, Fixture};
 
 /// A ledger that already holds one succeeded refund, so that "nothing changed"
 /// covers existing rows too.
@@ -315,8 +315,7 @@ fn world_files_accept_any_documented_id_and_name_the_record_field_and_rule_they_
     assert!(!err.contains(dir.path().to_str().unwrap()), "no local path: {err}");
 }
 
-#[test]
-fn read_commands_open_read_only_and_never_create_or_migrate() {
+fn read_commands_open_read_only_and_never_create_or_migrate(backend: Backend) {
     let dir = tempfile::tempdir().unwrap();
     // An empty file: every read command refuses it and leaves it empty.
     let empty = dir.path().join("empty.db");
@@ -333,8 +332,10 @@ fn read_commands_open_read_only_and_never_create_or_migrate() {
         );
     }
     // A ledger: read commands answer; the engine opened read-only refuses every change.
-    let fx = crate::support::Fixture::new();
-    let before = std::fs::read(fx.path()).unwrap();
+    let fx = crate::support::Fixture::on(backend);
+    // The file's bytes on SQLite; every business table's rows on PostgreSQL.
+    let bytes = || (backend == Backend::Sqlite).then(|| std::fs::read(fx.path()).unwrap());
+    let before = (bytes(), crate::support::snapshot(fx.path()));
     let out = tg().args([os("ops"), os("list"), os("--db"), fx.path().as_os_str()]).output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let mut ro =
@@ -344,7 +345,7 @@ fn read_commands_open_read_only_and_never_create_or_migrate() {
         Ok(env) => panic!("a read-only engine dispatched: {env:?}"),
     }
     drop(ro);
-    assert_eq!(std::fs::read(fx.path()).unwrap(), before, "the file changed");
+    assert_eq!((bytes(), crate::support::snapshot(fx.path())), before, "the ledger changed");
 }
 
 #[test]
@@ -385,10 +386,9 @@ fn a_schema_version_that_lies_is_refused_without_sql_and_without_change() {
     drop(dir);
 }
 
-#[test]
-fn operator_and_caller_text_cannot_forge_output() {
+fn operator_and_caller_text_cannot_forge_output(backend: Backend) {
     use toolgate::engine::{Resolution, ResolveRequest};
-    let fx = crate::support::Fixture::new();
+    let fx = crate::support::Fixture::on(backend);
     let mut e = fx.engine();
     let env = crate::support::dispatch_with(
         &mut e,
@@ -442,3 +442,8 @@ fn operator_and_caller_text_cannot_forge_output() {
     let log = tg().args([os("audit"), os("--log"), os("--db"), fx.path().as_os_str()]).output().unwrap();
     assert!(!String::from_utf8_lossy(&log.stdout).lines().any(|l| l.starts_with("applied by admin")));
 }
+
+crate::on_both_backends!(
+    read_commands_open_read_only_and_never_create_or_migrate,
+    operator_and_caller_text_cannot_forge_output,
+);

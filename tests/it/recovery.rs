@@ -3,7 +3,7 @@
 use toolgate::engine::envelope::{Code, Delivery, Envelope, Status};
 use toolgate::engine::{DispatchRequest, Engine, QueryRequest, Resolution, ResolveRequest};
 
-use crate::support::{call, code, dispatch_with, effects, raw, refund, refund_args, Fixture};
+use crate::support::{call, code, dispatch_with, effects, refund, refund_args, Backend, Fixture};
 
 fn query_for(env: &Envelope) -> QueryRequest {
     QueryRequest {
@@ -19,9 +19,8 @@ fn state(e: &mut Engine, op: &str) -> String {
     e.operation_detail(op).unwrap().unwrap().operation.state
 }
 
-#[test]
-fn unknown_then_query_reconciles_then_replays_with_one_effect() {
-    let fx = Fixture::new();
+fn unknown_then_query_reconciles_then_replays_with_one_effect(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let u = dispatch_with(&mut e, &refund("refund-recon-01", 500), "timeout_after_commit");
     assert_eq!(code(&u), Some(Code::OutcomeUnknown));
@@ -42,9 +41,8 @@ fn unknown_then_query_reconciles_then_replays_with_one_effect() {
     assert!(e.audit().unwrap().is_empty());
 }
 
-#[test]
-fn receipt_not_yet_available_stays_unknown_until_the_delay_passes() {
-    let fx = Fixture::new();
+fn receipt_not_yet_available_stays_unknown_until_the_delay_passes(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let u = dispatch_with(&mut e, &refund("refund-delay-01", 500), "receipt_delay(5000)");
     let q1 = e.query_operation_status(&query_for(&u)).unwrap();
@@ -58,9 +56,8 @@ fn receipt_not_yet_available_stays_unknown_until_the_delay_passes() {
     assert_eq!(effects(&mut e), 1);
 }
 
-#[test]
-fn mismatching_receipt_is_a_status_conflict_and_needs_review() {
-    let fx = Fixture::new();
+fn mismatching_receipt_is_a_status_conflict_and_needs_review(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let u = dispatch_with(&mut e, &refund("refund-drift-01", 500), "mismatch_after_commit");
     let q = e.query_operation_status(&query_for(&u)).unwrap();
@@ -72,9 +69,8 @@ fn mismatching_receipt_is_a_status_conflict_and_needs_review() {
     assert_eq!(effects(&mut e), 1);
 }
 
-#[test]
-fn query_checks_digest_key_provider_and_status_ref_before_looking() {
-    let fx = Fixture::new();
+fn query_checks_digest_key_provider_and_status_ref_before_looking(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let u = dispatch_with(&mut e, &refund("refund-qchk-01", 500), "timeout_after_commit");
     let base = query_for(&u);
@@ -104,9 +100,8 @@ fn query_checks_digest_key_provider_and_status_ref_before_looking() {
     assert!(q.model_result.data.is_none());
 }
 
-#[test]
-fn a_query_call_identity_can_never_dispatch_and_the_reverse() {
-    let fx = Fixture::new();
+fn a_query_call_identity_can_never_dispatch_and_the_reverse(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let mut d = refund("refund-purpose-1", 500);
     d.call = Some(call("call_dispatch"));
@@ -135,9 +130,8 @@ fn approval_id(env: &Envelope) -> String {
     env.protected_audit.approval_id.clone().unwrap()
 }
 
-#[test]
-fn approval_required_pending_approved_executes_once() {
-    let fx = Fixture::new();
+fn approval_required_pending_approved_executes_once(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let a = e.dispatch(&big_refund("refund-big-0001")).unwrap();
     let id = approval_id(&a);
@@ -157,9 +151,8 @@ fn approval_required_pending_approved_executes_once() {
     assert_eq!(effects(&mut e), 1);
 }
 
-#[test]
-fn approval_refusals_run_nothing() {
-    let fx = Fixture::new();
+fn approval_refusals_run_nothing(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     // Exclusive expiry: approving at exactly expires_at is too late.
     let id = approval_id(&e.dispatch(&big_refund("refund-big-0002")).unwrap());
@@ -185,9 +178,8 @@ fn approval_refusals_run_nothing() {
     assert_eq!(effects(&mut e), 1);
 }
 
-#[test]
-fn a_contract_revision_change_invalidates_a_pending_approval() {
-    let fx = Fixture::new();
+fn a_contract_revision_change_invalidates_a_pending_approval(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let id = approval_id(&e.dispatch(&big_refund("refund-big-0004")).unwrap());
     let mut contracts = toolgate::tools::demo_catalog().unwrap();
@@ -197,9 +189,8 @@ fn a_contract_revision_change_invalidates_a_pending_approval() {
     assert_eq!(effects(&mut e), 0);
 }
 
-#[test]
-fn a_denied_request_answers_approval_invalid_to_repeats() {
-    let fx = Fixture::new();
+fn a_denied_request_answers_approval_invalid_to_repeats(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let id = approval_id(&e.dispatch(&big_refund("refund-big-0005")).unwrap());
     let out = e.deny(&id, "bob", "amount too large for a damaged item").unwrap();
@@ -212,9 +203,8 @@ fn a_denied_request_answers_approval_invalid_to_repeats() {
     assert_eq!(effects(&mut e), 0);
 }
 
-#[test]
-fn human_resolution_needs_a_note_evidence_and_a_fresh_snapshot() {
-    let fx = Fixture::new();
+fn human_resolution_needs_a_note_evidence_and_a_fresh_snapshot(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let u = dispatch_with(&mut e, &refund("refund-human-01", 500), "timeout_before_commit");
     let op = u.protected_audit.operation_id.clone().unwrap();
@@ -249,9 +239,8 @@ fn human_resolution_needs_a_note_evidence_and_a_fresh_snapshot() {
     assert_eq!(log.iter().filter(|r| r.action == "resolve" && r.result == "applied").count(), 1);
 }
 
-#[test]
-fn operator_actions_are_idempotent_by_action_id() {
-    let fx = Fixture::new();
+fn operator_actions_are_idempotent_by_action_id(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     // The provider shows nothing (yet): the operator's evidence is not contradicted.
     let u = dispatch_with(&mut e, &refund("refund-human-02", 500), "timeout_before_commit");
@@ -276,9 +265,8 @@ fn operator_actions_are_idempotent_by_action_id() {
     );
 }
 
-#[test]
-fn the_audit_log_is_append_only_and_counts_every_operator_state_change() {
-    let fx = Fixture::new();
+fn the_audit_log_is_append_only_and_counts_every_operator_state_change(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let id = approval_id(&e.dispatch(&big_refund("refund-big-0006")).unwrap());
     e.approve(&id, "bob").unwrap(); // applied
@@ -293,26 +281,22 @@ fn the_audit_log_is_append_only_and_counts_every_operator_state_change() {
         (count("approve", "applied"), count("deny", "applied"), count("query", "applied"), count("approve", "refused")),
         (1, 1, 1, 1)
     );
-    let c = raw(fx.path());
-    assert!(c.execute("UPDATE audit_log SET reason = 'x'", []).is_err());
-    assert!(c.execute("DELETE FROM audit_log", []).is_err());
+    assert!(!fx.try_exec("UPDATE audit_log SET reason = 'x'"));
+    assert!(!fx.try_exec("DELETE FROM audit_log"));
     assert_eq!(e.audit_log(100).unwrap().len(), 4);
 }
 
-#[test]
-fn audit_finds_an_orphan_receipt_and_a_zeroed_digest_without_naming_anyone() {
-    let fx = Fixture::new();
+fn audit_finds_an_orphan_receipt_and_a_zeroed_digest_without_naming_anyone(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     e.dispatch(&refund("refund-secret-key-XYZ", 100)).unwrap();
     assert!(e.audit().unwrap().is_empty());
-    let c = raw(fx.path());
-    c.execute(
+    fx.exec(
         "INSERT INTO receipts (receipt_id, operation_id, request_id, body_sha256, result_sha256, source, recorded_at)
          VALUES ('rcpt_orphan', 'op_nowhere', 'dreq_x', 'x', 'x', 'reply', 0)",
-        [],
-    )
-    .unwrap();
-    c.execute("UPDATE operations SET result_sha256 = printf('%064d', 0)", []).unwrap();
+        &[],
+    );
+    fx.exec(&format!("UPDATE operations SET result_sha256 = '{}'", "0".repeat(64)), &[]);
     let findings = e.audit().unwrap();
     let text = serde_json::to_string(&findings).unwrap();
     assert!(findings.iter().any(|f| f.check == "orphan_receipt"), "{text}");
@@ -322,9 +306,8 @@ fn audit_finds_an_orphan_receipt_and_a_zeroed_digest_without_naming_anyone() {
     }
 }
 
-#[test]
-fn crash_after_commit_really_aborts_and_recovery_finds_one_effect() {
-    let fx = Fixture::new();
+fn crash_after_commit_really_aborts_and_recovery_finds_one_effect(backend: Backend) {
+    let fx = Fixture::on(backend);
     let bin = env!("CARGO_BIN_EXE_toolgate");
     let out = std::process::Command::new(bin)
         .args(["dispatch", "--db"])
@@ -375,9 +358,8 @@ fn resolve_req(op: &str, resolution: Resolution, evidence: Option<&str>, action:
     }
 }
 
-#[test]
-fn a_human_decision_that_contradicts_the_providers_evidence_is_refused_unless_overridden() {
-    let fx = Fixture::new();
+fn a_human_decision_that_contradicts_the_providers_evidence_is_refused_unless_overridden(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     // The provider committed the refund; the reply was lost.
     let u = dispatch_with(&mut e, &refund("refund-evidence-1", 700), "timeout_after_commit");
@@ -401,9 +383,8 @@ fn a_human_decision_that_contradicts_the_providers_evidence_is_refused_unless_ov
     assert_eq!(evidence["provider_evidence"]["lookup"], "found");
 }
 
-#[test]
-fn a_human_decision_the_evidence_supports_is_applied_and_records_what_the_provider_said() {
-    let fx = Fixture::new();
+fn a_human_decision_the_evidence_supports_is_applied_and_records_what_the_provider_said(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     // Nothing reached the provider: "failed" agrees with the lookup.
     let u = dispatch_with(&mut e, &refund("refund-evidence-2", 700), "timeout_before_commit");
@@ -415,3 +396,22 @@ fn a_human_decision_the_evidence_supports_is_applied_and_records_what_the_provid
     assert_eq!(evidence["provider_evidence"]["lookup"], "not_found");
     assert!(evidence["against_evidence"].is_null());
 }
+
+crate::on_both_backends!(
+    the_audit_log_is_append_only_and_counts_every_operator_state_change,
+    audit_finds_an_orphan_receipt_and_a_zeroed_digest_without_naming_anyone,
+    unknown_then_query_reconciles_then_replays_with_one_effect,
+    receipt_not_yet_available_stays_unknown_until_the_delay_passes,
+    mismatching_receipt_is_a_status_conflict_and_needs_review,
+    query_checks_digest_key_provider_and_status_ref_before_looking,
+    a_query_call_identity_can_never_dispatch_and_the_reverse,
+    approval_required_pending_approved_executes_once,
+    approval_refusals_run_nothing,
+    a_contract_revision_change_invalidates_a_pending_approval,
+    a_denied_request_answers_approval_invalid_to_repeats,
+    human_resolution_needs_a_note_evidence_and_a_fresh_snapshot,
+    operator_actions_are_idempotent_by_action_id,
+    crash_after_commit_really_aborts_and_recovery_finds_one_effect,
+    a_human_decision_that_contradicts_the_providers_evidence_is_refused_unless_overridden,
+    a_human_decision_the_evidence_supports_is_applied_and_records_what_the_provider_said,
+);

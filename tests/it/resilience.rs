@@ -16,7 +16,7 @@ use toolgate::engine::policy::{backoff_ms, retry_delay_ms};
 use toolgate::engine::{CancelRequest, DispatchRequest, Engine, EngineOptions, QueryRequest};
 use toolgate::store::{CircuitRow, RetryBudgetRow, TraceRow};
 
-use crate::support::{dispatch_with, duplicates, effects, refund, Fixture};
+use crate::support::{dispatch_with, duplicates, effects, refund, Backend, Fixture};
 
 fn trace(e: &mut Engine, env: &Envelope) -> Vec<TraceRow> {
     let id = env.protected_audit.operation_id.clone().unwrap();
@@ -45,8 +45,7 @@ fn operations(e: &mut Engine) -> i64 {
     e.counts().unwrap().operations.values().sum()
 }
 
-#[test]
-fn backoff_is_full_jitter_within_its_bounds() {
+fn backoff_is_full_jitter_within_its_bounds(backend: Backend) {
     let ids = Ids::seeded(42);
     for attempt in 1..=8u32 {
         let bound = (200u64 << (attempt - 1)).min(5_000);
@@ -57,7 +56,7 @@ fn backoff_is_full_jitter_within_its_bounds() {
         assert!(*lo < bound / 10 && *hi > bound * 9 / 10, "attempt {attempt}: {lo}..{hi} of {bound}");
     }
     // In a real retry, the wait between attempts is one such draw.
-    let fx = Fixture::new();
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let env = dispatch_with(&mut e, &refund("jitter-key-0001", 100), "unavailable,unavailable,ok");
     assert_eq!(env.model_result.status, Status::Succeeded);
@@ -70,12 +69,11 @@ fn backoff_is_full_jitter_within_its_bounds() {
     assert!(waits[0] <= 200 && waits[1] <= 400, "{waits:?}");
 }
 
-#[test]
-fn retry_after_beats_backoff_when_larger() {
+fn retry_after_beats_backoff_when_larger(backend: Backend) {
     for (backoff, after, expect) in [(150, Some(3_000), 3_000), (150, Some(20), 150), (150, None, 150)] {
         assert_eq!(retry_delay_ms(backoff, after), expect);
     }
-    let fx = Fixture::new();
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let t0 = fx.clock.now_ms();
     let env = dispatch_with(&mut e, &refund("retry-after-0001", 100), "rate_limit(3000),ok");
@@ -99,9 +97,8 @@ fn retry_after_beats_backoff_when_larger() {
     assert_eq!((effects(&mut e), duplicates(&mut e)), (2, 0));
 }
 
-#[test]
-fn the_budget_stops_retries_when_exhausted_and_load_refills_it() {
-    let fx = Fixture::new();
+fn the_budget_stops_retries_when_exhausted_and_load_refills_it(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     // Model of the bucket: capacity 10 tokens, +0.2 per first attempt, -1 per retry
     // (create_refund's contract), in thousandths.
@@ -145,9 +142,8 @@ fn the_budget_stops_retries_when_exhausted_and_load_refills_it() {
     assert_eq!(duplicates(&mut e), 0);
 }
 
-#[test]
-fn nothing_is_retried_past_the_deadline() {
-    let fx = Fixture::new();
+fn nothing_is_retried_past_the_deadline(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     // Rate-limited for ever (each wait at least 400 ms): retries stop when the
     // next one would pass the 1 s deadline, whatever the jitter drew.
@@ -273,9 +269,8 @@ fn open_payments(e: &mut Engine, prefix: &str) {
     panic!("the circuit never opened");
 }
 
-#[test]
-fn the_breaker_opens_half_opens_and_closes() {
-    let fx = Fixture::new();
+fn the_breaker_opens_half_opens_and_closes(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     // Operations whose every attempt fails, until ten failures in a row open it.
     open_payments(&mut e, "breaker-a");
@@ -327,9 +322,8 @@ fn the_breaker_opens_half_opens_and_closes() {
     assert_eq!(duplicates(&mut e), 0);
 }
 
-#[test]
-fn an_open_circuit_holds_accepted_operations_without_sending() {
-    let fx = Fixture::new();
+fn an_open_circuit_holds_accepted_operations_without_sending(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     // Accepted and waiting for its retry (a 429 beyond the deadline)...
     let mut r = refund("held-key-0001", 1);
@@ -360,9 +354,8 @@ fn cancel(e: &mut Engine, env: &Envelope, note: &str) -> toolgate::engine::Opera
     .unwrap()
 }
 
-#[test]
-fn cancelling_before_send_cancels_with_no_effect() {
-    let fx = Fixture::new();
+fn cancelling_before_send_cancels_with_no_effect(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let mut r = refund("cancel-key-0001", 100);
     r.deadline_ms = Some(1_000);
@@ -404,9 +397,8 @@ fn cancelling_before_send_cancels_with_no_effect() {
     assert_eq!(effects(&mut e), 0);
 }
 
-#[test]
-fn cancelling_after_send_parks_it_and_a_late_reply_never_flips_it() {
-    let fx = Fixture::new();
+fn cancelling_after_send_parks_it_and_a_late_reply_never_flips_it(backend: Backend) {
+    let fx = Fixture::on(backend);
     let clock = GateClock::new(&fx.clock);
     let req = refund("cancel-key-0100", 100);
     // A worker is inside the provider: claimed, sent-marker committed.
@@ -469,9 +461,8 @@ fn cancelling_after_send_parks_it_and_a_late_reply_never_flips_it() {
     assert_eq!((done.applied, done.code.as_str()), (false, "NOT_CANCELLABLE"));
 }
 
-#[test]
-fn cancel_requires_an_operator_a_note_and_the_version_seen() {
-    let fx = Fixture::new();
+fn cancel_requires_an_operator_a_note_and_the_version_seen(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let mut r = refund("cancel-key-0200", 100);
     r.deadline_ms = Some(1_000);
@@ -510,9 +501,8 @@ fn cancel_requires_an_operator_a_note_and_the_version_seen() {
     assert_eq!(e.operation_detail(&id).unwrap().unwrap().operation.state, "failed");
 }
 
-#[test]
-fn an_attempt_never_waits_past_the_operation_deadline_whatever_the_downstream_does() {
-    let fx = Fixture::new();
+fn an_attempt_never_waits_past_the_operation_deadline_whatever_the_downstream_does(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let mut req = refund("refund-deadline-holds", 100);
     req.deadline_ms = Some(2_000);
@@ -589,3 +579,16 @@ fn the_retry_budget_and_the_breaker_are_exported() {
     let lines = text.lines().map(|l| Ok(l.to_string()));
     prometheus_parse::Scrape::parse(lines).unwrap();
 }
+
+crate::on_both_backends!(
+    backoff_is_full_jitter_within_its_bounds,
+    retry_after_beats_backoff_when_larger,
+    the_budget_stops_retries_when_exhausted_and_load_refills_it,
+    nothing_is_retried_past_the_deadline,
+    the_breaker_opens_half_opens_and_closes,
+    an_open_circuit_holds_accepted_operations_without_sending,
+    cancelling_before_send_cancels_with_no_effect,
+    cancelling_after_send_parks_it_and_a_late_reply_never_flips_it,
+    cancel_requires_an_operator_a_note_and_the_version_seen,
+    an_attempt_never_waits_past_the_operation_deadline_whatever_the_downstream_does,
+);

@@ -5,17 +5,16 @@
 use toolgate::engine::envelope::{Code, Delivery, Status};
 use toolgate::engine::{Engine, EngineError, EngineOptions};
 
-use crate::support::{call, code, dispatch_with, raw, refund, refund_args, Fixture};
+use crate::support::{call, code, dispatch_with, raw, refund, refund_args, Backend, Fixture};
 
 const DAY: i64 = 86_400_000;
 
 fn count(fx: &Fixture, sql: &str) -> i64 {
-    raw(fx.path()).query_row(sql, [], |r| r.get(0)).unwrap()
+    fx.query_i64(sql)
 }
 
-#[test]
-fn an_old_unknown_operation_settled_by_an_operator_keeps_its_row_and_receipt() {
-    let fx = Fixture::new();
+fn an_old_unknown_operation_settled_by_an_operator_keeps_its_row_and_receipt(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let env = dispatch_with(&mut e, &refund("refund-old-unknown", 100), "timeout_after_commit");
     assert_eq!(code(&env), Some(Code::OutcomeUnknown));
@@ -37,9 +36,8 @@ fn an_old_unknown_operation_settled_by_an_operator_keeps_its_row_and_receipt() {
     assert_eq!(count(&fx, &format!("SELECT count(*) FROM receipts WHERE operation_id = '{op}'")), 1);
 }
 
-#[test]
-fn retention_counts_from_the_terminal_state_and_a_purge_leaves_a_tombstone() {
-    let fx = Fixture::new();
+fn retention_counts_from_the_terminal_state_and_a_purge_leaves_a_tombstone(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let mut req = refund("refund-retention-1", 100);
     req.call = Some(call("call_ret_1"));
@@ -76,9 +74,8 @@ fn retention_counts_from_the_terminal_state_and_a_purge_leaves_a_tombstone() {
     assert_eq!(count(&fx, "SELECT count(*) FROM trace_events WHERE reason = 'key_reused_after_purge'"), 1);
 }
 
-#[test]
-fn an_approved_operation_is_never_purged() {
-    let fx = Fixture::new();
+fn an_approved_operation_is_never_purged(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     // Above acme's threshold: needs approval.
     let mut big = refund("refund-retention-big", 120_000);
@@ -143,3 +140,9 @@ fn a_version_4_ledger_migrates_with_retention_counted_from_its_last_change() {
         .unwrap();
     assert_eq!(wrong, 0);
 }
+
+crate::on_both_backends!(
+    an_old_unknown_operation_settled_by_an_operator_keeps_its_row_and_receipt,
+    retention_counts_from_the_terminal_state_and_a_purge_leaves_a_tombstone,
+    an_approved_operation_is_never_purged,
+);

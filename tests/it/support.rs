@@ -16,22 +16,136 @@ use toolgate::engine::{DispatchRequest, Engine, EngineOptions};
 /// 2026-01-01T00:00:00Z.
 pub const T0: i64 = 1_767_225_600_000;
 
+/// Which backend a test runs on (tests that touch the ledger run on both:
+/// [`on_both_backends!`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// The PostgreSQL server the tests use: `TOOLGATE_TEST_PG`, a URL of a
+/// database on it that may create databases (`.ci/pg-start` prints one).
+/// Unset: the PostgreSQL half is skipped, loudly; under CI it must be set.
+pub fn pg_base() -> Option<String> {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    match std::env::var("TOOLGATE_TEST_PG") {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ => {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI must run the PostgreSQL tests: TOOLGATE_TEST_PG is not set (.ci/run starts a server)"
+            );
+            SAID.call_once(|| {
+                use std::io::Write as _;
+                // Straight to the terminal: the test harness captures eprintln!.
+                let _ = std::io::stderr().write_all(
+                    b"\n*** PostgreSQL tests SKIPPED: TOOLGATE_TEST_PG is not set \
+                      (start a server with `.ci/pg-start DIR` and export the URL it prints) ***\n\n",
+                );
+            });
+            None
+        }
+    }
+}
+
+/// A new, empty PostgreSQL database on the test server; dropped with the guard.
+pub struct PgDb {
+    base: String,
+    name: String,
+    pub url: String,
+}
+
+impl PgDb {
+    pub fn new() -> Option<Self> {
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let base = pg_base()?;
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("tg_{}_{n}_{}", std::process::id(), rand_suffix());
+        let mut admin = postgres::Client::connect(&base, postgres::NoTls).expect("TOOLGATE_TEST_PG: cannot connect");
+        admin.batch_execute(&format!("CREATE DATABASE {name}")).unwrap();
+        let url = match base.rfind('/') {
+            Some(i) if base[..i].contains("://") && !base[..i].ends_with('/') => format!("{}/{name}", &base[..i]),
+            _ => format!("{}/{name}", base.trim_end_matches('/')),
+        };
+        Some(Self { base, name, url })
+    }
+
+    /// A raw client on this database (tests that tamper with rows).
+    pub fn client(&self) -> postgres::Client {
+        postgres::Client::connect(&self.url, postgres::NoTls).unwrap()
+    }
+}
+
+impl Drop for PgDb {
+    fn drop(&mut self) {
+        if let Ok(mut admin) = postgres::Client::connect(&self.base, postgres::NoTls) {
+            let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name));
+        }
+    }
+}
+
+fn rand_suffix() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(u64::from(std::process::id()));
+    h.finish() % 1_000_000
+}
+
+/// Runs each named `fn NAME(backend: Backend)` as two tests, `NAME::sqlite`
+/// and `NAME::postgres` (the second skipped, loudly, without a server).
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[test]
+                fn sqlite() {
+                    super::$name($crate::support::Backend::Sqlite);
+                }
+                #[test]
+                fn postgres() {
+                    if $crate::support::pg_base().is_some() {
+                        super::$name($crate::support::Backend::Postgres);
+                    }
+                }
+            }
+        )*
+    };
+}
+
 /// A temporary database with the demo world loaded.
 pub struct Fixture {
     /// Kept alive for the fixture's lifetime (the directory is removed on drop).
     pub _dir: TempDir,
+    /// The PostgreSQL database, when the fixture runs there.
+    pub pg: Option<PgDb>,
+    /// The `--db` value: a SQLite path or a PostgreSQL URL.
     pub path: PathBuf,
     pub clock: ManualClock,
 }
 
 impl Fixture {
+    /// On SQLite.
     pub fn new() -> Self {
+        Self::on(Backend::Sqlite)
+    }
+
+    /// On the given backend (PostgreSQL: a new database on the test server).
+    pub fn on(backend: Backend) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("ledger.db");
+        let (pg, path) = match backend {
+            Backend::Sqlite => (None, dir.path().join("ledger.db")),
+            Backend::Postgres => {
+                let db = PgDb::new().expect("TOOLGATE_TEST_PG is set");
+                let url = PathBuf::from(&db.url);
+                (Some(db), url)
+            }
+        };
         let clock = ManualClock::new(T0);
         let mut e = Engine::create(&path, opts(&clock, "init")).unwrap();
         e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
-        Self { _dir: dir, path, clock }
+        Self { _dir: dir, pg, path, clock }
     }
 
     /// A new engine (its own connections) on the fixture's database.
@@ -45,6 +159,38 @@ impl Fixture {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Runs raw SQL (a tamper, a hand edit) on whichever backend holds the
+    /// ledger; `?N` parameters, text values. Returns the rows changed.
+    pub fn exec(&self, sql: &str, params: &[&str]) -> u64 {
+        match &self.pg {
+            None => {
+                let p: Vec<&dyn rusqlite::ToSql> = params.iter().map(|p| p as &dyn rusqlite::ToSql).collect();
+                raw(&self.path).execute(sql, p.as_slice()).unwrap() as u64
+            }
+            Some(db) => {
+                let p: Vec<&(dyn postgres::types::ToSql + Sync)> =
+                    params.iter().map(|p| p as &(dyn postgres::types::ToSql + Sync)).collect();
+                db.client().execute(&sql.replace('?', "$"), &p).unwrap()
+            }
+        }
+    }
+
+    /// Whether raw SQL (no parameters) is accepted on either backend.
+    pub fn try_exec(&self, sql: &str) -> bool {
+        match &self.pg {
+            None => raw(&self.path).execute(sql, []).is_ok(),
+            Some(db) => db.client().execute(sql, &[]).is_ok(),
+        }
+    }
+
+    /// One integer from raw SQL on either backend.
+    pub fn query_i64(&self, sql: &str) -> i64 {
+        match &self.pg {
+            None => raw(&self.path).query_row(sql, [], |r| r.get(0)).unwrap(),
+            Some(db) => db.client().query_one(sql, &[]).unwrap().get(0),
+        }
     }
 }
 
@@ -106,6 +252,28 @@ pub fn raw(path: &Path) -> rusqlite::Connection {
 
 /// A snapshot of every business table, to prove a refused input changed nothing.
 pub fn snapshot(path: &Path) -> Vec<String> {
+    const TABLES: [&str; 10] = [
+        "operations",
+        "outbox",
+        "attempts",
+        "call_identities",
+        "approvals",
+        "orders",
+        "grants",
+        "provider_effects",
+        "receipts",
+        "audit_log",
+    ];
+    if toolgate::store::Location::is_postgres(path) {
+        let mut c = postgres::Client::connect(path.to_str().unwrap(), postgres::NoTls).unwrap();
+        let mut out = Vec::new();
+        for t in TABLES {
+            for r in c.query(&format!("SELECT x::text FROM {t} x ORDER BY 1"), &[]).unwrap() {
+                out.push(format!("{t}:{}", r.get::<_, String>(0)));
+            }
+        }
+        return out;
+    }
     let c = raw(path);
     let mut out = Vec::new();
     for t in [
