@@ -16,7 +16,7 @@
 //! approvals expired), so lease expiry is exercised without waiting for it.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,7 +32,7 @@ use toolgate::engine::{DefensesOff, DispatchRequest, Engine, EngineOptions, Quer
 use toolgate::store::Sync;
 
 use crate::invariants::{check, Expect, Tally};
-use crate::support::{raw, T0};
+use crate::support::{Backend, PgDb, RawDb, T0};
 
 /// The child's entry point: a no-op unless the parent set this variable.
 const CHILD_ENV: &str = "TOOLGATE_CRASH_CHILD";
@@ -49,6 +49,8 @@ struct LoopConfig {
     /// `create_refund` and `notify_customer` behind a real `toolgate provider
     /// serve` over HTTP (the provider outlives every killed dispatcher).
     http: bool,
+    /// Where the ledger lives.
+    backend: Backend,
 }
 
 /// What a loop saw, for the report and the assertions.
@@ -73,9 +75,8 @@ fn seed() -> u64 {
     std::env::var("TOOLGATE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random)
 }
 
-#[test]
-fn crash_loop_kill_at_random_keeps_every_invariant() {
-    let cfg = LoopConfig { seed: seed(), kills: soak_kills(), defense_off: false, http: false };
+fn crash_loop_kill_at_random_keeps_every_invariant(backend: Backend) {
+    let cfg = LoopConfig { seed: seed(), kills: soak_kills(), defense_off: false, http: false, backend };
     eprintln!("crash loop: seed {} kills {}", cfg.seed, cfg.kills);
     let r = crash_loop(cfg);
     eprintln!("crash loop report (seed {}): {r:#?}", cfg.seed);
@@ -92,9 +93,8 @@ fn crash_loop_kill_at_random_keeps_every_invariant() {
 }
 
 /// The checker is proven: with one defense off, the same loop reports duplicates.
-#[test]
-fn crash_loop_control_with_a_defense_off_reports_duplicates() {
-    let cfg = LoopConfig { seed: seed(), kills: 6, defense_off: true, http: false };
+fn crash_loop_control_with_a_defense_off_reports_duplicates(backend: Backend) {
+    let cfg = LoopConfig { seed: seed(), kills: 6, defense_off: true, http: false, backend };
     let r = crash_loop(cfg);
     eprintln!("control report (seed {}): {r:#?}", cfg.seed);
     assert!(r.tally.duplicates > 0, "seed {}: the defense-off control produced no duplicate: {r:#?}", cfg.seed);
@@ -110,7 +110,13 @@ fn crash_loop_control_with_a_defense_off_reports_duplicates() {
 /// dropped connections and lost replies over real sockets, 0 duplicates.
 #[test]
 fn crash_loop_over_http_keeps_every_invariant() {
-    let cfg = LoopConfig { seed: seed(), kills: soak_kills().div_ceil(2), defense_off: false, http: true };
+    let cfg = LoopConfig {
+        seed: seed(),
+        kills: soak_kills().div_ceil(2),
+        defense_off: false,
+        http: true,
+        backend: Backend::Sqlite,
+    };
     eprintln!("crash loop over http: seed {} kills {}", cfg.seed, cfg.kills);
     let r = crash_loop(cfg);
     eprintln!("crash loop over http report (seed {}): {r:#?}", cfg.seed);
@@ -128,18 +134,17 @@ fn crash_loop_over_http_keeps_every_invariant() {
 
 /// The latest instant the database holds (the next run's clock starts after it).
 fn latest_instant(path: &Path) -> i64 {
-    raw(path)
-        .query_row(
-            "SELECT max(m) FROM (SELECT max(at) AS m FROM trace_events
-               UNION ALL SELECT max(updated_at) FROM operations
-               UNION ALL SELECT max(committed_at) FROM provider_effects
-               UNION ALL SELECT max(created_at) FROM approvals)",
-            [],
-            |r| r.get::<_, Option<i64>>(0),
-        )
-        .unwrap()
-        .unwrap_or(T0)
-        .max(T0)
+    let rows = RawDb::open(path).rows(
+        "SELECT max(m) FROM (SELECT max(at) AS m FROM trace_events
+           UNION ALL SELECT max(updated_at) FROM operations
+           UNION ALL SELECT max(committed_at) FROM provider_effects
+           UNION ALL SELECT max(created_at) FROM approvals) AS t",
+        &[],
+    );
+    match rows[0][0] {
+        crate::support::Val::Int(v) => v.max(T0),
+        _ => T0,
+    }
 }
 
 fn engine_at(path: &Path, clock: &ManualClock, worker: &str, defense_off: bool, catalog: Option<&Path>) -> Engine {
@@ -178,7 +183,8 @@ fn spawn_child(path: &Path, cfg: LoopConfig, run: u32, base: i64, catalog: Optio
 
 fn crash_loop(cfg: LoopConfig) -> LoopReport {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("crash.db");
+    let pg = (cfg.backend == Backend::Postgres).then(|| PgDb::new().expect("TOOLGATE_TEST_PG is set"));
+    let path = pg.as_ref().map_or_else(|| dir.path().join("crash.db"), |db| PathBuf::from(&db.url));
     {
         let clock = ManualClock::new(T0);
         let mut e = Engine::create(&path, crate::support::opts(&clock, "init")).unwrap();
@@ -587,3 +593,8 @@ fn a_refused_re_send_after_a_possibly_sent_attempt_is_not_a_definitive_failure()
     let (v, _) = check(fx.path(), Expect { settled: true, queried: false });
     assert!(v.is_empty(), "{v:#?}");
 }
+
+crate::on_both_backends!(
+    crash_loop_kill_at_random_keeps_every_invariant,
+    crash_loop_control_with_a_defense_off_reports_duplicates
+);

@@ -198,8 +198,15 @@ fn recover(db: &Path, tool: Tool) -> toolgate::engine::envelope::Envelope {
     e.dispatch(&request(tool)).unwrap()
 }
 
+/// On every backend the tests have (one definition, a backend each).
 fn check_failpoint(failpoint: &str, tool: Tool, end: End) {
-    let fx = crate::support::Fixture::new();
+    for backend in crate::support::backends() {
+        check_failpoint_on(backend, failpoint, tool, end);
+    }
+}
+
+fn check_failpoint_on(backend: crate::support::Backend, failpoint: &str, tool: Tool, end: End) {
+    let fx = crate::support::Fixture::on(backend);
     crash_at(fx.path(), failpoint, tool);
     let last = recover(fx.path(), tool);
     let (v, tally) = check(fx.path(), Expect { settled: true, queried: true });

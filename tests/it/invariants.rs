@@ -9,12 +9,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use rusqlite::OptionalExtension;
 use toolgate::engine::canonical::sha256_hex;
 use toolgate::engine::world::{World, DEMO_WORLD};
 use toolgate::engine::Engine;
 
-use crate::support::raw;
+use crate::support::RawDb;
 
 /// The states an operation may rest in once recovery has run (SPEC §6): nothing
 /// is left `accepted` or `in_flight`.
@@ -116,51 +115,41 @@ pub fn check_with(path: &Path, expect: Expect, e: &mut Engine) -> (Vec<String>, 
 /// reaches them over HTTP.
 pub fn check_effects_at(path: &Path, effects_db: &Path, expect: Expect, e: &mut Engine) -> (Vec<String>, Tally) {
     let mut v = Vec::new();
-    let c = raw(path);
-    let ce = raw(effects_db);
-    let ops: Vec<Op> = {
-        let mut st = c
-            .prepare(
-                "SELECT id, tenant, subject, tool, idem_key, state, request_sha256, request_json, downstream_key,
-                        receipt_id, result_sha256, result_json, downstream_request_id, resolution,
-                        call_provider, call_api_family, call_response_id, call_id, approval_id
-                 FROM operations ORDER BY id",
-            )
-            .unwrap();
-        st.query_map([], |r| {
-            Ok(Op {
-                id: r.get(0)?,
-                tenant: r.get(1)?,
-                subject: r.get(2)?,
-                tool: r.get(3)?,
-                key: r.get(4)?,
-                state: r.get(5)?,
-                request_sha256: r.get(6)?,
-                request_json: r.get(7)?,
-                downstream_key: r.get(8)?,
-                receipt_id: r.get(9)?,
-                result_sha256: r.get(10)?,
-                result_json: r.get(11)?,
-                downstream_request_id: r.get(12)?,
-                resolution: r.get(13)?,
-                call: (r.get(14)?, r.get(15)?, r.get(16)?, r.get(17)?),
-                approval_id: r.get(18)?,
-            })
+    let c = RawDb::open(path);
+    let ce = RawDb::open(effects_db);
+    let ops: Vec<Op> = c
+        .rows(
+            "SELECT id, tenant, subject, tool, idem_key, state, request_sha256, request_json, downstream_key,
+                    receipt_id, result_sha256, result_json, downstream_request_id, resolution,
+                    call_provider, call_api_family, call_response_id, call_id, approval_id
+             FROM operations ORDER BY id",
+            &[],
+        )
+        .into_iter()
+        .map(|r| Op {
+            id: r[0].s(),
+            tenant: r[1].s(),
+            subject: r[2].s(),
+            tool: r[3].s(),
+            key: r[4].s(),
+            state: r[5].s(),
+            request_sha256: r[6].s(),
+            request_json: r[7].s(),
+            downstream_key: r[8].s(),
+            receipt_id: r[9].os(),
+            result_sha256: r[10].os(),
+            result_json: r[11].os(),
+            downstream_request_id: r[12].os(),
+            resolution: r[13].os(),
+            call: (r[14].s(), r[15].s(), r[16].s(), r[17].s()),
+            approval_id: r[18].os(),
         })
-        .unwrap()
-        .map(Result::unwrap)
-        .collect()
-    };
-    let effects: Vec<Effect> = {
-        let mut st =
-            ce.prepare("SELECT downstream_key, intent, body_sha256, receipt_id FROM provider_effects").unwrap();
-        st.query_map([], |r| {
-            Ok(Effect { downstream_key: r.get(0)?, intent: r.get(1)?, body_sha256: r.get(2)?, receipt_id: r.get(3)? })
-        })
-        .unwrap()
-        .map(Result::unwrap)
-        .collect()
-    };
+        .collect();
+    let effects: Vec<Effect> = ce
+        .rows("SELECT downstream_key, intent, body_sha256, receipt_id FROM provider_effects", &[])
+        .into_iter()
+        .map(|r| Effect { downstream_key: r[0].s(), intent: r[1].s(), body_sha256: r[2].s(), receipt_id: r[3].s() })
+        .collect();
     let mut tally = Tally { effects: effects.len() as i64, ..Tally::default() };
     for op in &ops {
         *tally.states.entry(op.state.clone()).or_default() += 1;
@@ -177,13 +166,11 @@ pub fn check_effects_at(path: &Path, effects_db: &Path, expect: Expect, e: &mut 
             v.push(format!("duplicate: intent {} has {} provider effects", &i[..12], es.len()));
         }
     }
-    let counted: i64 = ce
-        .query_row(
-            "SELECT count(*) FROM (SELECT intent FROM provider_effects GROUP BY intent HAVING count(*) > 1)",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let counted: i64 = ce.rows(
+        "SELECT count(*) FROM (SELECT intent FROM provider_effects GROUP BY intent HAVING count(*) > 1) AS d",
+        &[],
+    )[0][0]
+        .i();
     assert_eq!(counted, tally.duplicates, "the checker and SQL agree on duplicates");
 
     // 2. Every effect belongs to an accepted operation.
@@ -203,11 +190,8 @@ pub fn check_effects_at(path: &Path, effects_db: &Path, expect: Expect, e: &mut 
     // 3. Nothing half-written.
     for op in &ops {
         let ob: Option<(String, i64, Option<String>)> = c
-            .query_row("SELECT state, attempt, lease_owner FROM outbox WHERE operation_id = ?1", [&op.id], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-            })
-            .optional()
-            .unwrap();
+            .row("SELECT state, attempt, lease_owner FROM outbox WHERE operation_id = ?1", &[&op.id])
+            .map(|r| (r[0].s(), r[1].i(), r[2].os()));
         let Some((ob_state, ob_attempt, _owner)) = ob else {
             v.push(format!("half-written: operation {} has no outbox row", op.id));
             continue;
@@ -223,11 +207,11 @@ pub fn check_effects_at(path: &Path, effects_db: &Path, expect: Expect, e: &mut 
             v.push(format!("half-written: operation {} is {} with outbox {}", op.id, op.state, ob_state));
         }
         let (n_attempts, open): (i64, i64) = c
-            .query_row(
-                "SELECT count(*), coalesce(sum(outcome IS NULL), 0) FROM attempts WHERE operation_id = ?1",
-                [&op.id],
-                |r| Ok((r.get(0)?, r.get(1)?)),
+            .row(
+                "SELECT count(*), count(*) FILTER (WHERE outcome IS NULL) FROM attempts WHERE operation_id = ?1",
+                &[&op.id],
             )
+            .map(|r| (r[0].i(), r[1].i()))
             .unwrap();
         if n_attempts != ob_attempt {
             v.push(format!("half-written: operation {} counts {ob_attempt} attempts, has {n_attempts}", op.id));
@@ -236,33 +220,29 @@ pub fn check_effects_at(path: &Path, effects_db: &Path, expect: Expect, e: &mut 
             v.push(format!("half-written: operation {} has {open} open attempt(s) with outbox {ob_state}", op.id));
         }
         let bound: Option<String> = c
-            .query_row(
+            .row(
                 "SELECT operation_id FROM call_identities WHERE tenant = ?1 AND subject = ?2 AND provider = ?3
                    AND api_family = ?4 AND response_id = ?5 AND call_id = ?6 AND purpose = 'dispatch'",
-                rusqlite::params![op.tenant, op.subject, op.call.0, op.call.1, op.call.2, op.call.3],
-                |r| r.get(0),
+                &[&op.tenant, &op.subject, &op.call.0, &op.call.1, &op.call.2, &op.call.3],
             )
-            .optional()
-            .unwrap()
-            .flatten();
+            .and_then(|r| r[0].os());
         if bound.as_deref() != Some(op.id.as_str()) {
             v.push(format!("half-written: operation {}'s call identity is not bound to it", op.id));
         }
         if let Some(a) = &op.approval_id {
             let ok: Option<String> = c
-                .query_row("SELECT operation_id FROM approvals WHERE id = ?1 AND state = 'approved'", [a], |r| r.get(0))
-                .optional()
-                .unwrap()
-                .flatten();
+                .row("SELECT operation_id FROM approvals WHERE id = ?1 AND state = 'approved'", &[a])
+                .and_then(|r| r[0].os());
             if ok.as_deref() != Some(op.id.as_str()) {
                 v.push(format!("half-written: operation {} names approval {a}, which does not name it back", op.id));
             }
         }
     }
-    let approved: Vec<(String, Option<String>)> = {
-        let mut st = c.prepare("SELECT id, operation_id FROM approvals WHERE state = 'approved'").unwrap();
-        st.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap().map(Result::unwrap).collect()
-    };
+    let approved: Vec<(String, Option<String>)> = c
+        .rows("SELECT id, operation_id FROM approvals WHERE state = 'approved'", &[])
+        .into_iter()
+        .map(|r| (r[0].s(), r[1].os()))
+        .collect();
     for (a, op) in approved {
         if !op.as_deref().is_some_and(|id| ops.iter().any(|o| o.id == id)) {
             v.push(format!("half-written: approval {a} is approved but its operation does not exist"));
@@ -284,13 +264,11 @@ pub fn check_effects_at(path: &Path, effects_db: &Path, expect: Expect, e: &mut 
                     v.push(format!("evidence: operation {}'s result digest does not recompute", op.id));
                 }
                 let row: Option<(String, String, String)> = c
-                    .query_row(
+                    .row(
                         "SELECT operation_id, body_sha256, result_sha256 FROM receipts WHERE receipt_id = ?1",
-                        [receipt],
-                        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+                        &[receipt],
                     )
-                    .optional()
-                    .unwrap();
+                    .map(|r| (r[0].s(), r[1].s(), r[2].s()));
                 match row {
                     Some((o, body, res)) if o == op.id && body == op.request_sha256 && &res == result_sha => {}
                     Some(_) => v.push(format!("evidence: receipt of operation {} does not match it", op.id)),
@@ -326,8 +304,7 @@ pub fn check_effects_at(path: &Path, effects_db: &Path, expect: Expect, e: &mut 
         }
     }
     for (order, want) in &expected {
-        let got: i64 =
-            c.query_row("SELECT refunded_minor FROM orders WHERE order_ref = ?1", [order], |r| r.get(0)).unwrap();
+        let got: i64 = c.rows("SELECT refunded_minor FROM orders WHERE order_ref = ?1", &[order])[0][0].i();
         if got != *want {
             v.push(format!("business: order {order} shows {got} refunded, the ledger's successes add up to {want}"));
         }

@@ -268,6 +268,7 @@ fn arb_step() -> impl Strategy<Value = Step> {
 
 struct Machine {
     _dir: tempfile::TempDir,
+    _pg: Option<crate::support::PgDb>,
     path: PathBuf,
     clock: ManualClock,
     engine: Engine,
@@ -299,14 +300,15 @@ fn request(intent: usize) -> DispatchRequest {
 }
 
 impl Machine {
-    fn new() -> Self {
+    fn on(backend: crate::support::Backend) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("sm.db");
+        let pg = (backend == crate::support::Backend::Postgres).then(|| crate::support::PgDb::new().unwrap());
+        let path = pg.as_ref().map_or_else(|| dir.path().join("sm.db"), |db| PathBuf::from(&db.url));
         let clock = ManualClock::new(T0);
         let o = EngineOptions { clock: Arc::new(clock.clone()), sync: Sync::Normal, ..EngineOptions::default() };
         let mut engine = Engine::create(&path, o).unwrap();
         engine.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
-        Self { _dir: dir, path, clock, engine, first_success: BTreeMap::new() }
+        Self { _dir: dir, _pg: pg, path, clock, engine, first_success: BTreeMap::new() }
     }
 
     fn op(&mut self, intent: usize) -> Option<toolgate::store::OperationRow> {
@@ -468,6 +470,22 @@ fn intent_of(op: &toolgate::store::OperationRow) -> String {
     intent(&op.tenant, &op.subject, &op.tool, &op.idem_key)
 }
 
+/// The state machine on one backend: the invariants hold after every step and
+/// after recovery.
+fn run_machine(backend: crate::support::Backend, steps: &[Step]) -> Result<(), TestCaseError> {
+    let mut m = Machine::on(backend);
+    for (n, s) in steps.iter().enumerate() {
+        m.step(s)?;
+        let (v, _) = check_with(&m.path, Expect::default(), &mut m.engine);
+        prop_assert!(v.is_empty(), "after step {} {:?}: {:#?}", n, s, v);
+    }
+    m.recover()?;
+    let (v, tally) = check(&m.path, Expect { settled: true, queried: true });
+    prop_assert!(v.is_empty(), "after recovery: {:#?}", v);
+    prop_assert_eq!(tally.duplicates, 0);
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(cases(24))]
 
@@ -479,15 +497,19 @@ proptest! {
     /// success always carries the intent's one result, however it is delivered.
     #[test]
     fn ledger_state_machine_keeps_every_invariant(steps in prop::collection::vec(arb_step(), 1..28)) {
-        let mut m = Machine::new();
-        for (n, s) in steps.iter().enumerate() {
-            m.step(s)?;
-            let (v, _) = check_with(&m.path, Expect::default(), &mut m.engine);
-            prop_assert!(v.is_empty(), "after step {} {:?}: {:#?}", n, s, v);
+        run_machine(crate::support::Backend::Sqlite, &steps)?;
+    }
+}
+
+proptest! {
+    // Fewer cases: each makes a database on the server.
+    #![proptest_config(cases(8))]
+
+    /// The same machine on PostgreSQL.
+    #[test]
+    fn ledger_state_machine_keeps_every_invariant_on_postgres(steps in prop::collection::vec(arb_step(), 1..28)) {
+        if crate::support::pg_base().is_some() {
+            run_machine(crate::support::Backend::Postgres, &steps)?;
         }
-        m.recover()?;
-        let (v, tally) = check(&m.path, Expect { settled: true, queried: true });
-        prop_assert!(v.is_empty(), "after recovery: {:#?}", v);
-        prop_assert_eq!(tally.duplicates, 0);
     }
 }

@@ -19,7 +19,7 @@ use toolgate::engine::envelope::Delivery;
 use toolgate::engine::{DispatchRequest, Engine};
 
 use crate::invariants::{check, Expect};
-use crate::support::{opts, refund_args, T0};
+use crate::support::{opts, refund_args, Backend, T0};
 
 const CHILD_ENV: &str = "TOOLGATE_RACE_CHILD";
 const PROCESSES: usize = 4;
@@ -44,10 +44,9 @@ fn request(i: usize, conflicting: bool) -> DispatchRequest {
     }
 }
 
-#[test]
-fn four_processes_two_threads_each_make_exactly_one_effect_per_intent() {
-    let fx = crate::support::Fixture::new();
-    let go = fx.path().with_file_name("go");
+fn four_processes_two_threads_each_make_exactly_one_effect_per_intent(backend: Backend) {
+    let fx = crate::support::Fixture::on(backend);
+    let go = fx._dir.path().join("go");
     let children: Vec<_> = (0..PROCESSES)
         .map(|p| {
             Command::new(std::env::current_exe().unwrap())
@@ -155,3 +154,5 @@ fn race_child() {
         }
     }
 }
+
+crate::on_both_backends!(four_processes_two_threads_each_make_exactly_one_effect_per_intent);

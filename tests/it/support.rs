@@ -49,6 +49,16 @@ pub fn pg_base() -> Option<String> {
     }
 }
 
+/// The backends a test that loops over them runs on: SQLite, and PostgreSQL
+/// when the test server is there.
+pub fn backends() -> Vec<Backend> {
+    let mut b = vec![Backend::Sqlite];
+    if pg_base().is_some() {
+        b.push(Backend::Postgres);
+    }
+    b
+}
+
 /// A new, empty PostgreSQL database on the test server; dropped with the guard.
 pub struct PgDb {
     base: String,
@@ -241,6 +251,104 @@ pub fn effects(e: &mut Engine) -> i64 {
 
 pub fn duplicates(e: &mut Engine) -> i64 {
     e.counts().unwrap().side_effect_duplicates
+}
+
+/// A value read by [`RawDb`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Val {
+    Null,
+    Int(i64),
+    Text(String),
+}
+
+impl Val {
+    pub fn s(&self) -> String {
+        match self {
+            Val::Text(t) => t.clone(),
+            other => panic!("not text: {other:?}"),
+        }
+    }
+    pub fn os(&self) -> Option<String> {
+        match self {
+            Val::Null => None,
+            other => Some(other.s()),
+        }
+    }
+    pub fn i(&self) -> i64 {
+        match self {
+            Val::Int(i) => *i,
+            other => panic!("not an integer: {other:?}"),
+        }
+    }
+}
+
+/// A raw connection to either backend, for checkers that read rows at rest
+/// (`?N` parameters, text values).
+pub enum RawDb {
+    Lite(rusqlite::Connection),
+    Pg(std::cell::RefCell<postgres::Client>),
+}
+
+impl RawDb {
+    pub fn open(path: &Path) -> Self {
+        if toolgate::store::Location::is_postgres(path) {
+            RawDb::Pg(std::cell::RefCell::new(
+                postgres::Client::connect(path.to_str().unwrap(), postgres::NoTls).unwrap(),
+            ))
+        } else {
+            RawDb::Lite(raw(path))
+        }
+    }
+
+    pub fn rows(&self, sql: &str, params: &[&str]) -> Vec<Vec<Val>> {
+        match self {
+            RawDb::Lite(c) => {
+                let mut st = c.prepare(sql).unwrap();
+                let n = st.column_count();
+                let p: Vec<&dyn rusqlite::ToSql> = params.iter().map(|p| p as &dyn rusqlite::ToSql).collect();
+                st.query_map(p.as_slice(), |r| {
+                    Ok((0..n)
+                        .map(|i| match r.get::<_, rusqlite::types::Value>(i).unwrap() {
+                            rusqlite::types::Value::Null => Val::Null,
+                            rusqlite::types::Value::Integer(v) => Val::Int(v),
+                            rusqlite::types::Value::Text(t) => Val::Text(t),
+                            other => panic!("unexpected value {other:?}"),
+                        })
+                        .collect())
+                })
+                .unwrap()
+                .map(Result::unwrap)
+                .collect()
+            }
+            RawDb::Pg(c) => {
+                let p: Vec<&(dyn postgres::types::ToSql + Sync)> =
+                    params.iter().map(|p| p as &(dyn postgres::types::ToSql + Sync)).collect();
+                let rows = c.borrow_mut().query(&sql.replace('?', "$"), &p).unwrap();
+                rows.iter()
+                    .map(|r| {
+                        (0..r.len())
+                            .map(|i| {
+                                use postgres::types::Type;
+                                let ty = r.columns()[i].type_().clone();
+                                if ty == Type::INT8 {
+                                    r.get::<_, Option<i64>>(i).map_or(Val::Null, Val::Int)
+                                } else if ty == Type::INT4 {
+                                    r.get::<_, Option<i32>>(i).map_or(Val::Null, |v| Val::Int(v.into()))
+                                } else {
+                                    r.get::<_, Option<String>>(i).map_or(Val::Null, Val::Text)
+                                }
+                            })
+                            .collect()
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// The first row, if any.
+    pub fn row(&self, sql: &str, params: &[&str]) -> Option<Vec<Val>> {
+        self.rows(sql, params).into_iter().next()
+    }
 }
 
 /// A raw rusqlite connection for tests that tamper with or inspect rows.
