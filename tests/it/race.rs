@@ -46,7 +46,7 @@ fn request(i: usize, conflicting: bool) -> DispatchRequest {
 
 fn four_processes_two_threads_each_make_exactly_one_effect_per_intent(backend: Backend) {
     let fx = crate::support::Fixture::on(backend);
-    let go = fx._dir.path().join("go");
+    let go = fx.scratch().join("go");
     let children: Vec<_> = (0..PROCESSES)
         .map(|p| {
             Command::new(std::env::current_exe().unwrap())

@@ -171,6 +171,11 @@ impl Fixture {
         &self.path
     }
 
+    /// A scratch directory that lives as long as the fixture (on either backend).
+    pub fn scratch(&self) -> &Path {
+        self._dir.path()
+    }
+
     /// Runs raw SQL (a tamper, a hand edit) on whichever backend holds the
     /// ledger; `?N` parameters, text values. Returns the rows changed.
     pub fn exec(&self, sql: &str, params: &[&str]) -> u64 {
