@@ -127,7 +127,7 @@ macro_rules! on_both_backends {
 /// A temporary database with the demo world loaded.
 pub struct Fixture {
     /// Kept alive for the fixture's lifetime (the directory is removed on drop).
-    pub _dir: TempDir,
+    pub dir: TempDir,
     /// The PostgreSQL database, when the fixture runs there.
     pub pg: Option<PgDb>,
     /// The `--db` value: a SQLite path or a PostgreSQL URL.
@@ -155,7 +155,7 @@ impl Fixture {
         let clock = ManualClock::new(T0);
         let mut e = Engine::create(&path, opts(&clock, "init")).unwrap();
         e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
-        Self { _dir: dir, pg, path, clock }
+        Self { dir, pg, path, clock }
     }
 
     /// A new engine (its own connections) on the fixture's database.
@@ -173,7 +173,7 @@ impl Fixture {
 
     /// A scratch directory that lives as long as the fixture (on either backend).
     pub fn scratch(&self) -> &Path {
-        self._dir.path()
+        self.dir.path()
     }
 
     /// Runs raw SQL (a tamper, a hand edit) on whichever backend holds the
