@@ -374,7 +374,7 @@ fn mode(dir: &Path, sync: Sync, name: &'static str, plan: Plan) -> Result<ModeRe
     check(&env, Status::Succeeded, Delivery::Fresh, "warm-up dispatch")?;
     let op_id = env.protected_audit.operation_id.clone().unwrap_or_default();
     let (op, trace) =
-        engine.store().read(|tx| -> Result<_, StoreError> { Ok((tx.operation(&op_id)?, tx.trace_for(&op_id)?)) })?;
+        engine.read(|tx| -> Result<_, StoreError> { Ok((tx.operation(&op_id)?, tx.trace_for(&op_id)?)) })?;
     let op = op.ok_or_else(|| BenchError::Check("the warm-up operation is not in the ledger".into()))?;
     let payload = BarePayload {
         request_json: op.request_json.clone(),

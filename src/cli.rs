@@ -1323,17 +1323,15 @@ fn trace_command(cli: &Cli, a: &TraceArgs) -> Result<i32, CliError> {
     let mut out = std::io::BufWriter::new(stdout.lock());
     let written = match &a.operation {
         Some(id) => {
-            engine.store().read(|tx| tx.trace_for(id)).map_err(crate::telemetry::TelemetryError::from).and_then(
-                |rows| {
-                    for t in rows.iter().filter(|t| t.at >= since) {
-                        export::write_event(t, format, &mut out)?;
-                    }
-                    std::io::Write::flush(&mut out)?;
-                    Ok(rows.len() as u64)
-                },
-            )
+            engine.read(|tx| tx.trace_for(id)).map_err(crate::telemetry::TelemetryError::from).and_then(|rows| {
+                for t in rows.iter().filter(|t| t.at >= since) {
+                    export::write_event(t, format, &mut out)?;
+                }
+                std::io::Write::flush(&mut out)?;
+                Ok(rows.len() as u64)
+            })
         }
-        None => export::export(engine.store(), since, format, &mut out),
+        None => export::export(&mut engine, since, format, &mut out),
     };
     match written {
         Ok(_) => Ok(0),

@@ -10,7 +10,7 @@ use crate::engine::clock::{Clock, ManualClock};
 use crate::engine::envelope::Envelope;
 use crate::engine::world::{World, DEMO_WORLD};
 use crate::engine::{DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest, Resolution, ResolveRequest};
-use crate::store::{OpenOptions, Store, StoreError, Sync};
+use crate::store::{Location, OpenOptions, Store, StoreError, Sync};
 
 /// The committed demo database.
 pub const DEMO_DB: &[u8] = include_bytes!("../demo.db");
@@ -85,7 +85,16 @@ impl Gen {
 /// Generates the demo database at `out` (which must not exist): the demo world and
 /// operations in every state. Deterministic for a given seed.
 pub fn generate(out: &Path, seed: u64) -> Result<(), EngineError> {
-    if out.exists() {
+    let postgres = Location::is_postgres(out);
+    if postgres {
+        // A PostgreSQL database is given, not made: it must hold no ledger yet.
+        if Store::open_read_only(out).is_ok() {
+            return Err(EngineError::invalid(
+                "OUT_EXISTS",
+                "the PostgreSQL database already holds a ledger; give an empty database",
+            ));
+        }
+    } else if out.exists() {
         return Err(EngineError::invalid("OUT_EXISTS", "the output file already exists; remove it first"));
     }
     let clock = ManualClock::new(DEMO_T0);
@@ -173,12 +182,13 @@ pub fn generate(out: &Path, seed: u64) -> Result<(), EngineError> {
         g.clock.advance(20_000);
         g.engine.deny(&id, "alice", "amount does not match the damage report")?;
     }
-    g.engine.store().write(|tx| tx.meta_set("demo", "1"))?;
-    g.engine.store().write(|tx| tx.meta_set("demo_generated_until", &g.clock.now_ms().to_string()))?;
+    g.engine.mark_demo(g.clock.now_ms())?;
     drop(g);
-    // Fold the WAL into the main file so the committed file is self-contained.
-    let mut store = Store::open(out, OpenOptions { create: false, sync: Sync::Full })?;
-    store.checkpoint()?;
+    if !postgres {
+        // Fold the WAL into the main file so the committed file is self-contained.
+        let mut store = Store::open(out, OpenOptions { create: false, sync: Sync::Full })?;
+        store.checkpoint()?;
+    }
     Ok(())
 }
 
@@ -190,14 +200,20 @@ pub fn working_copy(dir: &Path, now_ms: i64) -> Result<PathBuf, EngineError> {
 }
 
 /// [`working_copy`] at a path of the caller's choosing (which must not exist).
+/// On PostgreSQL (`path` is a URL of an empty database) the demo is generated
+/// there with the committed file's seed: the same operations in every state.
 pub fn working_copy_at(path: &Path, now_ms: i64) -> Result<PathBuf, EngineError> {
-    if path.exists() {
-        return Err(EngineError::invalid("OUT_EXISTS", "the output file already exists; remove it first"));
-    }
     let path = path.to_path_buf();
-    std::fs::write(&path, DEMO_DB).map_err(|e| {
-        EngineError::invalid("DEMO_COPY_FAILED", format!("cannot write the working copy: {}", e.kind()))
-    })?;
+    if Location::is_postgres(&path) {
+        generate(&path, DEMO_SEED)?;
+    } else {
+        if path.exists() {
+            return Err(EngineError::invalid("OUT_EXISTS", "the output file already exists; remove it first"));
+        }
+        std::fs::write(&path, DEMO_DB).map_err(|e| {
+            EngineError::invalid("DEMO_COPY_FAILED", format!("cannot write the working copy: {}", e.kind()))
+        })?;
+    }
     let mut store = Store::open(&path, OpenOptions { create: false, sync: Sync::Normal })?;
     store.write(|tx| -> Result<(), StoreError> {
         let until = tx.meta("demo_generated_until")?.and_then(|v| v.parse::<i64>().ok()).unwrap_or(DEMO_T0);

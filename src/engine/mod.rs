@@ -36,7 +36,7 @@ pub use recovery::{AuditFinding, OperationDetail, OperatorOutcome, QueryRequest,
 pub use retention::PurgeReport;
 pub use trace::TraceEvent;
 
-use crate::store::{OpenOptions, Store, StoreError, Sync};
+use crate::store::{OpenOptions, Store, StoreError, Sync, Tx};
 use canonical::{sha256_hex, CallIdentity, StatusRefKey};
 use clock::Clock;
 use contracts::{ContractError, Contracts};
@@ -340,9 +340,22 @@ impl Engine {
         }
     }
 
-    /// Direct access to the store for read-only views (console, CLI listings).
-    pub fn store(&mut self) -> &mut Store {
-        &mut self.store
+    /// A read-only view of the ledger in one consistent snapshot (console, CLI
+    /// listings, metrics): every change goes through the engine's own steps.
+    pub fn read<T, E: From<StoreError>>(&mut self, f: impl FnMut(&Tx<'_>) -> Result<T, E>) -> Result<T, E> {
+        self.store.read(f)
+    }
+
+    /// Marks the ledger as a demo database (the lab's toggles are allowed on it
+    /// and nowhere else), generated up to `generated_until` (the working copy
+    /// re-bases its times from there).
+    pub fn mark_demo(&mut self, generated_until: i64) -> Result<(), EngineError> {
+        let until = generated_until.to_string();
+        self.store.write(|tx| -> Result<(), StoreError> {
+            tx.meta_set("demo", "1")?;
+            tx.meta_set("demo_generated_until", &until)
+        })?;
+        Ok(())
     }
 
     /// The downstream a tool's catalog entry names (opened when the engine was).

@@ -13,7 +13,7 @@ use serde_json::{Map, Value};
 
 use super::TelemetryError;
 use crate::engine::clock::rfc3339;
-use crate::store::{Store, TraceRow};
+use crate::store::TraceRow;
 
 /// Version of the exported event shape (the `v` field).
 pub const EXPORT_VERSION: i64 = 1;
@@ -143,7 +143,12 @@ pub enum Format {
 /// Writes every event at or after `since_ms` (all of them for `i64::MIN`), in
 /// sequence order, paging through the trace so that a million events never
 /// sit in memory at once. Returns how many were written.
-pub fn export(store: &mut Store, since_ms: i64, format: Format, out: &mut dyn Write) -> Result<u64, TelemetryError> {
+pub fn export(
+    store: &mut crate::engine::Engine,
+    since_ms: i64,
+    format: Format,
+    out: &mut dyn Write,
+) -> Result<u64, TelemetryError> {
     let mut after = 0;
     let mut written = 0;
     loop {

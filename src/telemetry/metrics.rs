@@ -523,7 +523,7 @@ pub fn snapshot(engine: &mut Engine, window: Window, slice: &Slice) -> Result<Me
         engine.contracts().all().iter().map(|c| (c.name.clone(), c.risk.clone())).collect();
     let end_minute = now.div_euclid(60_000) + 1;
     let start_minute = end_minute - window.span_minutes;
-    let raw = engine.store().read(|tx| -> Result<Raw, StoreError> {
+    let raw = engine.read(|tx| -> Result<Raw, StoreError> {
         Ok(Raw {
             totals: tx.metric_totals()?,
             minutes: tx.metric_minutes(start_minute, end_minute)?,

@@ -18,11 +18,24 @@ use toolgate::engine::{Engine, EngineOptions, LabToggle};
 use toolgate::load::{self, LoadOptions, LoadReport};
 use toolgate::store::Sync;
 
-use crate::support::{Fixture, T0};
+use crate::support::{Backend, Fixture, PgDb, T0};
 
 /// A demo database (marked `demo`), re-based to T0.
 fn demo_db(dir: &Path) -> PathBuf {
     toolgate::demo::working_copy(dir, T0).unwrap()
+}
+
+/// A demo database on a backend: the committed file's working copy, or the
+/// same demo generated into a new PostgreSQL database (kept by the guard).
+fn demo_on(backend: Backend, dir: &Path) -> (PathBuf, Option<PgDb>) {
+    match backend {
+        Backend::Sqlite => (demo_db(dir), None),
+        Backend::Postgres => {
+            let pg = PgDb::new().unwrap();
+            let url = toolgate::demo::working_copy_at(Path::new(&pg.url), T0).unwrap();
+            (url, Some(pg))
+        }
+    }
 }
 
 fn opts(lab: Option<LabToggle>) -> LoadOptions {
@@ -43,10 +56,10 @@ fn opts(lab: Option<LabToggle>) -> LoadOptions {
 }
 
 /// Runs the same traffic with the defense off, then (on a fresh copy) on.
-fn both(toggle: LabToggle, tune: impl Fn(&mut LoadOptions)) -> (LoadReport, LoadReport) {
+fn both(backend: Backend, toggle: LabToggle, tune: impl Fn(&mut LoadOptions)) -> (LoadReport, LoadReport) {
     let run = |lab: Option<LabToggle>| {
         let dir = tempfile::tempdir().unwrap();
-        let db = demo_db(dir.path());
+        let (db, _pg) = demo_on(backend, dir.path());
         let mut o = opts(lab);
         tune(&mut o);
         let r = load::run(&db, &o, &mut |_| {}).unwrap();
@@ -63,9 +76,8 @@ fn assert_clean(r: &LoadReport) {
     assert_eq!((r.duplicates, r.silently_wrong), (0, 0), "with every defense on: {r:#?}");
 }
 
-#[test]
-fn server_generated_keys_turn_replays_into_second_refunds() {
-    let (off, on) = both(LabToggle::ServerGeneratedKey, |o| o.replay_percent = 30);
+fn server_generated_keys_turn_replays_into_second_refunds(backend: Backend) {
+    let (off, on) = both(backend, LabToggle::ServerGeneratedKey, |o| o.replay_percent = 30);
     assert!(off.duplicates > 0, "{off:#?}");
     // The model's replay got a fresh refund, not the first one.
     assert!(off.replay_mismatches > 0);
@@ -73,9 +85,8 @@ fn server_generated_keys_turn_replays_into_second_refunds() {
     assert!(on.answers.contains_key("succeeded") && on.effects > 0);
 }
 
-#[test]
-fn a_conflict_answered_with_the_old_result_drops_the_second_request_silently() {
-    let (off, on) = both(LabToggle::ConflictReturnsOldResult, |o| o.conflict_percent = 40);
+fn a_conflict_answered_with_the_old_result_drops_the_second_request_silently(backend: Backend) {
+    let (off, on) = both(backend, LabToggle::ConflictReturnsOldResult, |o| o.conflict_percent = 40);
     assert!(off.masked_conflicts > 0, "{off:#?}");
     // No second effect: the harm is a wrong answer that looks right.
     assert_eq!(off.duplicates, 0);
@@ -83,9 +94,8 @@ fn a_conflict_answered_with_the_old_result_drops_the_second_request_silently() {
     assert!(on.answers.get("IDEMPOTENCY_CONFLICT").is_some_and(|n| *n > 0), "the control saw conflicts");
 }
 
-#[test]
-fn an_in_memory_ledger_forgets_keys_across_replicas_and_restarts() {
-    let (off, on) = both(LabToggle::InMemoryLedger, |o| {
+fn an_in_memory_ledger_forgets_keys_across_replicas_and_restarts(backend: Backend) {
+    let (off, on) = both(backend, LabToggle::InMemoryLedger, |o| {
         o.replay_percent = 30;
         o.restart_percent = 20;
     });
@@ -94,9 +104,8 @@ fn an_in_memory_ledger_forgets_keys_across_replicas_and_restarts() {
     assert_clean(&on);
 }
 
-#[test]
-fn dropped_error_codes_make_harnesses_believe_refunds_failed() {
-    let (off, on) = both(LabToggle::ErrorCodesDropped, |o| {
+fn dropped_error_codes_make_harnesses_believe_refunds_failed(backend: Backend) {
+    let (off, on) = both(backend, LabToggle::ErrorCodesDropped, |o| {
         o.fault_bp = Some(4_000);
         o.ops = 40;
     });
@@ -107,9 +116,8 @@ fn dropped_error_codes_make_harnesses_believe_refunds_failed() {
     assert!(on.answers.get("OUTCOME_UNKNOWN").is_some_and(|n| *n > 0), "the control met lost replies");
 }
 
-#[test]
-fn a_naive_timeout_retry_notifies_customers_twice() {
-    let (off, on) = both(LabToggle::NaiveTimeoutRetry, |o| {
+fn a_naive_timeout_retry_notifies_customers_twice(backend: Backend) {
+    let (off, on) = both(backend, LabToggle::NaiveTimeoutRetry, |o| {
         o.notify_percent = 100;
         o.fault_bp = Some(5_000);
         o.ops = 40;
@@ -119,9 +127,8 @@ fn a_naive_timeout_retry_notifies_customers_twice() {
     assert!(on.answers.get("OUTCOME_UNKNOWN").is_some_and(|n| *n > 0), "the control met lost replies");
 }
 
-#[test]
-fn the_lab_is_refused_on_a_database_not_marked_as_a_demo() {
-    let fx = Fixture::new();
+fn the_lab_is_refused_on_a_database_not_marked_as_a_demo(backend: Backend) {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     assert!(!e.lab_state().unwrap().demo);
     let err = e.set_lab_toggle(Some(LabToggle::ServerGeneratedKey), "teacher").unwrap_err();
@@ -144,10 +151,9 @@ fn the_lab_is_refused_on_a_database_not_marked_as_a_demo() {
     assert_eq!((v["lab"]["demo"].as_bool(), v["lab"]["toggle"].is_null()), (Some(false), true));
 }
 
-#[test]
-fn a_demo_database_takes_one_toggle_at_a_time_and_logs_who() {
+fn a_demo_database_takes_one_toggle_at_a_time_and_logs_who(backend: Backend) {
     let dir = tempfile::tempdir().unwrap();
-    let db = demo_db(dir.path());
+    let (db, _pg) = demo_on(backend, dir.path());
     let mut e = Engine::open(&db, EngineOptions::default()).unwrap();
     assert!(e.lab_state().unwrap().demo);
     e.set_lab_toggle(Some(LabToggle::ServerGeneratedKey), "teacher").unwrap();
@@ -441,3 +447,13 @@ mod console {
         assert_eq!(e.operation_detail(&id).unwrap().unwrap().operation.code.as_deref(), Some("CANCELLED"));
     }
 }
+
+crate::on_both_backends!(
+    server_generated_keys_turn_replays_into_second_refunds,
+    a_conflict_answered_with_the_old_result_drops_the_second_request_silently,
+    an_in_memory_ledger_forgets_keys_across_replicas_and_restarts,
+    dropped_error_codes_make_harnesses_believe_refunds_failed,
+    a_naive_timeout_retry_notifies_customers_twice,
+    the_lab_is_refused_on_a_database_not_marked_as_a_demo,
+    a_demo_database_takes_one_toggle_at_a_time_and_logs_who,
+);

@@ -427,7 +427,7 @@ fn every_call_is_answered_by_exactly_one_event() {
     queries += 1;
     e.query_operation_status(&query_for(&u)).unwrap();
 
-    let rows = e.store().read(|tx| tx.trace_since(0, i64::MIN, 100_000)).unwrap();
+    let rows = e.read(|tx| tx.trace_since(0, i64::MIN, 100_000)).unwrap();
     let count = |kind: &str| rows.iter().filter(|t| t.answer.as_deref() == Some(kind)).count();
     assert_eq!((count("dispatch"), count("query"), count("approve")), (dispatches, queries, approves));
     // Answers carry the call's latency; every operation event carries the principal hashes.
@@ -594,7 +594,8 @@ fn percentiles_read_from_the_database_match_a_known_distribution() {
     let mut e = fx.engine();
     // Known latencies, written as answer events exactly as the engine writes them.
     let old = T0 - 3 * 3_600_000;
-    e.store()
+    toolgate::store::Store::open(fx.path(), toolgate::store::OpenOptions::default())
+        .unwrap()
         .write(|tx| -> Result<(), StoreError> {
             let ev = |at: i64, tool: &str, latency_us: i64| {
                 tx.insert_trace(&TraceRow {
@@ -652,7 +653,8 @@ fn percentiles_read_from_the_database_match_a_known_distribution() {
 
     // The SQL bucketing of the rollup trigger is the Rust rule, edge cases included.
     let edges = [0, 1, 999, 1_000, 1_001, 9_991, 12_345, 250_001, 999_999, 1_000_001, 999_999_999, 1_234_567_890];
-    e.store()
+    toolgate::store::Store::open(fx.path(), toolgate::store::OpenOptions::default())
+        .unwrap()
         .write(|tx| -> Result<(), StoreError> {
             for (i, v) in edges.iter().enumerate() {
                 tx.insert_trace(&TraceRow {
@@ -680,7 +682,7 @@ fn percentiles_read_from_the_database_match_a_known_distribution() {
         .unwrap();
     // (A closure, not the method path: `Tx<'_>`'s lifetime must stay higher-ranked.)
     #[allow(clippy::redundant_closure_for_method_calls)]
-    let rows = e.store().read(|tx| tx.latency_totals()).unwrap();
+    let rows = e.read(|tx| tx.latency_totals()).unwrap();
     for (i, v) in edges.iter().enumerate() {
         let row = rows.iter().find(|r| r.tool == format!("edge_{i}")).unwrap();
         assert_eq!(row.bucket_us, bucket_upper(*v), "latency {v}");

@@ -20,7 +20,7 @@ use crate::support::{dispatch_with, duplicates, effects, refund, Backend, Fixtur
 
 fn trace(e: &mut Engine, env: &Envelope) -> Vec<TraceRow> {
     let id = env.protected_audit.operation_id.clone().unwrap();
-    e.store().read(|tx| tx.trace_for(&id)).unwrap()
+    e.read(|tx| tx.trace_for(&id)).unwrap()
 }
 
 fn field(t: &TraceRow, name: &str) -> Value {
@@ -28,11 +28,11 @@ fn field(t: &TraceRow, name: &str) -> Value {
 }
 
 fn circuit(e: &mut Engine, downstream: &str) -> Option<CircuitRow> {
-    e.store().read(|tx| tx.circuit(downstream)).unwrap()
+    e.read(|tx| tx.circuit(downstream)).unwrap()
 }
 
 fn budget(e: &mut Engine, tool: &str) -> Option<RetryBudgetRow> {
-    let rows = e.store().read(|tx| tx.retry_budgets().map(|r| r.into_iter().find(|b| b.tool == tool)));
+    let rows = e.read(|tx| tx.retry_budgets().map(|r| r.into_iter().find(|b| b.tool == tool)));
     rows.unwrap()
 }
 
@@ -286,7 +286,7 @@ fn the_breaker_opens_half_opens_and_closes(backend: Backend) {
     assert_eq!(err.retry_after_ms, Some((open_until - fx.clock.now_ms()) as u64));
     assert_eq!(env.protected_audit.operation_id, None);
     assert_eq!(operations(&mut e), ops_before, "nothing accepted");
-    let last = e.store().read(|tx| tx.trace_since(0, i64::MIN, 100_000)).unwrap().pop().unwrap();
+    let last = e.read(|tx| tx.trace_since(0, i64::MIN, 100_000)).unwrap().pop().unwrap();
     assert_eq!((last.step.as_str(), last.reason.as_deref()), ("circuit", Some("circuit_open")));
     // A replay of a finished intent never touches the downstream: still answered.
     assert_eq!(circuit(&mut e, "payments").unwrap().refused_total, 1);
@@ -387,10 +387,12 @@ fn cancelling_before_send_cancels_with_no_effect(backend: Backend) {
     let id = env.protected_audit.operation_id.clone().unwrap();
     let now = fx.clock.now_ms() + 6_000;
     fx.clock.set(now);
-    let attempt = e.store().write(|tx| tx.claim(&id, "zombie", now, now + 6_000)).unwrap().unwrap();
+    // A zombie worker: its own connection, writing as a worker would.
+    let mut zombie = toolgate::store::Store::open(fx.path(), toolgate::store::OpenOptions::default()).unwrap();
+    let attempt = zombie.write(|tx| tx.claim(&id, "zombie", now, now + 6_000)).unwrap().unwrap();
     let out = cancel(&mut e, &env, "stop it");
     assert!(out.applied);
-    assert!(!e.store().write(|tx| tx.mark_sent(&id, "zombie", attempt, now)).unwrap(), "the zombie cannot send");
+    assert!(!zombie.write(|tx| tx.mark_sent(&id, "zombie", attempt, now)).unwrap(), "the zombie cannot send");
     let d = e.operation_detail(&id).unwrap().unwrap();
     assert_eq!((d.operation.state.as_str(), d.operation.code.as_deref()), ("failed", Some("CANCELLED")));
     assert_eq!(d.attempts.last().unwrap().outcome.as_deref(), Some("not_sent"));

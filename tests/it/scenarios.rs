@@ -35,18 +35,28 @@ fn parse(v: &Value) -> Result<Script, ScenarioError> {
     script::parse("copy.json", v.to_string().as_bytes())
 }
 
+use crate::support::{Backend, PgDb};
+
 fn toolgate() -> Command {
     Command::cargo_bin("toolgate").unwrap()
 }
 
-#[test]
-fn every_scenario_passes_with_a_real_crash_and_leaves_a_ledger_that_audits_clean() {
+fn every_scenario_passes_with_a_real_crash_and_leaves_a_ledger_that_audits_clean(backend: Backend) {
     let all = scenarios::builtin().unwrap();
     assert_eq!(all.len(), scenarios::BUILTIN.len());
     let dir = tempfile::tempdir().unwrap();
     let mut failed = Vec::new();
+    let mut keep = Vec::new();
     for s in &all {
-        let db = dir.path().join(format!("{}.db", s.slug));
+        let db = match backend {
+            Backend::Sqlite => dir.path().join(format!("{}.db", s.slug)),
+            Backend::Postgres => {
+                let pg = PgDb::new().unwrap();
+                let url = PathBuf::from(&pg.url);
+                keep.push(pg);
+                url
+            }
+        };
         let r = ScenarioRun::run(s, RunOptions { crash_mode: child(), keep_db: Some(db.clone()), http: None }).unwrap();
         if !r.passed {
             failed.push(report::render(&r));
@@ -392,3 +402,5 @@ fn cli_exits_1_on_a_failing_script_and_2_on_a_bad_one() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("error[NO_SUCH_SCENARIO]"));
 }
+
+crate::on_both_backends!(every_scenario_passes_with_a_real_crash_and_leaves_a_ledger_that_audits_clean);

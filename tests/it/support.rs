@@ -192,6 +192,14 @@ impl Fixture {
         }
     }
 
+    /// Runs several raw statements (no parameters) on either backend.
+    pub fn exec_batch(&self, sql: &str) -> Result<(), String> {
+        match &self.pg {
+            None => raw(&self.path).execute_batch(sql).map_err(|e| e.to_string()),
+            Some(db) => db.client().batch_execute(sql).map_err(|e| e.to_string()),
+        }
+    }
+
     /// Whether raw SQL (no parameters) is accepted on either backend.
     pub fn try_exec(&self, sql: &str) -> bool {
         match &self.pg {

@@ -5,7 +5,7 @@
 use toolgate::engine::envelope::{Code, Envelope};
 use toolgate::engine::{DispatchRequest, Engine};
 
-use crate::support::{call, code, dispatch_with, effects, raw, refund, refund_args, Fixture};
+use crate::support::{call, code, dispatch_with, effects, refund, refund_args, Backend, Fixture};
 
 struct World {
     fx: Fixture,
@@ -15,8 +15,8 @@ struct World {
 
 /// A ledger with a succeeded refund (key `tamper-ok-0001`), an unknown one that
 /// an operator settled by a status query (audit rows), and a pending approval.
-fn world() -> World {
-    let fx = Fixture::new();
+fn world(backend: Backend) -> World {
+    let fx = Fixture::on(backend);
     let mut e = fx.engine();
     let mut ok = refund("tamper-ok-0001", 500);
     ok.call = Some(call("call_tamper_ok"));
@@ -40,8 +40,22 @@ fn findings(e: &mut Engine) -> Vec<String> {
 
 const OK: &str = "(SELECT id FROM operations WHERE idem_key = 'tamper-ok-0001')";
 
-#[test]
-fn every_tamper_is_found_by_audit_and_never_replayed_as_new_work() {
+/// A tamper's SQL in the words of the backend (the same edit: PostgreSQL names
+/// its one append-only trigger and its CHECK constraint differently).
+fn in_dialect(backend: Backend, sql: &str) -> String {
+    match backend {
+        Backend::Sqlite => sql.to_string(),
+        Backend::Postgres => sql
+            .replace("DROP TRIGGER audit_log_no_delete;", "DROP TRIGGER audit_log_no_update ON audit_log;")
+            .replace("DROP TRIGGER audit_log_no_update;", "DROP TRIGGER audit_log_no_update ON audit_log;")
+            .replace(
+                "PRAGMA ignore_check_constraints = ON;",
+                "ALTER TABLE operations DROP CONSTRAINT operations_state_check;",
+            ),
+    }
+}
+
+fn every_tamper_is_found_by_audit_and_never_replayed_as_new_work(backend: Backend) {
     // (tamper, SQL, a finding must contain, what a replay of the succeeded intent answers)
     let table: Vec<(&str, String, &str, Option<Code>)> = vec![
         (
@@ -148,8 +162,8 @@ fn every_tamper_is_found_by_audit_and_never_replayed_as_new_work() {
     ];
     let mut report = Vec::new();
     for (what, sql, finding, replay) in table {
-        let w = world();
-        raw(w.fx.path()).execute_batch(&sql).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let w = world(backend);
+        w.fx.exec_batch(&in_dialect(backend, &sql)).unwrap_or_else(|e| panic!("{what}: {e}"));
         let mut e = w.fx.engine();
         let found = findings(&mut e);
         assert!(found.iter().any(|f| f.contains(finding)), "{what}: no finding with {finding:?} in {found:?}");
@@ -166,10 +180,9 @@ fn every_tamper_is_found_by_audit_and_never_replayed_as_new_work() {
     eprintln!("{}", report.join("\n"));
 }
 
-#[test]
-fn an_approver_never_approves_an_amount_other_than_the_bound_one() {
-    let w = world();
-    raw(w.fx.path()).execute_batch("UPDATE approvals SET amount_minor = 1").unwrap();
+fn an_approver_never_approves_an_amount_other_than_the_bound_one(backend: Backend) {
+    let w = world(backend);
+    w.fx.exec_batch("UPDATE approvals SET amount_minor = 1").unwrap();
     let mut e = w.fx.engine();
     let before = effects(&mut e);
     let pending = e.pending_approvals(10).unwrap();
@@ -180,3 +193,8 @@ fn an_approver_never_approves_an_amount_other_than_the_bound_one() {
     e.work(16).unwrap();
     assert_eq!(effects(&mut e), before, "nothing ran");
 }
+
+crate::on_both_backends!(
+    every_tamper_is_found_by_audit_and_never_replayed_as_new_work,
+    an_approver_never_approves_an_amount_other_than_the_bound_one,
+);
