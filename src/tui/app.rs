@@ -581,10 +581,7 @@ impl App {
     }
 
     fn ago(&self, at: Option<i64>) -> String {
-        at.map_or_else(
-            || "never".to_string(),
-            |t| format!("{} ago", super::ui::human_ms(self.now_ms.saturating_sub(t))),
-        )
+        super::format::ago(self.now_ms, at)
     }
 
     /// Handles one action; returns a request for the engine thread, if any.
@@ -990,7 +987,7 @@ impl App {
             return Err(format!(
                 "{} expired {} ago (expiry is exclusive): it can no longer be approved or denied; the agent's next call asks anew",
                 a.id,
-                super::ui::human_ms(self.now_ms.saturating_sub(a.expires_at))
+                super::format::human_ms(self.now_ms.saturating_sub(a.expires_at))
             ));
         }
         let allowed = self.header.approvers.get(&a.tenant).is_some_and(|l| l.contains(&self.operator));

@@ -6,9 +6,10 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Paragraph, Wrap};
 use ratatui::Frame;
 
-use super::{human_ms, Theme};
+use super::Theme;
 use crate::engine::clock::rfc3339;
 use crate::tui::app::App;
+use crate::tui::format::human_ms;
 
 /// Draws the detail view.
 pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {

@@ -13,6 +13,7 @@ use ratatui::widgets::{Paragraph, Tabs};
 use ratatui::Frame;
 
 use super::app::{App, Mode, Pane};
+use super::format::human_ms;
 
 /// Colours, or their absence (NO_COLOR).
 #[derive(Debug, Clone, Copy)]
@@ -72,12 +73,6 @@ impl Theme {
     }
 }
 
-/// `1h02m`, `5m03s`, `12s`, `450ms`; negative durations are shown as `-…`.
-pub fn human_ms(ms: i64) -> String {
-    crate::display::duration(ms)
-}
-
-/// Shortens `s` to `n` characters with a trailing `…`.
 /// Every span of `lines` with control characters written out: stored text
 /// (notes, reasons, names) cannot move the cursor or fake a line.
 pub fn escaped(lines: Vec<ratatui::text::Line<'_>>) -> Vec<ratatui::text::Line<'static>> {
@@ -92,11 +87,6 @@ pub fn escaped(lines: Vec<ratatui::text::Line<'_>>) -> Vec<ratatui::text::Line<'
             ratatui::text::Line::from(spans).style(l.style)
         })
         .collect()
-}
-
-/// Stored text is escaped first: a control character never reaches the terminal.
-pub fn short(s: &str, n: usize) -> String {
-    crate::display::clip(&crate::display::escape(s), n)
 }
 
 /// Draws the whole console.

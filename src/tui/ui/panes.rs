@@ -7,9 +7,10 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row, Table, TableState, Wrap};
 use ratatui::Frame;
 
-use super::{human_ms, short, Theme};
+use super::Theme;
 use crate::engine::clock::rfc3339;
 use crate::tui::app::{App, Pane, Rows};
+use crate::tui::format::{human_ms, short};
 
 /// Draws the current pane.
 pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
