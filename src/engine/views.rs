@@ -62,6 +62,16 @@ impl Engine {
         Ok(self.store.read(|tx| tx.audit_page(filter, before_seq, limit))?)
     }
 
+    /// Operations whose id starts with `prefix`, at most `limit`, in id order.
+    pub fn operation_ids_with_prefix(&mut self, prefix: &str, limit: i64) -> Result<Vec<String>, EngineError> {
+        Ok(self.store.read(|tx| tx.operation_ids_with_prefix(prefix, limit))?)
+    }
+
+    /// Operations holding idempotency key `key` in `tenant`, at most `limit`.
+    pub fn operation_ids_with_key(&mut self, key: &str, tenant: &str, limit: i64) -> Result<Vec<String>, EngineError> {
+        Ok(self.store.read(|tx| tx.operation_ids_with_key(key, tenant, limit))?)
+    }
+
     /// Header counts.
     pub fn header_counts(&mut self) -> Result<HeaderCounts, EngineError> {
         let now = self.clock.now_ms();

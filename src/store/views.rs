@@ -135,6 +135,37 @@ impl Tx<'_> {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
+    /// Ids of operations whose id starts with `prefix`, in id order (`:op` in
+    /// the console). `LIKE` with an escape character so `_` and `%` in the
+    /// prefix match only themselves; the prefix is compared again exactly (a
+    /// backend's `LIKE` may ignore case), so rows that differ are dropped.
+    pub fn operation_ids_with_prefix(&self, prefix: &str, limit: i64) -> R<Vec<String>> {
+        let mut pattern = String::with_capacity(prefix.len() + 1);
+        for c in prefix.chars() {
+            if matches!(c, '\\' | '%' | '_') {
+                pattern.push('\\');
+            }
+            pattern.push(c);
+        }
+        pattern.push('%');
+        let mut st = self.conn.prepare_cached(
+            "SELECT id FROM operations WHERE id >= ?1 AND id LIKE ?2 ESCAPE '\\' ORDER BY id LIMIT ?3",
+        )?;
+        let rows = st.query_map(params![prefix, pattern, limit], |r| r.get::<_, String>(0))?;
+        let ids: Vec<String> = rows.collect::<Result<_, _>>()?;
+        Ok(ids.into_iter().filter(|id| id.starts_with(prefix)).collect())
+    }
+
+    /// Ids of the operations holding idempotency key `key` in `tenant` (any
+    /// subject and tool), in id order (`:key` in the console; index `operations_key`).
+    pub fn operation_ids_with_key(&self, key: &str, tenant: &str, limit: i64) -> R<Vec<String>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT id FROM operations WHERE idem_key = ?1 AND tenant = ?2 ORDER BY id LIMIT ?3")?;
+        let rows = st.query_map(params![key, tenant, limit], |r| r.get::<_, String>(0))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
     /// Count of pending approvals.
     /// (Pending and not yet expired: expiry is exclusive.)
     pub fn count_pending_approvals(&self, now: i64) -> R<i64> {

@@ -7,7 +7,9 @@ use crate::engine::views::HeaderCounts;
 use crate::engine::{OperationDetail, Resolution};
 use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow};
 
+mod command;
 mod lab;
+pub use command::{parse as parse_command, Command, CommandBar, CommandSpec, COMMANDS, MATCHES_SHOWN};
 pub use lab::{percent, AgentsView, LabView, FAULT_STEPS};
 
 /// The panes, in tab order (number keys 1..=7).
@@ -69,6 +71,8 @@ pub enum Mode {
     Form,
     /// The lab panel (defenses off, demo databases only).
     Lab,
+    /// Typing in the command bar (`:`).
+    Command,
 }
 
 /// What the user (or the engine thread) asked for.
@@ -100,6 +104,14 @@ pub enum Action {
     Back,
     /// `/`: start typing a filter.
     StartFilter,
+    /// `:`: open the command bar.
+    StartCommand,
+    /// Tab in the command bar: complete.
+    Complete,
+    /// Up in the command bar: the previous history entry.
+    HistoryPrev,
+    /// Down in the command bar: the next history entry.
+    HistoryNext,
     /// A typed character (filter or form).
     Input(char),
     /// Backspace (filter or form).
@@ -204,6 +216,15 @@ pub enum EngineEvent {
         /// One line for the status bar.
         summary: String,
     },
+    /// The operations a `:op` prefix or a `:key` lookup found.
+    Found {
+        /// The lookup, for people (`op_64`, `key K in acme`).
+        asked: String,
+        /// The `:op` argument (put back in the bar when several match).
+        prefix: Option<String>,
+        /// Matching operation ids, in id order (one more than are shown, at most).
+        ids: Vec<String>,
+    },
     /// A walkthrough step ran.
     Walkthrough(WalkthroughView),
     /// The lab's state (with every refresh).
@@ -264,6 +285,22 @@ pub enum Request {
     },
     /// Load one operation's detail.
     Detail(String),
+    /// Operations whose id starts with `prefix` (`:op`).
+    FindOperation {
+        /// What was typed.
+        prefix: String,
+        /// Most ids to return.
+        limit: i64,
+    },
+    /// Operations with this idempotency key in this tenant (`:key`).
+    FindByKey {
+        /// The caller's key.
+        key: String,
+        /// Tenant.
+        tenant: String,
+        /// Most ids to return.
+        limit: i64,
+    },
     /// Explicit status query.
     Query {
         /// Operation.
@@ -417,6 +454,12 @@ pub struct App {
     pub form: Option<Form>,
     /// Mode to return to from help.
     pub help_return: Mode,
+    /// Help overlay scroll.
+    pub help_scroll: u16,
+    /// The command bar.
+    pub command: CommandBar,
+    /// Mode to return to when a command leaves the bar without switching.
+    pub command_return: Mode,
     /// Status-bar line and whether it is an error.
     pub status: Option<(String, bool)>,
     /// Now, for countdowns.
@@ -474,6 +517,9 @@ impl App {
             confirm: None,
             form: None,
             help_return: Mode::Normal,
+            help_scroll: 0,
+            command: CommandBar::default(),
+            command_return: Mode::Normal,
             status: None,
             now_ms,
             size: (80, 24),
@@ -620,13 +666,19 @@ impl App {
     }
 
     fn update_now(&mut self, action: Action) -> Option<Request> {
-        if self.mode == Mode::Help
-            && !matches!(
-                action,
-                Action::ToggleHelp | Action::Back | Action::Tick(_) | Action::Engine(_) | Action::Resize(..)
-            )
-        {
-            self.mode = self.help_return;
+        if self.mode == Mode::Help {
+            match action {
+                Action::Up | Action::Scroll(-1) => {
+                    self.help_scroll = self.help_scroll.saturating_sub(1);
+                    return None;
+                }
+                Action::Down | Action::Scroll(1) => {
+                    self.help_scroll = self.help_scroll.saturating_add(1).min(200);
+                    return None;
+                }
+                Action::ToggleHelp | Action::Back | Action::Tick(_) | Action::Engine(_) | Action::Resize(..) => {}
+                _ => self.mode = self.help_return,
+            }
         }
         if let lab::Intercept::Handled(r) = self.lab_intercept(&action) {
             return r;
@@ -658,6 +710,7 @@ impl App {
                     self.mode = self.help_return;
                 } else {
                     self.help_return = self.mode;
+                    self.help_scroll = 0;
                     self.mode = Mode::Help;
                 }
                 None
@@ -731,6 +784,10 @@ impl App {
                     Mode::Filter => {
                         self.mode = Mode::Normal;
                     }
+                    Mode::Command => {
+                        self.command.open();
+                        self.mode = self.command_return;
+                    }
                     Mode::Confirm => {
                         self.confirm = None;
                         self.mode = Mode::Normal;
@@ -756,12 +813,26 @@ impl App {
                 self.mode = Mode::Filter;
                 None
             }
+            Action::StartCommand => self.start_command(),
+            Action::Complete => {
+                self.command.complete();
+                None
+            }
+            Action::HistoryPrev => {
+                self.command.older();
+                None
+            }
+            Action::HistoryNext => {
+                self.command.newer();
+                None
+            }
             Action::Input(c) => self.on_input(c),
             Action::Backspace => {
                 match self.mode {
                     Mode::Filter => {
                         self.filter.pop();
                     }
+                    Mode::Command => self.command.pop(),
                     Mode::Form => {
                         if let Some(f) = self.form.as_mut() {
                             match f.field {
@@ -926,6 +997,7 @@ impl App {
                 self.say(summary, !ok);
                 Some(self.fetch())
             }
+            EngineEvent::Found { asked, prefix, ids } => self.on_found(&asked, prefix.as_deref(), ids),
             EngineEvent::Lab(v) => {
                 self.lab = v;
                 None
@@ -1048,6 +1120,10 @@ impl App {
                 }
                 None
             }
+            Mode::Command => {
+                self.command.push(c);
+                None
+            }
             Mode::Form => {
                 if let Some(f) = self.form.as_mut() {
                     let target = match f.field {
@@ -1107,6 +1183,7 @@ impl App {
 
     fn on_submit(&mut self) -> Option<Request> {
         match self.mode {
+            Mode::Command => self.submit_command(),
             Mode::Filter => {
                 self.mode = Mode::Normal;
                 self.cursor = None;

@@ -269,6 +269,21 @@ fn handle(
             Ok(None) => (Some(EngineEvent::Error("no such operation".into())), false),
             Err(e) => (Some(EngineEvent::Error(e.to_string())), false),
         },
+        Request::FindOperation { prefix, limit } => {
+            let ev = match engine.operation_ids_with_prefix(&prefix, limit) {
+                Ok(ids) => EngineEvent::Found { asked: prefix.clone(), prefix: Some(prefix), ids },
+                Err(e) => EngineEvent::Error(e.to_string()),
+            };
+            (Some(ev), false)
+        }
+        Request::FindByKey { key, tenant, limit } => {
+            // The key itself is not echoed back: screens show keys only as digests.
+            let ev = match engine.operation_ids_with_key(&key, &tenant, limit) {
+                Ok(ids) => EngineEvent::Found { asked: format!("that key in {tenant}"), prefix: None, ids },
+                Err(e) => EngineEvent::Error(e.to_string()),
+            };
+            (Some(ev), false)
+        }
         Request::Query { operation_id } => {
             let r = engine.operator_query(&operation_id, &opts.operator).map(|env| {
                 let (_, s) = summarize(&env);

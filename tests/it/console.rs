@@ -624,7 +624,7 @@ fn the_model_never_imports_the_view_and_the_engine_no_terminal_crate() {
         ["src/tui/app.rs", "src/tui/app", "src/tui/format.rs"].iter().flat_map(|d| sources(d)).collect();
     assert!(model.len() >= 3, "{model:?}");
     for (path, text) in &model {
-        for needle in ["ui::", "ratatui::", "crossterm::"] {
+        for needle in ["super::ui", "tui::ui", "ratatui::", "crossterm::"] {
             assert!(!text.contains(needle), "{} names {needle}", path.display());
         }
     }
@@ -633,6 +633,172 @@ fn the_model_never_imports_the_view_and_the_engine_no_terminal_crate() {
     for (path, text) in &engine {
         for needle in ["ratatui", "crossterm"] {
             assert!(!text.contains(needle), "{} names {needle}", path.display());
+        }
+    }
+}
+
+fn type_text(app: &mut App, s: &str) -> Vec<Request> {
+    s.chars().filter_map(|c| press(app, KeyCode::Char(c))).collect()
+}
+
+#[test]
+fn the_command_bar_switches_panes_completes_and_keeps_a_history() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Ledger, 80, 24);
+    assert_eq!(press(&mut app, KeyCode::Char(':')), None);
+    assert_eq!(app.mode, Mode::Command);
+    assert!(type_text(&mut app, "unk").is_empty(), "typing sends nothing");
+    assert_eq!(press(&mut app, KeyCode::Tab), None);
+    assert_eq!(app.command.input, "unknown");
+    let req = press(&mut app, KeyCode::Enter);
+    assert!(matches!(req, Some(Request::Fetch { pane: Pane::Unknown, .. })), "{req:?}");
+    assert_eq!((app.mode, app.pane), (Mode::Normal, Pane::Unknown));
+    let limit = app.visible_rows();
+    app.update(Action::Engine(page(&mut d, Pane::Unknown, limit)));
+    // An unknown command: the error line, the bar stays open with the line, nothing is sent.
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "frobnicate");
+    assert_eq!(press(&mut app, KeyCode::Enter), None);
+    assert_eq!(app.mode, Mode::Command);
+    assert_eq!(app.command.input, "frobnicate");
+    insta::assert_snapshot!("command_error_80x24", text(&draw(&app, 80, 24)));
+    // Esc closes it; Up brings back earlier lines, newest first.
+    press(&mut app, KeyCode::Esc);
+    assert_eq!(app.mode, Mode::Normal);
+    press(&mut app, KeyCode::Char(':'));
+    press(&mut app, KeyCode::Up);
+    assert_eq!(app.command.input, "frobnicate");
+    press(&mut app, KeyCode::Up);
+    assert_eq!(app.command.input, "unknown");
+    press(&mut app, KeyCode::Down);
+    press(&mut app, KeyCode::Down);
+    assert_eq!(app.command.input, "");
+    // :filter sets the filter every pane uses; :filter alone clears it.
+    type_text(&mut app, "filter acme");
+    let req = press(&mut app, KeyCode::Enter);
+    assert!(matches!(&req, Some(Request::Fetch { pane: Pane::Unknown, filter, .. }) if filter == "acme"), "{req:?}");
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "filter");
+    let req = press(&mut app, KeyCode::Enter);
+    assert!(matches!(&req, Some(Request::Fetch { filter, .. }) if filter.is_empty()), "{req:?}");
+    // Several completions are listed under the bar.
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "a");
+    press(&mut app, KeyCode::Tab);
+    assert_eq!(app.command.candidates, vec!["approvals".to_string(), "audit".into()]);
+    press(&mut app, KeyCode::Esc);
+    // :q quits.
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "q");
+    press(&mut app, KeyCode::Enter);
+    assert!(app.quit);
+}
+
+#[test]
+fn op_opens_a_prefix_and_an_ambiguous_prefix_lists_the_matches() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Ledger, 80, 24);
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "op op_");
+    let req = press(&mut app, KeyCode::Enter);
+    let Some(Request::FindOperation { prefix, limit }) = req else { panic!("{req:?}") };
+    assert_eq!(prefix, "op_");
+    // The engine's answer: every demo operation starts with op_.
+    let ids = d.engine.operation_ids_with_prefix(&prefix, limit).unwrap();
+    assert_eq!(ids.len() as i64, limit, "more than are shown");
+    let answer = EngineEvent::Found { asked: prefix.clone(), prefix: Some(prefix), ids: ids.clone() };
+    assert_eq!(app.update(Action::Engine(answer)), None);
+    assert_eq!(app.mode, Mode::Command, "back in the bar to type more");
+    assert_eq!(app.command.input, "op op_");
+    assert_eq!(app.command.candidates.len(), toolgate::tui::app::MATCHES_SHOWN);
+    assert!(app.command.more);
+    insta::assert_snapshot!("command_op_ambiguous_80x24", text(&draw(&app, 80, 24)));
+    // Type more, Tab completes among the listed ids, Enter looks the full id up and opens it.
+    let target = ids[3].clone();
+    type_text(&mut app, &target[3..8]);
+    press(&mut app, KeyCode::Tab);
+    assert_eq!(app.command.input, format!("op {target}"));
+    let req = press(&mut app, KeyCode::Enter);
+    assert_eq!(req, Some(Request::FindOperation { prefix: target.clone(), limit }));
+    let ids = d.engine.operation_ids_with_prefix(&target, limit).unwrap();
+    assert_eq!(ids, vec![target.clone()]);
+    let req =
+        app.update(Action::Engine(EngineEvent::Found { asked: target.clone(), prefix: Some(target.clone()), ids }));
+    assert_eq!(req, Some(Request::Detail(target)));
+    assert_eq!(app.mode, Mode::Detail);
+    // No match is an error on the status line.
+    let req = app.update(Action::Engine(EngineEvent::Found {
+        asked: "op_zz".into(),
+        prefix: Some("op_zz".into()),
+        ids: vec![],
+    }));
+    assert_eq!(req, None);
+    assert!(app.status.as_ref().is_some_and(|(s, e)| *e && s.contains("no operation matches op_zz")));
+}
+
+#[test]
+fn prefix_lookup_treats_like_wildcards_as_themselves_and_key_lookup_needs_the_tenant() {
+    let mut d = demo();
+    let all = d.engine.operation_ids_with_prefix("op_", 1000).unwrap();
+    assert!(all.len() >= 10);
+    assert!(all.windows(2).all(|w| w[0] < w[1]), "in id order");
+    // `_` and `%` are not wildcards; case matters; nothing odd panics.
+    for p in ["o__", "op%", "%", "OP_", "op_\\", "'; DROP TABLE operations; --"] {
+        assert!(d.engine.operation_ids_with_prefix(p, 1000).unwrap().is_empty(), "{p}");
+    }
+    let one = &all[0];
+    assert_eq!(&d.engine.operation_ids_with_prefix(one, 10).unwrap(), &vec![one.clone()]);
+    // By idempotency key: the key's tenant finds it, another tenant does not.
+    let c = crate::support::raw(&d.dir.path().join("demo.db"));
+    let (key, tenant): (String, String) = c
+        .query_row("SELECT idem_key, tenant FROM operations WHERE id = ?1", [one], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap();
+    assert_eq!(d.engine.operation_ids_with_key(&key, &tenant, 10).unwrap(), vec![one.clone()]);
+    assert!(d.engine.operation_ids_with_key(&key, "no-such-tenant", 10).unwrap().is_empty());
+    // The command bar sends it, and does not echo the key on screen.
+    let mut app = app_on(&mut d, Pane::Ledger, 80, 24);
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, &format!("key {key} --tenant {tenant}"));
+    let req = press(&mut app, KeyCode::Enter);
+    assert_eq!(req, Some(Request::FindByKey { key: key.clone(), tenant, limit: 9 }));
+    assert!(!text(&draw(&app, 80, 24)).contains(&key));
+}
+
+#[test]
+fn help_lists_the_commands_and_scrolls() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    press(&mut app, KeyCode::Char('?'));
+    assert_eq!(app.mode, Mode::Help);
+    let first = text(&draw(&app, 80, 24));
+    assert!(first.contains("j/k scroll: 0/"), "{first}");
+    for _ in 0..40 {
+        press(&mut app, KeyCode::Char('j'));
+    }
+    assert_eq!(app.mode, Mode::Help, "j scrolls the help, it does not close it");
+    let last = text(&draw(&app, 80, 24));
+    for c in toolgate::tui::app::COMMANDS {
+        assert!(last.contains(&format!(":{}", c.name)), "{} missing:\n{last}", c.name);
+    }
+    assert!(last.contains(":op ID-OR-PREFIX"), "{last}");
+    // At 140×40 everything fits: no scrolling.
+    let mut app = app_on(&mut d, Pane::Unknown, 140, 40);
+    press(&mut app, KeyCode::Char('?'));
+    let all = text(&draw(&app, 140, 40));
+    assert!(!all.contains("j/k scroll:") && all.contains(":key KEY --tenant T"), "{all}");
+}
+
+#[test]
+fn the_readme_names_every_command_and_every_normal_key() {
+    let readme = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    for c in toolgate::tui::app::COMMANDS {
+        assert!(readme.contains(&format!("`:{}", c.name)), "README lacks :{}", c.name);
+    }
+    // Every single-character key of the normal keymap has a row (or a mention) in the key table.
+    let table: String = readme.lines().filter(|l| l.starts_with("| ")).collect::<Vec<_>>().join("\n");
+    for (keys, _) in keymap::help_lines(Mode::Normal, false) {
+        for k in keys.split([' ', '/']).filter(|k| k.chars().count() == 1) {
+            assert!(table.contains(&format!("`{k}`")), "README's key table lacks `{k}` ({keys})");
         }
     }
 }

@@ -97,7 +97,14 @@ pub fn render(app: &App, frame: &mut Frame) {
             .areas(frame.area());
     render_header(app, frame, header, t);
     render_tabs(app, frame, tabs, t);
-    if app.mode == Mode::Detail {
+    // The command bar and help opened from the detail view leave it on screen.
+    let over_detail = match app.mode {
+        Mode::Detail => true,
+        Mode::Command => app.command_return == Mode::Detail,
+        Mode::Help => app.help_return == Mode::Detail,
+        _ => false,
+    };
+    if over_detail {
         detail::render(app, frame, body, t);
     } else {
         panes::render(app, frame, body, t);
@@ -108,6 +115,7 @@ pub fn render(app: &App, frame: &mut Frame) {
         Mode::Confirm => popups::confirm(app, frame, t),
         Mode::Form => popups::form(app, frame, t),
         Mode::Lab => lab::render(app, frame, t),
+        Mode::Command => popups::command_candidates(app, frame, footer, t),
         _ => {}
     }
 }
@@ -177,6 +185,23 @@ fn render_tabs(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
 }
 
 fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    if app.mode == Mode::Command {
+        let c = &app.command;
+        let first = match &c.error {
+            Some(e) => Line::from(Span::styled(super::format::short(e, 300), t.bad())),
+            None => Line::from(Span::styled(
+                "Enter run · Tab complete · Up/Down history · Esc close · :help lists commands",
+                t.dim(),
+            )),
+        };
+        // Long input scrolls: the end (where the caret is) stays visible.
+        let room = usize::from(area.width.saturating_sub(2));
+        let typed = super::format::short(&c.input, usize::MAX);
+        let shown: String = typed.chars().skip(typed.chars().count().saturating_sub(room)).collect();
+        let bar = Line::from(vec![Span::styled(":", t.accent()), Span::raw(shown), Span::styled("▏", t.accent())]);
+        frame.render_widget(Paragraph::new(vec![first, bar]), area);
+        return;
+    }
     let hints: &[(&str, &str, bool)] = match (app.mode, app.pane) {
         (Mode::Detail, _) => &[("Esc", "back", false), ("j/k", "scroll", false), ("y", "copy id", false)],
         (Mode::Filter, _) => &[("Enter", "apply", false), ("Esc", "done", false)],
