@@ -9,8 +9,10 @@ use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow};
 
 mod command;
 mod lab;
+mod why;
 pub use command::{parse as parse_command, Command, CommandBar, CommandSpec, COMMANDS, MATCHES_SHOWN};
 pub use lab::{percent, AgentsView, LabView, FAULT_STEPS};
+pub use why::{explain, reason, Why};
 
 /// The panes, in tab order (number keys 1..=7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -460,6 +462,9 @@ pub struct App {
     pub command: CommandBar,
     /// Mode to return to when a command leaves the bar without switching.
     pub command_return: Mode,
+    /// Mode to return to when a confirm dialog or form closes (the detail view
+    /// when it was opened there).
+    pub dialog_return: Mode,
     /// Status-bar line and whether it is an error.
     pub status: Option<(String, bool)>,
     /// Now, for countdowns.
@@ -520,6 +525,7 @@ impl App {
             help_scroll: 0,
             command: CommandBar::default(),
             command_return: Mode::Normal,
+            dialog_return: Mode::Normal,
             status: None,
             now_ms,
             size: (80, 24),
@@ -566,7 +572,12 @@ impl App {
         }
     }
 
+    /// The operation an action is about: the one in the detail view, or the
+    /// selected row of an operations pane.
     fn selected_op(&self) -> Option<&OperationRow> {
+        if self.mode == Mode::Detail {
+            return self.detail.as_ref().map(|d| &d.operation);
+        }
         match &self.rows {
             Rows::Ops(r) => r.get(self.selected),
             _ => None,
@@ -619,6 +630,16 @@ impl App {
         self.status = Some((text.into(), error));
     }
 
+    /// An action that does not apply: in the detail view, to this operation's
+    /// state; in a pane, to the selection (`pane_text`).
+    fn say_not_applicable(&mut self, what: &str, pane_text: &str) {
+        let text = match self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
+            Some(d) => format!("{} is {}: cannot {what}", d.operation.id, d.operation.state),
+            None => pane_text.to_string(),
+        };
+        self.say(text, true);
+    }
+
     fn refuse_read_only(&mut self) -> bool {
         if self.read_only {
             self.say("read-only: state-changing actions are disabled", true);
@@ -666,6 +687,16 @@ impl App {
     }
 
     fn update_now(&mut self, action: Action) -> Option<Request> {
+        let from = self.mode;
+        let out = self.update_mode(action);
+        let dialog = |m: Mode| matches!(m, Mode::Confirm | Mode::Form);
+        if dialog(self.mode) && !dialog(from) {
+            self.dialog_return = if from == Mode::Detail { Mode::Detail } else { Mode::Normal };
+        }
+        out
+    }
+
+    fn update_mode(&mut self, action: Action) -> Option<Request> {
         if self.mode == Mode::Help {
             match action {
                 Action::Up | Action::Scroll(-1) => {
@@ -790,12 +821,12 @@ impl App {
                     }
                     Mode::Confirm => {
                         self.confirm = None;
-                        self.mode = Mode::Normal;
+                        self.mode = self.dialog_return;
                         self.say("cancelled", false);
                     }
                     Mode::Form => {
                         self.form = None;
-                        self.mode = Mode::Normal;
+                        self.mode = self.dialog_return;
                         self.say("cancelled", false);
                     }
                     Mode::Normal => {
@@ -861,7 +892,11 @@ impl App {
                 Some(Request::SetLive(self.live))
             }
             Action::Copy => {
-                if let Some(id) = self.selected_id() {
+                let id = match self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
+                    Some(d) => Some(d.operation.id.clone()),
+                    None => self.selected_id(),
+                };
+                if let Some(id) = id {
                     self.say(format!("copied {id}"), false);
                     self.clipboard = Some(id);
                 }
@@ -899,7 +934,10 @@ impl App {
                 }
                 let Some(op) = self.selected_op().filter(|o| matches!(o.state.as_str(), "unknown" | "needs_review"))
                 else {
-                    self.say("select an unknown or needs_review operation (pane 4) to resolve", true);
+                    self.say_not_applicable(
+                        "resolve it (only unknown or needs_review)",
+                        "select an unknown or needs_review operation (pane 4) to resolve",
+                    );
                     return None;
                 };
                 let kind = FormKind::Resolve {
@@ -995,6 +1033,10 @@ impl App {
             }
             EngineEvent::Done { ok, summary } => {
                 self.say(summary, !ok);
+                // An action taken from the detail view: show what it changed there too.
+                if let Some(d) = self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
+                    self.pending_requests.push(Request::Detail(d.operation.id.clone()));
+                }
                 Some(self.fetch())
             }
             EngineEvent::Found { asked, prefix, ids } => self.on_found(&asked, prefix.as_deref(), ids),
@@ -1019,7 +1061,7 @@ impl App {
         }
         let Some(op) = self.selected_op().filter(|o| !matches!(o.state.as_str(), "succeeded" | "failed" | "resolved"))
         else {
-            self.say("select an unknown operation (pane 4) to query its status", true);
+            self.say_not_applicable("query its status", "select an unknown operation (pane 4) to query its status");
             return None;
         };
         let evidence = vec![
@@ -1194,7 +1236,7 @@ impl App {
             Mode::Confirm => {
                 let c = self.confirm.take()?;
                 // A lab switch was asked from the lab panel: back to it.
-                self.mode = if matches!(c.request, Request::SetLab(_)) { Mode::Lab } else { Mode::Normal };
+                self.mode = if matches!(c.request, Request::SetLab(_)) { Mode::Lab } else { self.dialog_return };
                 if c.on_confirm {
                     self.say(format!("{}: sent", c.title), false);
                     Some(c.request)

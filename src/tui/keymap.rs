@@ -122,6 +122,10 @@ fn detail() -> Vec<Binding> {
         }),
         bind!("Esc / Enter", "back", false, |k| matches!(k.code, KeyCode::Esc | KeyCode::Enter)
             .then_some(Action::Back)),
+        bind!("q", "status query on this operation", true, |k| ch(k, 'q').then_some(Action::AskQuery)),
+        bind!("r", "resolve this operation (unknown / needs_review)", true, |k| ch(k, 'r')
+            .then_some(Action::AskResolve)),
+        bind!("c", "cancel this operation (accepted / in-flight)", true, |k| ch(k, 'c').then_some(Action::AskCancel)),
         bind!("y", "copy the operation id", false, |k| ch(k, 'y').then_some(Action::Copy)),
         bind!(":", "command bar", false, |k| ch(k, ':').then_some(Action::StartCommand)),
         bind!("?", "help", false, |k| ch(k, '?').then_some(Action::ToggleHelp)),

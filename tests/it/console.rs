@@ -802,3 +802,149 @@ fn the_readme_names_every_command_and_every_normal_key() {
         }
     }
 }
+
+/// The detail of the demo operation in `state` (the first by id).
+fn detail_in(d: &mut Demo, state: &str, query: Option<&str>) -> toolgate::engine::OperationDetail {
+    let c = crate::support::raw(&d.dir.path().join("demo.db"));
+    let id: String = c
+        .query_row(
+            "SELECT id FROM operations WHERE state = ?1 AND coalesce(last_query_result, '') = ?2 ORDER BY id LIMIT 1",
+            [state, query.unwrap_or("")],
+            |r| r.get(0),
+        )
+        .unwrap();
+    d.engine.operation_detail(&id).unwrap().unwrap()
+}
+
+fn detail_screen(detail: toolgate::engine::OperationDetail) -> String {
+    let mut app = App::new("demo.db (working copy)", "alice", false, false, NOW);
+    app.size = (80, 24);
+    app.mode = Mode::Detail;
+    app.detail = Some(Box::new(detail));
+    text(&draw(&app, 80, 24))
+}
+
+#[test]
+fn why_is_this_stuck_one_sentence_per_state_and_reason() {
+    let mut d = demo();
+    let never = detail_in(&mut d, "unknown", None);
+    let not_found = detail_in(&mut d, "unknown", Some("not_found"));
+    let mismatch = detail_in(&mut d, "needs_review", Some("mismatch"));
+    let accepted = detail_in(&mut d, "accepted", None);
+    assert!(accepted.attempts.iter().all(toolgate::store::AttemptRow::proven_not_received), "{accepted:?}");
+    let succeeded = detail_in(&mut d, "succeeded", None);
+    let mut unavailable = not_found.clone();
+    unavailable.operation.last_query_result = Some("unavailable".into());
+    let mut cancelled = never.clone();
+    cancelled.audit.push(toolgate::store::AuditRow {
+        seq: 99,
+        at: NOW - 20_000,
+        action_id: None,
+        actor: "bob".into(),
+        action: "cancel".into(),
+        operation_id: Some(never.operation.id.clone()),
+        approval_id: None,
+        result: "applied".into(),
+        reason: "customer called".into(),
+        evidence: "{}".into(),
+        chain_sha256: None,
+    });
+    // In flight: a lease held, a lease expired, past the deadline; accepted and due.
+    let mut leased = accepted.clone();
+    leased.operation.state = "in_flight".into();
+    leased.operation.deadline_at = NOW + 60_000;
+    let ob = leased.outbox.as_mut().unwrap();
+    ob.state = "leased".into();
+    ob.lease_owner = Some("w-2".into());
+    ob.lease_until = Some(NOW + 25_000);
+    ob.attempt = 7;
+    let mut expired = leased.clone();
+    expired.outbox.as_mut().unwrap().lease_until = Some(NOW - 4_000);
+    expired.operation.deadline_at = NOW - 1_000;
+    // The demo's accepted operation: its retry was due and its deadline passed (no worker ran).
+    let due = accepted.clone();
+    let mut waits = accepted.clone();
+    waits.outbox.as_mut().unwrap().available_at = NOW + 12_000;
+    waits.operation.deadline_at = NOW + 60_000;
+    let cases = [
+        ("unknown_never_queried", never, "no status query yet", "Press q"),
+        ("unknown_cancelled_after_send", cancelled, "Cancelled by bob", "Press q"),
+        ("unknown_not_found", not_found, "does not know the key", "Press r"),
+        ("unknown_unavailable", unavailable, "could not be reached", "Press q"),
+        ("needs_review_mismatch", mismatch, "does not match this request", "Press r"),
+        ("accepted_retry_waits", waits, "the next waits until", "a worker takes it"),
+        ("accepted_due_past_deadline", due, "Its deadline passed", "nothing was sent"),
+        ("in_flight_lease_held", leased, "Lease held by worker w-2", "wait for the worker"),
+        ("in_flight_lease_expired", expired, "expired 4s ago", "reaper"),
+    ];
+    for (name, detail, sentence, next) in cases {
+        let why = toolgate::tui::app::explain(&detail, NOW).unwrap_or_else(|| panic!("{name}: no sentence"));
+        assert!(why.sentence.contains(sentence), "{name}: {why:?}");
+        assert!(why.next.contains(next), "{name}: {why:?}");
+        let screen = detail_screen(detail);
+        assert!(
+            screen.lines().nth(6).is_some_and(|l| l.trim_start().starts_with("why")),
+            "{name}: opens with it\n{screen}"
+        );
+        insta::assert_snapshot!(format!("why_{name}_80x24"), screen);
+    }
+    assert_eq!(toolgate::tui::app::explain(&succeeded, NOW), None, "a terminal operation is not stuck");
+    assert!(!detail_screen(succeeded).contains(" why "));
+}
+
+#[test]
+fn keys_in_the_detail_view_act_on_its_operation_and_come_back_to_it() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Ledger, 80, 24);
+    let target = detail_in(&mut d, "unknown", Some("not_found"));
+    // Opened by :op, the operation need not be the selected row.
+    app.selected = 1;
+    app.update(Action::Engine(EngineEvent::Found {
+        asked: target.operation.id.clone(),
+        prefix: Some(target.operation.id.clone()),
+        ids: vec![target.operation.id.clone()],
+    }));
+    app.update(Action::Engine(EngineEvent::Detail(Box::new(target.clone()))));
+    assert_eq!(app.mode, Mode::Detail);
+    press(&mut app, KeyCode::Char('y'));
+    assert_eq!(app.clipboard.as_deref(), Some(target.operation.id.as_str()), "y copies the detail's id");
+    press(&mut app, KeyCode::Char('q'));
+    assert_eq!(app.mode, Mode::Confirm);
+    press(&mut app, KeyCode::Esc);
+    assert_eq!(app.mode, Mode::Detail, "a cancelled dialog returns to the detail");
+    press(&mut app, KeyCode::Char('q'));
+    press(&mut app, KeyCode::Tab);
+    let req = press(&mut app, KeyCode::Enter);
+    assert_eq!(req, Some(Request::Query { operation_id: target.operation.id.clone() }));
+    assert_eq!(app.mode, Mode::Detail);
+    // The answer refreshes the pane and the detail.
+    let req = app.update(Action::Engine(EngineEvent::Done { ok: true, summary: "query: ok".into() }));
+    assert!(matches!(req, Some(Request::Fetch { .. })), "{req:?}");
+    assert_eq!(app.pending_requests, vec![Request::Detail(target.operation.id.clone())]);
+    // r opens the resolve form for it; c says why it does not apply to an unknown operation.
+    press(&mut app, KeyCode::Char('r'));
+    assert!(
+        matches!(&app.form.as_ref().unwrap().kind, toolgate::tui::app::FormKind::Resolve { operation_id, .. } if *operation_id == target.operation.id)
+    );
+    press(&mut app, KeyCode::Esc);
+    assert_eq!(app.mode, Mode::Detail);
+    press(&mut app, KeyCode::Char('c'));
+    let (said, err) = app.status.clone().unwrap();
+    assert!(err && said.contains("is unknown: cannot cancel"), "{said}");
+    // Read-only: the keys say why they do nothing.
+    app.read_only = true;
+    let k = KeyEvent::new(KeyCode::Char('q'), KeyModifiers::NONE);
+    assert!(matches!(keymap::lookup(Mode::Detail, &k, true), Some(Action::ReadOnly(_))));
+}
+
+#[test]
+fn the_unknown_pane_says_why_in_a_short_column() {
+    let mut d = demo();
+    for (w, h) in [(80u16, 24u16), (140, 40)] {
+        let app = app_on(&mut d, Pane::Unknown, w, h);
+        let screen = text(&draw(&app, w, h));
+        for reason in ["reply lost, not queried: q", "provider has no record: r", "receipt mismatch: r"] {
+            assert!(screen.contains(reason), "{w}x{h} lacks {reason:?}:\n{screen}");
+        }
+    }
+}

@@ -203,7 +203,13 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return;
     }
     let hints: &[(&str, &str, bool)] = match (app.mode, app.pane) {
-        (Mode::Detail, _) => &[("Esc", "back", false), ("j/k", "scroll", false), ("y", "copy id", false)],
+        (Mode::Detail, _) => &[
+            ("Esc", "back", false),
+            ("j/k", "scroll", false),
+            ("q", "query", true),
+            ("r", "resolve", true),
+            ("y", "copy id", false),
+        ],
         (Mode::Filter, _) => &[("Enter", "apply", false), ("Esc", "done", false)],
         (Mode::Lab, _) => &[
             ("j/k", "choose", false),

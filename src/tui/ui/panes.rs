@@ -275,9 +275,11 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 Cell::from(short(&o.id, 16)),
                 Cell::from(short(&o.tool, 15)),
                 Cell::from(Span::styled(short(&o.state, 12), t.state(&o.state))),
-                Cell::from(short(o.code.as_deref().unwrap_or("-"), 18)),
                 // Since it entered this state: a query that changes nothing does not reset it.
                 Cell::from(human_ms(now.saturating_sub(o.state_since.unwrap_or(o.updated_at)))),
+                // Why it is stuck and the key that moves it (the detail says it in full).
+                Cell::from(Span::styled(crate::tui::app::reason(o), t.warn())),
+                Cell::from(short(o.code.as_deref().unwrap_or("-"), 18)),
                 Cell::from(short(&o.status_ref, 14)),
                 Cell::from(short(&last, 26)),
             ]
@@ -286,19 +288,20 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let (tb, mut st) = table(
         app,
         &format!("Outcome unknown: leaves only by a status query or a human decision ({})", rows.len()),
-        vec!["operation", "tool", "state", "code", "since", "status_ref", "last query"],
+        vec!["operation", "tool", "state", "since", "why", "code", "status_ref", "last query"],
         body,
         vec![
             Constraint::Length(16),
             Constraint::Length(15),
             Constraint::Length(12),
-            Constraint::Length(18),
             Constraint::Length(7),
+            Constraint::Length(26),
+            Constraint::Length(18),
             Constraint::Length(14),
             Constraint::Min(20),
         ],
         area.width,
-        &[5, 3],
+        &[6, 5, 7, 1],
         t,
     );
     frame.render_stateful_widget(tb, area, &mut st);
