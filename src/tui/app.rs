@@ -5,13 +5,15 @@
 use crate::engine::envelope::Envelope;
 use crate::engine::views::HeaderCounts;
 use crate::engine::{OperationDetail, Resolution};
-use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow};
+use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow, Order};
 
 mod command;
 mod lab;
+mod sort;
 mod why;
 pub use command::{parse as parse_command, Command, CommandBar, CommandSpec, COMMANDS, MATCHES_SHOWN};
 pub use lab::{percent, AgentsView, LabView, FAULT_STEPS};
+pub use sort::{columns as sort_columns, default_order};
 pub use why::{explain, reason, Why};
 
 /// The panes, in tab order (number keys 1..=7).
@@ -108,6 +110,10 @@ pub enum Action {
     StartFilter,
     /// `:`: open the command bar.
     StartCommand,
+    /// `s`: sort by the next column.
+    CycleSort,
+    /// `S`: reverse the sort.
+    ReverseSort,
     /// Tab in the command bar: complete.
     Complete,
     /// Up in the command bar: the previous history entry.
@@ -280,6 +286,8 @@ pub enum Request {
         pane: Pane,
         /// Filter text.
         filter: String,
+        /// Order (a column of the pane's table in the store, and the direction).
+        order: Order,
         /// Keyset cursor (the last row of the previous page).
         cursor: Option<Cursor>,
         /// Rows that fit on screen.
@@ -444,6 +452,8 @@ pub struct App {
     pub cursor: Option<Cursor>,
     /// Filter being typed or applied.
     pub filter: String,
+    /// Each pane's order, once sorted (else its default).
+    pub sorts: std::collections::HashMap<Pane, Order>,
     /// Header counts.
     pub header: HeaderCounts,
     /// Detail view contents.
@@ -516,6 +526,7 @@ impl App {
             page_stack: Vec::new(),
             cursor: None,
             filter: String::new(),
+            sorts: std::collections::HashMap::new(),
             header: HeaderCounts::default(),
             detail: None,
             detail_scroll: 0,
@@ -550,6 +561,7 @@ impl App {
         Request::Fetch {
             pane: self.pane,
             filter: self.filter.clone(),
+            order: self.order(),
             cursor: self.cursor.clone(),
             limit: self.visible_rows(),
         }
@@ -623,6 +635,8 @@ impl App {
                     | Action::AskDeny
                     | Action::AskResolve
                     | Action::AskCancel
+                    | Action::CycleSort
+                    | Action::ReverseSort
             )
     }
 
@@ -845,8 +859,10 @@ impl App {
                 None
             }
             Action::StartCommand => self.start_command(),
+            Action::CycleSort => self.cycle_sort(),
+            Action::ReverseSort => self.reverse_sort(),
             Action::Complete => {
-                self.command.complete();
+                self.command.complete(&sort::columns(self.pane));
                 None
             }
             Action::HistoryPrev => {
@@ -982,13 +998,7 @@ impl App {
     }
 
     fn page_down(&mut self) -> Option<Request> {
-        let key = match &self.rows {
-            Rows::Live(r) => r.last().map(|x| (x.available_at, x.operation_id.clone())),
-            Rows::Ops(r) => r.last().map(|x| (x.updated_at, x.id.clone())),
-            Rows::Approvals(r) => r.last().map(|x| (x.expires_at, x.id.clone())),
-            Rows::Audit(r) => r.last().map(|x| (x.seq, String::new())),
-            Rows::Metrics(_) | Rows::Empty => None,
-        };
+        let key = self.next_cursor();
         if (self.row_count() as i64) < self.visible_rows() || key.is_none() {
             self.selected = self.row_count().saturating_sub(1);
             return None;

@@ -99,6 +99,10 @@ pub fn normal() -> Vec<Binding> {
                 None
             }
         }),
+        bind!("s", "sort by the next column (the header shows column and direction)", false, |k| {
+            ch(k, 's').then_some(Action::CycleSort)
+        }),
+        bind!("S", "reverse the sort", false, |k| ch(k, 'S').then_some(Action::ReverseSort)),
         bind!("/", "filter by id, tenant, subject, state or tool", false, |k| ch(k, '/')
             .then_some(Action::StartFilter)),
         bind!(":", "command bar (:op ID, :unknown, :filter EXPR, :q …; listed below)", false, |k| ch(k, ':')

@@ -33,6 +33,11 @@ pub const COMMANDS: &[CommandSpec] = &[
         help: "open an operation's detail (an ambiguous prefix lists the matches)",
     },
     CommandSpec { name: "key", args: "KEY --tenant T", help: "find operations by idempotency key within a tenant" },
+    CommandSpec {
+        name: "sort",
+        args: "COLUMN [asc|desc]",
+        help: "order this pane by a column (Tab completes its columns; s and S too)",
+    },
     CommandSpec { name: "filter", args: "EXPR", help: "filter the panes (as /; empty clears)" },
     CommandSpec { name: "help", args: "", help: "keys and commands" },
     CommandSpec { name: "q", args: "", help: "quit" },
@@ -51,6 +56,13 @@ pub enum Command {
         key: String,
         /// Tenant.
         tenant: String,
+    },
+    /// Order the pane by a column, ascending unless `desc` says otherwise.
+    Sort {
+        /// Column name.
+        column: String,
+        /// `Some(true)` for desc, `Some(false)` for asc.
+        desc: Option<bool>,
     },
     /// Set (or, empty, clear) the filter.
     Filter(String),
@@ -99,6 +111,20 @@ pub fn parse(line: &str) -> Result<Command, String> {
             }
         }
         "key" => parse_key(rest),
+        "sort" => {
+            let words: Vec<&str> = rest.split_whitespace().collect();
+            let desc = match words.get(1).map(|w| w.to_ascii_lowercase()) {
+                None => None,
+                Some(w) if w == "asc" => Some(false),
+                Some(w) if w == "desc" => Some(true),
+                Some(w) => return Err(format!(":sort takes asc or desc after the column, not {:?}", short(&w, 20))),
+            };
+            match words.as_slice() {
+                [] => Err(":sort needs a column (Tab lists this pane's)".into()),
+                [c] | [c, _] => Ok(Command::Sort { column: (*c).to_string(), desc }),
+                _ => Err(":sort takes a column and asc or desc".into()),
+            }
+        }
         "filter" => Ok(Command::Filter(rest.to_string())),
         _ => {
             let near: Vec<&str> = COMMANDS.iter().map(|c| c.name).filter(|c| c.starts_with(name)).collect();
@@ -219,7 +245,8 @@ impl CommandBar {
     /// Tab: completes the command name, a pane name, or the operation id among
     /// the listed candidates; several matches are completed to what they share
     /// and listed.
-    pub fn complete(&mut self) {
+    /// `sort_columns` are the current pane's (completed after `sort `).
+    pub fn complete(&mut self, sort_columns: &[&str]) {
         self.error = None;
         let (word, head) = match self.input.rsplit_once(' ') {
             Some((h, w)) => (w.to_string(), format!("{h} ")),
@@ -229,6 +256,8 @@ impl CommandBar {
             COMMANDS.iter().map(|c| c.name.to_string()).collect()
         } else if head.trim() == "op" {
             self.candidates.clone()
+        } else if head.trim() == "sort" {
+            sort_columns.iter().map(|c| (*c).to_string()).collect()
         } else {
             Vec::new()
         };
@@ -249,7 +278,7 @@ impl CommandBar {
             many => {
                 let common = common_prefix(many);
                 self.input = format!("{head}{common}");
-                if head.is_empty() {
+                if head.is_empty() || head.trim() == "sort" {
                     self.candidates = many.to_vec();
                     self.more = false;
                 }
@@ -319,6 +348,15 @@ impl App {
                 self.selected = 0;
                 Some(self.fetch())
             }
+            Command::Sort { column, desc } => match self.sort_by(&column, desc) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    self.command.input = format!("sort {column}");
+                    self.command.error = Some(e);
+                    self.mode = Mode::Command;
+                    None
+                }
+            },
             Command::Op(prefix) => {
                 self.say(format!("looking for {}…", short(&prefix, 40)), false);
                 Some(Request::FindOperation { prefix, limit: MATCHES_SHOWN as i64 + 1 })
@@ -393,6 +431,12 @@ mod tests {
         check("key refund-1 --tenant acme", &Ok(Command::Key { key: "refund-1".into(), tenant: "acme".into() }));
         check("key --tenant acme refund-1", &Ok(Command::Key { key: "refund-1".into(), tenant: "acme".into() }));
         check("filter tenant:acme", &Ok(Command::Filter("tenant:acme".into())));
+        check("sort since", &Ok(Command::Sort { column: "since".into(), desc: None }));
+        check("sort tool DESC", &Ok(Command::Sort { column: "tool".into(), desc: Some(true) }));
+        check("sort tool asc", &Ok(Command::Sort { column: "tool".into(), desc: Some(false) }));
+        check("sort", &Err("needs a column"));
+        check("sort tool up", &Err("asc or desc"));
+        check("sort a b c", &Err("a column and asc or desc"));
         check("filter", &Ok(Command::Filter(String::new())));
         check("q", &Ok(Command::Quit));
         check("help", &Ok(Command::Help));
@@ -420,25 +464,32 @@ mod tests {
     #[test]
     fn tab_completes_names_and_lists_what_several_share() {
         let mut b = bar("li");
-        b.complete();
+        b.complete(&[]);
         assert_eq!(b.input, "live");
         let mut b = bar("a");
-        b.complete();
+        b.complete(&[]);
         assert_eq!((b.input.as_str(), b.candidates.clone()), ("a", vec!["approvals".to_string(), "audit".into()]));
         let mut b = bar("o");
-        b.complete();
+        b.complete(&[]);
         assert_eq!(b.input, "op ", "a command with arguments gets its space");
         let mut b = bar("zz");
-        b.complete();
+        b.complete(&[]);
         assert!(b.error.as_deref().is_some_and(|e| e.contains("nothing to complete")));
         // An ambiguous :op listed its matches: Tab completes among them.
         let mut b = bar("op op_6");
         b.candidates = vec!["op_64a".into(), "op_64b".into()];
-        b.complete();
+        b.complete(&[]);
         assert_eq!(b.input, "op op_64");
         b.push('b');
-        b.complete();
+        b.complete(&[]);
         assert_eq!(b.input, "op op_64b");
+        // After `sort `, the pane's columns.
+        let mut b = bar("sort s");
+        b.complete(&["since", "state", "tool"]);
+        assert_eq!((b.input.as_str(), b.candidates.len()), ("sort s", 2));
+        b.push('i');
+        b.complete(&["since", "state", "tool"]);
+        assert_eq!(b.input, "sort since");
     }
 
     #[test]

@@ -63,14 +63,30 @@ fn table<'a>(
     let pick = |v: Vec<Cell<'a>>| -> Row<'a> {
         Row::new(v.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(c, _)| c).collect::<Vec<_>>())
     };
-    let header: Vec<&str> = header.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(h, _)| h).collect();
+    // The sort column's header carries the direction; the title names it too,
+    // also when that column is left out at this width.
+    let sort = app.sort_label();
+    let marks = |h: &str| {
+        app.sort_column().is_some_and(|c| h == c || h.starts_with(&format!("{c} ")) || (h == "#" && c == "seq"))
+    };
+    let arrow = if app.order().desc { "↓" } else { "↑" };
+    let header: Vec<String> = header
+        .into_iter()
+        .zip(&keep)
+        .filter(|(_, k)| **k)
+        .map(|(h, _)| if marks(h) { format!("{h} {arrow}") } else { h.to_string() })
+        .collect();
     let widths: Vec<Constraint> = widths.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(w, _)| w).collect();
     let rows: Vec<Row<'a>> = rows.into_iter().map(pick).collect();
     let empty = rows.is_empty();
     let page = if app.page_stack.is_empty() { String::new() } else { format!(" · page {}", app.page_stack.len() + 1) };
+    let tail = format!("{page}{} ", sort.map(|l| format!(" · sort {l}")).unwrap_or_default());
+    // The title gives way first: the page and the sort stay readable at any width.
+    let room = usize::from(width).saturating_sub(tail.chars().count() + 4);
+    let title = format!(" {}{tail}", crate::display::clip(title, room));
     let table = Table::new(rows, widths)
         .header(Row::new(header).style(t.dim()))
-        .block(Block::default().borders(Borders::TOP).title(Span::styled(format!(" {title}{page} "), t.accent())))
+        .block(Block::default().borders(Borders::TOP).title(Span::styled(title, t.accent())))
         .row_highlight_style(t.selected())
         .column_spacing(1);
     let mut state = TableState::default();
@@ -178,7 +194,7 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             .collect();
     let (tb, mut st) = table(
         app,
-        "Idempotency ledger (newest first)",
+        "Idempotency ledger",
         vec!["operation", "scope tenant/subject", "tool", "key#", "digest", "state", "result ref / code", "kept for"],
         body,
         vec![
@@ -230,7 +246,7 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             // Expiry is exclusive: a request at or past it no longer counts as pending.
             let expired = rows.iter().filter(|a| app.now_ms >= a.expires_at).count();
             if expired == 0 {
-                format!("Pending approvals ({}), soonest expiry first", rows.len())
+                format!("Pending approvals ({})", rows.len())
             } else {
                 format!(
                     "Pending approvals ({}; {expired} expired, shown until the agent asks again)",
@@ -331,7 +347,7 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         .collect();
     let (tb, mut st) = table(
         app,
-        "Operator log (append-only, newest first)",
+        "Operator log (append-only)",
         vec!["#", "time (UTC)", "actor", "action", "result", "target", "reason"],
         body,
         vec![

@@ -57,7 +57,7 @@ pub fn help(app: &App, frame: &mut Frame, t: Theme) {
     let title = if max_scroll == 0 {
         " Keys (? or Esc to close) ".to_string()
     } else {
-        format!(" Keys (? or Esc to close, j/k scroll: {scroll}/{max_scroll}) ")
+        format!(" Keys (? or Esc to close) · j/k scroll {scroll}/{max_scroll} ")
     };
     let area = centered(frame.area(), w, h);
     frame.render_widget(Clear, area);
