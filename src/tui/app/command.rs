@@ -113,6 +113,9 @@ pub fn parse(line: &str) -> Result<Command, String> {
         "key" => parse_key(rest),
         "sort" => {
             let words: Vec<&str> = rest.split_whitespace().collect();
+            if words.len() > 2 {
+                return Err(":sort takes a column and asc or desc".into());
+            }
             let desc = match words.get(1).map(|w| w.to_ascii_lowercase()) {
                 None => None,
                 Some(w) if w == "asc" => Some(false),
@@ -121,8 +124,7 @@ pub fn parse(line: &str) -> Result<Command, String> {
             };
             match words.as_slice() {
                 [] => Err(":sort needs a column (Tab lists this pane's)".into()),
-                [c] | [c, _] => Ok(Command::Sort { column: (*c).to_string(), desc }),
-                _ => Err(":sort takes a column and asc or desc".into()),
+                [c, ..] => Ok(Command::Sort { column: (*c).to_string(), desc }),
             }
         }
         "filter" => Ok(Command::Filter(rest.to_string())),
