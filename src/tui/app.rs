@@ -382,6 +382,8 @@ pub enum FormKind {
     Deny {
         /// Approval.
         approval_id: String,
+        /// What the approver would have seen (amount, order, requester, expiry).
+        evidence: Vec<String>,
     },
     /// Resolve an operation.
     Resolve {
@@ -932,9 +934,10 @@ impl App {
                     self.say(why, true);
                     return None;
                 }
-                let approval_id = a.id.clone();
+                let a = a.clone();
+                let evidence = self.approval_evidence(&a);
                 self.form = Some(Form {
-                    kind: FormKind::Deny { approval_id },
+                    kind: FormKind::Deny { approval_id: a.id.clone(), evidence },
                     choice: None,
                     evidence: String::new(),
                     note: String::new(),
@@ -1129,6 +1132,35 @@ impl App {
         Ok(())
     }
 
+    /// What an approver sees before approving or denying: from the bound,
+    /// digest-checked request (amount as money, order), who asked, the expiry.
+    fn approval_evidence(&self, a: &ApprovalRow) -> Vec<String> {
+        let left = a.expires_at.saturating_sub(self.now_ms);
+        let amount = match (super::format::approval_money(a), crate::engine::approval_amount(a)) {
+            (Some(m), Some(minor)) => format!("{m}  ({minor} minor units)"),
+            _ => "- (none, or the record is damaged: toolgate audit)".to_string(),
+        };
+        let order = crate::engine::approval_amount(a)
+            .is_some()
+            .then(|| serde_json::from_str::<serde_json::Value>(&a.request_json).ok())
+            .flatten()
+            .and_then(|v| v["arguments"]["order_ref"].as_str().map(|s| super::format::short(s, 40)));
+        let mut evidence = vec![
+            format!("approval    {}", a.id),
+            format!("tool        {}  tenant {}  requester {}", a.tool, a.tenant, a.subject),
+            format!("amount      {amount}"),
+        ];
+        if let Some(o) = order {
+            evidence.push(format!("order       {o}"));
+        }
+        evidence.extend([
+            format!("request     {}…", crate::display::digest(&a.request_sha256, 16)),
+            format!("expires in  {}", crate::display::countdown(left)),
+            format!("approver    {}  (may approve: {})", self.operator, self.approvers_of(&a.tenant)),
+        ]);
+        evidence
+    }
+
     fn ask_approve(&mut self) -> Option<Request> {
         if self.refuse_read_only() {
             return None;
@@ -1142,18 +1174,7 @@ impl App {
             return None;
         }
         let a = a.clone();
-        let left = a.expires_at.saturating_sub(self.now_ms);
-        // What the approver sees comes from the bound, digest-checked request.
-        let amount = crate::engine::approval_amount(&a)
-            .map_or_else(|| "- (none, or the record is damaged: toolgate audit)".to_string(), |v| v.to_string());
-        let evidence = vec![
-            format!("approval    {}", a.id),
-            format!("tool        {}  tenant {}  requester {}", a.tool, a.tenant, a.subject),
-            format!("amount      {amount}"),
-            format!("request     {}…", crate::display::digest(&a.request_sha256, 16)),
-            format!("expires in  {}", crate::display::countdown(left)),
-            format!("approver    {}  (may approve: {})", self.operator, self.approvers_of(&a.tenant)),
-        ];
+        let evidence = self.approval_evidence(&a);
         self.confirm = Some(Confirm {
             title: "Approve and execute".into(),
             evidence,
@@ -1279,9 +1300,9 @@ impl App {
                 }
                 let (title, evidence, request) = match &f.kind {
                     FormKind::Cancel { .. } => return None,
-                    FormKind::Deny { approval_id } => (
+                    FormKind::Deny { approval_id, evidence } => (
                         "Deny approval".to_string(),
-                        vec![format!("approval    {approval_id}"), format!("note        {}", f.note)],
+                        evidence.iter().cloned().chain([format!("note        {}", f.note)]).collect(),
                         Request::Deny { approval_id: approval_id.clone(), note: f.note.clone() },
                     ),
                     FormKind::Resolve { operation_id, seen_version, last_query } => {

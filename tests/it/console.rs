@@ -1120,3 +1120,33 @@ fn every_sort_column_pages_by_keyset_in_both_directions() {
         }
     }
 }
+
+#[test]
+fn money_reads_as_money_in_the_pane_and_both_dialogs() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Approvals, 80, 24);
+    let pane = text(&draw(&app, 80, 24));
+    assert!(pane.contains("1,200.00 EUR") && !pane.contains("120000"), "{pane}");
+    app.selected = 0;
+    let Rows::Approvals(rows) = &app.rows else { panic!() };
+    let refund = rows.iter().position(|a| a.tool == "create_refund").unwrap();
+    app.selected = refund;
+    app.update(key('a'));
+    let approve = text(&draw(&app, 80, 24));
+    app.update(Action::Back);
+    app.update(key('d'));
+    let deny = text(&draw(&app, 80, 24));
+    for screen in [&approve, &deny] {
+        for what in ["1,200.00 EUR  (120000 minor units)", "order       ord_1002", "requester agent_ana", "expires in"]
+        {
+            assert!(screen.contains(what), "{what:?} missing:\n{screen}");
+        }
+    }
+    // The deny confirm carries it too.
+    type_text(&mut app, "wrong order");
+    press(&mut app, KeyCode::Enter);
+    let c = app.confirm.clone().unwrap();
+    assert!(
+        c.evidence.iter().any(|e| e.contains("1,200.00 EUR")) && c.evidence.last().unwrap().contains("wrong order")
+    );
+}

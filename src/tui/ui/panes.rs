@@ -234,7 +234,7 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 Cell::from(short(&a.tenant, 8)),
                 Cell::from(short(&a.subject, 12)),
                 // From the bound, digest-checked request: never the copy beside it.
-                Cell::from(crate::engine::approval_amount(a).map_or_else(|| "-".into(), |v| v.to_string())),
+                Cell::from(crate::tui::format::approval_money(a).unwrap_or_else(|| "-".into())),
                 Cell::from(crate::display::digest(&a.request_sha256, 8)),
                 Cell::from(Span::styled(exp, exp_style)),
             ]
@@ -261,7 +261,7 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             Constraint::Length(15),
             Constraint::Length(8),
             Constraint::Length(12),
-            Constraint::Length(10),
+            Constraint::Length(16),
             Constraint::Length(8),
             Constraint::Length(10),
         ],

@@ -124,8 +124,9 @@ pub fn form(app: &App, frame: &mut Frame, t: Theme) {
     let caret = |i: usize| if f.field == i { "▏" } else { "" };
     let mut lines = Vec::new();
     let title = match &f.kind {
-        FormKind::Deny { approval_id } => {
-            lines.push(Line::from(format!(" deny {approval_id}")));
+        FormKind::Deny { evidence, .. } => {
+            // The same evidence as approve.
+            lines.extend(evidence.iter().map(|e| Line::from(format!(" {e}"))));
             " Deny approval ".to_string()
         }
         FormKind::Cancel { operation_id, state, .. } => {
