@@ -1150,3 +1150,27 @@ fn money_reads_as_money_in_the_pane_and_both_dialogs() {
         c.evidence.iter().any(|e| e.contains("1,200.00 EUR")) && c.evidence.last().unwrap().contains("wrong order")
     );
 }
+
+#[test]
+fn below_80x24_the_console_says_what_it_needs_and_recovers() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    for (w, h) in [(79u16, 24u16), (80, 23), (40, 10), (20, 3)] {
+        assert!(app.update(Action::Resize(w, h)).is_none(), "shrinking fetches nothing");
+        let screen = text(&draw(&app, w, h));
+        assert!(screen.contains("terminal too small"), "{w}x{h}:\n{screen}");
+        if w >= 44 {
+            assert!(screen.contains(&format!("need 80×24, have {w}×{h}")), "{screen}");
+        }
+    }
+    insta::assert_snapshot!("too_small_60x20", text(&draw(&app, 60, 20)));
+    // Growing back: a fetch for the taller page, and the pane is drawn again.
+    assert!(matches!(app.update(Action::Resize(80, 24)), Some(Request::Fetch { .. })));
+    let screen = text(&draw(&app, 80, 24));
+    assert!(!screen.contains("too small") && screen.contains("Outcome unknown"), "{screen}");
+    assert!(screen.lines().nth(3).unwrap().contains("7 Metrics"), "every tab fits:\n{screen}");
+    // The active filter stays visible at 80 columns.
+    app.filter = "tenant:acme state:unknown".into();
+    let screen = text(&draw(&app, 80, 24));
+    assert!(screen.lines().nth(2).unwrap().contains("filter /tenant:acme state:unknown"), "{screen}");
+}

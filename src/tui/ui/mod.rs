@@ -89,9 +89,25 @@ pub fn escaped(lines: Vec<ratatui::text::Line<'_>>) -> Vec<ratatui::text::Line<'
         .collect()
 }
 
-/// Draws the whole console.
+/// The smallest terminal every pane is laid out for.
+pub const MIN_SIZE: (u16, u16) = (80, 24);
+
+/// Draws the whole console (below [`MIN_SIZE`], only what size it needs: the
+/// console comes back as soon as the terminal is large enough).
 pub fn render(app: &App, frame: &mut Frame) {
     let t = Theme::of(app);
+    let area = frame.area();
+    if area.width < MIN_SIZE.0 || area.height < MIN_SIZE.1 {
+        let lines = vec![
+            Line::from(Span::styled(
+                format!("terminal too small: need {}×{}, have {}×{}", MIN_SIZE.0, MIN_SIZE.1, area.width, area.height),
+                t.warn(),
+            )),
+            Line::from(Span::styled("enlarge it to continue; Q quits", t.dim())),
+        ];
+        frame.render_widget(Paragraph::new(lines).wrap(ratatui::widgets::Wrap { trim: true }), area);
+        return;
+    }
     let [header, tabs, body, footer] =
         Layout::vertical([Constraint::Length(3), Constraint::Length(1), Constraint::Min(3), Constraint::Length(2)])
             .areas(frame.area());
@@ -152,23 +168,29 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     }
     let dups = app.header.side_effect_duplicates;
     let dup_style = if dups == 0 { t.ok() } else { t.bad() };
+    // At 80 columns the labels are shorter, so the active filter stays in view.
+    let (dup_l, pend_l, old_l, sep) = if narrow {
+        ("duplicates ", "  pending ", "  oldest ", "  ")
+    } else {
+        ("duplicate effects ", "   pending approvals ", "   oldest unknown ", "   ")
+    };
     let mut l3 = vec![
-        Span::styled("duplicate effects ", t.dim()),
+        Span::styled(dup_l, t.dim()),
         Span::styled(format!(" {dups} "), dup_style.add_modifier(Modifier::REVERSED)),
-        Span::styled("   pending approvals ", t.dim()),
+        Span::styled(pend_l, t.dim()),
         Span::raw(app.header.pending_approvals.to_string()),
     ];
     if let Some(at) = app.header.oldest_unknown_at {
-        l3.push(Span::styled("   oldest unknown ", t.dim()));
+        l3.push(Span::styled(old_l, t.dim()));
         l3.push(Span::styled(human_ms(app.now_ms.saturating_sub(at)), t.bad()));
     }
     if app.lab.fault_bp > 0 {
-        l3.push(Span::styled("   faults ", t.dim()));
+        l3.push(Span::styled(format!("{sep}faults "), t.dim()));
         l3.push(Span::styled(crate::tui::app::percent(app.lab.fault_bp), t.warn()));
     }
     if !app.filter.is_empty() || app.mode == Mode::Filter {
-        l3.push(Span::styled("   filter ", t.dim()));
-        l3.push(Span::styled(format!("/{}", app.filter), t.accent()));
+        l3.push(Span::styled(format!("{sep}filter "), t.dim()));
+        l3.push(Span::styled(format!("/{}", super::format::short(&app.filter, 80)), t.accent()));
         if app.mode == Mode::Filter {
             l3.push(Span::styled("▏", t.accent()));
         }
@@ -177,8 +199,10 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
 }
 
 fn render_tabs(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    // Below 100 columns "Walkthrough" reads "Walk", so every tab fits at 80.
+    let title = |p: Pane| if area.width < 100 && p == Pane::Walkthrough { "Walk" } else { p.title() };
     let titles: Vec<Line> =
-        Pane::ALL.iter().enumerate().map(|(i, p)| Line::from(format!("{} {}", i + 1, p.title()))).collect();
+        Pane::ALL.iter().enumerate().map(|(i, p)| Line::from(format!("{} {}", i + 1, title(*p)))).collect();
     let idx = Pane::ALL.iter().position(|p| *p == app.pane).unwrap_or(0);
     let tabs = Tabs::new(titles).select(idx).highlight_style(t.accent().add_modifier(Modifier::REVERSED)).divider("│");
     frame.render_widget(tabs, area);
