@@ -377,6 +377,25 @@ fn smoke_the_real_binary_in_a_pseudo_terminal() {
     wait_for("Status query");
     writer.write_all(b"\r").unwrap();
     wait_for("cancelled");
+    // issue 19: the command bar opens a prefix into a detail (with why it is stuck).
+    writer.write_all(b":op op_5706\r").unwrap();
+    wait_for("Operation detail");
+    wait_for("does not know the key");
+    writer.write_all(b"\x1b").unwrap();
+    // Sort the Unknown pane both ways.
+    writer.write_all(b":unknown\r").unwrap();
+    wait_for("sort updated ↑");
+    writer.write_all(b":sort since\r").unwrap();
+    wait_for("sort since ↑");
+    writer.write_all(b"S").unwrap();
+    wait_for("sort since ↓");
+    // Too small, then back.
+    parser.lock().unwrap().screen_mut().set_size(20, 60);
+    pair.master.resize(portable_pty::PtySize { rows: 20, cols: 60, pixel_width: 0, pixel_height: 0 }).unwrap();
+    wait_for("terminal too small: need 80×24, have 60×20");
+    parser.lock().unwrap().screen_mut().set_size(24, 80);
+    pair.master.resize(portable_pty::PtySize { rows: 24, cols: 80, pixel_width: 0, pixel_height: 0 }).unwrap();
+    wait_for("sort since ↓");
     writer.write_all(b"Q").unwrap();
     let start = Instant::now();
     let status = loop {
