@@ -2,7 +2,7 @@
 //! index-backed, only what is visible.
 
 use super::{Engine, EngineError};
-use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow, OpsView, StoreError};
+use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow, OpsView, Order, StoreError};
 
 /// The numbers in the console's header.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -21,45 +21,60 @@ pub struct HeaderCounts {
 }
 
 impl Engine {
-    /// A page of the ledger or of the unknown queue.
+    /// A page of the ledger or of the unknown queue, in `order` (a column of
+    /// [`crate::store::OPS_SORT`]).
     pub fn ops_page(
         &mut self,
         view: OpsView,
         filter: &str,
+        order: Order,
         cursor: Option<&Cursor>,
         limit: i64,
     ) -> Result<Vec<OperationRow>, EngineError> {
-        Ok(self.store.read(|tx| tx.ops_page(view, filter, cursor, limit))?)
+        Ok(self.store.read(|tx| tx.ops_page(view, filter, order, cursor, limit))?)
     }
 
     /// A page of in-flight and waiting outbox rows.
     pub fn live_page(
         &mut self,
         filter: &str,
+        order: Order,
         cursor: Option<&Cursor>,
         limit: i64,
     ) -> Result<Vec<LiveRow>, EngineError> {
-        Ok(self.store.read(|tx| tx.live_page(filter, cursor, limit))?)
+        Ok(self.store.read(|tx| tx.live_page(filter, order, cursor, limit))?)
     }
 
     /// A page of pending approvals.
     pub fn approvals_page(
         &mut self,
         filter: &str,
+        order: Order,
         cursor: Option<&Cursor>,
         limit: i64,
     ) -> Result<Vec<ApprovalRow>, EngineError> {
-        Ok(self.store.read(|tx| tx.approvals_page(filter, cursor, limit))?)
+        Ok(self.store.read(|tx| tx.approvals_page(filter, order, cursor, limit))?)
     }
 
     /// A page of the operator log, filtered like the other panes.
     pub fn audit_page(
         &mut self,
         filter: &str,
-        before_seq: Option<i64>,
+        order: Order,
+        cursor: Option<&Cursor>,
         limit: i64,
     ) -> Result<Vec<AuditRow>, EngineError> {
-        Ok(self.store.read(|tx| tx.audit_page(filter, before_seq, limit))?)
+        Ok(self.store.read(|tx| tx.audit_page(filter, order, cursor, limit))?)
+    }
+
+    /// Operations whose id starts with `prefix`, at most `limit`, in id order.
+    pub fn operation_ids_with_prefix(&mut self, prefix: &str, limit: i64) -> Result<Vec<String>, EngineError> {
+        Ok(self.store.read(|tx| tx.operation_ids_with_prefix(prefix, limit))?)
+    }
+
+    /// Operations holding idempotency key `key` in `tenant`, at most `limit`.
+    pub fn operation_ids_with_key(&mut self, key: &str, tenant: &str, limit: i64) -> Result<Vec<String>, EngineError> {
+        Ok(self.store.read(|tx| tx.operation_ids_with_key(key, tenant, limit))?)
     }
 
     /// Header counts.

@@ -25,7 +25,9 @@ pub use resilience::{CircuitRow, RetryBudgetRow, MILLI_TOKEN};
 pub use rows::*;
 pub use sql::Backend;
 use sql::{params, Conn};
-pub use views::{Cursor, LiveRow, OpsView};
+pub use views::{
+    cursor_after, Cursor, Key, LiveRow, OpsView, Order, SortColumn, APPROVALS_SORT, AUDIT_SORT, LIVE_SORT, OPS_SORT,
+};
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
 const MIGRATIONS: [&str; 9] = [

@@ -5,10 +5,16 @@
 use crate::engine::envelope::Envelope;
 use crate::engine::views::HeaderCounts;
 use crate::engine::{OperationDetail, Resolution};
-use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow};
+use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow, Order};
 
+mod command;
 mod lab;
+mod sort;
+mod why;
+pub use command::{parse as parse_command, Command, CommandBar, CommandSpec, COMMANDS, MATCHES_SHOWN};
 pub use lab::{percent, AgentsView, LabView, FAULT_STEPS};
+pub use sort::{columns as sort_columns, default_order};
+pub use why::{explain, reason, Why};
 
 /// The panes, in tab order (number keys 1..=7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -69,6 +75,8 @@ pub enum Mode {
     Form,
     /// The lab panel (defenses off, demo databases only).
     Lab,
+    /// Typing in the command bar (`:`).
+    Command,
 }
 
 /// What the user (or the engine thread) asked for.
@@ -100,6 +108,18 @@ pub enum Action {
     Back,
     /// `/`: start typing a filter.
     StartFilter,
+    /// `:`: open the command bar.
+    StartCommand,
+    /// `s`: sort by the next column.
+    CycleSort,
+    /// `S`: reverse the sort.
+    ReverseSort,
+    /// Tab in the command bar: complete.
+    Complete,
+    /// Up in the command bar: the previous history entry.
+    HistoryPrev,
+    /// Down in the command bar: the next history entry.
+    HistoryNext,
     /// A typed character (filter or form).
     Input(char),
     /// Backspace (filter or form).
@@ -204,6 +224,15 @@ pub enum EngineEvent {
         /// One line for the status bar.
         summary: String,
     },
+    /// The operations a `:op` prefix or a `:key` lookup found.
+    Found {
+        /// The lookup, for people (`op_64`, `key K in acme`).
+        asked: String,
+        /// The `:op` argument (put back in the bar when several match).
+        prefix: Option<String>,
+        /// Matching operation ids, in id order (one more than are shown, at most).
+        ids: Vec<String>,
+    },
     /// A walkthrough step ran.
     Walkthrough(WalkthroughView),
     /// The lab's state (with every refresh).
@@ -257,6 +286,8 @@ pub enum Request {
         pane: Pane,
         /// Filter text.
         filter: String,
+        /// Order (a column of the pane's table in the store, and the direction).
+        order: Order,
         /// Keyset cursor (the last row of the previous page).
         cursor: Option<Cursor>,
         /// Rows that fit on screen.
@@ -264,6 +295,22 @@ pub enum Request {
     },
     /// Load one operation's detail.
     Detail(String),
+    /// Operations whose id starts with `prefix` (`:op`).
+    FindOperation {
+        /// What was typed.
+        prefix: String,
+        /// Most ids to return.
+        limit: i64,
+    },
+    /// Operations with this idempotency key in this tenant (`:key`).
+    FindByKey {
+        /// The caller's key.
+        key: String,
+        /// Tenant.
+        tenant: String,
+        /// Most ids to return.
+        limit: i64,
+    },
     /// Explicit status query.
     Query {
         /// Operation.
@@ -335,6 +382,8 @@ pub enum FormKind {
     Deny {
         /// Approval.
         approval_id: String,
+        /// What the approver would have seen (amount, order, requester, expiry).
+        evidence: Vec<String>,
     },
     /// Resolve an operation.
     Resolve {
@@ -405,6 +454,8 @@ pub struct App {
     pub cursor: Option<Cursor>,
     /// Filter being typed or applied.
     pub filter: String,
+    /// Each pane's order, once sorted (else its default).
+    pub sorts: std::collections::HashMap<Pane, Order>,
     /// Header counts.
     pub header: HeaderCounts,
     /// Detail view contents.
@@ -417,6 +468,15 @@ pub struct App {
     pub form: Option<Form>,
     /// Mode to return to from help.
     pub help_return: Mode,
+    /// Help overlay scroll.
+    pub help_scroll: u16,
+    /// The command bar.
+    pub command: CommandBar,
+    /// Mode to return to when a command leaves the bar without switching.
+    pub command_return: Mode,
+    /// Mode to return to when a confirm dialog or form closes (the detail view
+    /// when it was opened there).
+    pub dialog_return: Mode,
     /// Status-bar line and whether it is an error.
     pub status: Option<(String, bool)>,
     /// Now, for countdowns.
@@ -468,12 +528,17 @@ impl App {
             page_stack: Vec::new(),
             cursor: None,
             filter: String::new(),
+            sorts: std::collections::HashMap::new(),
             header: HeaderCounts::default(),
             detail: None,
             detail_scroll: 0,
             confirm: None,
             form: None,
             help_return: Mode::Normal,
+            help_scroll: 0,
+            command: CommandBar::default(),
+            command_return: Mode::Normal,
+            dialog_return: Mode::Normal,
             status: None,
             now_ms,
             size: (80, 24),
@@ -498,6 +563,7 @@ impl App {
         Request::Fetch {
             pane: self.pane,
             filter: self.filter.clone(),
+            order: self.order(),
             cursor: self.cursor.clone(),
             limit: self.visible_rows(),
         }
@@ -520,7 +586,12 @@ impl App {
         }
     }
 
+    /// The operation an action is about: the one in the detail view, or the
+    /// selected row of an operations pane.
     fn selected_op(&self) -> Option<&OperationRow> {
+        if self.mode == Mode::Detail {
+            return self.detail.as_ref().map(|d| &d.operation);
+        }
         match &self.rows {
             Rows::Ops(r) => r.get(self.selected),
             _ => None,
@@ -566,11 +637,23 @@ impl App {
                     | Action::AskDeny
                     | Action::AskResolve
                     | Action::AskCancel
+                    | Action::CycleSort
+                    | Action::ReverseSort
             )
     }
 
     fn say(&mut self, text: impl Into<String>, error: bool) {
         self.status = Some((text.into(), error));
+    }
+
+    /// An action that does not apply: in the detail view, to this operation's
+    /// state; in a pane, to the selection (`pane_text`).
+    fn say_not_applicable(&mut self, what: &str, pane_text: &str) {
+        let text = match self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
+            Some(d) => format!("{} is {}: cannot {what}", d.operation.id, d.operation.state),
+            None => pane_text.to_string(),
+        };
+        self.say(text, true);
     }
 
     fn refuse_read_only(&mut self) -> bool {
@@ -581,10 +664,7 @@ impl App {
     }
 
     fn ago(&self, at: Option<i64>) -> String {
-        at.map_or_else(
-            || "never".to_string(),
-            |t| format!("{} ago", super::ui::human_ms(self.now_ms.saturating_sub(t))),
-        )
+        super::format::ago(self.now_ms, at)
     }
 
     /// Handles one action; returns a request for the engine thread, if any.
@@ -623,13 +703,29 @@ impl App {
     }
 
     fn update_now(&mut self, action: Action) -> Option<Request> {
-        if self.mode == Mode::Help
-            && !matches!(
-                action,
-                Action::ToggleHelp | Action::Back | Action::Tick(_) | Action::Engine(_) | Action::Resize(..)
-            )
-        {
-            self.mode = self.help_return;
+        let from = self.mode;
+        let out = self.update_mode(action);
+        let dialog = |m: Mode| matches!(m, Mode::Confirm | Mode::Form);
+        if dialog(self.mode) && !dialog(from) {
+            self.dialog_return = if from == Mode::Detail { Mode::Detail } else { Mode::Normal };
+        }
+        out
+    }
+
+    fn update_mode(&mut self, action: Action) -> Option<Request> {
+        if self.mode == Mode::Help {
+            match action {
+                Action::Up | Action::Scroll(-1) => {
+                    self.help_scroll = self.help_scroll.saturating_sub(1);
+                    return None;
+                }
+                Action::Down | Action::Scroll(1) => {
+                    self.help_scroll = self.help_scroll.saturating_add(1).min(200);
+                    return None;
+                }
+                Action::ToggleHelp | Action::Back | Action::Tick(_) | Action::Engine(_) | Action::Resize(..) => {}
+                _ => self.mode = self.help_return,
+            }
         }
         if let lab::Intercept::Handled(r) = self.lab_intercept(&action) {
             return r;
@@ -661,6 +757,7 @@ impl App {
                     self.mode = self.help_return;
                 } else {
                     self.help_return = self.mode;
+                    self.help_scroll = 0;
                     self.mode = Mode::Help;
                 }
                 None
@@ -734,14 +831,18 @@ impl App {
                     Mode::Filter => {
                         self.mode = Mode::Normal;
                     }
+                    Mode::Command => {
+                        self.command.open();
+                        self.mode = self.command_return;
+                    }
                     Mode::Confirm => {
                         self.confirm = None;
-                        self.mode = Mode::Normal;
+                        self.mode = self.dialog_return;
                         self.say("cancelled", false);
                     }
                     Mode::Form => {
                         self.form = None;
-                        self.mode = Mode::Normal;
+                        self.mode = self.dialog_return;
                         self.say("cancelled", false);
                     }
                     Mode::Normal => {
@@ -759,12 +860,28 @@ impl App {
                 self.mode = Mode::Filter;
                 None
             }
+            Action::StartCommand => self.start_command(),
+            Action::CycleSort => self.cycle_sort(),
+            Action::ReverseSort => self.reverse_sort(),
+            Action::Complete => {
+                self.command.complete(&sort::columns(self.pane));
+                None
+            }
+            Action::HistoryPrev => {
+                self.command.older();
+                None
+            }
+            Action::HistoryNext => {
+                self.command.newer();
+                None
+            }
             Action::Input(c) => self.on_input(c),
             Action::Backspace => {
                 match self.mode {
                     Mode::Filter => {
                         self.filter.pop();
                     }
+                    Mode::Command => self.command.pop(),
                     Mode::Form => {
                         if let Some(f) = self.form.as_mut() {
                             match f.field {
@@ -793,7 +910,11 @@ impl App {
                 Some(Request::SetLive(self.live))
             }
             Action::Copy => {
-                if let Some(id) = self.selected_id() {
+                let id = match self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
+                    Some(d) => Some(d.operation.id.clone()),
+                    None => self.selected_id(),
+                };
+                if let Some(id) = id {
                     self.say(format!("copied {id}"), false);
                     self.clipboard = Some(id);
                 }
@@ -813,9 +934,10 @@ impl App {
                     self.say(why, true);
                     return None;
                 }
-                let approval_id = a.id.clone();
+                let a = a.clone();
+                let evidence = self.approval_evidence(&a);
                 self.form = Some(Form {
-                    kind: FormKind::Deny { approval_id },
+                    kind: FormKind::Deny { approval_id: a.id.clone(), evidence },
                     choice: None,
                     evidence: String::new(),
                     note: String::new(),
@@ -831,7 +953,10 @@ impl App {
                 }
                 let Some(op) = self.selected_op().filter(|o| matches!(o.state.as_str(), "unknown" | "needs_review"))
                 else {
-                    self.say("select an unknown or needs_review operation (pane 4) to resolve", true);
+                    self.say_not_applicable(
+                        "resolve it (only unknown or needs_review)",
+                        "select an unknown or needs_review operation (pane 4) to resolve",
+                    );
                     return None;
                 };
                 let kind = FormKind::Resolve {
@@ -876,13 +1001,7 @@ impl App {
     }
 
     fn page_down(&mut self) -> Option<Request> {
-        let key = match &self.rows {
-            Rows::Live(r) => r.last().map(|x| (x.available_at, x.operation_id.clone())),
-            Rows::Ops(r) => r.last().map(|x| (x.updated_at, x.id.clone())),
-            Rows::Approvals(r) => r.last().map(|x| (x.expires_at, x.id.clone())),
-            Rows::Audit(r) => r.last().map(|x| (x.seq, String::new())),
-            Rows::Metrics(_) | Rows::Empty => None,
-        };
+        let key = self.next_cursor();
         if (self.row_count() as i64) < self.visible_rows() || key.is_none() {
             self.selected = self.row_count().saturating_sub(1);
             return None;
@@ -927,8 +1046,13 @@ impl App {
             }
             EngineEvent::Done { ok, summary } => {
                 self.say(summary, !ok);
+                // An action taken from the detail view: show what it changed there too.
+                if let Some(d) = self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
+                    self.pending_requests.push(Request::Detail(d.operation.id.clone()));
+                }
                 Some(self.fetch())
             }
+            EngineEvent::Found { asked, prefix, ids } => self.on_found(&asked, prefix.as_deref(), ids),
             EngineEvent::Lab(v) => {
                 self.lab = v;
                 None
@@ -950,7 +1074,7 @@ impl App {
         }
         let Some(op) = self.selected_op().filter(|o| !matches!(o.state.as_str(), "succeeded" | "failed" | "resolved"))
         else {
-            self.say("select an unknown operation (pane 4) to query its status", true);
+            self.say_not_applicable("query its status", "select an unknown operation (pane 4) to query its status");
             return None;
         };
         let evidence = vec![
@@ -990,7 +1114,7 @@ impl App {
             return Err(format!(
                 "{} expired {} ago (expiry is exclusive): it can no longer be approved or denied; the agent's next call asks anew",
                 a.id,
-                super::ui::human_ms(self.now_ms.saturating_sub(a.expires_at))
+                super::format::human_ms(self.now_ms.saturating_sub(a.expires_at))
             ));
         }
         let allowed = self.header.approvers.get(&a.tenant).is_some_and(|l| l.contains(&self.operator));
@@ -1008,6 +1132,35 @@ impl App {
         Ok(())
     }
 
+    /// What an approver sees before approving or denying: from the bound,
+    /// digest-checked request (amount as money, order), who asked, the expiry.
+    fn approval_evidence(&self, a: &ApprovalRow) -> Vec<String> {
+        let left = a.expires_at.saturating_sub(self.now_ms);
+        let amount = match (super::format::approval_money(a), crate::engine::approval_amount(a)) {
+            (Some(m), Some(minor)) => format!("{m}  ({minor} minor units)"),
+            _ => "- (none, or the record is damaged: toolgate audit)".to_string(),
+        };
+        let order = crate::engine::approval_amount(a)
+            .is_some()
+            .then(|| serde_json::from_str::<serde_json::Value>(&a.request_json).ok())
+            .flatten()
+            .and_then(|v| v["arguments"]["order_ref"].as_str().map(|s| super::format::short(s, 40)));
+        let mut evidence = vec![
+            format!("approval    {}", a.id),
+            format!("tool        {}  tenant {}  requester {}", a.tool, a.tenant, a.subject),
+            format!("amount      {amount}"),
+        ];
+        if let Some(o) = order {
+            evidence.push(format!("order       {o}"));
+        }
+        evidence.extend([
+            format!("request     {}…", crate::display::digest(&a.request_sha256, 16)),
+            format!("expires in  {}", crate::display::countdown(left)),
+            format!("approver    {}  (may approve: {})", self.operator, self.approvers_of(&a.tenant)),
+        ]);
+        evidence
+    }
+
     fn ask_approve(&mut self) -> Option<Request> {
         if self.refuse_read_only() {
             return None;
@@ -1021,18 +1174,7 @@ impl App {
             return None;
         }
         let a = a.clone();
-        let left = a.expires_at.saturating_sub(self.now_ms);
-        // What the approver sees comes from the bound, digest-checked request.
-        let amount = crate::engine::approval_amount(&a)
-            .map_or_else(|| "- (none, or the record is damaged: toolgate audit)".to_string(), |v| v.to_string());
-        let evidence = vec![
-            format!("approval    {}", a.id),
-            format!("tool        {}  tenant {}  requester {}", a.tool, a.tenant, a.subject),
-            format!("amount      {amount}"),
-            format!("request     {}…", crate::display::digest(&a.request_sha256, 16)),
-            format!("expires in  {}", crate::display::countdown(left)),
-            format!("approver    {}  (may approve: {})", self.operator, self.approvers_of(&a.tenant)),
-        ];
+        let evidence = self.approval_evidence(&a);
         self.confirm = Some(Confirm {
             title: "Approve and execute".into(),
             evidence,
@@ -1049,6 +1191,10 @@ impl App {
                 if self.filter.len() < 80 && !c.is_control() {
                     self.filter.push(c);
                 }
+                None
+            }
+            Mode::Command => {
+                self.command.push(c);
                 None
             }
             Mode::Form => {
@@ -1110,6 +1256,7 @@ impl App {
 
     fn on_submit(&mut self) -> Option<Request> {
         match self.mode {
+            Mode::Command => self.submit_command(),
             Mode::Filter => {
                 self.mode = Mode::Normal;
                 self.cursor = None;
@@ -1120,7 +1267,7 @@ impl App {
             Mode::Confirm => {
                 let c = self.confirm.take()?;
                 // A lab switch was asked from the lab panel: back to it.
-                self.mode = if matches!(c.request, Request::SetLab(_)) { Mode::Lab } else { Mode::Normal };
+                self.mode = if matches!(c.request, Request::SetLab(_)) { Mode::Lab } else { self.dialog_return };
                 if c.on_confirm {
                     self.say(format!("{}: sent", c.title), false);
                     Some(c.request)
@@ -1153,9 +1300,9 @@ impl App {
                 }
                 let (title, evidence, request) = match &f.kind {
                     FormKind::Cancel { .. } => return None,
-                    FormKind::Deny { approval_id } => (
+                    FormKind::Deny { approval_id, evidence } => (
                         "Deny approval".to_string(),
-                        vec![format!("approval    {approval_id}"), format!("note        {}", f.note)],
+                        evidence.iter().cloned().chain([format!("note        {}", f.note)]).collect(),
                         Request::Deny { approval_id: approval_id.clone(), note: f.note.clone() },
                     ),
                     FormKind::Resolve { operation_id, seen_version, last_query } => {

@@ -101,17 +101,20 @@ fn work(mut engine: Engine, stop: &AtomicBool, events: &UnboundedSender<Action>)
 struct View {
     pane: Pane,
     filter: String,
+    order: crate::store::Order,
     cursor: Option<crate::store::Cursor>,
     limit: i64,
 }
 
 fn fetch(engine: &mut Engine, v: &View) -> Result<EngineEvent, EngineError> {
     let rows = match v.pane {
-        Pane::Live => Rows::Live(engine.live_page(&v.filter, v.cursor.as_ref(), v.limit)?),
-        Pane::Ledger => Rows::Ops(engine.ops_page(OpsView::All, &v.filter, v.cursor.as_ref(), v.limit)?),
-        Pane::Unknown => Rows::Ops(engine.ops_page(OpsView::Unknown, &v.filter, v.cursor.as_ref(), v.limit)?),
-        Pane::Approvals => Rows::Approvals(engine.approvals_page(&v.filter, v.cursor.as_ref(), v.limit)?),
-        Pane::Audit => Rows::Audit(engine.audit_page(&v.filter, v.cursor.as_ref().map(|c| c.0), v.limit)?),
+        Pane::Live => Rows::Live(engine.live_page(&v.filter, v.order, v.cursor.as_ref(), v.limit)?),
+        Pane::Ledger => Rows::Ops(engine.ops_page(OpsView::All, &v.filter, v.order, v.cursor.as_ref(), v.limit)?),
+        Pane::Unknown => {
+            Rows::Ops(engine.ops_page(OpsView::Unknown, &v.filter, v.order, v.cursor.as_ref(), v.limit)?)
+        }
+        Pane::Approvals => Rows::Approvals(engine.approvals_page(&v.filter, v.order, v.cursor.as_ref(), v.limit)?),
+        Pane::Audit => Rows::Audit(engine.audit_page(&v.filter, v.order, v.cursor.as_ref(), v.limit)?),
         Pane::Walkthrough => Rows::Empty,
         Pane::Metrics => Rows::Metrics(Box::new(crate::telemetry::metrics::snapshot(
             engine,
@@ -123,7 +126,13 @@ fn fetch(engine: &mut Engine, v: &View) -> Result<EngineEvent, EngineError> {
 }
 
 fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>, events: &UnboundedSender<Action>) {
-    let mut view = View { pane: Pane::Unknown, filter: String::new(), cursor: None, limit: 20 };
+    let mut view = View {
+        pane: Pane::Unknown,
+        filter: String::new(),
+        order: super::app::default_order(Pane::Unknown),
+        cursor: None,
+        limit: 20,
+    };
     let mut live = true;
     let mut seen_version = -1;
     let mut last_fetch = Instant::now();
@@ -227,8 +236,8 @@ fn handle(
         Err(e) => EngineEvent::Done { ok: false, summary: format!("{}: {e}", e.code()) },
     };
     match req {
-        Request::Fetch { pane, filter, cursor, limit } => {
-            *view = View { pane, filter, cursor, limit };
+        Request::Fetch { pane, filter, order, cursor, limit } => {
+            *view = View { pane, filter, order, cursor, limit };
             (None, true)
         }
         Request::SetLive(on) => {
@@ -269,6 +278,21 @@ fn handle(
             Ok(None) => (Some(EngineEvent::Error("no such operation".into())), false),
             Err(e) => (Some(EngineEvent::Error(e.to_string())), false),
         },
+        Request::FindOperation { prefix, limit } => {
+            let ev = match engine.operation_ids_with_prefix(&prefix, limit) {
+                Ok(ids) => EngineEvent::Found { asked: prefix.clone(), prefix: Some(prefix), ids },
+                Err(e) => EngineEvent::Error(e.to_string()),
+            };
+            (Some(ev), false)
+        }
+        Request::FindByKey { key, tenant, limit } => {
+            // The key itself is not echoed back: screens show keys only as digests.
+            let ev = match engine.operation_ids_with_key(&key, &tenant, limit) {
+                Ok(ids) => EngineEvent::Found { asked: format!("that key in {tenant}"), prefix: None, ids },
+                Err(e) => EngineEvent::Error(e.to_string()),
+            };
+            (Some(ev), false)
+        }
         Request::Query { operation_id } => {
             let r = engine.operator_query(&operation_id, &opts.operator).map(|env| {
                 let (_, s) = summarize(&env);

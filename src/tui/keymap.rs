@@ -99,8 +99,14 @@ pub fn normal() -> Vec<Binding> {
                 None
             }
         }),
+        bind!("s", "sort by the next column (the header shows column and direction)", false, |k| {
+            ch(k, 's').then_some(Action::CycleSort)
+        }),
+        bind!("S", "reverse the sort", false, |k| ch(k, 'S').then_some(Action::ReverseSort)),
         bind!("/", "filter by id, tenant, subject, state or tool", false, |k| ch(k, '/')
             .then_some(Action::StartFilter)),
+        bind!(":", "command bar (:op ID, :unknown, :filter EXPR, :q …; listed below)", false, |k| ch(k, ':')
+            .then_some(Action::StartCommand)),
         bind!("y", "copy the selected id (OSC 52)", false, |k| ch(k, 'y').then_some(Action::Copy)),
         bind!("space", "pause / resume live refresh", false, |k| ch(k, ' ').then_some(Action::TogglePause)),
         bind!("?", "this help", false, |k| ch(k, '?').then_some(Action::ToggleHelp)),
@@ -120,7 +126,12 @@ fn detail() -> Vec<Binding> {
         }),
         bind!("Esc / Enter", "back", false, |k| matches!(k.code, KeyCode::Esc | KeyCode::Enter)
             .then_some(Action::Back)),
+        bind!("q", "status query on this operation", true, |k| ch(k, 'q').then_some(Action::AskQuery)),
+        bind!("r", "resolve this operation (unknown / needs_review)", true, |k| ch(k, 'r')
+            .then_some(Action::AskResolve)),
+        bind!("c", "cancel this operation (accepted / in-flight)", true, |k| ch(k, 'c').then_some(Action::AskCancel)),
         bind!("y", "copy the operation id", false, |k| ch(k, 'y').then_some(Action::Copy)),
+        bind!(":", "command bar", false, |k| ch(k, ':').then_some(Action::StartCommand)),
         bind!("?", "help", false, |k| ch(k, '?').then_some(Action::ToggleHelp)),
         bind!("Q", "quit", false, |k| ch(k, 'Q').then_some(Action::Quit)),
     ]
@@ -141,6 +152,25 @@ fn text_entry() -> Vec<Binding> {
             KeyCode::Right => Some(Action::ChoiceRight),
             _ => None,
         }),
+        bind!("any character", "type", false, |k| match k.code {
+            KeyCode::Char(c) if !k.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::Input(c)),
+            _ => None,
+        }),
+    ]
+}
+
+fn command() -> Vec<Binding> {
+    vec![
+        bind!("Enter", "run the command", false, |k| (k.code == KeyCode::Enter).then_some(Action::Submit)),
+        bind!("Esc", "close the command bar", false, |k| (k.code == KeyCode::Esc).then_some(Action::Back)),
+        bind!("Tab", "complete a command, pane name or listed id", false, |k| (k.code == KeyCode::Tab)
+            .then_some(Action::Complete)),
+        bind!("Up Down", "command history", false, |k| match k.code {
+            KeyCode::Up => Some(Action::HistoryPrev),
+            KeyCode::Down => Some(Action::HistoryNext),
+            _ => None,
+        }),
+        bind!("Backspace", "delete", false, |k| (k.code == KeyCode::Backspace).then_some(Action::Backspace)),
         bind!("any character", "type", false, |k| match k.code {
             KeyCode::Char(c) if !k.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::Input(c)),
             _ => None,
@@ -185,9 +215,18 @@ fn lab() -> Vec<Binding> {
 }
 
 fn help() -> Vec<Binding> {
-    vec![bind!("? / Esc / Q", "close help", false, |k| {
-        (ch(k, '?') || k.code == KeyCode::Esc || ch(k, 'Q')).then_some(Action::ToggleHelp)
-    })]
+    vec![
+        bind!("? / Esc / Q", "close help", false, |k| {
+            (ch(k, '?') || k.code == KeyCode::Esc || ch(k, 'Q')).then_some(Action::ToggleHelp)
+        }),
+        bind!("j k / Down Up", "scroll the help", false, |k| match k.code {
+            KeyCode::Down => Some(Action::Down),
+            KeyCode::Up => Some(Action::Up),
+            _ if ch(k, 'j') => Some(Action::Down),
+            _ if ch(k, 'k') => Some(Action::Up),
+            _ => None,
+        }),
+    ]
 }
 
 /// The bindings of a mode (without the global ones).
@@ -198,6 +237,7 @@ pub fn bindings(mode: Mode) -> Vec<Binding> {
         Mode::Filter | Mode::Form => text_entry(),
         Mode::Confirm => confirm(),
         Mode::Lab => lab(),
+        Mode::Command => command(),
         // Any other key closes help and does what it does in the mode below.
         Mode::Help => help().into_iter().chain(normal()).collect(),
     }

@@ -8,6 +8,7 @@
 
 pub mod app;
 pub mod backend;
+pub mod format;
 pub mod keymap;
 pub mod ui;
 pub mod walkthrough;

@@ -153,6 +153,14 @@ impl App {
             return None;
         }
         let picked = match &self.rows {
+            _ if self.mode == Mode::Detail => self.detail.as_ref().map(|d| {
+                let o = &d.operation;
+                let attempts = d
+                    .outbox
+                    .as_ref()
+                    .map(|ob| format!("{} (last: {})", ob.attempt, ob.last_code.clone().unwrap_or_else(|| "-".into())));
+                (o.id.clone(), o.state.clone(), Some(o.version), o.tool.clone(), attempts)
+            }),
             Rows::Ops(r) => {
                 r.get(self.selected).map(|o| (o.id.clone(), o.state.clone(), Some(o.version), o.tool.clone(), None))
             }
@@ -171,7 +179,10 @@ impl App {
         let Some((operation_id, state, seen_version, tool, attempts)) =
             picked.filter(|p| matches!(p.1.as_str(), "accepted" | "in_flight"))
         else {
-            self.say("select an accepted or in-flight operation (pane 1 or 2) to cancel", true);
+            self.say_not_applicable(
+                "cancel it (only accepted or in_flight)",
+                "select an accepted or in-flight operation (pane 1 or 2) to cancel",
+            );
             return None;
         };
         let kind = FormKind::Cancel { operation_id, state, seen_version, tool, attempts };

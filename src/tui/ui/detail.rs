@@ -6,9 +6,10 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Paragraph, Wrap};
 use ratatui::Frame;
 
-use super::{human_ms, Theme};
+use super::Theme;
 use crate::engine::clock::rfc3339;
 use crate::tui::app::App;
+use crate::tui::format::human_ms;
 
 /// Draws the detail view.
 pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
@@ -20,12 +21,23 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     };
     let o = &d.operation;
     let kv = |k: &str, v: String| Line::from(vec![Span::styled(format!("  {k:<16}"), t.dim()), Span::raw(v)]);
-    let mut lines = vec![
-        Line::from(vec![
-            Span::styled(format!("  {}  ", o.id), t.accent()),
-            Span::styled(o.state.clone(), t.state(&o.state)),
-            Span::raw(format!("  version {}", o.version)),
-        ]),
+    let mut lines = vec![Line::from(vec![
+        Span::styled(format!("  {}  ", o.id), t.accent()),
+        Span::styled(o.state.clone(), t.state(&o.state)),
+        Span::raw(format!("  version {}", o.version)),
+    ])];
+    // Not terminal: why it is where it is, and the next safe step, first.
+    // Wrapped under their label, so the label column stays clear.
+    if let Some(why) = crate::tui::app::explain(d, app.now_ms) {
+        let room = usize::from(area.width.saturating_sub(9)).max(20);
+        for (label, text, style) in [("why", why.sentence, t.warn()), ("next", why.next, t.accent())] {
+            for (i, part) in super::lab::wrap(&text, room).into_iter().enumerate() {
+                let label = if i == 0 { label } else { "" };
+                lines.push(Line::from(vec![Span::styled(format!("  {label:<6}"), style), Span::raw(part)]));
+            }
+        }
+    }
+    lines.extend([
         kv(
             "tool",
             format!("{} ({}), revisions in{}/out{}/eff{}", o.tool, o.effect, o.input_rev, o.output_rev, o.effect_rev),
@@ -57,7 +69,7 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                     .unwrap_or_default()
             ),
         ),
-    ];
+    ]);
     if let Some(r) = &o.resolution {
         lines.push(kv(
             "resolution",

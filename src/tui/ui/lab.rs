@@ -13,7 +13,7 @@ use crate::tui::app::{percent, App};
 
 /// Words of `text` in lines at most `width` cells wide (a word longer than that
 /// gets a line of its own).
-fn wrap(text: &str, width: usize) -> Vec<String> {
+pub(super) fn wrap(text: &str, width: usize) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     let mut line = String::new();
     for word in text.split(' ') {

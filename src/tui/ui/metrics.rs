@@ -8,9 +8,10 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row, Sparkline, Table};
 use ratatui::Frame;
 
-use super::{human_ms, Theme};
+use super::Theme;
 use crate::telemetry::metrics::ToolLatency;
 use crate::tui::app::{App, Rows};
+use crate::tui::format::human_ms;
 
 fn us(v: i64) -> String {
     if v >= 1_000_000 {

@@ -13,6 +13,7 @@ use ratatui::widgets::{Paragraph, Tabs};
 use ratatui::Frame;
 
 use super::app::{App, Mode, Pane};
+use super::format::human_ms;
 
 /// Colours, or their absence (NO_COLOR).
 #[derive(Debug, Clone, Copy)]
@@ -72,12 +73,6 @@ impl Theme {
     }
 }
 
-/// `1h02m`, `5m03s`, `12s`, `450ms`; negative durations are shown as `-…`.
-pub fn human_ms(ms: i64) -> String {
-    crate::display::duration(ms)
-}
-
-/// Shortens `s` to `n` characters with a trailing `…`.
 /// Every span of `lines` with control characters written out: stored text
 /// (notes, reasons, names) cannot move the cursor or fake a line.
 pub fn escaped(lines: Vec<ratatui::text::Line<'_>>) -> Vec<ratatui::text::Line<'static>> {
@@ -94,20 +89,38 @@ pub fn escaped(lines: Vec<ratatui::text::Line<'_>>) -> Vec<ratatui::text::Line<'
         .collect()
 }
 
-/// Stored text is escaped first: a control character never reaches the terminal.
-pub fn short(s: &str, n: usize) -> String {
-    crate::display::clip(&crate::display::escape(s), n)
-}
+/// The smallest terminal every pane is laid out for.
+pub const MIN_SIZE: (u16, u16) = (80, 24);
 
-/// Draws the whole console.
+/// Draws the whole console (below [`MIN_SIZE`], only what size it needs: the
+/// console comes back as soon as the terminal is large enough).
 pub fn render(app: &App, frame: &mut Frame) {
     let t = Theme::of(app);
+    let area = frame.area();
+    if area.width < MIN_SIZE.0 || area.height < MIN_SIZE.1 {
+        let lines = vec![
+            Line::from(Span::styled(
+                format!("terminal too small: need {}×{}, have {}×{}", MIN_SIZE.0, MIN_SIZE.1, area.width, area.height),
+                t.warn(),
+            )),
+            Line::from(Span::styled("enlarge it to continue; Q quits", t.dim())),
+        ];
+        frame.render_widget(Paragraph::new(lines).wrap(ratatui::widgets::Wrap { trim: true }), area);
+        return;
+    }
     let [header, tabs, body, footer] =
         Layout::vertical([Constraint::Length(3), Constraint::Length(1), Constraint::Min(3), Constraint::Length(2)])
             .areas(frame.area());
     render_header(app, frame, header, t);
     render_tabs(app, frame, tabs, t);
-    if app.mode == Mode::Detail {
+    // The command bar and help opened from the detail view leave it on screen.
+    let over_detail = match app.mode {
+        Mode::Detail => true,
+        Mode::Command => app.command_return == Mode::Detail,
+        Mode::Help => app.help_return == Mode::Detail,
+        _ => false,
+    };
+    if over_detail {
         detail::render(app, frame, body, t);
     } else {
         panes::render(app, frame, body, t);
@@ -118,6 +131,7 @@ pub fn render(app: &App, frame: &mut Frame) {
         Mode::Confirm => popups::confirm(app, frame, t),
         Mode::Form => popups::form(app, frame, t),
         Mode::Lab => lab::render(app, frame, t),
+        Mode::Command => popups::command_candidates(app, frame, footer, t),
         _ => {}
     }
 }
@@ -154,23 +168,29 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     }
     let dups = app.header.side_effect_duplicates;
     let dup_style = if dups == 0 { t.ok() } else { t.bad() };
+    // At 80 columns the labels are shorter, so the active filter stays in view.
+    let (dup_l, pend_l, old_l, sep) = if narrow {
+        ("duplicates ", "  pending ", "  oldest ", "  ")
+    } else {
+        ("duplicate effects ", "   pending approvals ", "   oldest unknown ", "   ")
+    };
     let mut l3 = vec![
-        Span::styled("duplicate effects ", t.dim()),
+        Span::styled(dup_l, t.dim()),
         Span::styled(format!(" {dups} "), dup_style.add_modifier(Modifier::REVERSED)),
-        Span::styled("   pending approvals ", t.dim()),
+        Span::styled(pend_l, t.dim()),
         Span::raw(app.header.pending_approvals.to_string()),
     ];
     if let Some(at) = app.header.oldest_unknown_at {
-        l3.push(Span::styled("   oldest unknown ", t.dim()));
+        l3.push(Span::styled(old_l, t.dim()));
         l3.push(Span::styled(human_ms(app.now_ms.saturating_sub(at)), t.bad()));
     }
     if app.lab.fault_bp > 0 {
-        l3.push(Span::styled("   faults ", t.dim()));
+        l3.push(Span::styled(format!("{sep}faults "), t.dim()));
         l3.push(Span::styled(crate::tui::app::percent(app.lab.fault_bp), t.warn()));
     }
     if !app.filter.is_empty() || app.mode == Mode::Filter {
-        l3.push(Span::styled("   filter ", t.dim()));
-        l3.push(Span::styled(format!("/{}", app.filter), t.accent()));
+        l3.push(Span::styled(format!("{sep}filter "), t.dim()));
+        l3.push(Span::styled(format!("/{}", super::format::short(&app.filter, 80)), t.accent()));
         if app.mode == Mode::Filter {
             l3.push(Span::styled("▏", t.accent()));
         }
@@ -179,16 +199,41 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
 }
 
 fn render_tabs(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    // Below 100 columns "Walkthrough" reads "Walk", so every tab fits at 80.
+    let title = |p: Pane| if area.width < 100 && p == Pane::Walkthrough { "Walk" } else { p.title() };
     let titles: Vec<Line> =
-        Pane::ALL.iter().enumerate().map(|(i, p)| Line::from(format!("{} {}", i + 1, p.title()))).collect();
+        Pane::ALL.iter().enumerate().map(|(i, p)| Line::from(format!("{} {}", i + 1, title(*p)))).collect();
     let idx = Pane::ALL.iter().position(|p| *p == app.pane).unwrap_or(0);
     let tabs = Tabs::new(titles).select(idx).highlight_style(t.accent().add_modifier(Modifier::REVERSED)).divider("│");
     frame.render_widget(tabs, area);
 }
 
 fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    if app.mode == Mode::Command {
+        let c = &app.command;
+        let first = match &c.error {
+            Some(e) => Line::from(Span::styled(super::format::short(e, 300), t.bad())),
+            None => Line::from(Span::styled(
+                "Enter run · Tab complete · Up/Down history · Esc close · :help lists commands",
+                t.dim(),
+            )),
+        };
+        // Long input scrolls: the end (where the caret is) stays visible.
+        let room = usize::from(area.width.saturating_sub(2));
+        let typed = super::format::short(&c.input, usize::MAX);
+        let shown: String = typed.chars().skip(typed.chars().count().saturating_sub(room)).collect();
+        let bar = Line::from(vec![Span::styled(":", t.accent()), Span::raw(shown), Span::styled("▏", t.accent())]);
+        frame.render_widget(Paragraph::new(vec![first, bar]), area);
+        return;
+    }
     let hints: &[(&str, &str, bool)] = match (app.mode, app.pane) {
-        (Mode::Detail, _) => &[("Esc", "back", false), ("j/k", "scroll", false), ("y", "copy id", false)],
+        (Mode::Detail, _) => &[
+            ("Esc", "back", false),
+            ("j/k", "scroll", false),
+            ("q", "query", true),
+            ("r", "resolve", true),
+            ("y", "copy id", false),
+        ],
         (Mode::Filter, _) => &[("Enter", "apply", false), ("Esc", "done", false)],
         (Mode::Lab, _) => &[
             ("j/k", "choose", false),

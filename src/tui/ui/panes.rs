@@ -7,9 +7,10 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row, Table, TableState, Wrap};
 use ratatui::Frame;
 
-use super::{human_ms, short, Theme};
+use super::Theme;
 use crate::engine::clock::rfc3339;
 use crate::tui::app::{App, Pane, Rows};
+use crate::tui::format::{human_ms, short};
 
 /// Draws the current pane.
 pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
@@ -62,14 +63,30 @@ fn table<'a>(
     let pick = |v: Vec<Cell<'a>>| -> Row<'a> {
         Row::new(v.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(c, _)| c).collect::<Vec<_>>())
     };
-    let header: Vec<&str> = header.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(h, _)| h).collect();
+    // The sort column's header carries the direction; the title names it too,
+    // also when that column is left out at this width.
+    let sort = app.sort_label();
+    let marks = |h: &str| {
+        app.sort_column().is_some_and(|c| h == c || h.starts_with(&format!("{c} ")) || (h == "#" && c == "seq"))
+    };
+    let arrow = if app.order().desc { "↓" } else { "↑" };
+    let header: Vec<String> = header
+        .into_iter()
+        .zip(&keep)
+        .filter(|(_, k)| **k)
+        .map(|(h, _)| if marks(h) { format!("{h} {arrow}") } else { h.to_string() })
+        .collect();
     let widths: Vec<Constraint> = widths.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(w, _)| w).collect();
     let rows: Vec<Row<'a>> = rows.into_iter().map(pick).collect();
     let empty = rows.is_empty();
     let page = if app.page_stack.is_empty() { String::new() } else { format!(" · page {}", app.page_stack.len() + 1) };
+    let tail = format!("{page}{} ", sort.map(|l| format!(" · sort {l}")).unwrap_or_default());
+    // The title gives way first: the page and the sort stay readable at any width.
+    let room = usize::from(width).saturating_sub(tail.chars().count() + 4);
+    let title = format!(" {}{tail}", crate::display::clip(title, room));
     let table = Table::new(rows, widths)
         .header(Row::new(header).style(t.dim()))
-        .block(Block::default().borders(Borders::TOP).title(Span::styled(format!(" {title}{page} "), t.accent())))
+        .block(Block::default().borders(Borders::TOP).title(Span::styled(title, t.accent())))
         .row_highlight_style(t.selected())
         .column_spacing(1);
     let mut state = TableState::default();
@@ -177,7 +194,7 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             .collect();
     let (tb, mut st) = table(
         app,
-        "Idempotency ledger (newest first)",
+        "Idempotency ledger",
         vec!["operation", "scope tenant/subject", "tool", "key#", "digest", "state", "result ref / code", "kept for"],
         body,
         vec![
@@ -217,7 +234,7 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 Cell::from(short(&a.tenant, 8)),
                 Cell::from(short(&a.subject, 12)),
                 // From the bound, digest-checked request: never the copy beside it.
-                Cell::from(crate::engine::approval_amount(a).map_or_else(|| "-".into(), |v| v.to_string())),
+                Cell::from(crate::tui::format::approval_money(a).unwrap_or_else(|| "-".into())),
                 Cell::from(crate::display::digest(&a.request_sha256, 8)),
                 Cell::from(Span::styled(exp, exp_style)),
             ]
@@ -229,7 +246,7 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             // Expiry is exclusive: a request at or past it no longer counts as pending.
             let expired = rows.iter().filter(|a| app.now_ms >= a.expires_at).count();
             if expired == 0 {
-                format!("Pending approvals ({}), soonest expiry first", rows.len())
+                format!("Pending approvals ({})", rows.len())
             } else {
                 format!(
                     "Pending approvals ({}; {expired} expired, shown until the agent asks again)",
@@ -244,7 +261,7 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             Constraint::Length(15),
             Constraint::Length(8),
             Constraint::Length(12),
-            Constraint::Length(10),
+            Constraint::Length(16),
             Constraint::Length(8),
             Constraint::Length(10),
         ],
@@ -274,9 +291,11 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 Cell::from(short(&o.id, 16)),
                 Cell::from(short(&o.tool, 15)),
                 Cell::from(Span::styled(short(&o.state, 12), t.state(&o.state))),
-                Cell::from(short(o.code.as_deref().unwrap_or("-"), 18)),
                 // Since it entered this state: a query that changes nothing does not reset it.
                 Cell::from(human_ms(now.saturating_sub(o.state_since.unwrap_or(o.updated_at)))),
+                // Why it is stuck and the key that moves it (the detail says it in full).
+                Cell::from(Span::styled(crate::tui::app::reason(o), t.warn())),
+                Cell::from(short(o.code.as_deref().unwrap_or("-"), 18)),
                 Cell::from(short(&o.status_ref, 14)),
                 Cell::from(short(&last, 26)),
             ]
@@ -285,19 +304,20 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let (tb, mut st) = table(
         app,
         &format!("Outcome unknown: leaves only by a status query or a human decision ({})", rows.len()),
-        vec!["operation", "tool", "state", "code", "since", "status_ref", "last query"],
+        vec!["operation", "tool", "state", "since", "why", "code", "status_ref", "last query"],
         body,
         vec![
             Constraint::Length(16),
             Constraint::Length(15),
             Constraint::Length(12),
-            Constraint::Length(18),
             Constraint::Length(7),
+            Constraint::Length(26),
+            Constraint::Length(18),
             Constraint::Length(14),
             Constraint::Min(20),
         ],
         area.width,
-        &[5, 3],
+        &[6, 5, 7, 1],
         t,
     );
     frame.render_stateful_widget(tb, area, &mut st);
@@ -327,7 +347,7 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         .collect();
     let (tb, mut st) = table(
         app,
-        "Operator log (append-only, newest first)",
+        "Operator log (append-only)",
         vec!["#", "time (UTC)", "actor", "action", "result", "target", "reason"],
         body,
         vec![

@@ -8,7 +8,7 @@ use ratatui::widgets::{Block, Borders, Clear, Paragraph, Wrap};
 use ratatui::Frame;
 
 use super::Theme;
-use crate::tui::app::{App, FormKind, Mode};
+use crate::tui::app::{App, FormKind, Mode, COMMANDS};
 use crate::tui::keymap;
 
 fn centered(area: Rect, w: u16, h: u16) -> Rect {
@@ -17,21 +17,78 @@ fn centered(area: Rect, w: u16, h: u16) -> Rect {
     c
 }
 
-/// The help overlay for the mode help was opened from.
+/// The help overlay for the mode help was opened from: its keys, then the
+/// command bar's commands (both from their tables), wrapped to the terminal
+/// (nothing is cut). Scrolls with j/k when it is taller than the terminal.
 pub fn help(app: &App, frame: &mut Frame, t: Theme) {
-    let lines_for = keymap::help_lines(app.help_return, app.read_only);
-    let mut lines: Vec<Line> = lines_for
+    const KEYS: usize = 27;
+    let w = frame.area().width.min(120);
+    let text_w = usize::from(w.saturating_sub(2)).saturating_sub(KEYS).max(10);
+    let mut entries: Vec<(String, String)> = keymap::help_lines(app.help_return, app.read_only)
         .iter()
-        .map(|(k, h)| Line::from(vec![Span::styled(format!(" {k:<26}"), t.accent()), Span::raw((*h).to_string())]))
+        .map(|(k, h)| ((*k).to_string(), (*h).to_string()))
         .collect();
+    let mut lines: Vec<Line> = Vec::new();
+    let push = |lines: &mut Vec<Line>, entries: &mut Vec<(String, String)>| {
+        for (k, h) in entries.drain(..) {
+            for (i, part) in super::lab::wrap(&h, text_w).into_iter().enumerate() {
+                let key = if i == 0 { k.as_str() } else { "" };
+                lines.push(Line::from(vec![Span::styled(format!(" {key:<26}"), t.accent()), Span::raw(part)]));
+            }
+        }
+    };
+    push(&mut lines, &mut entries);
     if app.read_only {
         lines.push(Line::from(Span::styled(" read-only: state-changing keys are hidden", t.warn())));
     }
+    lines.push(Line::from(Span::styled(" commands (type : first; Tab completes, Up/Down history)", t.dim())));
+    let mut commands: Vec<(String, String)> = COMMANDS
+        .iter()
+        .map(|c| {
+            let name = if c.args.is_empty() { format!(":{}", c.name) } else { format!(":{} {}", c.name, c.args) };
+            (name, c.help.to_string())
+        })
+        .collect();
+    push(&mut lines, &mut commands);
     let h = (lines.len() as u16 + 2).min(frame.area().height);
-    let area = centered(frame.area(), 90, h);
+    let inner = h.saturating_sub(2);
+    let max_scroll = (lines.len() as u16).saturating_sub(inner);
+    let scroll = app.help_scroll.min(max_scroll);
+    let title = if max_scroll == 0 {
+        " Keys (? or Esc to close) ".to_string()
+    } else {
+        format!(" Keys (? or Esc to close) · j/k scroll {scroll}/{max_scroll} ")
+    };
+    let area = centered(frame.area(), w, h);
     frame.render_widget(Clear, area);
     frame.render_widget(
-        Paragraph::new(lines).block(Block::default().borders(Borders::ALL).title(" Keys (? or Esc to close) ")),
+        Paragraph::new(lines).scroll((scroll, 0)).block(Block::default().borders(Borders::ALL).title(title)),
+        area,
+    );
+}
+
+/// The command bar's candidates (completions, or the operations an ambiguous
+/// `:op` prefix matched), listed just above the bar.
+pub fn command_candidates(app: &App, frame: &mut Frame, footer: Rect, t: Theme) {
+    let c = &app.command;
+    if c.candidates.is_empty() {
+        return;
+    }
+    let mut lines: Vec<Line> = c
+        .candidates
+        .iter()
+        .map(|id| Line::from(Span::raw(format!(" {}", crate::tui::format::short(id, 60)))))
+        .collect();
+    if c.more {
+        lines.push(Line::from(Span::styled(" … and more: type more of the id", t.dim())));
+    }
+    let h = (lines.len() as u16 + 2).min(footer.y);
+    let w = 64u16.min(footer.width);
+    let area = Rect { x: footer.x, y: footer.y.saturating_sub(h), width: w, height: h };
+    frame.render_widget(Clear, area);
+    frame.render_widget(
+        Paragraph::new(lines)
+            .block(Block::default().borders(Borders::ALL).title(Span::styled(" matches ", t.accent()))),
         area,
     );
 }
@@ -67,8 +124,9 @@ pub fn form(app: &App, frame: &mut Frame, t: Theme) {
     let caret = |i: usize| if f.field == i { "▏" } else { "" };
     let mut lines = Vec::new();
     let title = match &f.kind {
-        FormKind::Deny { approval_id } => {
-            lines.push(Line::from(format!(" deny {approval_id}")));
+        FormKind::Deny { evidence, .. } => {
+            // The same evidence as approve.
+            lines.extend(evidence.iter().map(|e| Line::from(format!(" {e}"))));
             " Deny approval ".to_string()
         }
         FormKind::Cancel { operation_id, state, .. } => {

@@ -1,0 +1,208 @@
+//! "Why is this stuck": one plain sentence about an operation that is not
+//! terminal, built only from its stored facts (the ledger row, the outbox row,
+//! the attempts, the trace, the operator log), and the next safe action with
+//! its key. The detail view opens with it; the Unknown pane shows [`reason`],
+//! the same in a few words. Model code: plain strings, no rendering.
+
+use crate::engine::clock::rfc3339;
+use crate::engine::OperationDetail;
+use crate::store::OperationRow;
+use crate::tui::format::{human_ms, short};
+
+/// What the detail view says about a stuck operation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Why {
+    /// What is going on, in one sentence.
+    pub sentence: String,
+    /// The next safe action, with its key.
+    pub next: String,
+}
+
+/// `07:58:12 UTC`, the time of day of a stored instant.
+fn clock(at: i64) -> String {
+    format!("{} UTC", rfc3339(at).chars().skip(11).take(8).collect::<String>())
+}
+
+/// `in 12s` / `12s ago`.
+fn relative(now: i64, at: i64) -> String {
+    if at > now {
+        format!("in {}", human_ms(at.saturating_sub(now)))
+    } else {
+        format!("{} ago", human_ms(now.saturating_sub(at)))
+    }
+}
+
+fn times(n: usize) -> String {
+    if n == 1 {
+        "once".to_string()
+    } else {
+        format!("{n} times")
+    }
+}
+
+/// The sentence and next action for operation detail `d` at `now`; `None` for a
+/// terminal operation (nothing is stuck).
+pub fn explain(d: &OperationDetail, now: i64) -> Option<Why> {
+    let o = &d.operation;
+    let queries = d.trace.iter().filter(|e| e.step == "query").count();
+    let last_query = o.last_query_at.map_or_else(String::new, |at| format!(", last {}", relative(now, at)));
+    let code = short(o.code.as_deref().unwrap_or("no code"), 40);
+    let overdue = (o.deadline_at <= now)
+        .then(|| format!(" Its deadline passed {} ago.", human_ms(now.saturating_sub(o.deadline_at))));
+    let why = match o.state.as_str() {
+        "unknown" => {
+            let sent = d.attempts.iter().rev().find(|a| a.sent_at.is_some());
+            let cancelled = d.audit.iter().find(|r| r.action == "cancel" && r.result == "applied");
+            match o.last_query_result.as_deref() {
+                None => {
+                    let what = match (cancelled, sent) {
+                        (Some(c), Some(a)) => format!(
+                            "Cancelled by {} at {} after attempt {} was sent at {}: the provider may have acted",
+                            short(&c.actor, 20),
+                            clock(c.at),
+                            a.attempt,
+                            clock(a.sent_at.unwrap_or_default())
+                        ),
+                        (_, Some(a)) => {
+                            let sent_at = a.sent_at.unwrap_or_default();
+                            let after = a.finished_at.map_or_else(
+                                || "no reply was recorded".to_string(),
+                                |f| format!("the reply was lost after {}", human_ms(f.saturating_sub(sent_at))),
+                            );
+                            format!(
+                                "Sent at {} (attempt {}), {after} ({})",
+                                clock(sent_at),
+                                a.attempt,
+                                short(a.code.as_deref().unwrap_or(&code), 40)
+                            )
+                        }
+                        (_, None) => format!(
+                            "Parked as unknown at {} ({code}); no attempt records a send",
+                            clock(o.state_since.unwrap_or(o.updated_at))
+                        ),
+                    };
+                    Why {
+                        sentence: format!("{what}; no status query yet."),
+                        next: "Press q to ask the provider (a status query never executes the tool).".into(),
+                    }
+                }
+                Some("not_found") => Why {
+                    sentence: format!(
+                        "Queried {}{last_query}, the provider does not know the key: needs a human decision.",
+                        times(queries.max(1))
+                    ),
+                    next: "Press r to resolve it (failed needs only a note; succeeded needs the receipt id); q asks again."
+                        .into(),
+                },
+                Some("unavailable") => Why {
+                    sentence: format!(
+                        "Queried {}{last_query}, the provider's lookup could not be reached: still unknown.",
+                        times(queries.max(1))
+                    ),
+                    next: "Press q to ask again once the provider is back; r if it stays unreachable.".into(),
+                },
+                Some(other) => Why {
+                    sentence: format!(
+                        "Outcome unknown ({code}); queried {}{last_query}, last answer {}.",
+                        times(queries.max(1)),
+                        short(other, 20)
+                    ),
+                    next: "Press q to ask the provider again, or r to record a human decision.".into(),
+                },
+            }
+        }
+        "needs_review" => {
+            let sentence = if o.last_query_result.as_deref() == Some("mismatch") {
+                format!(
+                    "The provider holds a receipt that does not match this request ({code}; queried {}{last_query}): needs a human decision.",
+                    times(queries.max(1))
+                )
+            } else {
+                format!("Needs review ({code}): a person must decide what happened.")
+            };
+            Why { sentence, next: "Press r to resolve it once the receipt is checked with the provider.".into() }
+        }
+        "accepted" | "in_flight" => queued(d, now, &code),
+        _ => return None,
+    };
+    Some(match overdue {
+        Some(s) if matches!(o.state.as_str(), "accepted" | "in_flight") => {
+            Why { sentence: format!("{}{s}", why.sentence), ..why }
+        }
+        _ => why,
+    })
+}
+
+/// An accepted or in-flight operation: what its outbox row waits for.
+fn queued(d: &OperationDetail, now: i64, code: &str) -> Why {
+    let o = &d.operation;
+    let sent = d.attempts.iter().any(|a| !a.proven_not_received());
+    let cancel = if sent {
+        "c moves it to the unknown queue (an attempt may have been received)"
+    } else {
+        "c cancels it (nothing was sent)"
+    };
+    let Some(ob) = &d.outbox else {
+        return Why {
+            sentence: format!("{} with no outbox row: nothing will run it.", o.state),
+            next: "Run toolgate audit: the record is inconsistent.".into(),
+        };
+    };
+    match (ob.state.as_str(), ob.lease_owner.as_deref(), ob.lease_until) {
+        ("leased", Some(owner), Some(until)) if until > now => Why {
+            sentence: format!(
+                "Lease held by worker {} until {} (fence: attempt {}); it will be reclaimed after that.",
+                short(owner, 24),
+                clock(until),
+                ob.attempt
+            ),
+            next: format!("Nothing to do yet: wait for the worker; {cancel}."),
+        },
+        ("leased", owner, until) => Why {
+            sentence: format!(
+                "The lease of worker {} (attempt {}) expired {}; the reaper reclaims it at its next pass.",
+                short(owner.unwrap_or("?"), 24),
+                ob.attempt,
+                until.map_or_else(|| "at an unrecorded time".to_string(), |u| relative(now, u))
+            ),
+            next: format!("Wait for a reaper pass (toolgate reap, or a console with workers); {cancel}."),
+        },
+        ("pending", _, _) if ob.available_at > now => Why {
+            sentence: format!(
+                "Attempt {} of {} ended {}; the next waits until {} ({}).",
+                ob.attempt,
+                ob.max_attempts,
+                short(ob.last_code.as_deref().unwrap_or(code), 30),
+                clock(ob.available_at),
+                relative(now, ob.available_at)
+            ),
+            next: format!("Nothing to do: a worker takes it then; {cancel}."),
+        },
+        ("pending", _, _) => Why {
+            sentence: format!(
+                "Due since {} ({}), waiting for a worker to claim it{}.",
+                clock(ob.available_at),
+                relative(now, ob.available_at),
+                if sent { "" } else { "; nothing has been sent" }
+            ),
+            next: format!("Check that a worker runs (toolgate work, or a console with workers); {cancel}."),
+        },
+        (state, _, _) => Why {
+            sentence: format!("{} while its outbox row is {}: nothing will run it.", o.state, short(state, 12)),
+            next: "Run toolgate audit: the record is inconsistent.".into(),
+        },
+    }
+}
+
+/// The Unknown pane's short reason: what keeps the operation there, and the key.
+pub fn reason(o: &OperationRow) -> String {
+    match (o.state.as_str(), o.last_query_result.as_deref()) {
+        ("unknown", None) => "reply lost, not queried: q".into(),
+        ("unknown", Some("not_found")) => "provider has no record: r".into(),
+        ("unknown", Some("unavailable")) => "lookup unreachable: q".into(),
+        ("unknown", Some(other)) => format!("last query {}: q", short(other, 10)),
+        ("needs_review", Some("mismatch")) => "receipt mismatch: r".into(),
+        ("needs_review", _) => "needs review: r".into(),
+        (other, _) => short(other, 20),
+    }
+}

@@ -1,0 +1,106 @@
+//! Text for people, shared by the model (`app`: status lines, dialog evidence)
+//! and the view (`ui`: panes, detail, popups). Plain `String`s, no ratatui
+//! types: the view imports the model and this module, and the model never
+//! imports the view.
+
+/// `1h02m`, `5m03s`, `12s`, `450ms`; a negative duration reads as its magnitude
+/// (callers say "overdue" or "ago").
+pub fn human_ms(ms: i64) -> String {
+    crate::display::duration(ms)
+}
+
+/// At most `n` characters of stored text, control characters written out first
+/// (a control character never reaches the terminal), `…` when cut.
+pub fn short(s: &str, n: usize) -> String {
+    crate::display::clip(&crate::display::escape(s), n)
+}
+
+/// `12s ago`, or `never`.
+pub fn ago(now_ms: i64, at: Option<i64>) -> String {
+    at.map_or_else(|| "never".to_string(), |t| format!("{} ago", human_ms(now_ms.saturating_sub(t))))
+}
+
+/// Digits after the decimal point of a currency's minor unit (ISO 4217; two
+/// unless listed).
+fn minor_digits(currency: &str) -> u32 {
+    match currency {
+        "BIF" | "CLP" | "DJF" | "GNF" | "ISK" | "JPY" | "KMF" | "KRW" | "PYG" | "RWF" | "UGX" | "VND" | "VUV"
+        | "XAF" | "XOF" | "XPF" => 0,
+        "BHD" | "IQD" | "JOD" | "KWD" | "LYD" | "OMR" | "TND" => 3,
+        _ => 2,
+    }
+}
+
+/// Money for people: `1,500.00 EUR` from `150000` minor units. A currency that
+/// is not three capital letters is shown escaped and the amount in minor units.
+pub fn money(minor: i64, currency: &str) -> String {
+    if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_uppercase()) {
+        return format!("{minor} (minor units, currency {})", short(currency, 8));
+    }
+    let digits = minor_digits(currency);
+    let scale = 10u128.pow(digits);
+    let abs = u128::from(minor.unsigned_abs());
+    let (whole, frac) = (abs / scale, abs % scale);
+    let whole = whole.to_string();
+    let mut grouped = String::with_capacity(whole.len() + whole.len() / 3);
+    for (i, c) in whole.chars().enumerate() {
+        if i > 0 && (whole.len() - i) % 3 == 0 {
+            grouped.push(',');
+        }
+        grouped.push(c);
+    }
+    let sign = if minor < 0 { "-" } else { "" };
+    if digits == 0 {
+        format!("{sign}{grouped} {currency}")
+    } else {
+        format!("{sign}{grouped}.{frac:0width$} {currency}", width = digits as usize)
+    }
+}
+
+/// The amount of an approval's bound request as money, read from the
+/// digest-checked request (never the copy beside it); `None` when it has no
+/// amount or the record is damaged.
+pub fn approval_money(a: &crate::store::ApprovalRow) -> Option<String> {
+    let minor = crate::engine::approval_amount(a)?;
+    // approval_amount checked the request against its digest: its currency is the bound one.
+    let v: serde_json::Value = serde_json::from_str(&a.request_json).ok()?;
+    let currency = v.get("arguments")?.get("currency").and_then(serde_json::Value::as_str).unwrap_or("");
+    Some(money(minor, currency))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(got: impl AsRef<str>, expect: &str) {
+        assert_eq!(got.as_ref(), expect);
+    }
+
+    #[test]
+    fn stored_text_is_escaped_then_cut_on_characters() {
+        check(short("op_0123456789abcdef", 8), "op_0123…");
+        check(short("a\u{1b}[2Jb", 20), "a\\u{1b}[2Jb");
+        check(short("ééé", 2), "é…");
+    }
+
+    #[test]
+    fn money_reads_as_money() {
+        check(money(150_000, "EUR"), "1,500.00 EUR");
+        check(money(120_000, "EUR"), "1,200.00 EUR");
+        check(money(5, "USD"), "0.05 USD");
+        check(money(0, "EUR"), "0.00 EUR");
+        check(money(-123_456_789, "GBP"), "-1,234,567.89 GBP");
+        check(money(1_500, "JPY"), "1,500 JPY");
+        check(money(1_500, "KWD"), "1.500 KWD");
+        check(money(100, "EURO"), "100 (minor units, currency EURO)");
+        check(money(100, "e\u{1b}"), "100 (minor units, currency e\\u{1b})");
+        check(money(i64::MIN, "EUR"), "-92,233,720,368,547,758.08 EUR");
+        check(money(i64::MAX, "EUR"), "92,233,720,368,547,758.07 EUR");
+    }
+
+    #[test]
+    fn ages_say_never_when_there_is_no_time() {
+        check(ago(10_000, None), "never");
+        check(ago(10_000, Some(7_000)), "3s ago");
+    }
+}
