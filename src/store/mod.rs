@@ -119,6 +119,11 @@ pub enum StoreError {
     /// when the retries ran out.
     #[error("the transaction kept conflicting with concurrent writers; run the command again")]
     Conflict,
+    /// The database server went away (or is not accepting connections) in the
+    /// middle of the call: nothing was decided that the ledger will not show;
+    /// retry the call with the same key once the server is back.
+    #[error("the database server is unreachable or restarting; retry the call with the same idempotency key")]
+    Unavailable,
     /// Any other database error: its description only (never SQL text or a path).
     #[error("database error: {0}")]
     Other(String),
@@ -159,6 +164,7 @@ impl StoreError {
             StoreError::Busy | StoreError::Conflict => "DB_BUSY",
             StoreError::Migration { .. } => "DB_MIGRATION_FAILED",
             StoreError::Constraint(_) => "DB_CONSTRAINT",
+            StoreError::Unavailable => "DB_UNAVAILABLE",
             StoreError::Other(_) => "DB_ERROR",
         }
     }

@@ -68,7 +68,7 @@ pub(crate) fn open(url: &str, sync: Sync, read_only: bool) -> R<Conn> {
     } else {
         migrate(&mut client, version)?;
     }
-    Ok(Conn::Pg(PgConn::new(client)))
+    Ok(Conn::Pg(PgConn::new(client, config, session)))
 }
 
 fn connect_error(e: &postgres::Error) -> StoreError {
@@ -164,6 +164,7 @@ pub(crate) fn transaction<T, E: From<StoreError>>(
     loop {
         tries += 1;
         pg.failed.set(None);
+        pg.ensure_connected()?;
         pg.client.borrow_mut().batch_execute(begin).map_err(|e| pg_error(&e))?;
         let out = f(&Tx { conn: neutral });
         let failed = pg.failed.get();
@@ -209,6 +210,7 @@ fn rollback(pg: &PgConn) {
 /// The server's WAL insert position as a number: it moves with every commit
 /// that wrote anything, which is what the console needs to know to refetch.
 pub(crate) fn data_version(pg: &PgConn) -> R<i64> {
+    pg.ensure_connected()?;
     let row = pg
         .client
         .borrow_mut()

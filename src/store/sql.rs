@@ -32,6 +32,10 @@ pub enum Backend {
 /// A PostgreSQL connection with its statement cache.
 pub(crate) struct PgConn {
     pub(crate) client: RefCell<postgres::Client>,
+    /// How to connect again after the server went away, and the session
+    /// settings to restore.
+    config: postgres::Config,
+    session: String,
     cache: RefCell<HashMap<String, postgres::Statement>>,
     /// A statement of the open transaction failed: PostgreSQL has aborted
     /// the transaction, so it must not be committed. `Some(true)` when the
@@ -40,8 +44,27 @@ pub(crate) struct PgConn {
 }
 
 impl PgConn {
-    pub(crate) fn new(client: postgres::Client) -> Self {
-        Self { client: RefCell::new(client), cache: RefCell::new(HashMap::new()), failed: Cell::new(None) }
+    pub(crate) fn new(client: postgres::Client, config: postgres::Config, session: String) -> Self {
+        Self {
+            client: RefCell::new(client),
+            config,
+            session,
+            cache: RefCell::new(HashMap::new()),
+            failed: Cell::new(None),
+        }
+    }
+
+    /// A connection the server closed (a restart, a failover) is replaced
+    /// before the next transaction begins; its prepared statements went with it.
+    pub(crate) fn ensure_connected(&self) -> R<()> {
+        if !self.client.borrow().is_closed() {
+            return Ok(());
+        }
+        let mut client = self.config.connect(postgres::NoTls).map_err(|_| StoreError::Unavailable)?;
+        client.batch_execute(&self.session).map_err(|e| pg_error(&e))?;
+        *self.client.borrow_mut() = client;
+        self.cache.borrow_mut().clear();
+        Ok(())
     }
 
     /// Records a failure of a statement of the open transaction and maps it.
@@ -67,14 +90,19 @@ impl PgConn {
 /// never connection parameters (the server's message names schema objects only).
 pub(crate) fn pg_error(e: &postgres::Error) -> StoreError {
     let Some(db) = e.as_db_error() else {
-        if e.is_closed() {
-            return StoreError::Open("the connection to the PostgreSQL server was closed".into());
+        if e.is_closed() || std::error::Error::source(e).is_some_and(<dyn std::error::Error>::is::<std::io::Error>) {
+            return StoreError::Unavailable;
         }
         // Client-side errors (a type the column does not take, I/O): the
         // driver's description, which carries no SQL text.
         return StoreError::Other(e.to_string());
     };
     let code = db.code();
+    // Class 08 (connection exception) and 57 (operator intervention: the
+    // server is shutting down, crashed, or not accepting connections yet).
+    if code.code().starts_with("08") || code.code().starts_with("57P") {
+        return StoreError::Unavailable;
+    }
     if *code == SqlState::T_R_SERIALIZATION_FAILURE || *code == SqlState::T_R_DEADLOCK_DETECTED {
         StoreError::Conflict
     } else if *code == SqlState::READ_ONLY_SQL_TRANSACTION || *code == SqlState::INSUFFICIENT_PRIVILEGE {

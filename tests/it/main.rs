@@ -16,6 +16,7 @@ mod http;
 mod invariants;
 mod lab;
 mod observability;
+mod pg;
 mod props;
 mod race;
 mod recovery;

@@ -1,0 +1,247 @@
+//! PostgreSQL only: the server itself dies mid-run (`pg_ctl stop -m
+//! immediate`, the equivalent of a crash: no checkpoint, no goodbye to the
+//! clients) while dispatchers are busy, and comes back. Callers get a clear
+//! environment error (`DB_UNAVAILABLE`, `DB_OPEN_FAILED`) or an answer, never
+//! a wrong one; a caller that retries with the same key gets the truth; and
+//! recovery afterwards leaves every invariant intact with 0 duplicates.
+//!
+//! The test starts a cluster of its own (`.ci/pg-start`), since stopping the
+//! shared test server would break the tests running beside it.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use toolgate::engine::clock::ManualClock;
+use toolgate::engine::envelope::{Code, Status};
+use toolgate::engine::{DispatchRequest, Engine, QueryRequest};
+
+use crate::invariants::{check, Expect};
+use crate::support::{opts, refund_args, T0};
+
+const THREADS: usize = 3;
+const INTENTS: usize = 24;
+
+/// A cluster of this test's own, stopped and removed on drop.
+struct OwnCluster {
+    dir: tempfile::TempDir,
+    url: String,
+}
+
+impl OwnCluster {
+    fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.ci/pg-start"))
+            .arg(dir.path().join("pg"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "pg-start: {}", String::from_utf8_lossy(&out.stderr));
+        let url = String::from_utf8(out.stdout).unwrap().trim().to_string();
+        Self { dir, url }
+    }
+
+    fn ctl(&self, args: &[&str]) {
+        let data = self.dir.path().join("pg/data");
+        let owner = std::fs::metadata(&data).map(|m| std::os::unix::fs::MetadataExt::uid(&m)).unwrap();
+        let bin = pg_bin();
+        let mut cmd = if owner == current_uid() {
+            Command::new(bin.join("pg_ctl"))
+        } else {
+            let mut c = Command::new("runuser");
+            c.args(["-u", &user_name(owner), "--"]).arg(bin.join("pg_ctl"));
+            c
+        };
+        let out = cmd.arg("-D").arg(&data).args(args).output().unwrap();
+        assert!(out.status.success(), "pg_ctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+impl Drop for OwnCluster {
+    fn drop(&mut self) {
+        let _ =
+            Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.ci/pg-stop")).arg(self.dir.path().join("pg")).status();
+    }
+}
+
+fn pg_bin() -> PathBuf {
+    ["15", "16", "17"]
+        .iter()
+        .map(|v| PathBuf::from(format!("/usr/lib/postgresql/{v}/bin")))
+        .find(|p| p.join("pg_ctl").exists())
+        .expect("PostgreSQL server binaries")
+}
+
+fn current_uid() -> u32 {
+    std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m)).unwrap()
+}
+
+fn user_name(uid: u32) -> String {
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
+    passwd
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            (f.len() > 2 && f[2] == uid.to_string()).then(|| f[0].to_string())
+        })
+        .unwrap()
+}
+
+fn request(thread: usize, i: usize) -> DispatchRequest {
+    DispatchRequest {
+        tenant: "acme".into(),
+        subject: "agent_ana".into(),
+        tool: "create_refund".into(),
+        arguments: refund_args("ord_1002", (100 + thread * 100 + i) as i64).into_bytes(),
+        idempotency_key: Some(format!("pg-kill-{thread}-{i:03}")),
+        ..DispatchRequest::default()
+    }
+}
+
+/// What one caller saw for one intent, in order.
+#[derive(Debug, Default, Clone)]
+struct Seen {
+    errors: Vec<String>,
+    answers: Vec<(Status, Option<Code>, Option<serde_json::Value>)>,
+}
+
+#[test]
+fn the_server_dies_mid_run_and_callers_never_get_a_wrong_answer() {
+    if crate::support::pg_base().is_none() {
+        return;
+    }
+    let cluster = OwnCluster::start();
+    let db = cluster.url.replace("/postgres", "/ledger");
+    postgres::Client::connect(&cluster.url, postgres::NoTls).unwrap().batch_execute("CREATE DATABASE ledger").unwrap();
+    let path = PathBuf::from(&db);
+    let clock = ManualClock::new(T0);
+    {
+        let mut e = Engine::create(&path, opts(&clock, "init")).unwrap();
+        e.load_world(&toolgate::engine::world::World::parse(toolgate::engine::world::DEMO_WORLD.as_bytes()).unwrap())
+            .unwrap();
+    }
+    let seen: Arc<Mutex<BTreeMap<(usize, usize), Seen>>> = Arc::default();
+    let done = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let callers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (path, clock, seen, done, stop) =
+                (path.clone(), clock.clone(), seen.clone(), done.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut engine: Option<Engine> = None;
+                for i in 0..INTENTS {
+                    // A caller retries its intent with the same key until it gets an answer.
+                    let started = Instant::now();
+                    loop {
+                        assert!(!stop.load(Ordering::Relaxed), "stopped");
+                        assert!(started.elapsed() < Duration::from_secs(60), "no answer in 60 s");
+                        let e = match engine.as_mut() {
+                            Some(e) => e,
+                            None => match Engine::open(&path, opts(&clock, &format!("pg-kill-{t}"))) {
+                                Ok(e) => engine.insert(e),
+                                Err(err) => {
+                                    seen.lock().unwrap().entry((t, i)).or_default().errors.push(err.code().into());
+                                    std::thread::sleep(Duration::from_millis(50));
+                                    continue;
+                                }
+                            },
+                        };
+                        match e.dispatch(&request(t, i)) {
+                            Ok(env) => {
+                                seen.lock().unwrap().entry((t, i)).or_default().answers.push((
+                                    env.model_result.status,
+                                    env.code(),
+                                    env.model_result.data.clone(),
+                                ));
+                                break;
+                            }
+                            Err(err) => {
+                                seen.lock().unwrap().entry((t, i)).or_default().errors.push(err.code().into());
+                                std::thread::sleep(Duration::from_millis(50));
+                            }
+                        }
+                    }
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    // Kill the server once the callers are well under way, then bring it back.
+    while done.load(Ordering::Relaxed) < THREADS * INTENTS / 3 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    cluster.ctl(&["stop", "-m", "immediate", "-w"]);
+    std::thread::sleep(Duration::from_millis(700));
+    cluster.ctl(&["start", "-w", "-t", "60", "-l", &cluster.dir.path().join("pg/server2.log").to_string_lossy()]);
+    let mut panicked = false;
+    for c in callers {
+        panicked |= c.join().is_err();
+    }
+    stop.store(true, Ordering::Relaxed);
+    assert!(!panicked, "a caller failed: {:#?}", seen.lock().unwrap());
+    let seen = seen.lock().unwrap().clone();
+
+    // The kill was felt, and only as an environment error.
+    let errors: Vec<&String> = seen.values().flat_map(|s| s.errors.iter()).collect();
+    assert!(!errors.is_empty(), "the server's death went unnoticed");
+    for code in &errors {
+        assert!(matches!(code.as_str(), "DB_UNAVAILABLE" | "DB_OPEN_FAILED"), "not an environment error: {code}");
+    }
+
+    // Recovery as operators and callers do it: leases expire and are reaped,
+    // workers run, every caller retries its intent once (same key: a provably
+    // unsent one runs now), and every operation still unknown is asked about.
+    clock.advance(3_600_000);
+    let mut e = Engine::open(&path, opts(&clock, "recovery")).unwrap();
+    e.reap().unwrap();
+    e.work(usize::MAX).unwrap();
+    for (t, i) in seen.keys() {
+        let env = e.dispatch(&request(*t, *i)).unwrap();
+        assert_ne!(env.code(), Some(Code::IdempotencyConflict), "{t}/{i}");
+    }
+    e.work(usize::MAX).unwrap();
+    clock.advance(3_600_000);
+    e.reap().unwrap();
+    for op in e.list_operations(Some("unknown"), i64::MAX).unwrap() {
+        e.query_operation_status(&QueryRequest {
+            tenant: op.tenant.clone(),
+            subject: op.subject.clone(),
+            status_ref: op.status_ref.clone(),
+            expected_request_sha256: op.request_sha256.clone(),
+            idempotency_key: Some(op.idem_key.clone()),
+            ..QueryRequest::default()
+        })
+        .unwrap();
+    }
+    drop(e);
+    let (v, tally) = check(Path::new(&db), Expect { settled: true, queried: true });
+    assert!(v.is_empty(), "{v:#?}");
+    assert_eq!(tally.duplicates, 0);
+
+    // No wrong answer: what a caller was told agrees with where the intent ended.
+    let mut e = Engine::open(&path, opts(&clock, "checker")).unwrap();
+    for ((t, i), s) in &seen {
+        let (status, code, data) = s.answers.last().unwrap();
+        let now = e.dispatch(&request(*t, *i)).unwrap();
+        match status {
+            Status::Succeeded => {
+                assert_eq!(
+                    now.model_result.status,
+                    Status::Succeeded,
+                    "{t}/{i}: told succeeded, ledger says otherwise"
+                );
+                assert_eq!(&now.model_result.data, data, "{t}/{i}: another result than the caller got");
+            }
+            Status::Failed => assert_eq!(now.model_result.status, Status::Failed, "{t}/{i}: told failed: {code:?}"),
+            Status::Unknown => {} // told to ask: any settled end is consistent with it
+        }
+    }
+    eprintln!(
+        "server kill: {} intents, {} environment errors seen by callers, {} effects, 0 duplicates",
+        seen.len(),
+        errors.len(),
+        tally.effects
+    );
+}
