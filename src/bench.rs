@@ -43,6 +43,10 @@ pub struct BenchOptions {
     /// Where to make the temporary directory (the system's temp dir by default).
     /// It is removed at the end.
     pub dir: Option<PathBuf>,
+    /// A PostgreSQL server (a `postgres://` URL of any database on it): the
+    /// engine's and the bare loop's ledgers are databases made there for the
+    /// run and dropped after it. SQLite files in `dir` when absent.
+    pub postgres: Option<PathBuf>,
 }
 
 /// Why the bench could not run, or found the engine misbehaving.
@@ -81,6 +85,8 @@ pub struct BenchReport {
     pub quick: bool,
     /// Rounds per durability mode.
     pub rounds: usize,
+    /// Where the ledgers were: `sqlite` or `postgres`.
+    pub backend: &'static str,
     /// One entry per `synchronous` mode, FULL first.
     pub modes: Vec<ModeReport>,
 }
@@ -264,12 +270,12 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
     let parent = opts.dir.clone().unwrap_or_else(std::env::temp_dir);
     let dir = parent.join(format!("toolgate-bench-{}-{}", std::process::id(), hex::encode(rand::random::<[u8; 4]>())));
     std::fs::create_dir_all(&dir).map_err(|e| BenchError::Dir(format!("cannot create it: {}", e.kind())))?;
-    let out = run_in(&dir, opts.quick);
+    let out = run_in(&dir, opts.quick, opts.postgres.as_deref());
     let _ = std::fs::remove_dir_all(&dir);
     out
 }
 
-fn run_in(dir: &Path, quick: bool) -> Result<BenchReport, BenchError> {
+fn run_in(dir: &Path, quick: bool, postgres: Option<&Path>) -> Result<BenchReport, BenchError> {
     let mut modes = Vec::new();
     let mut rounds = 0;
     for (sync, name) in [(Sync::Full, "FULL"), (Sync::Normal, "NORMAL")] {
@@ -277,9 +283,11 @@ fn run_in(dir: &Path, quick: bool) -> Result<BenchReport, BenchError> {
         rounds = plan.rounds;
         let sub = dir.join(name.to_lowercase());
         std::fs::create_dir_all(&sub).map_err(|e| BenchError::Dir(format!("cannot create it: {}", e.kind())))?;
-        modes.push(mode(&sub, sync, name, plan)?);
+        let ledgers = Ledgers::new(&sub, postgres)?;
+        modes.push(mode(&ledgers, sync, name, plan)?);
     }
-    Ok(BenchReport { quick, rounds, modes })
+    let backend = if postgres.is_some() { "postgres" } else { "sqlite" };
+    Ok(BenchReport { quick, rounds, backend, modes })
 }
 
 fn options(sync: Sync, worker: &str) -> EngineOptions {
@@ -365,8 +373,30 @@ fn check(env: &Envelope, status: Status, delivery: Delivery, what: &str) -> Resu
     }
 }
 
-fn mode(dir: &Path, sync: Sync, name: &'static str, plan: Plan) -> Result<ModeReport, BenchError> {
-    let path = dir.join("engine.db");
+/// Where one mode's two ledgers live: files in a directory, or databases made
+/// for the run on a PostgreSQL server (dropped with this).
+struct Ledgers {
+    engine: PathBuf,
+    bare: PathBuf,
+    _scratch: Vec<crate::store::ScratchDatabase>,
+}
+
+impl Ledgers {
+    fn new(dir: &Path, postgres: Option<&Path>) -> Result<Self, BenchError> {
+        match postgres {
+            None => Ok(Self { engine: dir.join("engine.db"), bare: dir.join("bare.db"), _scratch: Vec::new() }),
+            Some(server) => {
+                let server = server.to_string_lossy();
+                let engine = crate::store::ScratchDatabase::create(&server, "bench")?;
+                let bare = crate::store::ScratchDatabase::create(&server, "bench_bare")?;
+                Ok(Self { engine: engine.url(), bare: bare.url(), _scratch: vec![engine, bare] })
+            }
+        }
+    }
+}
+
+fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan) -> Result<ModeReport, BenchError> {
+    let path = ledgers.engine.clone();
     let mut engine = Engine::create(&path, options(sync, "bench-main"))?;
     engine.load_world(&world(THREADS))?;
     // Warm-up, and the texts the bare loop stores (the engine's own).
@@ -381,7 +411,7 @@ fn mode(dir: &Path, sync: Sync, name: &'static str, plan: Plan) -> Result<ModeRe
         result_json: op.result_json.clone().unwrap_or_default(),
         trace_fields: trace.into_iter().map(|t| t.fields).collect(),
     };
-    let mut bare = BareLedger::create(&dir.join("bare.db"), sync, payload)?;
+    let mut bare = BareLedger::create(&ledgers.bare, sync, payload)?;
     let clock = SystemClock;
 
     let (mut bw, mut fd, mut bl, mut br, mut rp, mut qy) = (
@@ -601,8 +631,9 @@ pub fn table(r: &BenchReport) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "toolgate bench{}: {} round(s) per mode, phases interleaved; ratios are the median of the rounds [min–max]",
+        "toolgate bench{} on {}: {} round(s) per mode, phases interleaved; ratios are the median of the rounds [min–max]",
         if r.quick { " --quick (a smoke run, not a measurement)" } else { "" },
+        r.backend,
         r.rounds
     );
     for m in &r.modes {

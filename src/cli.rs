@@ -1072,7 +1072,9 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Trace(a) => trace_command(cli, a),
         Command::Metrics(a) => metrics_command(cli, a),
         Command::Bench { quick, json, dir } => {
-            let report = crate::bench::run(&crate::bench::BenchOptions { quick: *quick, dir: dir.clone() })
+            // `--db postgres://...` benches on that server (databases made and dropped there).
+            let postgres = cli.db.clone().filter(|d| Location::is_postgres(d));
+            let report = crate::bench::run(&crate::bench::BenchOptions { quick: *quick, dir: dir.clone(), postgres })
                 .map_err(|e| CliError::new(e.code(), e.to_string()))?;
             if *json {
                 print_json(&report);

@@ -73,15 +73,23 @@ impl BareLedger {
     /// connections with the engine's pragmas and durability.
     pub fn create(path: &Path, sync: Sync, payload: BarePayload) -> Result<Self, StoreError> {
         let mut ledger = Store::open(path, OpenOptions { create: true, sync })?;
-        let triggers: Vec<String> = {
-            let mut st = ledger
-                .conn
-                .prepare("SELECT name FROM sqlite_schema WHERE type = 'trigger' AND tbl_name <> 'audit_log'")?;
+        let drops: Vec<String> = {
+            let sql = match ledger.backend() {
+                super::Backend::Sqlite => {
+                    "SELECT 'DROP TRIGGER \"' || name || '\"' FROM sqlite_schema
+                     WHERE type = 'trigger' AND tbl_name <> 'audit_log'"
+                }
+                super::Backend::Postgres => {
+                    "SELECT 'DROP TRIGGER ' || t.tgname || ' ON ' || c.relname FROM pg_trigger t
+                     JOIN pg_class c ON c.oid = t.tgrelid WHERE NOT t.tgisinternal AND c.relname <> 'audit_log'"
+                }
+            };
+            let mut st = ledger.conn.prepare(sql)?;
             let rows = st.query_map((), |r| r.get(0))?;
             rows.collect::<Result<_, _>>()?
         };
-        for t in triggers {
-            ledger.conn.execute(&format!("DROP TRIGGER \"{t}\""), ())?;
+        for d in drops {
+            ledger.conn.execute(&d, ())?;
         }
         ledger.write(|tx| -> R<()> {
             tx.insert_tenant(TENANT, i64::MAX / 2)?;
@@ -117,7 +125,7 @@ impl BareLedger {
                        downstream_key, call_binding_sha256, call_provider, call_api_family, call_response_id,
                        call_id, adapter_revision, created_at, updated_at, deadline_at, expires_at)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6, ?7, 1, 1, 1, 'write', 'accepted', 1, ?8, ?9, ?6,
-                       'openai', 'responses', ?10, ?11, '1', ?12, ?12, ?12 + 30000, ?12 + 2592000000)",
+                       'openai', 'responses', ?10, ?11, '1', ?12, ?12, CAST(?12 AS BIGINT) + 30000, CAST(?12 AS BIGINT) + 2592000000)",
                 )?
                 .execute(params![
                     id,

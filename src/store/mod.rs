@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 
+pub use pg::ScratchDatabase;
 pub use resilience::{CircuitRow, RetryBudgetRow, MILLI_TOKEN};
 pub use rows::*;
 pub use sql::Backend;

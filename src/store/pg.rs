@@ -218,3 +218,42 @@ pub(crate) fn data_version(pg: &PgConn) -> R<i64> {
         .map_err(|e| pg_error(&e))?;
     row.try_get(0).map_err(|e| pg_error(&e))
 }
+
+/// A database of its own on a PostgreSQL server, made for one run (the bench's
+/// ledgers) and dropped when this goes. Needs a role that may create databases.
+#[derive(Debug)]
+pub struct ScratchDatabase {
+    admin: String,
+    name: String,
+    url: String,
+}
+
+impl ScratchDatabase {
+    /// Creates `toolgate_<label>_<random>` on the server `server` (a URL of
+    /// any database on it).
+    pub fn create(server: &str, label: &str) -> R<Self> {
+        let name = format!("toolgate_{label}_{}_{:08x}", std::process::id(), rand::random::<u32>());
+        let config: postgres::Config =
+            server.parse().map_err(|_| StoreError::Open("the PostgreSQL URL is not valid".into()))?;
+        let mut admin = config.connect(postgres::NoTls).map_err(|e| connect_error(&e))?;
+        admin.batch_execute(&format!("CREATE DATABASE {name}")).map_err(|e| pg_error(&e))?;
+        let url = match server.split_once('?') {
+            Some((base, query)) => format!("{}/{name}?{query}", base.rsplit_once('/').map_or(base, |(b, _)| b)),
+            None => format!("{}/{name}", server.rsplit_once('/').map_or(server, |(b, _)| b)),
+        };
+        Ok(Self { admin: server.to_string(), name, url })
+    }
+
+    /// Its URL (a `--db` value).
+    pub fn url(&self) -> std::path::PathBuf {
+        std::path::PathBuf::from(&self.url)
+    }
+}
+
+impl Drop for ScratchDatabase {
+    fn drop(&mut self) {
+        if let Ok(mut admin) = postgres::Client::connect(&self.admin, postgres::NoTls) {
+            let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name));
+        }
+    }
+}

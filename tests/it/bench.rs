@@ -7,20 +7,22 @@ use std::process::Command;
 
 use serde_json::Value;
 
-#[test]
-fn quick_bench_runs_and_its_checks_hold() {
+fn quick_bench_runs_and_its_checks_hold(backend: crate::support::Backend) {
     let dir = tempfile::tempdir().unwrap();
     // On a memory file system when there is one: the smoke run needs no fsync.
     let shm = std::path::Path::new("/dev/shm");
     let parent = if shm.is_dir() { tempfile::tempdir_in(shm).unwrap() } else { dir };
-    let out = Command::new(env!("CARGO_BIN_EXE_toolgate"))
-        .args(["bench", "--quick", "--json", "--dir"])
-        .arg(parent.path())
-        .env("TOOLGATE_LOG", "off")
-        .output()
-        .unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_toolgate"));
+    cmd.args(["bench", "--quick", "--json", "--dir"]).arg(parent.path()).env("TOOLGATE_LOG", "off");
+    if backend == crate::support::Backend::Postgres {
+        // Its ledgers are databases made on the server for the run.
+        cmd.arg("--db").arg(crate::support::pg_base().unwrap());
+    }
+    let out = cmd.output().unwrap();
     assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let expect = if backend == crate::support::Backend::Postgres { "postgres" } else { "sqlite" };
+    assert_eq!(report["backend"], expect);
     let modes = report["modes"].as_array().unwrap();
     let names: Vec<&str> = modes.iter().map(|m| m["synchronous"].as_str().unwrap()).collect();
     assert_eq!(names, ["FULL", "NORMAL"]);
@@ -59,3 +61,5 @@ fn quick_bench_runs_and_its_checks_hold() {
     // The temporary directory is gone.
     assert_eq!(std::fs::read_dir(parent.path()).unwrap().count(), 0);
 }
+
+crate::on_both_backends!(quick_bench_runs_and_its_checks_hold);
