@@ -551,10 +551,14 @@ pub fn main() -> i32 {
     // A panic (there should be none) prints a short report, never the build
     // machine's source paths or a backtrace. The console wraps this hook with
     // its own, which restores the terminal first.
-    std::panic::set_hook(Box::new(|_| {
+    std::panic::set_hook(Box::new(|info| {
         eprintln!(
             "error[INTERNAL]: toolgate hit an internal error (a bug). Please report it with the command you ran."
         );
+        // For whoever debugs toolgate itself: the panic's own words, on request only.
+        if std::env::var_os("TOOLGATE_PANIC_DETAIL").is_some() {
+            eprintln!("{info}");
+        }
     }));
     let cli = match Cli::try_parse() {
         Ok(c) => c,

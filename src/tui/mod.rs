@@ -93,13 +93,11 @@ fn osc52(text: &str) {
 /// Runs the console until the user quits. The terminal is restored on every
 /// exit path, and on panic (ratatui's hook, extended to mouse capture).
 pub fn run(opts: &ConsoleOptions) -> Result<(), ConsoleError> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
-    rt.block_on(run_async(opts))
-}
-
-async fn run_async(opts: &ConsoleOptions) -> Result<(), ConsoleError> {
-    let (ev_tx, mut ev_rx) = tokio::sync::mpsc::unbounded_channel::<Action>();
-    // Start the engine before taking over the terminal: a bad database is a plain error.
+    let (ev_tx, ev_rx) = tokio::sync::mpsc::unbounded_channel::<Action>();
+    // Start the engine before taking over the terminal (a bad database is a
+    // plain error) and outside the async runtime: the engine's threads are
+    // plain threads, and a blocking database driver (PostgreSQL's) must never
+    // be opened from a thread that is driving asynchronous tasks.
     let backend = backend::spawn(
         &backend::BackendOptions {
             path: opts.db.clone(),
@@ -112,6 +110,15 @@ async fn run_async(opts: &ConsoleOptions) -> Result<(), ConsoleError> {
         },
         ev_tx,
     )?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
+    rt.block_on(run_async(opts, backend, ev_rx))
+}
+
+async fn run_async(
+    opts: &ConsoleOptions,
+    backend: backend::Backend,
+    mut ev_rx: tokio::sync::mpsc::UnboundedReceiver<Action>,
+) -> Result<(), ConsoleError> {
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
     let mut terminal = ratatui::try_init()?;
     let hook = std::panic::take_hook();
