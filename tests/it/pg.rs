@@ -245,3 +245,94 @@ fn the_server_dies_mid_run_and_callers_never_get_a_wrong_answer() {
         tally.effects
     );
 }
+
+fn tg(db: &str, args: &[&str]) -> (i32, serde_json::Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_toolgate"))
+        .args(args)
+        .args(["--db", db])
+        .env_remove("TOOLGATE_DB")
+        .env("TOOLGATE_LOG", "off")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let v = serde_json::from_str(&stdout).unwrap_or(serde_json::Value::Null);
+    (out.status.code().unwrap_or(-1), v, format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)))
+}
+
+/// Every command a person or a script uses, with `--db postgres://...`:
+/// init, dispatch (fresh, replay, lost reply), query, approvals, approve,
+/// resolve, ops list/show, counts, orders, metrics, trace, audit, reap,
+/// grant/revoke, read-only refusals; and a password in the URL is never echoed.
+#[test]
+fn every_cli_command_works_on_a_postgres_url() {
+    let Some(db) = crate::support::PgDb::new() else { return };
+    let url = db.url.as_str();
+    let refund = r#"{"order_ref":"ord_1001","amount_minor":1500,"currency":"EUR","reason":"damaged"}"#;
+    let who = ["--tenant", "acme", "--subject", "agent_ana"];
+    let (rc, v, all) = tg(url, &["init", "--json"]);
+    assert_eq!((rc, v["initialized"].as_bool()), (0, Some(true)), "{all}");
+    let dispatch = |key: &str, call: &str, extra: &[&str]| {
+        let mut a =
+            vec!["dispatch", "--json", "--tool", "create_refund", "--key", key, "--call-id", call, "--args", refund];
+        a.extend(who);
+        a.extend(extra);
+        tg(url, &a)
+    };
+    let (rc, v, all) = dispatch("pg-cli-0001", "c1", &[]);
+    assert_eq!((rc, v["model_result"]["execution"]["delivery"].as_str()), (0, Some("fresh")), "{all}");
+    let (rc, v, all) = dispatch("pg-cli-0001", "c2", &[]);
+    assert_eq!((rc, v["model_result"]["execution"]["delivery"].as_str()), (0, Some("local_replay")), "{all}");
+    // A lost reply: unknown, then the explicit query reconciles it.
+    let (rc, lost, all) = dispatch("pg-cli-0002", "c3", &["--fault", "timeout_after_commit"]);
+    assert_eq!((rc, lost["model_result"]["error"]["code"].as_str()), (1, Some("OUTCOME_UNKNOWN")), "{all}");
+    let sr = lost["protected_audit"]["downstream"]["status_ref"].as_str().unwrap();
+    let sha = lost["protected_audit"]["binding"]["request_sha256"].as_str().unwrap();
+    let mut q = vec!["query", "--json", "--status-ref", sr, "--expect-sha256", sha, "--call-id", "q1"];
+    q.extend(who);
+    let (rc, v, all) = tg(url, &q);
+    assert_eq!((rc, v["model_result"]["execution"]["delivery"].as_str()), (0, Some("receipt_reconciled")), "{all}");
+    // Approvals: a big refund waits; an allowed approver runs it.
+    let big = r#"{"order_ref":"ord_1002","amount_minor":120000,"currency":"EUR","reason":"damaged"}"#;
+    let mut a =
+        vec!["dispatch", "--json", "--tool", "create_refund", "--key", "pg-cli-big1", "--call-id", "c4", "--args", big];
+    a.extend(who);
+    let (rc, v, all) = tg(url, &a);
+    assert_eq!((rc, v["model_result"]["error"]["code"].as_str()), (1, Some("APPROVAL_REQUIRED")), "{all}");
+    let apr = v["protected_audit"]["approval_id"].as_str().unwrap().to_string();
+    let (rc, v, all) = tg(url, &["approvals", "--json"]);
+    assert_eq!(rc, 0, "{all}");
+    assert!(v.to_string().contains(&apr), "{all}");
+    let (rc, v, all) = tg(url, &["approve", &apr, "--approver", "alice", "--json"]);
+    assert_eq!((rc, v["model_result"]["status"].as_str()), (0, Some("succeeded")), "{all}");
+    // A human decision on an unknown one.
+    let (_, lost2, _) = dispatch("pg-cli-0003", "c5", &["--fault", "timeout_before_commit"]);
+    let op = lost2["protected_audit"]["operation_id"].as_str().unwrap().to_string();
+    let (rc, _, all) =
+        tg(url, &["resolve", &op, "--as", "failed", "--note", "provider confirms nothing", "--operator", "kim"]);
+    assert_eq!(rc, 0, "{all}");
+    let (rc, v, all) = tg(url, &["ops", "show", &op, "--json"]);
+    assert_eq!(rc, 0, "{all}");
+    assert!(v.to_string().contains("resolved"), "{all}");
+    for cmd in [&["ops", "list", "--json"][..], &["counts", "--json"], &["orders", "--json"], &["reap", "--json"]] {
+        let (rc, _, all) = tg(url, cmd);
+        assert_eq!(rc, 0, "{cmd:?}: {all}");
+    }
+    let (rc, _, all) = tg(url, &["metrics"]);
+    assert!(rc == 0 && all.contains("toolgate_dispatches_total"), "{all}");
+    let (rc, _, all) = tg(url, &["trace"]);
+    assert!(rc == 0 && all.contains("persisted"), "{all}");
+    let (rc, _, all) = tg(url, &["revoke", "--tenant", "acme", "--subject", "agent_ana", "--tool", "create_refund"]);
+    assert_eq!(rc, 0, "{all}");
+    let (rc, v, all) = dispatch("pg-cli-0001", "c6", &[]);
+    assert_eq!((rc, v["model_result"]["error"]["code"].as_str()), (1, Some("POLICY_DENIED")), "{all}");
+    let (rc, _, all) = tg(url, &["audit"]);
+    assert_eq!(rc, 0, "a clean ledger audits clean: {all}");
+    // Read-only refuses writes with a stable code.
+    let (rc, _, all) = tg(url, &["--read-only", "reap"]);
+    assert_eq!(rc, 2, "{all}");
+    // A password in the URL is never printed back, whatever fails.
+    let secret = url.replacen("toolgate@", "toolgate:hunter2-canary@", 1).replace("/tg_", "/no_such_db_");
+    let (rc, _, all) = tg(&secret, &["counts"]);
+    assert_eq!(rc, 2, "{all}");
+    assert!(all.contains("error[DB_OPEN_FAILED]") && !all.contains("hunter2-canary"), "{all}");
+}
