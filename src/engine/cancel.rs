@@ -164,17 +164,19 @@ impl Engine {
                     "cancelled before anything was sent: no effect",
                 )
             };
+            op.state = state.into();
+            op.code = Some(code.as_str().into());
+            op.updated_at = now;
+            // The version check comes before any other write of this step: a
+            // refusal must leave the attempt and the outbox row as they were.
+            if tx.update_operation(&op)?.is_stale() {
+                return refuse("STALE_VERSION", "operation changed while cancelling".into());
+            }
             if let Some(a) = open {
                 let (o, c) = if a.sent_at.is_some() { ("unknown", Code::OutcomeUnknown) } else { ("not_sent", code) };
                 tx.finish_attempt(&op.id, a.attempt, o, Some(c.as_str()), now)?;
             }
             tx.close_outbox(&op.id, outbox_state, Some(code.as_str()))?;
-            op.state = state.into();
-            op.code = Some(code.as_str().into());
-            op.updated_at = now;
-            if !tx.update_operation(&op)? {
-                return refuse("STALE_VERSION", "operation changed while cancelling".into());
-            }
             audit(true, &r.note, &json!({"seen_version": r.seen_version, "before": snapshot, "after": state}))?;
             let mut t = TraceEvent::of_operation("cancel", &op, &salt, now);
             t.code = Some(code);

@@ -537,7 +537,7 @@ impl Engine {
                     report.parked_unknown += 1;
                 }
                 op.updated_at = now;
-                tx.update_operation(&op)?;
+                tx.update_operation(&op)?.or_stale()?;
                 ev.write(tx, now)?;
             }
             // Re-queued possibly-sent attempts whose deadline passed before a
@@ -549,7 +549,7 @@ impl Engine {
                 op.state = "unknown".into();
                 op.code = Some(Code::OutcomeUnknown.as_str().into());
                 op.updated_at = now;
-                tx.update_operation(&op)?;
+                tx.update_operation(&op)?.or_stale()?;
                 let mut ev = TraceEvent::of_operation("reaped", &op, &salt, now);
                 ev.code = Some(Code::OutcomeUnknown);
                 ev.outcome = Some("unknown");
@@ -681,7 +681,7 @@ fn accept(
                 let mut op = op;
                 op.deadline_at = c.now + c.deadline_ms as i64;
                 op.updated_at = c.now;
-                tx.update_operation(&op)?;
+                tx.update_operation(&op)?.or_stale()?;
                 ev.note = Some("proven not sent and due: execute with the same downstream key".into());
                 ev.reason = Some("proven_unsent_execute");
                 ev.deadline_left_ms = Some(c.deadline_ms as i64);
@@ -873,7 +873,7 @@ fn approval_gate(
                 expired.state = "expired".into();
                 expired.decided_at = Some(c.now);
                 expired.decided_by = Some("system".into());
-                tx.decide_approval(&expired)?;
+                tx.decide_approval(&expired)?.or_stale()?;
                 ev.reason = Some("approval_expired");
             }
             _ => {}
@@ -1048,7 +1048,7 @@ fn claim(
         op.state = "failed".into();
         op.code = Some(code.as_str().into());
         op.updated_at = now;
-        tx.update_operation(&op)?;
+        tx.update_operation(&op)?.or_stale()?;
         op.version += 1;
         let env = op_envelope(&op, Delivery::Fresh, pref.to_string(), None);
         ev.step = "recheck_failed";
@@ -1060,7 +1060,7 @@ fn claim(
     }
     op.state = "in_flight".into();
     op.updated_at = now;
-    tx.update_operation(&op)?;
+    tx.update_operation(&op)?.or_stale()?;
     op.version += 1;
     ev.write(tx, now)?;
     Ok(Claim::Claimed { attempt, op: Box::new(op) })
@@ -1139,7 +1139,7 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
         tx.close_outbox(op_id, "parked", Some(code.as_str()))?;
         op.state = if code == Code::StatusConflict { "needs_review".into() } else { "unknown".into() };
         op.code = Some(code.as_str().into());
-        tx.update_operation(op)?;
+        tx.update_operation(op)?.or_stale()?;
         op.version += 1;
         let env = op_envelope(op, Delivery::Fresh, c.principal_ref.to_string(), None);
         ev.timeout_stage = stage;
@@ -1187,7 +1187,7 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             apply_business_effect(tx, c.domain, &op)?;
             tx.finish_attempt(op_id, c.attempt, "committed", None, c.now)?;
             tx.close_outbox(op_id, "done", None)?;
-            tx.update_operation(&op)?;
+            tx.update_operation(&op)?.or_stale()?;
             op.version += 1;
             let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), None);
             ev.reason = Some("committed");
@@ -1206,7 +1206,7 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             tx.close_outbox(op_id, "parked", Some(Code::OutcomeUnknown.as_str()))?;
             op.state = "unknown".into();
             op.code = Some(Code::OutcomeUnknown.as_str().into());
-            tx.update_operation(&op)?;
+            tx.update_operation(&op)?.or_stale()?;
             op.version += 1;
             let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), None);
             ev.note = Some("re-send refused after a possibly-sent attempt: unknown".into());
@@ -1218,7 +1218,7 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             tx.close_outbox(op_id, "done", Some(Code::BusinessRuleViolation.as_str()))?;
             op.state = "failed".into();
             op.code = Some(Code::BusinessRuleViolation.as_str().into());
-            tx.update_operation(&op)?;
+            tx.update_operation(&op)?.or_stale()?;
             op.version += 1;
             let env = with_detail(
                 op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), None),
@@ -1311,7 +1311,7 @@ fn refused(
     let earlier = earlier_possibly_received(tx, op_id, c.attempt)?;
     op.state = if earlier { "in_flight".into() } else { "accepted".into() };
     op.code = Some(code.as_str().into());
-    tx.update_operation(op)?;
+    tx.update_operation(op)?.or_stale()?;
     op.version += 1;
     ev.timeout_stage = stage;
     ev.code = Some(code);

@@ -390,7 +390,7 @@ impl Engine {
                 }
             };
             let _ = env;
-            tx.update_operation(&cur)?;
+            tx.update_operation(&cur)?.or_stale()?;
             cur.version += 1;
             let delivery = if result == "reconciled" { Delivery::ReceiptReconciled } else { Delivery::LocalReplay };
             let env = op_envelope(&cur, delivery, pref.clone(), None);
@@ -479,7 +479,7 @@ impl Engine {
                 a.state = "expired".into();
                 a.decided_at = Some(now);
                 a.decided_by = Some("system".into());
-                tx.decide_approval(&a)?;
+                tx.decide_approval(&a)?.or_stale()?;
                 return invalid("approval expired (expiry is exclusive)", "approval_expired", Some(&a));
             }
             if !tx.is_approver(&a.tenant, approver)? {
@@ -497,7 +497,7 @@ impl Engine {
                 a.state = "invalidated".into();
                 a.decided_at = Some(now);
                 a.decided_by = Some("system".into());
-                tx.decide_approval(&a)?;
+                tx.decide_approval(&a)?.or_stale()?;
                 return invalid("policy or contract revision changed since the request", "revision_changed", Some(&a));
             }
             let call = super::operation::approval_call(&a);
@@ -527,7 +527,7 @@ impl Engine {
             a.decided_at = Some(now);
             a.operation_id = Some(op.id.clone());
             a.approval_sha256 = Some(digest_value(&json!({"base": a.base_sha256, "approver": approver})));
-            tx.decide_approval(&a)?;
+            tx.decide_approval(&a)?.or_stale()?;
             tx.insert_audit(&audit_row(now, None, approver, "approve", Some(&op.id), Some(&a.id), true, "approved", &json!({
                 "approval_sha256": a.approval_sha256, "request_sha256": a.request_sha256, "expires_at": a.expires_at,
                 "amount_minor": approval_amount(&a),
@@ -582,7 +582,7 @@ impl Engine {
             a.decided_by = Some(approver.to_string());
             a.decided_at = Some(now);
             a.note = Some(note.to_string());
-            tx.decide_approval(&a)?;
+            tx.decide_approval(&a)?.or_stale()?;
             tx.insert_audit(&audit_row(
                 now,
                 None,
@@ -762,7 +762,7 @@ impl Engine {
             op.call_binding_sha256 = binding_of(&op);
             // The fenced write first: if the row moved, nothing else of the
             // resolution is written (the refusal's audit row is all that commits).
-            if !tx.update_operation(&op)? {
+            if tx.update_operation(&op)?.is_stale() {
                 return refuse("STALE_VERSION", "operation changed while resolving".into());
             }
             if r.resolution == Resolution::Succeeded {

@@ -594,6 +594,36 @@ impl Drop for OpenTransaction<'_> {
 
 type R<T> = Result<T, StoreError>;
 
+/// The result of an optimistic version check (a write fenced on the version,
+/// or on the state, the caller read). It must be handled before any other
+/// write of the same step: a step that records a refusal checks first, so
+/// the refusal leaves nothing else changed; a step that cannot continue
+/// returns [`Versioned::or_stale`]'s error, which rolls the whole step back.
+#[must_use = "a version check must be handled before any other write of the step"]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Versioned {
+    /// The row was as read: the write applied.
+    Applied,
+    /// The row changed since it was read: nothing was written.
+    Stale,
+}
+
+impl Versioned {
+    /// Whether the row changed since it was read (and nothing was written).
+    pub fn is_stale(self) -> bool {
+        self == Versioned::Stale
+    }
+
+    /// `Stale` as an error that rolls the step back (a concurrent writer won;
+    /// the caller runs the command again).
+    pub fn or_stale(self) -> R<()> {
+        match self {
+            Versioned::Applied => Ok(()),
+            Versioned::Stale => Err(StoreError::Conflict),
+        }
+    }
+}
+
 /// Typed queries inside one transaction, on either backend.
 pub struct Tx<'a> {
     conn: &'a Conn,
@@ -879,7 +909,7 @@ impl Tx<'_> {
     /// Writes back an operation, checking and bumping its version (optimistic
     /// fence: refused when the row changed since it was read). Returns false when
     /// the version did not match.
-    pub fn update_operation(&self, o: &OperationRow) -> R<bool> {
+    pub fn update_operation(&self, o: &OperationRow) -> R<Versioned> {
         let n = self
             .conn
             .prepare_cached(
@@ -914,7 +944,7 @@ impl Tx<'_> {
                 o.deadline_at,
                 o.version
             ])?;
-        Ok(n == 1)
+        Ok(if n == 1 { Versioned::Applied } else { Versioned::Stale })
     }
 
     /// Operations, newest first, optionally by state, keyset-paged by (updated_at, id).
@@ -996,6 +1026,7 @@ impl Tx<'_> {
     /// Purges one operation: writes its tombstone, then deletes its attempts,
     /// outbox row, receipts, call-identity bindings and the row itself. Returns
     /// false (and changes nothing) when the row is gone or no longer purgeable.
+    #[must_use = "a purge may find the row no longer purgeable"]
     pub fn purge_operation(&self, t: &TombstoneRow) -> R<bool> {
         let still: bool = self
             .conn
@@ -1060,6 +1091,7 @@ impl Tx<'_> {
 
     /// Claims a pending, due outbox row with a lease; bumps the attempt. Returns the
     /// new attempt number, or `None` when someone else holds it or it is not due.
+    #[must_use = "a claim may lose to another worker"]
     pub fn claim(&self, operation_id: &str, owner: &str, now: i64, lease_until: i64) -> R<Option<i64>> {
         let attempt: Option<i64> = self
             .conn
@@ -1081,6 +1113,7 @@ impl Tx<'_> {
 
     /// Whether (owner, attempt) still holds the lease: the fence for every write a
     /// worker makes about its attempt.
+    #[must_use = "the fence decides whether the worker may write"]
     pub fn holds_lease(&self, operation_id: &str, owner: &str, attempt: i64) -> R<bool> {
         Ok(self
             .conn
@@ -1092,6 +1125,7 @@ impl Tx<'_> {
     }
 
     /// The sent-marker, fenced on (owner, attempt). Returns false when the fence fails.
+    #[must_use = "the fence decides whether the attempt may be sent"]
     pub fn mark_sent(&self, operation_id: &str, owner: &str, attempt: i64, now: i64) -> R<bool> {
         if !self.holds_lease(operation_id, owner, attempt)? {
             return Ok(false);
@@ -1321,15 +1355,16 @@ impl Tx<'_> {
     }
 
     /// Records a decision on an approval; only from `pending`. Returns whether it applied.
-    pub fn decide_approval(&self, a: &ApprovalRow) -> R<bool> {
-        Ok(self
+    pub fn decide_approval(&self, a: &ApprovalRow) -> R<Versioned> {
+        let applied = self
             .conn
             .prepare_cached(
                 "UPDATE approvals SET state = ?2, decided_by = ?3, decided_at = ?4, note = ?5, operation_id = ?6,
                    approval_sha256 = ?7 WHERE id = ?1 AND state = 'pending'",
             )?
             .execute(params![a.id, a.state, a.decided_by, a.decided_at, a.note, a.operation_id, a.approval_sha256])?
-            == 1)
+            == 1;
+        Ok(if applied { Versioned::Applied } else { Versioned::Stale })
     }
 
     /// Pending approvals, soonest expiry first.
