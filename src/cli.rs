@@ -19,7 +19,7 @@ use crate::engine::world::{World, DEMO_WORLD};
 use crate::engine::{
     fresh_call_identity, DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest, Resolution, ResolveRequest,
 };
-use crate::store::Location;
+use crate::store::{AttemptOutcome, Location};
 
 /// `print!` through [`write_stdout`]: never panics on a closed pipe.
 macro_rules! out {
@@ -924,7 +924,14 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Ops { what } => match what {
             OpsCommand::List { state, limit, json } => {
                 let mut engine = open_read(cli)?;
-                let rows = engine.list_operations(state.as_deref(), (*limit).clamp(1, 10_000))?;
+                let state = match state.as_deref() {
+                    None => None,
+                    Some(s) => Some(crate::store::OpState::parse(s).ok_or_else(|| {
+                        let all: Vec<&str> = crate::store::OpState::ALL.iter().map(|s| s.as_str()).collect();
+                        CliError::new("BAD_STATE", format!("unknown state {s:?} (one of: {})", all.join(", ")))
+                    })?),
+                };
+                let rows = engine.list_operations(state, (*limit).clamp(1, 10_000))?;
                 if *json {
                     print_json(&json!({"operations": rows}));
                 } else {
@@ -1430,7 +1437,7 @@ fn print_detail(d: &crate::engine::OperationDetail) {
             a.owner,
             rfc3339(a.claimed_at),
             a.sent_at.map_or("never".into(), rfc3339),
-            a.outcome.as_deref().unwrap_or("open"),
+            a.outcome.map_or("open", AttemptOutcome::as_str),
             a.code.as_deref().unwrap_or("")
         );
     }

@@ -24,7 +24,7 @@ use super::canonical::canonical_string;
 use super::envelope::Code;
 use super::trace::TraceEvent;
 use super::{Engine, EngineError, OperatorOutcome};
-use crate::store::{AttemptRow, AuditRow, StoreError};
+use crate::store::{AttemptOutcome, AttemptRow, AuditRow, OpState, OutboxState, StoreError};
 
 /// An operator's cancellation of one operation.
 #[derive(Debug, Clone, Default)]
@@ -86,7 +86,7 @@ impl Engine {
             let snapshot = cur.as_ref().map(|o| {
                 json!({
                     "state": o.state, "version": o.version, "code": o.code, "attempts": attempts.len(),
-                    "possibly_sent": sent, "outbox": outbox.as_ref().map(|b| b.state.clone()),
+                    "possibly_sent": sent, "outbox": outbox.as_ref().map(|b| b.state),
                 })
             });
             let audit = |applied: bool, reason: &str, evidence: &serde_json::Value| -> Result<(), StoreError> {
@@ -122,9 +122,9 @@ impl Engine {
             let Some(mut op) = cur.clone() else {
                 return refuse("NO_SUCH_OPERATION", "no such operation".into());
             };
-            if !matches!(op.state.as_str(), "accepted" | "in_flight") {
-                let why = match op.state.as_str() {
-                    "unknown" | "needs_review" => format!(
+            if !matches!(op.state, OpState::Accepted | OpState::InFlight) {
+                let why = match op.state {
+                    OpState::Unknown | OpState::NeedsReview => format!(
                         "operation is {}: it is already in the unknown queue; query its status or resolve it",
                         op.state
                     ),
@@ -148,23 +148,23 @@ impl Engine {
             let open = attempts.iter().find(|a| a.outcome.is_none());
             let (state, code, outbox_state, reason, message) = if sent {
                 (
-                    "unknown",
+                    OpState::Unknown,
                     Code::OutcomeUnknown,
-                    "parked",
+                    OutboxState::Parked,
                     "cancelled_after_send",
                     "an attempt may have reached the provider, so the effect cannot be undone: \
                      moved to the unknown queue (query its status)",
                 )
             } else {
                 (
-                    "failed",
+                    OpState::Failed,
                     Code::Cancelled,
-                    "done",
+                    OutboxState::Done,
                     "cancelled_before_send",
                     "cancelled before anything was sent: no effect",
                 )
             };
-            op.state = state.into();
+            op.state = state;
             op.code = Some(code.as_str().into());
             op.updated_at = now;
             // The version check comes before any other write of this step: a
@@ -173,7 +173,11 @@ impl Engine {
                 return refuse("STALE_VERSION", "operation changed while cancelling".into());
             }
             if let Some(a) = open {
-                let (o, c) = if a.sent_at.is_some() { ("unknown", Code::OutcomeUnknown) } else { ("not_sent", code) };
+                let (o, c) = if a.sent_at.is_some() {
+                    (AttemptOutcome::Unknown, Code::OutcomeUnknown)
+                } else {
+                    (AttemptOutcome::NotSent, code)
+                };
                 tx.finish_attempt(&op.id, a.attempt, o, Some(c.as_str()), now)?;
             }
             tx.close_outbox(&op.id, outbox_state, Some(code.as_str()))?;

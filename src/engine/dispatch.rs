@@ -21,7 +21,10 @@ use super::tool::{ToolCall, ToolDomain};
 use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, DefensesOff, Engine, EngineError};
 use crate::failpoint;
-use crate::store::{ApprovalRow, CallIdentityRow, CallKey, OperationRow, ReceiptRow, StoreError, Sync, Tx};
+use crate::store::{
+    ApprovalRow, ApprovalState, AttemptOutcome, CallIdentityRow, CallKey, OpState, OperationRow, OutboxState,
+    ReceiptRow, StoreError, Sync, Tx,
+};
 
 /// One tool call as a harness sends it.
 #[derive(Debug, Clone, Default)]
@@ -502,18 +505,18 @@ impl Engine {
                 ev.attempt = Some(ob.attempt);
                 ev.worker.clone_from(&ob.lease_owner);
                 if !sent {
-                    tx.finish_attempt(&op.id, ob.attempt, "not_sent", None, now)?;
+                    tx.finish_attempt(&op.id, ob.attempt, AttemptOutcome::NotSent, None, now)?;
                     tx.release_outbox(&op.id, now, None)?;
                     // Back to `accepted` only if no earlier attempt may have been received.
                     let earlier = attempts.iter().any(|a| a.attempt != ob.attempt && !a.proven_not_received());
-                    op.state = if earlier { "in_flight".into() } else { "accepted".into() };
+                    op.state = if earlier { OpState::InFlight } else { OpState::Accepted };
                     ev.note = Some("lease expired before send: back to accepted".into());
                     ev.reason = Some("requeued_unsent");
                     report.requeued_unsent += 1;
                 } else if honours && now < op.deadline_at {
-                    tx.finish_attempt(&op.id, ob.attempt, "unknown", Some("OUTCOME_UNKNOWN"), now)?;
+                    tx.finish_attempt(&op.id, ob.attempt, AttemptOutcome::Unknown, Some("OUTCOME_UNKNOWN"), now)?;
                     tx.release_outbox(&op.id, now, Some("OUTCOME_UNKNOWN"))?;
-                    op.state = "in_flight".into();
+                    op.state = crate::store::OpState::InFlight;
                     ev.note = Some("lease expired after send: re-queued with the same downstream key".into());
                     ev.reason = Some("requeued_same_key");
                     report.requeued_same_key += 1;
@@ -521,9 +524,9 @@ impl Engine {
                     // Past the deadline nothing is sent again (docs/design.md §11), and a
                     // re-queued row would never be picked up: the explicit status
                     // query (or a human) settles it.
-                    tx.finish_attempt(&op.id, ob.attempt, "unknown", Some("OUTCOME_UNKNOWN"), now)?;
-                    tx.close_outbox(&op.id, "parked", Some("OUTCOME_UNKNOWN"))?;
-                    op.state = "unknown".into();
+                    tx.finish_attempt(&op.id, ob.attempt, AttemptOutcome::Unknown, Some("OUTCOME_UNKNOWN"), now)?;
+                    tx.close_outbox(&op.id, OutboxState::Parked, Some("OUTCOME_UNKNOWN"))?;
+                    op.state = crate::store::OpState::Unknown;
                     op.code = Some(Code::OutcomeUnknown.as_str().into());
                     ev.code = Some(Code::OutcomeUnknown);
                     ev.outcome = Some("unknown");
@@ -545,8 +548,8 @@ impl Engine {
             // would be stuck in flight for ever. Park them for a status query.
             for id in tx.overdue_in_flight(now)? {
                 let Some(mut op) = tx.operation(&id)? else { continue };
-                tx.close_outbox(&id, "parked", Some("OUTCOME_UNKNOWN"))?;
-                op.state = "unknown".into();
+                tx.close_outbox(&id, OutboxState::Parked, Some("OUTCOME_UNKNOWN"))?;
+                op.state = crate::store::OpState::Unknown;
                 op.code = Some(Code::OutcomeUnknown.as_str().into());
                 op.updated_at = now;
                 tx.update_operation(&op)?.or_stale()?;
@@ -636,14 +639,15 @@ fn accept(
                 // Lab only: the defense is off, the second request is silently dropped.
                 ev.note = Some("lab: same key, different request, answered with the stored result".into());
                 ev.reason = Some(MASKED_CONFLICT);
-                let delivery = if op.state == "resolved" { Delivery::HumanResolved } else { Delivery::LocalReplay };
+                let delivery =
+                    if op.state == OpState::Resolved { Delivery::HumanResolved } else { Delivery::LocalReplay };
                 return Ok(Decision::Answer(op_envelope(&op, delivery, c.principal_ref.to_string(), None), ev));
             }
             ev.note = Some("same key, different request".into());
             ev.reason = Some("conflict");
             return Ok(answer(Code::IdempotencyConflict, audit, ev));
         }
-        if relaxed && op.state == "accepted" {
+        if relaxed && op.state == OpState::Accepted {
             // Possibly executable again (proven unsent): a state change.
             return Ok(Decision::Synced);
         }
@@ -651,8 +655,8 @@ fn accept(
         ev.status_ref = Some(op.status_ref.clone());
         let outbox = tx.outbox(&op.id)?;
         let last_code = outbox.as_ref().and_then(|o| o.last_code.clone());
-        match op.state.as_str() {
-            "succeeded" | "failed" => {
+        match op.state {
+            OpState::Succeeded | OpState::Failed => {
                 ev.note = Some("replay".into());
                 ev.reason = Some("replay");
                 return Ok(Decision::Answer(
@@ -660,7 +664,7 @@ fn accept(
                     ev,
                 ));
             }
-            "resolved" => {
+            OpState::Resolved => {
                 ev.note = Some("replay of a human resolution".into());
                 ev.reason = Some("replay_resolved");
                 return Ok(Decision::Answer(
@@ -673,8 +677,8 @@ fn accept(
         // Not terminal. Only an operation whose every attempt is proven not sent may run again.
         let attempts = tx.attempts(&op.id)?;
         let proven_unsent = attempts.iter().all(crate::store::AttemptRow::proven_not_received);
-        let pending = outbox.as_ref().is_some_and(|o| o.state == "pending");
-        if op.state == "accepted" && proven_unsent && pending {
+        let pending = outbox.as_ref().is_some_and(|o| o.state == OutboxState::Pending);
+        if op.state == OpState::Accepted && proven_unsent && pending {
             let due_at = outbox.as_ref().map_or(c.now, |o| o.available_at);
             if due_at <= c.now {
                 // A new call refreshes the operation deadline: the old caller gave up.
@@ -848,8 +852,8 @@ fn approval_gate(
             return Ok(Some(Decision::Answer(error_envelope(Code::IdempotencyConflict, audit.clone()), ev.clone())));
         }
         let detail = |a: &ApprovalRow| json!({"approval_id": a.id, "expires_at": super::clock::rfc3339(a.expires_at)});
-        match a.state.as_str() {
-            "pending" if c.now < a.expires_at => {
+        match a.state {
+            ApprovalState::Pending if c.now < a.expires_at => {
                 let env = with_detail(error_envelope(Code::ApprovalRequired, audit.clone()), detail(&a));
                 let mut env = env;
                 env.protected_audit.approval_id = Some(a.id.clone());
@@ -857,7 +861,7 @@ fn approval_gate(
                 ev.reason = Some("approval_pending");
                 return Ok(Some(Decision::Answer(env, ev.clone())));
             }
-            "denied" => {
+            ApprovalState::Denied => {
                 let mut env = with_detail(
                     error_envelope(Code::ApprovalInvalid, audit.clone()),
                     json!({"approval_id": a.id, "reason": "denied"}),
@@ -867,10 +871,10 @@ fn approval_gate(
                 ev.reason = Some("approval_denied");
                 return Ok(Some(Decision::Answer(env, ev.clone())));
             }
-            "pending" => {
+            ApprovalState::Pending => {
                 // Expired unapproved: mark it, then a new request below.
                 let mut expired = a.clone();
-                expired.state = "expired".into();
+                expired.state = crate::store::ApprovalState::Expired;
                 expired.decided_at = Some(c.now);
                 expired.decided_by = Some("system".into());
                 tx.decide_approval(&expired)?.or_stale()?;
@@ -900,7 +904,7 @@ fn approval_gate(
         amount_minor: amount,
         base_sha256: base,
         approval_sha256: None,
-        state: "pending".into(),
+        state: ApprovalState::Pending,
         decided_by: None,
         decided_at: None,
         note: None,
@@ -963,7 +967,7 @@ fn claim(
         return skipped(&ev, op_envelope(&op, Delivery::Fresh, pref.to_string(), None), "no_outbox_row");
     };
     // Someone else runs it (or ran it): report its state, not a fresh execution.
-    if ob.state != "pending" {
+    if ob.state != OutboxState::Pending {
         let env = op_envelope(&op, Delivery::LocalReplay, pref.to_string(), ob.last_code.as_deref());
         return skipped(&ev, env, "not_pending");
     }
@@ -1009,7 +1013,7 @@ fn claim(
     }
     // The tool's retry budget: a retry after a refused attempt spends a token.
     let retrying =
-        ob.attempt > 0 && tx.attempts(op_id)?.last().is_some_and(|a| a.outcome.as_deref() == Some("refused"));
+        ob.attempt > 0 && tx.attempts(op_id)?.last().is_some_and(|a| a.outcome == Some(AttemptOutcome::Refused));
     if retrying && !policy::budget_withdraw(tx, &op.tool, &contract.retry, now)? {
         if admission == Admission::Probe {
             policy::release_probe(tx, &contract.downstream.name, op_id, now)?;
@@ -1043,9 +1047,9 @@ fn claim(
         failed = Some((Code::BusinessRuleViolation, rule));
     }
     if let Some((code, why)) = failed {
-        tx.finish_attempt(op_id, attempt, "not_sent", Some(code.as_str()), now)?;
-        tx.close_outbox(op_id, "done", Some(code.as_str()))?;
-        op.state = "failed".into();
+        tx.finish_attempt(op_id, attempt, AttemptOutcome::NotSent, Some(code.as_str()), now)?;
+        tx.close_outbox(op_id, OutboxState::Done, Some(code.as_str()))?;
+        op.state = crate::store::OpState::Failed;
         op.code = Some(code.as_str().into());
         op.updated_at = now;
         tx.update_operation(&op)?.or_stale()?;
@@ -1058,7 +1062,7 @@ fn claim(
         ev.write(tx, now)?;
         return Ok(Claim::Answer(env));
     }
-    op.state = "in_flight".into();
+    op.state = crate::store::OpState::InFlight;
     op.updated_at = now;
     tx.update_operation(&op)?.or_stale()?;
     op.version += 1;
@@ -1135,9 +1139,9 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
                    stage: Option<&'static str>,
                    note: String|
      -> Result<Persisted, EngineError> {
-        tx.finish_attempt(op_id, c.attempt, "unknown", Some(code.as_str()), c.now)?;
-        tx.close_outbox(op_id, "parked", Some(code.as_str()))?;
-        op.state = if code == Code::StatusConflict { "needs_review".into() } else { "unknown".into() };
+        tx.finish_attempt(op_id, c.attempt, AttemptOutcome::Unknown, Some(code.as_str()), c.now)?;
+        tx.close_outbox(op_id, OutboxState::Parked, Some(code.as_str()))?;
+        op.state = if code == Code::StatusConflict { OpState::NeedsReview } else { OpState::Unknown };
         op.code = Some(code.as_str().into());
         tx.update_operation(op)?.or_stale()?;
         op.version += 1;
@@ -1171,7 +1175,7 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             op.result_json = Some(result_json);
             op.downstream_request_id = Some(r.request_id.clone());
             op.receipt_id = Some(r.receipt_id.clone());
-            op.state = "succeeded".into();
+            op.state = crate::store::OpState::Succeeded;
             op.code = None;
             op.call_binding_sha256 = binding_of(&op);
             tx.insert_receipt(&ReceiptRow {
@@ -1185,8 +1189,8 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
                 recorded_at: c.now,
             })?;
             apply_business_effect(tx, c.domain, &op)?;
-            tx.finish_attempt(op_id, c.attempt, "committed", None, c.now)?;
-            tx.close_outbox(op_id, "done", None)?;
+            tx.finish_attempt(op_id, c.attempt, AttemptOutcome::Committed, None, c.now)?;
+            tx.close_outbox(op_id, OutboxState::Done, None)?;
             tx.update_operation(&op)?.or_stale()?;
             op.version += 1;
             let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), None);
@@ -1202,9 +1206,9 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             // A refusal of this re-send says nothing about the earlier attempt
             // that may have committed (a provider that drifted answers a re-sent
             // key with a conflict): not a definitive failure. Ask the provider.
-            tx.finish_attempt(op_id, c.attempt, "rejected", Some(Code::OutcomeUnknown.as_str()), c.now)?;
-            tx.close_outbox(op_id, "parked", Some(Code::OutcomeUnknown.as_str()))?;
-            op.state = "unknown".into();
+            tx.finish_attempt(op_id, c.attempt, AttemptOutcome::Rejected, Some(Code::OutcomeUnknown.as_str()), c.now)?;
+            tx.close_outbox(op_id, OutboxState::Parked, Some(Code::OutcomeUnknown.as_str()))?;
+            op.state = crate::store::OpState::Unknown;
             op.code = Some(Code::OutcomeUnknown.as_str().into());
             tx.update_operation(&op)?.or_stale()?;
             op.version += 1;
@@ -1214,9 +1218,15 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             Ok(Persisted::Done(env))
         }
         Ok(Reply::Rejected { reason: _ }) => {
-            tx.finish_attempt(op_id, c.attempt, "rejected", Some(Code::BusinessRuleViolation.as_str()), c.now)?;
-            tx.close_outbox(op_id, "done", Some(Code::BusinessRuleViolation.as_str()))?;
-            op.state = "failed".into();
+            tx.finish_attempt(
+                op_id,
+                c.attempt,
+                AttemptOutcome::Rejected,
+                Some(Code::BusinessRuleViolation.as_str()),
+                c.now,
+            )?;
+            tx.close_outbox(op_id, OutboxState::Done, Some(Code::BusinessRuleViolation.as_str()))?;
+            op.state = crate::store::OpState::Failed;
             op.code = Some(Code::BusinessRuleViolation.as_str().into());
             tx.update_operation(&op)?.or_stale()?;
             op.version += 1;
@@ -1303,13 +1313,13 @@ fn refused(
     stage: Option<&'static str>,
 ) -> Result<Persisted, EngineError> {
     let op_id = c.op.id.as_str();
-    tx.finish_attempt(op_id, c.attempt, "refused", Some(code.as_str()), c.now)?;
+    tx.finish_attempt(op_id, c.attempt, AttemptOutcome::Refused, Some(code.as_str()), c.now)?;
     tx.release_outbox(op_id, c.now + delay as i64, Some(code.as_str()))?;
     // `accepted` promises that nothing was sent. After a re-queued possibly-sent
     // attempt that is no longer true: the operation stays `in_flight` (callers see
     // OUTCOME_UNKNOWN, and the reaper parks it if the deadline passes).
     let earlier = earlier_possibly_received(tx, op_id, c.attempt)?;
-    op.state = if earlier { "in_flight".into() } else { "accepted".into() };
+    op.state = if earlier { OpState::InFlight } else { OpState::Accepted };
     op.code = Some(code.as_str().into());
     tx.update_operation(op)?.or_stale()?;
     op.version += 1;

@@ -15,7 +15,7 @@ use super::envelope::{
     ProtectedAudit, Status,
 };
 use super::tool::{ToolCall, ToolDomain};
-use crate::store::{ApprovalRow, OperationRow, StoreError, Tx};
+use crate::store::{ApprovalRow, OpState, OperationRow, StoreError, Tx};
 
 /// The business intent a downstream effect is counted under: the whole scope
 /// (tenant, subject, tool, caller's key), hashed.
@@ -181,22 +181,22 @@ pub(crate) fn op_envelope(
     // A copy parsed from the stored text: mutating it cannot change later replays.
     let data = op.result_json.as_deref().and_then(|r| serde_json::from_str::<Value>(r).ok());
     let stored_code = op.code.as_deref().and_then(Code::parse);
-    let (status, data, error, outcome, delivery) = match op.state.as_str() {
-        "succeeded" => (Status::Succeeded, data, None, Outcome::Committed, delivery),
-        "failed" => {
+    let (status, data, error, outcome, delivery) = match op.state {
+        OpState::Succeeded => (Status::Succeeded, data, None, Outcome::Committed, delivery),
+        OpState::Failed => {
             let code = stored_code.unwrap_or(Code::BusinessRuleViolation);
             (Status::Failed, None, Some(ErrorInfo::new(code)), Outcome::NotStarted, delivery)
         }
-        "resolved" => match op.resolution.as_deref() {
+        OpState::Resolved => match op.resolution.as_deref() {
             Some("succeeded") => (Status::Succeeded, data, None, Outcome::Committed, Delivery::HumanResolved),
             Some("compensated") => (Status::Failed, data, None, Outcome::Committed, Delivery::HumanResolved),
             _ => (Status::Failed, data, None, Outcome::NotStarted, Delivery::HumanResolved),
         },
-        "accepted" => {
+        OpState::Accepted => {
             let code = last_code.and_then(Code::parse).filter(|c| c.retryable()).unwrap_or(Code::TimeoutBeforeExecute);
             (Status::Failed, None, Some(ErrorInfo::new(code)), Outcome::NotStarted, delivery)
         }
-        "needs_review" => {
+        OpState::NeedsReview => {
             let code = stored_code.filter(|c| c.catalog().1 == Outcome::Unknown).unwrap_or(Code::StatusConflict);
             (Status::Unknown, None, Some(ErrorInfo::new(code)), Outcome::Unknown, delivery)
         }
@@ -241,7 +241,7 @@ pub(crate) fn new_operation_for(
         output_rev: contract.revisions.output,
         effect_rev: contract.revisions.effect,
         effect: contract.effect.as_str().to_string(),
-        state: "accepted".into(),
+        state: OpState::Accepted,
         version: 1,
         status_ref: refs.mint(ids.bytes::<16>()),
         // Derived below from the operation id and status_ref (both bound).

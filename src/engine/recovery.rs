@@ -15,7 +15,10 @@ use super::tool::ToolCall;
 use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, Engine, EngineError};
 use crate::failpoint;
-use crate::store::{AuditRow, CallIdentityRow, OperationRow, ReceiptRow, StoreError, Tx};
+use crate::store::{
+    ApprovalState, AttemptOutcome, AuditRow, CallIdentityRow, OpState, OperationRow, OutboxState, ReceiptRow,
+    StoreError, Tx,
+};
 
 /// An explicit status query (docs/design.md §8).
 #[derive(Debug, Clone, Default)]
@@ -299,13 +302,13 @@ impl Engine {
                 );
                 return answer(env, ev.because("tampered"));
             }
-            match op.state.as_str() {
-                "succeeded" | "failed" => {
+            match op.state {
+                OpState::Succeeded | OpState::Failed => {
                     let reconciled = op.last_query_result.as_deref() == Some("reconciled");
                     let d = if reconciled { Delivery::ReceiptReconciled } else { Delivery::LocalReplay };
                     answer(op_envelope(&op, d, pref.clone(), None), ev.because("replay"))
                 }
-                "resolved" => {
+                OpState::Resolved => {
                     answer(op_envelope(&op, Delivery::HumanResolved, pref.clone(), None), ev.because("replay_resolved"))
                 }
                 _ => Ok(QueryStep::Lookup(Box::new(op))),
@@ -350,7 +353,7 @@ impl Engine {
                         cur.result_json = Some(result_json);
                         cur.downstream_request_id = Some(r.request_id.clone());
                         cur.receipt_id = Some(r.receipt_id.clone());
-                        cur.state = "succeeded".into();
+                        cur.state = crate::store::OpState::Succeeded;
                         cur.code = None;
                         cur.last_query_result = Some("reconciled".into());
                         cur.call_binding_sha256 = binding_of(&cur);
@@ -367,16 +370,16 @@ impl Engine {
                         apply_business_effect(tx, &*toolset.domain(&cur.tool), &cur)?;
                         if let Some(ob) = tx.outbox(&cur.id)? {
                             if ob.attempt > 0 {
-                                tx.finish_attempt(&cur.id, ob.attempt, "committed", None, now)?;
+                                tx.finish_attempt(&cur.id, ob.attempt, AttemptOutcome::Committed, None, now)?;
                             }
                         }
-                        tx.close_outbox(&cur.id, "done", None)?;
+                        tx.close_outbox(&cur.id, OutboxState::Done, None)?;
                         ("reconciled", None, "receipt matches: backfilled")
                     } else {
-                        cur.state = "needs_review".into();
+                        cur.state = crate::store::OpState::NeedsReview;
                         cur.code = Some(Code::StatusConflict.as_str().into());
                         cur.last_query_result = Some("mismatch".into());
-                        tx.close_outbox(&cur.id, "parked", Some(Code::StatusConflict.as_str()))?;
+                        tx.close_outbox(&cur.id, OutboxState::Parked, Some(Code::StatusConflict.as_str()))?;
                         ("mismatch", Some(Code::StatusConflict), "receipt does not match the request: needs review")
                     }
                 }
@@ -451,7 +454,7 @@ impl Engine {
         let decided = self.store.write(|tx| -> Result<Result<String, (Envelope, String)>, EngineError> {
             let invalid = |why: &str, reason: &'static str, a: Option<&crate::store::ApprovalRow>| -> Result<Result<String, (Envelope, String)>, EngineError> {
                 tx.insert_audit(&audit_row(now, None, approver, "approve", None, Some(approval_id), false, why, &json!({
-                    "approval_state": a.map(|a| a.state.clone()),
+                    "approval_state": a.map(|a| a.state),
                     "expires_at": a.map(|a| a.expires_at),
                 })))?;
                 let mut env = with_detail(
@@ -471,12 +474,12 @@ impl Engine {
             let Some(mut a) = tx.approval(approval_id)? else {
                 return invalid("no such approval request", "no_such_approval", None);
             };
-            if a.state != "pending" {
+            if a.state != ApprovalState::Pending {
                 let why = format!("approval is {}", a.state);
                 return invalid(&why, "not_pending", Some(&a));
             }
             if now >= a.expires_at {
-                a.state = "expired".into();
+                a.state = crate::store::ApprovalState::Expired;
                 a.decided_at = Some(now);
                 a.decided_by = Some("system".into());
                 tx.decide_approval(&a)?.or_stale()?;
@@ -494,7 +497,7 @@ impl Engine {
             let policy_rev = tx.tenant(&a.tenant)?.map_or(-1, |t| t.policy_revision);
             let rev = Revisions { input: a.input_rev, output: a.output_rev, effect: a.effect_rev };
             if policy_rev != a.policy_revision || contract.revisions != rev {
-                a.state = "invalidated".into();
+                a.state = crate::store::ApprovalState::Invalidated;
                 a.decided_at = Some(now);
                 a.decided_by = Some("system".into());
                 tx.decide_approval(&a)?.or_stale()?;
@@ -522,7 +525,7 @@ impl Engine {
                 },
                 now,
             )?;
-            a.state = "approved".into();
+            a.state = crate::store::ApprovalState::Approved;
             a.decided_by = Some(approver.to_string());
             a.decided_at = Some(now);
             a.operation_id = Some(op.id.clone());
@@ -572,13 +575,13 @@ impl Engine {
             let Some(mut a) = tx.approval(approval_id)? else {
                 return refuse("APPROVAL_INVALID", "no such approval request");
             };
-            if a.state != "pending" || now >= a.expires_at {
+            if a.state != ApprovalState::Pending || now >= a.expires_at {
                 return refuse("APPROVAL_INVALID", "approval is not pending");
             }
             if !tx.is_approver(&a.tenant, approver)? || approver == a.subject {
                 return refuse("APPROVAL_INVALID", "approver is not allowed to decide this request");
             }
-            a.state = "denied".into();
+            a.state = crate::store::ApprovalState::Denied;
             a.decided_by = Some(approver.to_string());
             a.decided_at = Some(now);
             a.note = Some(note.to_string());
@@ -637,7 +640,7 @@ impl Engine {
             return Ok(None);
         }
         let Some(op) = self.store.read(|tx| tx.operation(&r.operation_id))? else { return Ok(None) };
-        if !matches!(op.state.as_str(), "unknown" | "needs_review") {
+        if !matches!(op.state, OpState::Unknown | OpState::NeedsReview) {
             return Ok(None);
         }
         let contracts = self.contracts.clone();
@@ -726,7 +729,7 @@ impl Engine {
             let Some(mut op) = cur.clone() else {
                 return refuse("NO_SUCH_OPERATION", "no such operation".into());
             };
-            if !matches!(op.state.as_str(), "unknown" | "needs_review") {
+            if !matches!(op.state, OpState::Unknown | OpState::NeedsReview) {
                 return refuse("NOT_RESOLVABLE", format!("operation is {}; only unknown or needs_review can be resolved", op.state));
             }
             if let Some(seen) = r.seen_version {
@@ -754,7 +757,7 @@ impl Engine {
             if let Some(e) = evidence {
                 op.receipt_id = Some(e.to_string());
             }
-            op.state = "resolved".into();
+            op.state = crate::store::OpState::Resolved;
             op.resolution = Some(r.resolution.as_str().into());
             op.resolution_note = Some(r.note.clone());
             op.resolved_by = Some(r.operator.clone());
@@ -768,7 +771,7 @@ impl Engine {
             if r.resolution == Resolution::Succeeded {
                 apply_business_effect(tx, &*toolset.domain(&op.tool), &op)?;
             }
-            tx.close_outbox(&op.id, "done", None)?;
+            tx.close_outbox(&op.id, OutboxState::Done, None)?;
             let ev = json!({
                 "seen_version": r.seen_version, "before": snapshot, "resolution": r.resolution.as_str(), "evidence": evidence,
                 "provider_evidence": provider.as_ref().map(|(seen, _)| seen),
@@ -814,7 +817,7 @@ impl Engine {
     }
 
     /// Operations, newest first.
-    pub fn list_operations(&mut self, state: Option<&str>, limit: i64) -> Result<Vec<OperationRow>, EngineError> {
+    pub fn list_operations(&mut self, state: Option<OpState>, limit: i64) -> Result<Vec<OperationRow>, EngineError> {
         Ok(self.store.read(|tx| tx.list_operations(state, limit, None))?)
     }
 
@@ -857,7 +860,7 @@ impl Engine {
             // Each domain checks its local state against the calls the ledger holds as succeeded.
             let succeeded: Vec<(&OperationRow, Value, Value)> = ops
                 .iter()
-                .filter(|o| o.state == "succeeded")
+                .filter(|o| o.state == OpState::Succeeded)
                 .map(|o| {
                     let result = o.result_json.as_deref().and_then(|r| serde_json::from_str(r).ok());
                     (o, args_of(&o.request_json), result.unwrap_or(Value::Null))
@@ -887,7 +890,7 @@ impl Engine {
             }
             settled = ops
                 .into_iter()
-                .filter(|o| o.state == "succeeded" && o.receipt_id.is_some())
+                .filter(|o| o.state == OpState::Succeeded && o.receipt_id.is_some())
                 .map(|o| (o.id, o.tool, o.downstream_key, o.receipt_id.unwrap_or_default(), o.updated_at))
                 .collect();
             Ok(out)
@@ -974,21 +977,23 @@ fn check_operation(
     }
     let ob = tx.outbox(&op.id)?;
     let attempts = tx.attempts(&op.id)?;
-    match (op.state.as_str(), ob.as_ref().map(|o| o.state.as_str())) {
+    let queued = |s: OutboxState| matches!(s, OutboxState::Leased | OutboxState::Pending);
+    match (op.state, ob.as_ref().map(|o| o.state)) {
         (_, None) => find("outbox", r, "operation has no outbox row"),
-        ("succeeded", _) if op.result_json.is_none() || op.receipt_id.is_none() => {
+        (OpState::Succeeded, _) if op.result_json.is_none() || op.receipt_id.is_none() => {
             find("shape", r, "succeeded without result or receipt");
         }
-        ("in_flight", Some("leased" | "pending")) | ("accepted", Some("pending")) => {}
-        ("in_flight" | "accepted", Some(s)) => find("lease", r, &format!("{} operation with outbox {s}", op.state)),
-        ("succeeded" | "failed" | "resolved", Some("leased" | "pending")) => {
-            find("lease", r, "terminal operation still queued");
+        (OpState::InFlight, Some(s)) if queued(s) => {}
+        (OpState::Accepted, Some(OutboxState::Pending)) => {}
+        (OpState::InFlight | OpState::Accepted, Some(s)) => {
+            find("lease", r, &format!("{} operation with outbox {s}", op.state));
         }
-        ("unknown" | "needs_review", Some("leased" | "pending")) => find("lease", r, "unknown operation still queued"),
+        (s, Some(q)) if s.is_terminal() && queued(q) => find("lease", r, "terminal operation still queued"),
+        (s, Some(q)) if s.is_unknown_queue() && queued(q) => find("lease", r, "unknown operation still queued"),
         _ => {}
     }
     if let Some(o) = &ob {
-        if o.state == "leased" {
+        if o.state == OutboxState::Leased {
             let holder = attempts.iter().find(|a| a.attempt == o.attempt);
             if holder.is_none_or(|a| Some(&a.owner) != o.lease_owner.as_ref()) {
                 find("lease", r, "lease has no matching attempt row");
@@ -998,7 +1003,7 @@ fn check_operation(
             find("lease", r, "attempt count disagrees with attempt rows");
         }
     }
-    if op.state == "succeeded" && op.code.is_some() {
+    if op.state == OpState::Succeeded && op.code.is_some() {
         find("shape", r, "succeeded with an error code");
     }
     // A succeeded operation's receipt came from the provider and was recorded;

@@ -46,7 +46,7 @@ fn tombstone_of(op: &OperationRow, now: i64) -> TombstoneRow {
         operation_id: op.id.clone(),
         scope_sha256: scope_sha256(&op.tenant, &op.subject, &op.tool, &op.idem_key),
         tool: op.tool.clone(),
-        final_state: op.state.clone(),
+        final_state: op.state.as_str().to_string(),
         code: op.code.clone(),
         request_sha256: op.request_sha256.clone(),
         result_sha256: op.result_sha256.clone(),

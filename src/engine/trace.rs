@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use super::canonical::{canonical_string, sha256_hex, CallIdentity, Revisions};
 use super::envelope::{Code, Envelope};
-use crate::store::{ApprovalRow, OperationRow, StoreError, TraceRow, Tx};
+use crate::store::{ApprovalRow, OpState, OperationRow, StoreError, TraceRow, Tx};
 
 /// The fields of one trace event. `None` fields are left out.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -166,7 +166,7 @@ impl TraceEvent {
     /// downstream field the row holds (tenant and subject salted-hashed).
     #[must_use]
     pub(crate) fn of_operation(step: &'static str, op: &OperationRow, salt: &str, now: i64) -> Self {
-        let open = matches!(op.state.as_str(), "accepted" | "in_flight");
+        let open = matches!(op.state, OpState::Accepted | OpState::InFlight);
         Self {
             step,
             operation_id: Some(op.id.clone()),

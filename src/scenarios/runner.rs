@@ -590,7 +590,7 @@ impl ScenarioRun {
         let after = self.op_of(target.as_ref())?;
         let (effects, duplicates) = self.counts()?;
         let mut obs = self.blank(step, effects, effects_before, duplicates);
-        let state = |op: &Option<OperationRow>| op.as_ref().map_or_else(|| "none".to_string(), |o| o.state.clone());
+        let state = |op: &Option<OperationRow>| op.as_ref().map_or_else(|| "none".to_string(), |o| o.state.to_string());
         obs.transition = Transition { from: state(&before), to: state(&after) };
         if let Some(op) = &after {
             obs.operation_id = Some(op.id.clone());

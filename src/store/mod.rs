@@ -12,6 +12,7 @@ mod pg;
 mod resilience;
 mod rows;
 pub(crate) mod sql;
+mod states;
 mod views;
 
 use std::collections::HashMap;
@@ -26,6 +27,7 @@ pub use resilience::{CircuitRow, RetryBudgetRow, MILLI_TOKEN};
 pub use rows::*;
 pub use sql::Backend;
 use sql::{params, Conn};
+pub use states::{ApprovalState, AttemptOutcome, OpState, OutboxState};
 pub use views::{
     cursor_after, Cursor, Key, LiveRow, OpsView, Order, SortColumn, APPROVALS_SORT, AUDIT_SORT, LIVE_SORT, OPS_SORT,
 };
@@ -950,7 +952,7 @@ impl Tx<'_> {
     /// Operations, newest first, optionally by state, keyset-paged by (updated_at, id).
     pub fn list_operations(
         &self,
-        state: Option<&str>,
+        state: Option<OpState>,
         limit: i64,
         before: Option<(i64, &str)>,
     ) -> R<Vec<OperationRow>> {
@@ -1151,7 +1153,7 @@ impl Tx<'_> {
     }
 
     /// Ends an outbox row: `done` (terminal) or `parked` (unknown: waits for a query or a human).
-    pub fn close_outbox(&self, operation_id: &str, state: &str, last_code: Option<&str>) -> R<()> {
+    pub fn close_outbox(&self, operation_id: &str, state: OutboxState, last_code: Option<&str>) -> R<()> {
         self.conn
             .prepare_cached(
                 "UPDATE outbox SET state = ?2, lease_owner = NULL, lease_until = NULL, last_code = coalesce(?3, last_code)
@@ -1166,7 +1168,7 @@ impl Tx<'_> {
         &self,
         operation_id: &str,
         attempt: i64,
-        outcome: &str,
+        outcome: AttemptOutcome,
         code: Option<&str>,
         now: i64,
     ) -> R<()> {

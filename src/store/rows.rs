@@ -1,6 +1,7 @@
 //! Row types: plain data, one struct per table.
 
 use super::sql::{Param, Row};
+use super::states::{ApprovalState, AttemptOutcome, OpState, OutboxState};
 use super::StoreError;
 use serde::Serialize;
 
@@ -146,7 +147,7 @@ row! {
         /// `write` or `external`.
         pub effect: String,
         /// Ledger state.
-        pub state: String,
+        pub state: OpState,
         /// Optimistic version, bumped on every change.
         pub version: i64,
         /// Opaque status handle.
@@ -211,8 +212,8 @@ row! {
     pub struct OutboxRow [OUTBOX_COLS] {
         /// Operation.
         pub operation_id: String,
-        /// `pending` | `leased` | `done` | `parked`.
-        pub state: String,
+        /// Delivery state.
+        pub state: OutboxState,
         /// Attempts claimed so far.
         pub attempt: i64,
         /// Attempt cap.
@@ -244,7 +245,7 @@ pub struct AttemptRow {
     /// Finished.
     pub finished_at: Option<i64>,
     /// How it ended.
-    pub outcome: Option<String>,
+    pub outcome: Option<AttemptOutcome>,
     /// Code.
     pub code: Option<String>,
 }
@@ -252,7 +253,7 @@ pub struct AttemptRow {
 impl AttemptRow {
     /// Provably never received downstream: never sent, or refused before acceptance.
     pub fn proven_not_received(&self) -> bool {
-        self.sent_at.is_none() || matches!(self.outcome.as_deref(), Some("refused" | "not_sent"))
+        self.sent_at.is_none() || matches!(self.outcome, Some(AttemptOutcome::Refused | AttemptOutcome::NotSent))
     }
 }
 
@@ -361,8 +362,8 @@ row! {
         pub base_sha256: String,
         /// Digest including the approver, once approved.
         pub approval_sha256: Option<String>,
-        /// `pending` | `approved` | `denied` | `expired` | `invalidated`.
-        pub state: String,
+        /// Approval state.
+        pub state: ApprovalState,
         /// Who decided.
         pub decided_by: Option<String>,
         /// When.

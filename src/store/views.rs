@@ -140,7 +140,7 @@ pub const OPS_SORT: &[SortColumn<OperationRow>] = &[
     SortColumn { name: "created", expr: "created_at", int: true, key: |r| int(r.created_at) },
     SortColumn { name: "tool", expr: "tool", int: false, key: |r| text(&r.tool) },
     SortColumn { name: "scope", expr: "tenant", int: false, key: |r| text(&r.tenant) },
-    SortColumn { name: "state", expr: "state", int: false, key: |r| text(&r.state) },
+    SortColumn { name: "state", expr: "state", int: false, key: |r| text(r.state.as_str()) },
     SortColumn { name: "code", expr: "coalesce(code, '')", int: false, key: |r| text(r.code.as_deref().unwrap_or("")) },
 ];
 
@@ -149,7 +149,7 @@ pub const LIVE_SORT: &[SortColumn<LiveRow>] = &[
     SortColumn { name: "next", expr: "o.available_at", int: true, key: |r| int(r.available_at) },
     SortColumn { name: "operation", expr: "o.operation_id", int: false, key: |r| text(&r.operation_id) },
     SortColumn { name: "tool", expr: "p.tool", int: false, key: |r| text(&r.tool) },
-    SortColumn { name: "state", expr: "p.state", int: false, key: |r| text(&r.state) },
+    SortColumn { name: "state", expr: "p.state", int: false, key: |r| text(r.state.as_str()) },
     SortColumn { name: "attempt", expr: "o.attempt", int: true, key: |r| int(r.attempt) },
     SortColumn {
         name: "lease",

@@ -901,10 +901,10 @@ fn why_is_this_stuck_one_sentence_per_state_and_reason() {
     });
     // In flight: a lease held, a lease expired, past the deadline; accepted and due.
     let mut leased = accepted.clone();
-    leased.operation.state = "in_flight".into();
+    leased.operation.state = toolgate::store::OpState::InFlight;
     leased.operation.deadline_at = NOW + 60_000;
     let ob = leased.outbox.as_mut().unwrap();
-    ob.state = "leased".into();
+    ob.state = toolgate::store::OutboxState::Leased;
     ob.lease_owner = Some("w-2".into());
     ob.lease_until = Some(NOW + 25_000);
     ob.attempt = 7;

@@ -279,7 +279,7 @@ fn recover(path: &Path, cfg: LoopConfig, report: &mut LoopReport, catalog: Optio
         // running (a slow commit, a delayed receipt): let it land before asking.
         std::thread::sleep(Duration::from_secs(3));
     }
-    let unknown = e.list_operations(Some("unknown"), i64::MAX).unwrap();
+    let unknown = e.list_operations(Some(toolgate::store::OpState::Unknown), i64::MAX).unwrap();
     report.unknown_before_queries = unknown.len();
     for op in unknown {
         let env = e
@@ -477,7 +477,7 @@ fn sent_then_died(fx: &crate::support::Fixture, key: &str) -> String {
 }
 
 fn state_of(e: &mut Engine, op: &str) -> String {
-    e.operation_detail(op).unwrap().unwrap().operation.state
+    e.operation_detail(op).unwrap().unwrap().operation.state.to_string()
 }
 
 /// Found by the crash loop: the reaper re-queued a possibly-sent payments

@@ -151,7 +151,7 @@ impl HttpFixture {
 
 /// The state of the newest operation.
 fn state(e: &mut Engine) -> String {
-    e.list_operations(None, 1).unwrap()[0].state.clone()
+    e.list_operations(None, 1).unwrap()[0].state.to_string()
 }
 
 /// Waits (bounded) until the provider holds `n` effects: an effect that lands
@@ -201,7 +201,10 @@ fn a_refused_connection_is_provably_not_received_and_retried() {
     assert_eq!(op.state, "accepted", "nothing was sent, so it may run again");
     let detail = e.operation_detail(&op.id).unwrap().unwrap();
     assert!(
-        detail.attempts.iter().all(|a| a.outcome.as_deref() == Some("refused") && a.proven_not_received()),
+        detail
+            .attempts
+            .iter()
+            .all(|a| a.outcome == Some(toolgate::store::AttemptOutcome::Refused) && a.proven_not_received()),
         "{:?}",
         detail.attempts
     );

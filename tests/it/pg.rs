@@ -204,7 +204,7 @@ fn the_server_dies_mid_run_and_callers_never_get_a_wrong_answer() {
     e.work(usize::MAX).unwrap();
     clock.advance(3_600_000);
     e.reap().unwrap();
-    for op in e.list_operations(Some("unknown"), i64::MAX).unwrap() {
+    for op in e.list_operations(Some(toolgate::store::OpState::Unknown), i64::MAX).unwrap() {
         e.query_operation_status(&QueryRequest {
             tenant: op.tenant.clone(),
             subject: op.subject.clone(),

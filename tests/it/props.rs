@@ -341,9 +341,22 @@ impl Machine {
         let Some(op) = self.op(intent) else { return };
         let now = self.clock.now_ms();
         let mut store = Store::open(&self.path, OpenOptions { create: false, sync: Sync::Normal }).unwrap();
-        let Some(attempt) = store.write(|tx| tx.claim(&op.id, "doomed-worker", now, now + 6_000)).unwrap() else {
+        // What a worker's claim does (dispatch.rs `claim`): only a due row whose
+        // deadline has not passed, and the operation moves to in_flight with it.
+        if now >= op.deadline_at {
             return;
-        };
+        }
+        let claimed = store
+            .write(|tx| -> Result<Option<i64>, toolgate::store::StoreError> {
+                let Some(attempt) = tx.claim(&op.id, "doomed-worker", now, now + 6_000)? else { return Ok(None) };
+                let mut cur = tx.operation(&op.id)?.expect("the operation exists");
+                cur.state = toolgate::store::OpState::InFlight;
+                cur.updated_at = now;
+                tx.update_operation(&cur)?.or_stale()?;
+                Ok(Some(attempt))
+            })
+            .unwrap();
+        let Some(attempt) = claimed else { return };
         assert!(store.write(|tx| tx.mark_sent(&op.id, "doomed-worker", attempt, now)).unwrap());
         if commit {
             let kind = if op.tool == "create_refund" { SimKind::Payments } else { SimKind::Notifications };

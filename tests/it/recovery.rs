@@ -16,7 +16,7 @@ fn query_for(env: &Envelope) -> QueryRequest {
 }
 
 fn state(e: &mut Engine, op: &str) -> String {
-    e.operation_detail(op).unwrap().unwrap().operation.state
+    e.operation_detail(op).unwrap().unwrap().operation.state.to_string()
 }
 
 fn unknown_then_query_reconciles_then_replays_with_one_effect(backend: Backend) {

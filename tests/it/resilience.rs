@@ -38,7 +38,7 @@ fn budget(e: &mut Engine, tool: &str) -> Option<RetryBudgetRow> {
 
 fn state_of(e: &mut Engine, env: &Envelope) -> String {
     let id = env.protected_audit.operation_id.clone().unwrap();
-    e.operation_detail(&id).unwrap().unwrap().operation.state
+    e.operation_detail(&id).unwrap().unwrap().operation.state.to_string()
 }
 
 fn operations(e: &mut Engine) -> i64 {
@@ -395,7 +395,7 @@ fn cancelling_before_send_cancels_with_no_effect(backend: Backend) {
     assert!(!zombie.write(|tx| tx.mark_sent(&id, "zombie", attempt, now)).unwrap(), "the zombie cannot send");
     let d = e.operation_detail(&id).unwrap().unwrap();
     assert_eq!((d.operation.state.as_str(), d.operation.code.as_deref()), ("failed", Some("CANCELLED")));
-    assert_eq!(d.attempts.last().unwrap().outcome.as_deref(), Some("not_sent"));
+    assert_eq!(d.attempts.last().unwrap().outcome, Some(toolgate::store::AttemptOutcome::NotSent));
     assert_eq!(effects(&mut e), 0);
 }
 
@@ -406,7 +406,7 @@ fn cancelling_after_send_parks_it_and_a_late_reply_never_flips_it(backend: Backe
     // A worker is inside the provider: claimed, sent-marker committed.
     let worker = dispatch_parked(&fx, &clock, req.clone());
     let mut e = fx.engine();
-    let id = e.list_operations(Some("in_flight"), 10).unwrap().pop().unwrap().id;
+    let id = e.list_operations(Some(toolgate::store::OpState::InFlight), 10).unwrap().pop().unwrap().id;
     let out = e
         .cancel(&CancelRequest {
             operation_id: id.clone(),

@@ -159,10 +159,10 @@ impl App {
                     .outbox
                     .as_ref()
                     .map(|ob| format!("{} (last: {})", ob.attempt, ob.last_code.clone().unwrap_or_else(|| "-".into())));
-                (o.id.clone(), o.state.clone(), Some(o.version), o.tool.clone(), attempts)
+                (o.id.clone(), o.state.to_string(), Some(o.version), o.tool.clone(), attempts)
             }),
             Rows::Ops(r) => {
-                r.get(self.selected).map(|o| (o.id.clone(), o.state.clone(), Some(o.version), o.tool.clone(), None))
+                r.get(self.selected).map(|o| (o.id.clone(), o.state.to_string(), Some(o.version), o.tool.clone(), None))
             }
             Rows::Live(r) => r.get(self.selected).map(|o| {
                 let last = o.last_code.clone().unwrap_or_else(|| "-".into());

@@ -23,7 +23,7 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let kv = |k: &str, v: String| Line::from(vec![Span::styled(format!("  {k:<16}"), t.dim()), Span::raw(v)]);
     let mut lines = vec![Line::from(vec![
         Span::styled(format!("  {}  ", o.id), t.accent()),
-        Span::styled(o.state.clone(), t.state(&o.state)),
+        Span::styled(o.state.as_str(), t.state(o.state.as_str())),
         Span::raw(format!("  version {}", o.version)),
     ])];
     // Not terminal: why it is where it is, and the next safe step, first.
@@ -99,7 +99,7 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             a.attempt,
             a.owner,
             a.sent_at.map_or_else(|| "never".to_string(), |s| rfc3339(s).chars().skip(11).take(12).collect::<String>()),
-            a.outcome.as_deref().unwrap_or("open"),
+            a.outcome.map_or("open", crate::store::AttemptOutcome::as_str),
             a.code.as_deref().unwrap_or("")
         )));
     }

@@ -182,7 +182,7 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                     Cell::from(short(&o.tool, 15)),
                     Cell::from(crate::display::digest(&o.key_sha256, 8)),
                     Cell::from(crate::display::digest(&o.request_sha256, 8)),
-                    Cell::from(Span::styled(short(&o.state, 12), t.state(&o.state))),
+                    Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state.as_str()))),
                     Cell::from(short(o.receipt_id.as_deref().or(o.code.as_deref()).unwrap_or("-"), 22)),
                     // Retention runs from the moment an operation settled; until then it is kept.
                     Cell::from(o.terminal_at.map_or_else(
@@ -290,7 +290,7 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             vec![
                 Cell::from(short(&o.id, 16)),
                 Cell::from(short(&o.tool, 15)),
-                Cell::from(Span::styled(short(&o.state, 12), t.state(&o.state))),
+                Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state.as_str()))),
                 // Since it entered this state: a query that changes nothing does not reset it.
                 Cell::from(human_ms(now.saturating_sub(o.state_since.unwrap_or(o.updated_at)))),
                 // Why it is stuck and the key that moves it (the detail says it in full).

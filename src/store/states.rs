@@ -1,0 +1,211 @@
+//! The states the ledger's rows move through, as types. The store reads and
+//! writes them as their stored text; everything above it matches on variants.
+//!
+//! Stored text that is none of a type's values (only a hand edit that got
+//! past the CHECK constraints leaves one) reads as `Unrecognized`, so the row
+//! still loads: the engine refuses it (`STATUS_CONFLICT`) and `toolgate audit`
+//! reports the text itself. `Unrecognized` is never written.
+
+use serde::Serialize;
+
+use super::sql::Col;
+use super::StoreError;
+
+macro_rules! state_enum {
+    (
+        $(#[$meta:meta])*
+        $name:ident { $( $(#[$vmeta:meta])* $var:ident => $text:literal, )* }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum $name {
+            $( $(#[$vmeta])* $var, )*
+            /// Stored text that is none of the above (a hand edit).
+            Unrecognized,
+        }
+
+        impl $name {
+            /// Every value, in the order the type lists them (not `Unrecognized`).
+            pub const ALL: &'static [$name] = &[$($name::$var),*];
+
+            /// The stored text (`Unrecognized` shows as `?`).
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $( $name::$var => $text, )*
+                    $name::Unrecognized => "?",
+                }
+            }
+
+            /// The value a text names, if any (user input: `None` is a refusal).
+            pub fn parse(text: &str) -> Option<Self> {
+                match text {
+                    $( $text => Some($name::$var), )*
+                    _ => None,
+                }
+            }
+
+            fn stored(text: &str) -> Self {
+                Self::parse(text).unwrap_or($name::Unrecognized)
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(self.as_str())
+            }
+        }
+
+        impl PartialEq<str> for $name {
+            fn eq(&self, other: &str) -> bool {
+                self.as_str() == other && *self != $name::Unrecognized
+            }
+        }
+
+        impl PartialEq<&str> for $name {
+            fn eq(&self, other: &&str) -> bool {
+                self == *other
+            }
+        }
+
+        impl Col for $name {
+            fn lite(r: &rusqlite::Row<'_>, i: usize) -> Result<Self, StoreError> {
+                Ok(Self::stored(&<String as Col>::lite(r, i)?))
+            }
+            fn pg(r: &postgres::Row, i: usize) -> Result<Self, StoreError> {
+                Ok(Self::stored(&<String as Col>::pg(r, i)?))
+            }
+        }
+
+        impl Col for Option<$name> {
+            fn lite(r: &rusqlite::Row<'_>, i: usize) -> Result<Self, StoreError> {
+                Ok(<Option<String> as Col>::lite(r, i)?.map(|t| $name::stored(&t)))
+            }
+            fn pg(r: &postgres::Row, i: usize) -> Result<Self, StoreError> {
+                Ok(<Option<String> as Col>::pg(r, i)?.map(|t| $name::stored(&t)))
+            }
+        }
+
+        impl rusqlite::ToSql for $name {
+            fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
+                Ok(rusqlite::types::ToSqlOutput::from(self.as_str()))
+            }
+        }
+
+        impl postgres::types::ToSql for $name {
+            fn to_sql(
+                &self,
+                ty: &postgres::types::Type,
+                out: &mut bytes::BytesMut,
+            ) -> Result<postgres::types::IsNull, Box<dyn std::error::Error + Sync + Send>> {
+                self.as_str().to_sql(ty, out)
+            }
+
+            fn accepts(ty: &postgres::types::Type) -> bool {
+                <&str as postgres::types::ToSql>::accepts(ty)
+            }
+
+            postgres::types::to_sql_checked!();
+        }
+    };
+}
+
+state_enum! {
+    /// Where an operation is (docs/design.md §6).
+    OpState {
+        /// Accepted, nothing sent.
+        Accepted => "accepted",
+        /// A leased attempt (or a re-queued possibly-sent one).
+        InFlight => "in_flight",
+        /// Committed downstream, result recorded.
+        Succeeded => "succeeded",
+        /// Definitive, no effect.
+        Failed => "failed",
+        /// The outcome cannot be known: waits for a status query or a human.
+        Unknown => "unknown",
+        /// Evidence contradicts the ledger: a human decides.
+        NeedsReview => "needs_review",
+        /// A human decided.
+        Resolved => "resolved",
+    }
+}
+
+impl OpState {
+    /// Terminal: nothing will change it again (only retention removes it).
+    pub fn is_terminal(self) -> bool {
+        matches!(self, OpState::Succeeded | OpState::Failed | OpState::Resolved)
+    }
+
+    /// In the unknown queue (`unknown` or `needs_review`).
+    pub fn is_unknown_queue(self) -> bool {
+        matches!(self, OpState::Unknown | OpState::NeedsReview)
+    }
+}
+
+state_enum! {
+    /// Where an operation's delivery row is.
+    OutboxState {
+        /// Waiting for a worker (due at `available_at`).
+        Pending => "pending",
+        /// A worker holds the lease.
+        Leased => "leased",
+        /// Delivered (the operation is terminal).
+        Done => "done",
+        /// Parked: the operation waits for a status query or a human.
+        Parked => "parked",
+    }
+}
+
+state_enum! {
+    /// Where an approval request is.
+    ApprovalState {
+        /// Waiting for an approver.
+        Pending => "pending",
+        /// Approved (its operation exists).
+        Approved => "approved",
+        /// Denied.
+        Denied => "denied",
+        /// Expired unapproved.
+        Expired => "expired",
+        /// A policy or contract change invalidated it.
+        Invalidated => "invalidated",
+    }
+}
+
+state_enum! {
+    /// How a delivery attempt ended.
+    AttemptOutcome {
+        /// It never left.
+        NotSent => "not_sent",
+        /// Provably not received downstream.
+        Refused => "refused",
+        /// The downstream committed.
+        Committed => "committed",
+        /// The downstream answered with a definitive refusal.
+        Rejected => "rejected",
+        /// It may have been received.
+        Unknown => "unknown",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_state_round_trips_and_junk_is_unrecognized() {
+        for s in OpState::ALL {
+            assert_eq!(OpState::parse(s.as_str()), Some(*s));
+            assert!(*s == s.as_str());
+        }
+        assert_eq!(OpState::parse("bogus"), None);
+        assert_eq!(OpState::stored("bogus"), OpState::Unrecognized);
+        assert!(OpState::Unrecognized != "?");
+        assert_eq!(OutboxState::ALL.len() + ApprovalState::ALL.len() + AttemptOutcome::ALL.len(), 14);
+    }
+}
