@@ -26,7 +26,8 @@ pub use rows::*;
 pub use sql::Backend;
 use sql::{params, Conn};
 pub use views::{
-    cursor_after, Cursor, Key, LiveRow, OpsView, Order, SortColumn, APPROVALS_SORT, AUDIT_SORT, LIVE_SORT, OPS_SORT,
+    cursor_after, Cursor, Filter, FilterTarget, Key, LiveRow, OpsView, Order, SortColumn, APPROVALS_SORT, AUDIT_SORT,
+    LIVE_SORT, OPS_SORT,
 };
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
