@@ -60,7 +60,8 @@ pub fn parse_duration(text: &str) -> Result<i64, String> {
     Ok(total)
 }
 
-fn state_name(s: &str) -> Result<String, String> {
+/// A state as the ledger names it (`outcome_unknown` is `unknown`), or what is wrong.
+pub fn state_name(s: &str) -> Result<String, String> {
     let s = if s == "outcome_unknown" { "unknown" } else { s };
     if STATES.contains(&s) {
         Ok(s.to_string())
