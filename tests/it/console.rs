@@ -1,4 +1,4 @@
-//! The console: screens (insta snapshots at 80×24 and 140×40), colours, key
+//! The console: screens (insta snapshots at 80×24, 120×40, 140×40 and 200×50), colours, key
 //! handling (the engine requests each key emits), the walkthrough, and a smoke
 //! test of the real binary in a pseudo-terminal.
 
@@ -146,10 +146,13 @@ fn press(app: &mut App, code: KeyCode) -> Option<Request> {
     app.update(action)
 }
 
+/// The sizes every pane and popup is drawn at (issue 19 §7: 80×24, 120×40, 200×50; and 140×40).
+const SIZES: [(u16, u16); 4] = [(80, 24), (120, 40), (140, 40), (200, 50)];
+
 #[test]
-fn every_pane_at_two_sizes() {
+fn every_pane_at_each_size() {
     let mut d = demo();
-    for (w, h) in [(80u16, 24u16), (140, 40)] {
+    for (w, h) in SIZES {
         for pane in [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown, Pane::Audit, Pane::Metrics] {
             let app = app_on(&mut d, pane, w, h);
             insta::assert_snapshot!(format!("pane_{}_{w}x{h}", pane.title().to_lowercase()), text(&draw(&app, w, h)));
@@ -158,9 +161,9 @@ fn every_pane_at_two_sizes() {
 }
 
 #[test]
-fn popups_and_detail_at_two_sizes() {
+fn popups_and_detail_at_each_size() {
     let mut d = demo();
-    for (w, h) in [(80u16, 24u16), (140, 40)] {
+    for (w, h) in SIZES {
         let mut app = app_on(&mut d, Pane::Approvals, w, h);
         app.update(key('a'));
         insta::assert_snapshot!(format!("confirm_approve_{w}x{h}"), text(&draw(&app, w, h)));
@@ -183,6 +186,23 @@ fn popups_and_detail_at_two_sizes() {
         let detail = d.engine.operation_detail(&id).unwrap().unwrap();
         app.update(Action::Engine(EngineEvent::Detail(Box::new(detail))));
         insta::assert_snapshot!(format!("detail_{w}x{h}"), text(&draw(&app, w, h)));
+        // The marks' popups: the one bulk confirm, the shared-note form, and an
+        // ambiguous :op listing its matches.
+        let mut app = app_on(&mut d, Pane::Unknown, w, h);
+        let req = app.update(key('V'));
+        app.update(Action::Engine(marked(&mut d, req)));
+        app.update(key('q'));
+        insta::assert_snapshot!(format!("popup_bulk_query_{w}x{h}"), text(&draw(&app, w, h)));
+        app.update(Action::Back);
+        app.update(key('r'));
+        insta::assert_snapshot!(format!("popup_bulk_resolve_{w}x{h}"), text(&draw(&app, w, h)));
+        app.update(Action::Back);
+        press(&mut app, KeyCode::Char(':'));
+        type_text(&mut app, "op op_");
+        let Some(Request::FindOperation { prefix, limit }) = press(&mut app, KeyCode::Enter) else { panic!() };
+        let ids = d.engine.operation_ids_with_prefix(&prefix, limit).unwrap();
+        app.update(Action::Engine(EngineEvent::Found { asked: prefix.clone(), prefix: Some(prefix), ids }));
+        insta::assert_snapshot!(format!("popup_op_matches_{w}x{h}"), text(&draw(&app, w, h)));
     }
 }
 

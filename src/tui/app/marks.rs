@@ -227,7 +227,7 @@ impl App {
         if self.marks.is_empty() {
             "no marks".into()
         } else {
-            "q a d r c act on the marked rows · Esc clears the marks".into()
+            "q a d r c act on them · Esc clears".into()
         }
     }
 

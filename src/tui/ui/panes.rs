@@ -187,7 +187,7 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             .map(|o| {
                 vec![
                     id_cell(app, &o.id, t),
-                    Cell::from(format!("{}/{}", short(&o.tenant, 8), short(&o.subject, 10))),
+                    Cell::from(format!("{}/{}", short(&o.tenant, 8), short(&o.subject, 11))),
                     Cell::from(short(&o.tool, 15)),
                     Cell::from(crate::display::digest(&o.key_sha256, 8)),
                     Cell::from(crate::display::digest(&o.request_sha256, 8)),
@@ -208,7 +208,8 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         body,
         vec![
             Constraint::Length(16),
-            Constraint::Length(19),
+            // The header "scope tenant/subject" whole (20).
+            Constraint::Length(20),
             Constraint::Length(15),
             Constraint::Length(8),
             Constraint::Length(8),
