@@ -55,7 +55,15 @@ fn ledger(dir: &Path, n: i64) -> std::path::PathBuf {
 
 fn frame(engine: &mut Engine, app: &mut App, term: &mut Terminal<TestBackend>, view: OpsView, pane: Pane) {
     let rows = Rows::Ops(
-        engine.ops_page(view, "", toolgate::tui::app::default_order(pane), None, app.visible_rows()).expect("page"),
+        engine
+            .ops_page(
+                view,
+                &toolgate::store::Filter::default(),
+                toolgate::tui::app::default_order(pane),
+                None,
+                app.visible_rows(),
+            )
+            .expect("page"),
     );
     let header = engine.header_counts().expect("header");
     app.update(Action::Engine(EngineEvent::Page { pane, rows, header }));

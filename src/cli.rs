@@ -17,7 +17,8 @@ use crate::engine::clock::{parse_rfc3339, rfc3339, Clock, ManualClock, SystemClo
 use crate::engine::envelope::Envelope;
 use crate::engine::world::{World, DEMO_WORLD};
 use crate::engine::{
-    fresh_call_identity, DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest, Resolution, ResolveRequest,
+    fresh_call_identity, BulkAction, BulkTarget, DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest,
+    Resolution, ResolveRequest,
 };
 use crate::store::{AttemptOutcome, Location};
 
@@ -103,27 +104,42 @@ pub enum Command {
     Dispatch(DispatchArgs),
     /// Explicit status query for an operation (never executes the tool).
     Query(QueryArgs),
-    /// Approve a pending approval request; the held call then runs.
+    /// Approve a pending approval request; the held call then runs. With
+    /// `--all`: every pending request the selection matches, one by one.
     Approve {
         /// Approval id.
-        approval_id: String,
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        approval_id: Option<String>,
         /// Approver (must be on the tenant's allowlist, not the requester).
         #[arg(long)]
         approver: String,
+        /// With `--all`: only this tenant's requests.
+        #[arg(long, requires = "all")]
+        tenant: Option<String>,
+        /// Which requests (`--all`).
+        #[command(flatten)]
+        select: SelectArgs,
         /// Print JSON.
         #[arg(long)]
         json: bool,
     },
-    /// Deny a pending approval request.
+    /// Deny a pending approval request (or, with `--all`, every one the selection matches).
     Deny {
         /// Approval id.
-        approval_id: String,
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        approval_id: Option<String>,
         /// Approver.
         #[arg(long)]
         approver: String,
-        /// Why (mandatory).
+        /// Why (mandatory; with `--all`, shared by every audit entry).
         #[arg(long)]
         note: String,
+        /// With `--all`: only this tenant's requests.
+        #[arg(long, requires = "all")]
+        tenant: Option<String>,
+        /// Which requests (`--all`).
+        #[command(flatten)]
+        select: SelectArgs,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -434,21 +450,47 @@ pub struct DispatchArgs {
     pub json: bool,
 }
 
+/// Bulk selection (`--all`): every operation or approval the flags match, each
+/// acted on by its own engine call (its own audit entry); one refusal does not
+/// stop the rest. `--dry-run` lists what would be touched and changes nothing.
+#[derive(Debug, Args)]
+pub struct SelectArgs {
+    /// Act on every row the selection matches instead of one.
+    #[arg(long)]
+    pub all: bool,
+    /// Only these states, comma-separated (`outcome_unknown` is `unknown`);
+    /// operations only. Default for query and resolve: unknown,needs_review.
+    #[arg(long, value_delimiter = ',', requires = "all", value_name = "STATE")]
+    pub state: Vec<String>,
+    /// Only this tool.
+    #[arg(long = "tool", requires = "all", value_name = "TOOL")]
+    pub select_tool: Option<String>,
+    /// Only rows in their state (approvals: asked) at least this long: 30s, 5m, 2h, 1d.
+    #[arg(long, requires = "all", value_name = "DURATION")]
+    pub older_than: Option<String>,
+    /// List what would be touched; change nothing.
+    #[arg(long, requires = "all")]
+    pub dry_run: bool,
+}
+
 /// `query` arguments.
 #[derive(Debug, Args)]
 pub struct QueryArgs {
-    /// Tenant of the caller.
-    #[arg(long)]
-    pub tenant: String,
+    /// Tenant of the caller (with `--all`: only this tenant's operations).
+    #[arg(long, required_unless_present = "all")]
+    pub tenant: Option<String>,
     /// Subject of the caller.
-    #[arg(long)]
-    pub subject: String,
+    #[arg(long, required_unless_present = "all", conflicts_with = "all")]
+    pub subject: Option<String>,
     /// The opaque status_ref from the envelope.
-    #[arg(long)]
-    pub status_ref: String,
+    #[arg(long, required_unless_present = "all", conflicts_with = "all")]
+    pub status_ref: Option<String>,
     /// The request digest the caller expects.
-    #[arg(long = "expect-sha256")]
-    pub expect_sha256: String,
+    #[arg(long = "expect-sha256", required_unless_present = "all", conflicts_with = "all")]
+    pub expect_sha256: Option<String>,
+    /// Every operation the selection matches, queried as `--operator` (`--all`).
+    #[command(flatten)]
+    pub select: SelectArgs,
     /// The idempotency key, to check the scope too.
     #[arg(long)]
     pub key: Option<String>,
@@ -476,7 +518,14 @@ pub enum ResolveAs {
 #[derive(Debug, Args)]
 pub struct ResolveArgs {
     /// Operation id.
-    pub operation_id: String,
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    pub operation_id: Option<String>,
+    /// With `--all`: only this tenant's operations.
+    #[arg(long, requires = "all")]
+    pub tenant: Option<String>,
+    /// Every operation the selection matches (`--all`; failed or compensated only).
+    #[command(flatten)]
+    pub select: SelectArgs,
     /// The decision.
     #[arg(long = "as", value_enum)]
     pub resolution: ResolveAs,
@@ -824,15 +873,35 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             print_envelope(&env, a.json);
             Ok(env.exit_code())
         }
+        Command::Query(a) if a.select.all => {
+            let operator = cli.operator.clone().unwrap_or_default();
+            bulk_command(cli, &a.select, a.tenant.as_deref(), &BulkAction::Query, &operator, a.json)
+        }
+        Command::Approve { approver, tenant, select, json, .. } if select.all => {
+            bulk_command(cli, select, tenant.as_deref(), &BulkAction::Approve, approver, *json)
+        }
+        Command::Deny { approver, note, tenant, select, json, .. } if select.all => {
+            bulk_command(cli, select, tenant.as_deref(), &BulkAction::Deny { note: note.clone() }, approver, *json)
+        }
+        Command::Resolve(a) if a.select.all => {
+            let operator = cli.operator.clone().unwrap_or_default();
+            let resolution = match a.resolution {
+                ResolveAs::Succeeded => Resolution::Succeeded,
+                ResolveAs::Failed => Resolution::Failed,
+                ResolveAs::Compensated => Resolution::Compensated,
+            };
+            let action = BulkAction::Resolve { resolution, note: a.act.note.clone() };
+            bulk_command(cli, &a.select, a.tenant.as_deref(), &action, &operator, a.act.json)
+        }
         Command::Query(a) => {
             refuse_read_only(cli)?;
             let mut engine = open(cli)?;
             let call = a.call.identity();
             let env = engine.query_operation_status(&QueryRequest {
-                tenant: a.tenant.clone(),
-                subject: a.subject.clone(),
-                status_ref: a.status_ref.clone(),
-                expected_request_sha256: a.expect_sha256.clone(),
+                tenant: a.tenant.clone().unwrap_or_default(),
+                subject: a.subject.clone().unwrap_or_default(),
+                status_ref: a.status_ref.clone().unwrap_or_default(),
+                expected_request_sha256: a.expect_sha256.clone().unwrap_or_default(),
                 idempotency_key: a.key.clone(),
                 call: Some(call),
                 operator: cli.operator.clone(),
@@ -840,17 +909,17 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             print_envelope(&env, a.json);
             Ok(env.exit_code())
         }
-        Command::Approve { approval_id, approver, json } => {
+        Command::Approve { approval_id, approver, json, .. } => {
             refuse_read_only(cli)?;
             let mut engine = open(cli)?;
-            let env = engine.approve(approval_id, approver)?;
+            let env = engine.approve(approval_id.as_deref().unwrap_or_default(), approver)?;
             print_envelope(&env, *json);
             Ok(env.exit_code())
         }
-        Command::Deny { approval_id, approver, note, json } => {
+        Command::Deny { approval_id, approver, note, json, .. } => {
             refuse_read_only(cli)?;
             let mut engine = open(cli)?;
-            let out = engine.deny(approval_id, approver, note)?;
+            let out = engine.deny(approval_id.as_deref().unwrap_or_default(), approver, note)?;
             print_outcome(&out, *json);
             Ok(i32::from(!out.applied))
         }
@@ -905,7 +974,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 .ok_or_else(|| CliError::new("OPERATOR_REQUIRED", "--operator NAME is required to resolve"))?;
             let mut engine = open(cli)?;
             let req = ResolveRequest {
-                operation_id: a.operation_id.clone(),
+                operation_id: a.operation_id.clone().unwrap_or_default(),
                 resolution: match a.resolution {
                     ResolveAs::Succeeded => Resolution::Succeeded,
                     ResolveAs::Failed => Resolution::Failed,
@@ -1138,6 +1207,129 @@ impl From<crate::scenarios::ScenarioError> for CliError {
     fn from(e: crate::scenarios::ScenarioError) -> Self {
         Self::new(e.code(), e.to_string())
     }
+}
+
+/// A bulk selection as a store filter; a bad state or duration is a usage error.
+fn select_filter(sel: &SelectArgs, tenant: Option<&str>, approvals: bool) -> Result<crate::store::Filter, CliError> {
+    use crate::tui::app::filter::{parse_duration, state_name};
+    let bad = |m: String| CliError::new("BAD_SELECTION", m);
+    let mut f = crate::store::Filter {
+        tenant: tenant.map(str::to_string),
+        tool: sel.select_tool.clone(),
+        older_than_ms: sel.older_than.as_deref().map(parse_duration).transpose().map_err(bad)?,
+        ..crate::store::Filter::default()
+    };
+    if approvals {
+        if !sel.state.is_empty() {
+            return Err(bad("--state selects operations; approvals are all pending".into()));
+        }
+    } else {
+        let states =
+            if sel.state.is_empty() { vec!["unknown".to_string(), "needs_review".into()] } else { sel.state.clone() };
+        f.states =
+            states.iter().map(|s| state_name(&s.trim().to_ascii_lowercase())).collect::<Result<_, _>>().map_err(bad)?;
+    }
+    Ok(f)
+}
+
+/// The rows a filter matches, every one (keyset pages of 500), as targets
+/// with what a listing shows: (target, state, tool, tenant).
+fn select_rows(
+    engine: &mut Engine,
+    f: &crate::store::Filter,
+    approvals: bool,
+) -> Result<Vec<(BulkTarget, String, String, String)>, CliError> {
+    use crate::store::{cursor_after, Key, OpsView, Order, APPROVALS_SORT, OPS_SORT};
+    // Id order: stable, and every row once however the set changes meanwhile.
+    let order = Order { column: 1, desc: false };
+    let mut out = Vec::new();
+    let mut cursor = None;
+    loop {
+        let n = if approvals {
+            let page = engine.approvals_page(f, order, cursor.as_ref(), 500)?;
+            cursor = page.last().map(|a| cursor_after(APPROVALS_SORT, order, a, Key::Text(a.id.clone())));
+            out.extend(page.iter().map(|a| {
+                (BulkTarget { id: a.id.clone(), seen_version: None }, a.state.clone(), a.tool.clone(), a.tenant.clone())
+            }));
+            page.len()
+        } else {
+            let page = engine.ops_page(OpsView::All, f, order, cursor.as_ref(), 500)?;
+            cursor = page.last().map(|o| cursor_after(OPS_SORT, order, o, Key::Text(o.id.clone())));
+            out.extend(page.iter().map(|o| {
+                (
+                    BulkTarget { id: o.id.clone(), seen_version: Some(o.version) },
+                    o.state.clone(),
+                    o.tool.clone(),
+                    o.tenant.clone(),
+                )
+            }));
+            page.len()
+        };
+        if n < 500 {
+            return Ok(out);
+        }
+    }
+}
+
+/// `query|approve|deny|resolve --all`: the selection, then (unless
+/// `--dry-run`) the action on each. Exit 0 when every row ended as meant,
+/// 1 when any was refused or is still unknown, 2 for a usage error.
+fn bulk_command(
+    cli: &Cli,
+    sel: &SelectArgs,
+    tenant: Option<&str>,
+    action: &BulkAction,
+    operator: &str,
+    json: bool,
+) -> Result<i32, CliError> {
+    action.check()?;
+    let filter = select_filter(sel, tenant, action.on_approvals())?;
+    if !sel.dry_run {
+        refuse_read_only(cli)?;
+        if operator.is_empty() {
+            return Err(CliError::new(
+                "OPERATOR_REQUIRED",
+                format!("--operator NAME is required to {} --all (not for --dry-run)", action.verb()),
+            ));
+        }
+    }
+    let mut engine = if sel.dry_run { open_read(cli)? } else { open(cli)? };
+    let rows = select_rows(&mut engine, &filter, action.on_approvals())?;
+    let verb = action.verb();
+    if sel.dry_run {
+        if json {
+            let list: Vec<Value> = rows
+                .iter()
+                .map(|(t, state, tool, tenant)| json!({"id": t.id, "state": state, "tool": tool, "tenant": tenant}))
+                .collect();
+            print_json(&json!({"action": verb, "dry_run": true, "selected": rows.len(), "would_touch": list}));
+        } else {
+            for (t, state, tool, tenant) in &rows {
+                outln!(
+                    "would {verb} {}  {state}  {}  {}",
+                    t.id,
+                    crate::display::escape(tool),
+                    crate::display::escape(tenant)
+                );
+            }
+            outln!("{} would be touched (dry run: nothing changed)", rows.len());
+        }
+        return Ok(0);
+    }
+    let targets: Vec<BulkTarget> = rows.into_iter().map(|(t, ..)| t).collect();
+    let report = engine.bulk(action, &targets, operator, |_, _| {})?;
+    if json {
+        print_json(&json!({
+            "action": verb, "dry_run": false, "selected": targets.len(), "results": report.items,
+            "summary": report.summary(), "all_done": report.all_done(),
+        }));
+    } else {
+        for it in &report.items {
+            outln!("{verb} {}: {} ({})", it.id, it.outcome, crate::display::escape(&it.message));
+        }
+        outln!("{verb} {}: {}", targets.len(), report.summary());
+    }
+    Ok(i32::from(!report.all_done()))
 }
 
 /// `toolgate scenario list|run`: each scenario runs on its own fresh database; a

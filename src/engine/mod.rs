@@ -5,6 +5,7 @@
 //! It never touches SQL directly: every read and write goes through
 //! [`crate::store::Tx`].
 
+pub mod bulk;
 mod cancel;
 pub mod canonical;
 pub mod clock;
@@ -28,6 +29,7 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
 
+pub use bulk::{BulkAction, BulkItem, BulkReport, BulkTarget};
 pub use cancel::CancelRequest;
 pub use dispatch::{DispatchRequest, ReapReport};
 pub use lab::{LabSide, LabState, LabToggle};

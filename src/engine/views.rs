@@ -2,7 +2,7 @@
 //! index-backed, only what is visible.
 
 use super::{Engine, EngineError};
-use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow, OpsView, Order, StoreError};
+use crate::store::{ApprovalRow, AuditRow, Cursor, Filter, LiveRow, OperationRow, OpsView, Order, StoreError};
 
 /// The numbers in the console's header.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -26,45 +26,49 @@ impl Engine {
     pub fn ops_page(
         &mut self,
         view: OpsView,
-        filter: &str,
+        filter: &Filter,
         order: Order,
         cursor: Option<&Cursor>,
         limit: i64,
     ) -> Result<Vec<OperationRow>, EngineError> {
-        Ok(self.store.read(|tx| tx.ops_page(view, filter, order, cursor, limit))?)
+        let now = self.clock.now_ms();
+        Ok(self.store.read(|tx| tx.ops_page(view, filter, now, order, cursor, limit))?)
     }
 
     /// A page of in-flight and waiting outbox rows.
     pub fn live_page(
         &mut self,
-        filter: &str,
+        filter: &Filter,
         order: Order,
         cursor: Option<&Cursor>,
         limit: i64,
     ) -> Result<Vec<LiveRow>, EngineError> {
-        Ok(self.store.read(|tx| tx.live_page(filter, order, cursor, limit))?)
+        let now = self.clock.now_ms();
+        Ok(self.store.read(|tx| tx.live_page(filter, now, order, cursor, limit))?)
     }
 
     /// A page of pending approvals.
     pub fn approvals_page(
         &mut self,
-        filter: &str,
+        filter: &Filter,
         order: Order,
         cursor: Option<&Cursor>,
         limit: i64,
     ) -> Result<Vec<ApprovalRow>, EngineError> {
-        Ok(self.store.read(|tx| tx.approvals_page(filter, order, cursor, limit))?)
+        let now = self.clock.now_ms();
+        Ok(self.store.read(|tx| tx.approvals_page(filter, now, order, cursor, limit))?)
     }
 
     /// A page of the operator log, filtered like the other panes.
     pub fn audit_page(
         &mut self,
-        filter: &str,
+        filter: &Filter,
         order: Order,
         cursor: Option<&Cursor>,
         limit: i64,
     ) -> Result<Vec<AuditRow>, EngineError> {
-        Ok(self.store.read(|tx| tx.audit_page(filter, order, cursor, limit))?)
+        let now = self.clock.now_ms();
+        Ok(self.store.read(|tx| tx.audit_page(filter, now, order, cursor, limit))?)
     }
 
     /// Operations whose id starts with `prefix`, at most `limit`, in id order.

@@ -29,7 +29,8 @@ pub use sql::Backend;
 use sql::{params, Conn};
 pub use states::{ApprovalState, AttemptOutcome, OpState, OutboxState};
 pub use views::{
-    cursor_after, Cursor, Key, LiveRow, OpsView, Order, SortColumn, APPROVALS_SORT, AUDIT_SORT, LIVE_SORT, OPS_SORT,
+    cursor_after, Cursor, Filter, FilterTarget, Key, LiveRow, OpsView, Order, SortColumn, APPROVALS_SORT, AUDIT_SORT,
+    LIVE_SORT, OPS_SORT,
 };
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).

@@ -1,7 +1,7 @@
 //! Read queries for the console's panes: keyset-paged, index-backed, only the
 //! rows that are visible.
 
-use super::sql::params;
+use super::sql::{params, Param};
 
 use super::rows::{ApprovalRow, OperationRow, APPROVAL_COLS, OP_COLS};
 use super::{StoreError, Tx};
@@ -218,6 +218,14 @@ pub fn cursor_after<R>(cols: &[SortColumn<R>], order: Order, row: &R, tie: Key) 
     Cursor { key: (c.key)(row), tie }
 }
 
+/// A page query's parameters: ?1 the cursor's key, ?2 its tie, ?3 whether
+/// there is a cursor, ?4 the limit, then the filter's from ?5.
+fn page_params<'a>(key: &'a Key, tie: &'a Key, has: &'a i64, limit: &'a i64, filter: &'a [Key]) -> Vec<&'a dyn Param> {
+    let mut all: Vec<&dyn Param> = vec![key, tie, has, limit];
+    all.extend(filter.iter().map(|k| k as &dyn Param));
+    all
+}
+
 fn bind(cursor: Option<&Cursor>, blank_key: Key, blank_tie: Key) -> (Key, Key, i64) {
     match cursor {
         Some(c) => (c.key.clone(), c.tie.clone(), 1),
@@ -225,13 +233,246 @@ fn bind(cursor: Option<&Cursor>, blank_key: Key, blank_tie: Key) -> (Key, Key, i
     }
 }
 
+/// Which rows a page shows, beyond its view: the console's filter expression
+/// and the CLI's selection flags both become one. Every part that is set must
+/// hold; an empty filter matches every row.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Filter {
+    /// Bare words (each must match): an exact tenant, subject, state or tool
+    /// (in the operator log: actor, action or result too), or the start of an id.
+    pub words: Vec<String>,
+    /// Exact tenant.
+    pub tenant: Option<String>,
+    /// Exact subject (requester).
+    pub subject: Option<String>,
+    /// Exact tool.
+    pub tool: Option<String>,
+    /// Any of these ledger states (empty: any).
+    pub states: Vec<String>,
+    /// Ids that start with this, exactly (`_` and `%` are themselves, case counts).
+    pub id_prefix: Option<String>,
+    /// In its current state (approvals: since asked; operator log: since
+    /// recorded) for at least this long, in milliseconds.
+    pub older_than_ms: Option<i64>,
+    /// In its current state for less than this long, in milliseconds.
+    pub newer_than_ms: Option<i64>,
+    /// No status query has been made yet.
+    pub never_queried: bool,
+    /// Operator log: exact actor.
+    pub actor: Option<String>,
+    /// Operator log: exact action.
+    pub action: Option<String>,
+}
+
+/// The table a [`Filter`] is applied to (what each can be filtered by differs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FilterTarget {
+    /// Operations (the Ledger and Unknown panes).
+    Operations,
+    /// Outbox rows with their operation (the Live pane).
+    Live,
+    /// Pending approvals.
+    Approvals,
+    /// The operator log.
+    Audit,
+}
+
+impl Filter {
+    /// A filter of one bare word (empty: everything), the console's filter before expressions.
+    pub fn word(w: &str) -> Self {
+        let w = w.trim();
+        Self { words: if w.is_empty() { Vec::new() } else { vec![w.to_string()] }, ..Self::default() }
+    }
+
+    /// Whether nothing is set.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// The first field that is set but that `target` cannot be filtered by.
+    pub fn unsupported(&self, target: FilterTarget) -> Option<&'static str> {
+        let set = [
+            ("state", !self.states.is_empty(), matches!(target, FilterTarget::Operations | FilterTarget::Live)),
+            ("needs:query", self.never_queried, matches!(target, FilterTarget::Operations | FilterTarget::Live)),
+            ("actor", self.actor.is_some(), target == FilterTarget::Audit),
+            ("action", self.action.is_some(), target == FilterTarget::Audit),
+        ];
+        set.into_iter().find(|(_, on, ok)| *on && !ok).map(|(name, _, _)| name)
+    }
+}
+
+/// `substr(col, 1, length(p)) = p`: an exact prefix on both backends (LIKE
+/// treats `_` and `%` as wildcards, and SQLite's LIKE ignores ASCII case
+/// where PostgreSQL's does not).
+fn prefix_of(col: &str, p: &str) -> String {
+    format!("substr({col}, 1, length(CAST({p} AS TEXT))) = CAST({p} AS TEXT)")
+}
+
+/// The SQL of a [`Filter`] for one target: `AND …` conditions whose parameters
+/// are numbered from `first`, and their values in order.
+struct Where {
+    sql: String,
+    params: Vec<Key>,
+    first: usize,
+}
+
+impl Where {
+    fn new(first: usize) -> Self {
+        Self { sql: String::new(), params: Vec::new(), first }
+    }
+
+    /// A parameter's placeholder.
+    fn p(&mut self, k: Key) -> String {
+        self.params.push(k);
+        format!("?{}", self.first + self.params.len() - 1)
+    }
+
+    fn and(&mut self, cond: &str) {
+        self.sql.push_str(" AND (");
+        self.sql.push_str(cond);
+        self.sql.push(')');
+    }
+}
+
+/// Column names of a filterable table.
+struct Cols {
+    id: &'static str,
+    tenant: &'static str,
+    subject: &'static str,
+    tool: &'static str,
+    state: Option<&'static str>,
+    since: &'static str,
+    last_query: Option<&'static str>,
+}
+
+const OPS_COLS: Cols = Cols {
+    id: "id",
+    tenant: "tenant",
+    subject: "subject",
+    tool: "tool",
+    state: Some("state"),
+    since: "coalesce(state_since, updated_at)",
+    last_query: Some("last_query_at"),
+};
+
+const LIVE_COLS: Cols = Cols {
+    id: "p.id",
+    tenant: "p.tenant",
+    subject: "p.subject",
+    tool: "p.tool",
+    state: Some("p.state"),
+    since: "coalesce(p.state_since, p.updated_at)",
+    last_query: Some("p.last_query_at"),
+};
+
+const APPROVAL_FILTER_COLS: Cols = Cols {
+    id: "id",
+    tenant: "tenant",
+    subject: "subject",
+    tool: "tool",
+    state: None,
+    since: "created_at",
+    last_query: None,
+};
+
+fn text_key(s: &str) -> Key {
+    Key::Text(s.to_string())
+}
+
+/// The conditions of `f` over a table with columns `c` (not the operator log).
+fn filter_where(f: &Filter, c: &Cols, now: i64, first: usize) -> Where {
+    let mut w = Where::new(first);
+    for word in &f.words {
+        let p = w.p(text_key(word));
+        let state = c.state.map(|s| format!(" OR {s} = {p}")).unwrap_or_default();
+        let cond =
+            format!("{} = {p} OR {} = {p} OR {} = {p}{state} OR {}", c.tenant, c.subject, c.tool, prefix_of(c.id, &p));
+        w.and(&cond);
+    }
+    for (col, v) in [(c.tenant, &f.tenant), (c.subject, &f.subject), (c.tool, &f.tool)] {
+        if let Some(v) = v {
+            let p = w.p(text_key(v));
+            w.and(&format!("{col} = {p}"));
+        }
+    }
+    if let (Some(col), false) = (c.state, f.states.is_empty()) {
+        let list: Vec<String> = f.states.iter().map(|s| w.p(text_key(s))).collect();
+        w.and(&format!("{col} IN ({})", list.join(", ")));
+    }
+    if let Some(prefix) = &f.id_prefix {
+        let p = w.p(text_key(prefix));
+        w.and(&prefix_of(c.id, &p));
+    }
+    since_where(&mut w, f, c.since, now);
+    if let (Some(col), true) = (c.last_query, f.never_queried) {
+        w.and(&format!("{col} IS NULL"));
+    }
+    w
+}
+
+fn since_where(w: &mut Where, f: &Filter, since: &str, now: i64) {
+    if let Some(ms) = f.older_than_ms {
+        let p = w.p(Key::Int(now.saturating_sub(ms)));
+        w.and(&format!("{since} <= CAST({p} AS BIGINT)"));
+    }
+    if let Some(ms) = f.newer_than_ms {
+        let p = w.p(Key::Int(now.saturating_sub(ms)));
+        w.and(&format!("{since} > CAST({p} AS BIGINT)"));
+    }
+}
+
+/// The conditions of `f` over the operator log (`l`): tenant, subject and tool
+/// are those of the operation or approval an entry is about.
+fn audit_where(f: &Filter, now: i64, first: usize) -> Where {
+    let mut w = Where::new(first);
+    let about = |cond: &dyn Fn(&str) -> String| -> String {
+        format!(
+            "EXISTS (SELECT 1 FROM operations o WHERE o.id = l.operation_id AND ({}))
+             OR EXISTS (SELECT 1 FROM approvals a WHERE a.id = l.approval_id AND ({}))",
+            cond("o"),
+            cond("a")
+        )
+    };
+    for word in &f.words {
+        let p = w.p(text_key(word));
+        let inner = about(&|t| format!("{t}.tenant = {p} OR {t}.subject = {p} OR {t}.tool = {p}"));
+        let cond = format!(
+            "l.actor = {p} OR l.action = {p} OR l.result = {p} OR {} OR {} OR {inner}",
+            prefix_of("l.operation_id", &p),
+            prefix_of("l.approval_id", &p)
+        );
+        w.and(&cond);
+    }
+    for (col, v) in [("tenant", &f.tenant), ("subject", &f.subject), ("tool", &f.tool)] {
+        if let Some(v) = v {
+            let p = w.p(text_key(v));
+            let cond = about(&|t| format!("{t}.{col} = {p}"));
+            w.and(&cond);
+        }
+    }
+    for (col, v) in [("l.actor", &f.actor), ("l.action", &f.action)] {
+        if let Some(v) = v {
+            let p = w.p(text_key(v));
+            w.and(&format!("{col} = {p}"));
+        }
+    }
+    if let Some(prefix) = &f.id_prefix {
+        let p = w.p(text_key(prefix));
+        let cond = format!("{} OR {}", prefix_of("l.operation_id", &p), prefix_of("l.approval_id", &p));
+        w.and(&cond);
+    }
+    since_where(&mut w, f, "l.at", now);
+    w
+}
+
 impl Tx<'_> {
     /// One page of operations in `order`, after `cursor`, matching `filter`
-    /// (an exact tenant, subject, state or tool, or an id prefix; empty = all).
+    /// (ages measured at `now`).
     pub fn ops_page(
         &self,
         view: OpsView,
-        filter: &str,
+        filter: &Filter,
+        now: i64,
         order: Order,
         cursor: Option<&Cursor>,
         limit: i64,
@@ -242,30 +483,41 @@ impl Tx<'_> {
             OpsView::All => "",
             OpsView::Unknown => "AND state IN ('unknown', 'needs_review')",
         };
+        let w = filter_where(filter, &OPS_COLS, now, 5);
         let sql = format!(
             "SELECT {OP_COLS} FROM operations
-             WHERE {cond} {states}
-               AND (?4 = '' OR tenant = ?4 OR subject = ?4 OR state = ?4 OR tool = ?4 OR id LIKE ?4 || '%')
-             ORDER BY {by} LIMIT ?5"
+             WHERE {cond} {states}{}
+             ORDER BY {by} LIMIT ?4",
+            w.sql
         );
         let mut st = self.conn.prepare_cached(&sql)?;
-        let rows = st.query_map(params![key, tie, has, filter, limit], OperationRow::from_row)?;
+        let all = page_params(&key, &tie, &has, &limit, &w.params);
+        let rows = st.query_map(all.as_slice(), OperationRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }
 
     /// In-flight and waiting outbox rows in `order` (the console's default: soonest first).
-    pub fn live_page(&self, filter: &str, order: Order, cursor: Option<&Cursor>, limit: i64) -> R<Vec<LiveRow>> {
+    pub fn live_page(
+        &self,
+        filter: &Filter,
+        now: i64,
+        order: Order,
+        cursor: Option<&Cursor>,
+        limit: i64,
+    ) -> R<Vec<LiveRow>> {
         let (cond, by, bk, bt) = keyset(LIVE_SORT, order, "o.operation_id", false);
         let (key, tie, has) = bind(cursor, bk, bt);
+        let w = filter_where(filter, &LIVE_COLS, now, 5);
         let mut st = self.conn.prepare_cached(&format!(
             "SELECT o.operation_id, p.tool, p.tenant, p.subject, p.state, o.state, o.attempt, o.max_attempts,
                     o.lease_owner, o.lease_until, o.available_at, o.last_code, p.deadline_at
              FROM outbox o JOIN operations p ON p.id = o.operation_id
-             WHERE o.state IN ('leased', 'pending') AND {cond}
-               AND (?4 = '' OR p.tenant = ?4 OR p.subject = ?4 OR p.state = ?4 OR p.tool = ?4 OR p.id LIKE ?4 || '%')
-             ORDER BY {by} LIMIT ?5"
+             WHERE o.state IN ('leased', 'pending') AND {cond}{}
+             ORDER BY {by} LIMIT ?4",
+            w.sql
         ))?;
-        let rows = st.query_map(params![key, tie, has, filter, limit], |r| {
+        let all = page_params(&key, &tie, &has, &limit, &w.params);
+        let rows = st.query_map(all.as_slice(), |r| {
             Ok(LiveRow {
                 operation_id: r.get(0)?,
                 tool: r.get(1)?,
@@ -288,20 +540,23 @@ impl Tx<'_> {
     /// Pending approvals matching `filter`, in `order`, after `cursor`.
     pub fn approvals_page(
         &self,
-        filter: &str,
+        filter: &Filter,
+        now: i64,
         order: Order,
         cursor: Option<&Cursor>,
         limit: i64,
     ) -> R<Vec<ApprovalRow>> {
         let (cond, by, bk, bt) = keyset(APPROVALS_SORT, order, "id", false);
         let (key, tie, has) = bind(cursor, bk, bt);
+        let w = filter_where(filter, &APPROVAL_FILTER_COLS, now, 5);
         let mut st = self.conn.prepare_cached(&format!(
             "SELECT {APPROVAL_COLS} FROM approvals
-             WHERE state = 'pending' AND {cond}
-               AND (?4 = '' OR tenant = ?4 OR subject = ?4 OR tool = ?4 OR id LIKE ?4 || '%')
-             ORDER BY {by} LIMIT ?5"
+             WHERE state = 'pending' AND {cond}{}
+             ORDER BY {by} LIMIT ?4",
+            w.sql
         ))?;
-        let rows = st.query_map(params![key, tie, has, filter, limit], ApprovalRow::from_row)?;
+        let all = page_params(&key, &tie, &has, &limit, &w.params);
+        let rows = st.query_map(all.as_slice(), ApprovalRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }
 
@@ -310,47 +565,36 @@ impl Tx<'_> {
     /// with it, or whose operation or approval has it as tenant, subject or tool.
     pub fn audit_page(
         &self,
-        filter: &str,
+        filter: &Filter,
+        now: i64,
         order: Order,
         cursor: Option<&Cursor>,
         limit: i64,
     ) -> R<Vec<super::AuditRow>> {
         let (cond, by, bk, bt) = keyset(AUDIT_SORT, order, "l.seq", true);
         let (key, tie, has) = bind(cursor, bk, bt);
+        let w = audit_where(filter, now, 5);
         let mut st = self.conn.prepare_cached(&format!(
-            "SELECT {} FROM audit_log l WHERE {cond}
-               AND (?4 = '' OR l.actor = ?4 OR l.action = ?4 OR l.result = ?4
-                    OR l.operation_id LIKE ?4 || '%' OR l.approval_id LIKE ?4 || '%'
-                    OR EXISTS (SELECT 1 FROM operations o WHERE o.id = l.operation_id
-                                 AND (o.tenant = ?4 OR o.subject = ?4 OR o.tool = ?4))
-                    OR EXISTS (SELECT 1 FROM approvals a WHERE a.id = l.approval_id
-                                 AND (a.tenant = ?4 OR a.subject = ?4 OR a.tool = ?4)))
-             ORDER BY {by} LIMIT ?5",
-            super::rows::AUDIT_COLS
+            "SELECT {} FROM audit_log l WHERE {cond}{}
+             ORDER BY {by} LIMIT ?4",
+            super::rows::AUDIT_COLS,
+            w.sql
         ))?;
-        let rows = st.query_map(params![key, tie, has, filter, limit], super::AuditRow::from_row)?;
+        let all = page_params(&key, &tie, &has, &limit, &w.params);
+        let rows = st.query_map(all.as_slice(), super::AuditRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }
 
     /// Ids of operations whose id starts with `prefix`, in id order (`:op` in
-    /// the console). `LIKE` with an escape character so `_` and `%` in the
-    /// prefix match only themselves; the prefix is compared again exactly (a
-    /// backend's `LIKE` may ignore case), so rows that differ are dropped.
+    /// the console): an exact prefix on both backends (no LIKE: `_` and `%`
+    /// are themselves and case counts), from the first id at or after it.
     pub fn operation_ids_with_prefix(&self, prefix: &str, limit: i64) -> R<Vec<String>> {
-        let mut pattern = String::with_capacity(prefix.len() + 1);
-        for c in prefix.chars() {
-            if matches!(c, '\\' | '%' | '_') {
-                pattern.push('\\');
-            }
-            pattern.push(c);
-        }
-        pattern.push('%');
-        let mut st = self.conn.prepare_cached(
-            "SELECT id FROM operations WHERE id >= ?1 AND id LIKE ?2 ESCAPE '\\' ORDER BY id LIMIT ?3",
-        )?;
-        let rows = st.query_map(params![prefix, pattern, limit], |r| r.get::<String>(0))?;
-        let ids: Vec<String> = rows.collect::<Result<_, _>>()?;
-        Ok(ids.into_iter().filter(|id| id.starts_with(prefix)).collect())
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT id FROM operations WHERE id >= ?1 AND {} ORDER BY id LIMIT ?2",
+            prefix_of("id", "?1")
+        ))?;
+        let rows = st.query_map(params![prefix, limit], |r| r.get::<String>(0))?;
+        rows.collect::<Result<_, _>>()
     }
 
     /// Ids of the operations holding idempotency key `key` in `tenant` (any
@@ -378,11 +622,15 @@ impl Tx<'_> {
         rows.collect::<Result<_, _>>()
     }
 
-    /// The age anchor of the oldest unknown / needs-review operation.
+    /// The age anchor of the oldest unknown / needs-review operation: the time
+    /// it entered that state, as the Unknown pane's "since" column reads it
+    /// (a status query that changes nothing does not make it younger).
     pub fn oldest_unknown_at(&self) -> R<Option<i64>> {
         Ok(self
             .conn
-            .prepare_cached("SELECT min(updated_at) FROM operations WHERE state IN ('unknown', 'needs_review')")?
+            .prepare_cached(
+                "SELECT min(coalesce(state_since, updated_at)) FROM operations WHERE state IN ('unknown', 'needs_review')",
+            )?
             .query_opt((), |r| r.get(0))?
             .flatten())
     }

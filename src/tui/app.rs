@@ -8,11 +8,16 @@ use crate::engine::{OperationDetail, Resolution};
 use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow, Order};
 
 mod command;
+pub mod filter;
 mod lab;
+mod marks;
+mod prefs;
 mod sort;
 mod why;
 pub use command::{parse as parse_command, Command, CommandBar, CommandSpec, COMMANDS, MATCHES_SHOWN};
 pub use lab::{percent, AgentsView, LabView, FAULT_STEPS};
+pub use marks::{marks_of, BulkKey, BulkPlan, BulkProgress, Mark, MarkKind, MAX_MARKS};
+pub use prefs::{PanePrefs, Prefs};
 pub use sort::{columns as sort_columns, default_order};
 pub use why::{explain, reason, Why};
 
@@ -114,6 +119,10 @@ pub enum Action {
     CycleSort,
     /// `S`: reverse the sort.
     ReverseSort,
+    /// `v`: mark / unmark the selected row.
+    ToggleMark,
+    /// `V`: mark every row that matches the pane's filter.
+    MarkAll,
     /// Tab in the command bar: complete.
     Complete,
     /// Up in the command bar: the previous history entry.
@@ -232,6 +241,34 @@ pub enum EngineEvent {
         prefix: Option<String>,
         /// Matching operation ids, in id order (one more than are shown, at most).
         ids: Vec<String>,
+    },
+    /// Every row of a pane matching its filter (`V`), at most one more than
+    /// [`MAX_MARKS`].
+    Marked {
+        /// The pane asked about.
+        pane: Pane,
+        /// Its matching rows.
+        marks: Vec<Mark>,
+    },
+    /// A bulk action's progress (after each target).
+    BulkProgress {
+        /// What runs.
+        verb: String,
+        /// Targets finished.
+        done: usize,
+        /// Targets.
+        total: usize,
+    },
+    /// A bulk action finished.
+    BulkDone {
+        /// What ran.
+        verb: String,
+        /// `37 settled, 2 still unknown, 1 refused: lease held`.
+        summary: String,
+        /// The targets acted on (unmarked now).
+        acted: Vec<String>,
+        /// Nothing was refused or left unknown.
+        ok: bool,
     },
     /// A walkthrough step ran.
     Walkthrough(WalkthroughView),
@@ -356,6 +393,24 @@ pub enum Request {
     SetLab(Option<crate::engine::LabToggle>),
     /// Pause / resume live refresh.
     SetLive(bool),
+    /// Every row of a pane that matches a filter, for `V` (in the pane's order).
+    MarkAll {
+        /// Pane.
+        pane: Pane,
+        /// Filter text.
+        filter: String,
+        /// Order.
+        order: Order,
+        /// At most this many.
+        limit: i64,
+    },
+    /// One action on many rows, one engine call each, with progress.
+    Bulk {
+        /// What to do.
+        action: crate::engine::BulkAction,
+        /// The rows it applies to.
+        targets: Vec<crate::engine::BulkTarget>,
+    },
     /// Walkthrough: choose a scenario (restarts it).
     ScenarioSelect(usize),
     /// Walkthrough: run the next step.
@@ -407,6 +462,11 @@ pub enum FormKind {
         /// Attempts so far and the last code, when the pane shows them.
         attempts: Option<String>,
     },
+    /// The note (and, for resolve, the decision) of a bulk action on marked rows.
+    Bulk {
+        /// The rows it applies to and the ones it skips.
+        plan: BulkPlan,
+    },
 }
 
 /// A text form: resolution choice, receipt id, note.
@@ -452,8 +512,20 @@ pub struct App {
     pub page_stack: Vec<Option<Cursor>>,
     /// Cursor of the current page.
     pub cursor: Option<Cursor>,
-    /// Filter being typed or applied.
+    /// The current pane's filter, being typed or applied.
     pub filter: String,
+    /// The other panes' filters (each pane keeps its own).
+    pub filters: std::collections::HashMap<Pane, String>,
+    /// Named filters (`:filter save NAME`, `:filter NAME`).
+    pub saved_filters: std::collections::BTreeMap<String, String>,
+    /// The filter, sorts or named filters changed: the event loop saves them.
+    pub prefs_dirty: bool,
+    /// The applied filter while a new one is typed (Esc puts it back).
+    pub filter_before: Option<String>,
+    /// Marked rows, in the order marked.
+    pub marks: Vec<Mark>,
+    /// A bulk action running in the engine thread.
+    pub bulk: Option<BulkProgress>,
     /// Each pane's order, once sorted (else its default).
     pub sorts: std::collections::HashMap<Pane, Order>,
     /// Header counts.
@@ -528,6 +600,12 @@ impl App {
             page_stack: Vec::new(),
             cursor: None,
             filter: String::new(),
+            filters: std::collections::HashMap::new(),
+            saved_filters: std::collections::BTreeMap::new(),
+            prefs_dirty: false,
+            filter_before: None,
+            marks: Vec::new(),
+            bulk: None,
             sorts: std::collections::HashMap::new(),
             header: HeaderCounts::default(),
             detail: None,
@@ -609,7 +687,12 @@ impl App {
         if self.pane == pane {
             return None;
         }
-        self.pane = pane;
+        let old = std::mem::replace(&mut self.pane, pane);
+        let mine = self.filters.remove(&pane).unwrap_or_default();
+        let theirs = std::mem::replace(&mut self.filter, mine);
+        if !theirs.is_empty() {
+            self.filters.insert(old, theirs);
+        }
         self.rows = Rows::Empty;
         self.selected = 0;
         self.cursor = None;
@@ -639,7 +722,29 @@ impl App {
                     | Action::AskCancel
                     | Action::CycleSort
                     | Action::ReverseSort
+                    | Action::ToggleMark
+                    | Action::MarkAll
             )
+    }
+
+    /// The action keys act on the marks: there are some, and the key was pressed
+    /// in a pane (the detail view acts on its own operation).
+    fn bulk_keys(&self) -> bool {
+        !self.marks.is_empty() && self.mode == Mode::Normal
+    }
+
+    /// Sets this pane's filter (checked against the pane's fields first) and
+    /// goes back to its first page; the caller fetches.
+    fn apply_filter(&mut self, text: &str) -> Result<(), String> {
+        let text: String = text.chars().filter(|c| !c.is_control()).take(filter::MAX_FILTER).collect();
+        filter::parse_for(&text, self.pane)?;
+        self.mode = Mode::Normal;
+        self.prefs_dirty = true;
+        self.filter = text;
+        self.cursor = None;
+        self.page_stack.clear();
+        self.selected = 0;
+        Ok(())
     }
 
     fn say(&mut self, text: impl Into<String>, error: bool) {
@@ -829,6 +934,10 @@ impl App {
                 match self.mode {
                     Mode::Detail | Mode::Help | Mode::Lab => self.mode = Mode::Normal,
                     Mode::Filter => {
+                        // Esc cancels the edit: the filter in force stays.
+                        if let Some(before) = self.filter_before.take() {
+                            self.filter = before;
+                        }
                         self.mode = Mode::Normal;
                     }
                     Mode::Command => {
@@ -846,8 +955,11 @@ impl App {
                         self.say("cancelled", false);
                     }
                     Mode::Normal => {
-                        if !self.filter.is_empty() {
+                        if !self.marks.is_empty() {
+                            self.clear_marks();
+                        } else if !self.filter.is_empty() {
                             self.filter.clear();
+                            self.prefs_dirty = true;
                             self.cursor = None;
                             self.page_stack.clear();
                             return Some(self.fetch());
@@ -857,14 +969,18 @@ impl App {
                 None
             }
             Action::StartFilter => {
+                self.filter_before = Some(self.filter.clone());
                 self.mode = Mode::Filter;
                 None
             }
             Action::StartCommand => self.start_command(),
+            Action::ToggleMark => self.toggle_mark(),
+            Action::MarkAll => self.mark_all(),
             Action::CycleSort => self.cycle_sort(),
             Action::ReverseSort => self.reverse_sort(),
             Action::Complete => {
-                self.command.complete(&sort::columns(self.pane));
+                let names: Vec<String> = self.saved_filters.keys().cloned().collect();
+                self.command.complete(&sort::columns(self.pane), &names);
                 None
             }
             Action::HistoryPrev => {
@@ -920,6 +1036,11 @@ impl App {
                 }
                 None
             }
+            Action::AskQuery if self.bulk_keys() => self.ask_bulk(BulkKey::Query),
+            Action::AskApprove if self.bulk_keys() => self.ask_bulk(BulkKey::Approve),
+            Action::AskDeny if self.bulk_keys() => self.ask_bulk(BulkKey::Deny),
+            Action::AskResolve if self.bulk_keys() => self.ask_bulk(BulkKey::Resolve),
+            Action::AskCancel if self.bulk_keys() => self.ask_bulk(BulkKey::Cancel),
             Action::AskQuery => self.ask_query(),
             Action::AskApprove => self.ask_approve(),
             Action::AskDeny => {
@@ -1053,6 +1174,15 @@ impl App {
                 Some(self.fetch())
             }
             EngineEvent::Found { asked, prefix, ids } => self.on_found(&asked, prefix.as_deref(), ids),
+            EngineEvent::Marked { pane, marks } => {
+                self.on_marked(pane, marks);
+                None
+            }
+            EngineEvent::BulkProgress { verb, done, total } => {
+                self.on_bulk_progress(verb, done, total);
+                None
+            }
+            EngineEvent::BulkDone { verb, summary, acted, ok } => Some(self.on_bulk_done(&verb, &summary, &acted, ok)),
             EngineEvent::Lab(v) => {
                 self.lab = v;
                 None
@@ -1188,7 +1318,7 @@ impl App {
     fn on_input(&mut self, c: char) -> Option<Request> {
         match self.mode {
             Mode::Filter => {
-                if self.filter.len() < 80 && !c.is_control() {
+                if self.filter.chars().count() < filter::MAX_FILTER && !c.is_control() {
                     self.filter.push(c);
                 }
                 None
@@ -1227,6 +1357,8 @@ impl App {
                 if let Some(f) = self.form.as_mut() {
                     let fields: &[usize] = match f.kind {
                         FormKind::Deny { .. } | FormKind::Cancel { .. } => &[2],
+                        FormKind::Bulk { ref plan } if plan.key == BulkKey::Resolve => &[0, 2],
+                        FormKind::Bulk { .. } => &[2],
                         FormKind::Resolve { .. } => {
                             if f.choice == Some(0) {
                                 &[0, 1, 2]
@@ -1258,11 +1390,19 @@ impl App {
         match self.mode {
             Mode::Command => self.submit_command(),
             Mode::Filter => {
-                self.mode = Mode::Normal;
-                self.cursor = None;
-                self.page_stack.clear();
-                self.selected = 0;
-                Some(self.fetch())
+                let text = self.filter.clone();
+                match self.apply_filter(&text) {
+                    Ok(()) => {
+                        self.filter_before = None;
+                        Some(self.fetch())
+                    }
+                    Err(e) => {
+                        // Stays in the filter line, with what was not understood.
+                        self.mode = Mode::Filter;
+                        self.say(e, true);
+                        None
+                    }
+                }
             }
             Mode::Confirm => {
                 let c = self.confirm.take()?;
@@ -1270,6 +1410,10 @@ impl App {
                 self.mode = if matches!(c.request, Request::SetLab(_)) { Mode::Lab } else { self.dialog_return };
                 if c.on_confirm {
                     self.say(format!("{}: sent", c.title), false);
+                    if let Request::Bulk { action, targets } = &c.request {
+                        self.bulk =
+                            Some(BulkProgress { verb: action.verb().to_string(), done: 0, total: targets.len() });
+                    }
                     Some(c.request)
                 } else {
                     self.say("cancelled", false);
@@ -1298,8 +1442,24 @@ impl App {
                     self.mode = Mode::Confirm;
                     return None;
                 }
+                match self.bulk_form_confirm(&f) {
+                    Ok(Some(c)) => {
+                        self.form = None;
+                        self.confirm = Some(c);
+                        self.mode = Mode::Confirm;
+                        return None;
+                    }
+                    Err((e, field)) => {
+                        if let Some(form) = self.form.as_mut() {
+                            form.error = Some(e);
+                            form.field = field;
+                        }
+                        return None;
+                    }
+                    Ok(None) => {}
+                }
                 let (title, evidence, request) = match &f.kind {
-                    FormKind::Cancel { .. } => return None,
+                    FormKind::Cancel { .. } | FormKind::Bulk { .. } => return None,
                     FormKind::Deny { approval_id, evidence } => (
                         "Deny approval".to_string(),
                         evidence.iter().cloned().chain([format!("note        {}", f.note)]).collect(),

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::app::{summarize, Action, AgentsView, EngineEvent, LabView, Pane, Request, Rows};
+use super::app::{filter, marks_of, summarize, Action, AgentsView, EngineEvent, LabView, Pane, Request, Rows};
 use super::walkthrough::Walkthrough;
 use crate::engine::{CancelRequest, Engine, EngineError, EngineOptions, ResolveRequest};
 use crate::store::OpsView;
@@ -25,6 +25,8 @@ pub struct BackendOptions {
     pub operator: String,
     /// Run the outbox workers and the reaper in this process.
     pub workers: bool,
+    /// Refuse every state-changing request (the console refuses them first).
+    pub read_only: bool,
     /// Where the walkthrough's own scratch databases go.
     pub scratch: PathBuf,
     /// The `toolgate` binary, for scenario steps that need a real child process.
@@ -106,15 +108,24 @@ struct View {
     limit: i64,
 }
 
+/// A pane's rows: the page `v` names.
+fn rows(engine: &mut Engine, v: &View) -> Result<Rows, EngineError> {
+    // The console checked the expression; one restored from elsewhere is checked here too.
+    let flt = filter::parse_for(&v.filter, v.pane).map_err(|e| EngineError::invalid("BAD_FILTER", e))?;
+    let (order, cursor, limit) = (v.order, v.cursor.as_ref(), v.limit);
+    Ok(match v.pane {
+        Pane::Live => Rows::Live(engine.live_page(&flt, order, cursor, limit)?),
+        Pane::Ledger => Rows::Ops(engine.ops_page(OpsView::All, &flt, order, cursor, limit)?),
+        Pane::Unknown => Rows::Ops(engine.ops_page(OpsView::Unknown, &flt, order, cursor, limit)?),
+        Pane::Approvals => Rows::Approvals(engine.approvals_page(&flt, order, cursor, limit)?),
+        Pane::Audit => Rows::Audit(engine.audit_page(&flt, order, cursor, limit)?),
+        Pane::Walkthrough | Pane::Metrics => Rows::Empty,
+    })
+}
+
 fn fetch(engine: &mut Engine, v: &View) -> Result<EngineEvent, EngineError> {
     let rows = match v.pane {
-        Pane::Live => Rows::Live(engine.live_page(&v.filter, v.order, v.cursor.as_ref(), v.limit)?),
-        Pane::Ledger => Rows::Ops(engine.ops_page(OpsView::All, &v.filter, v.order, v.cursor.as_ref(), v.limit)?),
-        Pane::Unknown => {
-            Rows::Ops(engine.ops_page(OpsView::Unknown, &v.filter, v.order, v.cursor.as_ref(), v.limit)?)
-        }
-        Pane::Approvals => Rows::Approvals(engine.approvals_page(&v.filter, v.order, v.cursor.as_ref(), v.limit)?),
-        Pane::Audit => Rows::Audit(engine.audit_page(&v.filter, v.order, v.cursor.as_ref(), v.limit)?),
+        Pane::Live | Pane::Ledger | Pane::Unknown | Pane::Approvals | Pane::Audit => rows(engine, v)?,
         Pane::Walkthrough => Rows::Empty,
         Pane::Metrics => Rows::Metrics(Box::new(crate::telemetry::metrics::snapshot(
             engine,
@@ -153,7 +164,7 @@ fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>
         match received {
             Ok(req) => {
                 let walk_step = matches!(req, Request::ScenarioStep | Request::ScenarioSelect(_));
-                let (ev, then_refresh) = handle(eng, opts, &mut view, &mut live, &mut walk, req);
+                let (ev, then_refresh) = handle(eng, opts, &mut view, &mut live, &mut walk, req, &send);
                 if let Some(ev) = ev {
                     if !send(ev) {
                         return;
@@ -203,6 +214,60 @@ fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>
     }
 }
 
+/// `V`: every row of `pane` matching `filter`, in `order`, at most `limit`.
+pub fn mark_all(
+    engine: &mut Engine,
+    pane: Pane,
+    filter: String,
+    order: crate::store::Order,
+    limit: i64,
+) -> EngineEvent {
+    let v = View { pane, filter, order, cursor: None, limit };
+    match rows(engine, &v) {
+        Ok(r) => EngineEvent::Marked { pane, marks: marks_of(&r) },
+        Err(e) => EngineEvent::Error(format!("{}: {e}", e.code())),
+    }
+}
+
+/// A bulk action as `operator`: progress after each target through `send`,
+/// the summary as the answer.
+pub fn run_bulk(
+    engine: &mut Engine,
+    operator: &str,
+    action: &crate::engine::BulkAction,
+    targets: &[crate::engine::BulkTarget],
+    send: &dyn Fn(EngineEvent) -> bool,
+) -> EngineEvent {
+    let verb = action.verb().to_string();
+    let total = targets.len();
+    match engine.bulk(action, targets, operator, |done, _| {
+        send(EngineEvent::BulkProgress { verb: verb.clone(), done, total });
+    }) {
+        Ok(report) => EngineEvent::BulkDone {
+            summary: report.summary(),
+            acted: report.items.iter().map(|i| i.id.clone()).collect(),
+            ok: report.all_done(),
+            verb,
+        },
+        Err(e) => EngineEvent::BulkDone { verb, summary: format!("{}: {e}", e.code()), acted: Vec::new(), ok: false },
+    }
+}
+
+/// Whether a request changes the ledger (refused in read-only mode).
+fn changes_state(req: &Request) -> bool {
+    matches!(
+        req,
+        Request::Query { .. }
+            | Request::Approve { .. }
+            | Request::Deny { .. }
+            | Request::Resolve { .. }
+            | Request::Cancel { .. }
+            | Request::SetFaultRate(_)
+            | Request::SetLab(_)
+            | Request::Bulk { .. }
+    )
+}
+
 /// The lab panel's state: the database's, plus this process's agents.
 fn lab_view(engine: &mut Engine, load: Option<&crate::load::LoadStats>) -> Result<EngineEvent, EngineError> {
     use std::sync::atomic::Ordering::Relaxed;
@@ -230,12 +295,19 @@ fn handle(
     live: &mut bool,
     walk: &mut Walkthrough,
     req: Request,
+    send: &dyn Fn(EngineEvent) -> bool,
 ) -> (Option<EngineEvent>, bool) {
     let done = |r: Result<(bool, String), EngineError>| match r {
         Ok((ok, summary)) => EngineEvent::Done { ok, summary },
         Err(e) => EngineEvent::Done { ok: false, summary: format!("{}: {e}", e.code()) },
     };
+    if opts.read_only && changes_state(&req) {
+        let ev = EngineEvent::Done { ok: false, summary: "READ_ONLY: the console is read-only".into() };
+        return (Some(ev), false);
+    }
     match req {
+        Request::MarkAll { pane, filter, order, limit } => (Some(mark_all(engine, pane, filter, order, limit)), false),
+        Request::Bulk { action, targets } => (Some(run_bulk(engine, &opts.operator, &action, &targets, send)), true),
         Request::Fetch { pane, filter, order, cursor, limit } => {
             *view = View { pane, filter, order, cursor, limit };
             (None, true)

@@ -74,6 +74,12 @@ pub fn normal() -> Vec<Binding> {
         bind!("Enter", "detail: record, bindings, trace timeline, operator log", false, |k| {
             (k.code == KeyCode::Enter).then_some(Action::OpenDetail)
         }),
+        bind!("v", "mark / unmark the selected row; with marks, q a d r c act on every marked row", false, |k| ch(
+            k, 'v'
+        )
+        .then_some(Action::ToggleMark)),
+        bind!("V", "mark every row that matches this pane's filter (not only this page)", false, |k| ch(k, 'V')
+            .then_some(Action::MarkAll)),
         bind!("q", "status query on the selected unknown operation", true, |k| ch(k, 'q').then_some(Action::AskQuery)),
         bind!("a", "approve the selected request", true, |k| ch(k, 'a').then_some(Action::AskApprove)),
         bind!("d", "deny the selected request (note)", true, |k| ch(k, 'd').then_some(Action::AskDeny)),
@@ -103,14 +109,15 @@ pub fn normal() -> Vec<Binding> {
             ch(k, 's').then_some(Action::CycleSort)
         }),
         bind!("S", "reverse the sort", false, |k| ch(k, 'S').then_some(Action::ReverseSort)),
-        bind!("/", "filter by id, tenant, subject, state or tool", false, |k| ch(k, '/')
+        bind!("/", "filter: tenant:T tool:X state:S age:>5m needs:review, bare words match ids", false, |k| ch(k, '/')
             .then_some(Action::StartFilter)),
         bind!(":", "command bar (:op ID, :unknown, :filter EXPR, :q …; listed below)", false, |k| ch(k, ':')
             .then_some(Action::StartCommand)),
         bind!("y", "copy the selected id (OSC 52)", false, |k| ch(k, 'y').then_some(Action::Copy)),
         bind!("space", "pause / resume live refresh", false, |k| ch(k, ' ').then_some(Action::TogglePause)),
         bind!("?", "this help", false, |k| ch(k, '?').then_some(Action::ToggleHelp)),
-        bind!("Esc", "back; clear the filter", false, |k| (k.code == KeyCode::Esc).then_some(Action::Back)),
+        bind!("Esc", "back; clear the marks, then the filter", false, |k| (k.code == KeyCode::Esc)
+            .then_some(Action::Back)),
         bind!("Q", "quit", false, |k| ch(k, 'Q').then_some(Action::Quit)),
     ]
 }

@@ -8,6 +8,7 @@
 
 pub mod app;
 pub mod backend;
+pub mod config;
 pub mod format;
 pub mod keymap;
 pub mod ui;
@@ -103,6 +104,7 @@ pub fn run(opts: &ConsoleOptions) -> Result<(), ConsoleError> {
             path: opts.db.clone(),
             operator: opts.operator.clone(),
             workers: opts.workers && !opts.read_only,
+            read_only: opts.read_only,
             scratch: opts.scratch.clone(),
             exe: std::env::current_exe().ok(),
             load: opts.load.clone(),
@@ -145,6 +147,27 @@ async fn event_loop(
     let mut app = App::new(opts.db_label.clone(), opts.operator.clone(), opts.read_only, no_color, now_ms());
     let size = terminal.size()?;
     app.size = (size.width, size.height);
+    let prefs_path = config::path();
+    // A damaged settings file is said and left alone (never overwritten).
+    let mut prefs_writable = prefs_path.is_some();
+    match prefs_path.as_deref().map(config::load) {
+        None => app.said_prefs("no config directory (XDG_CONFIG_HOME, HOME): filters and sorts are not kept", true),
+        Some(Ok(None)) => {}
+        Some(Ok(Some(p))) => {
+            let dropped = app.restore(&p);
+            if !dropped.is_empty() {
+                app.said_prefs(format!("settings: left out {}", dropped.join("; ")), true);
+            }
+        }
+        Some(Err(e)) => {
+            prefs_writable = false;
+            let name = prefs_path.as_deref().map_or_else(String::new, |p| p.display().to_string());
+            app.said_prefs(
+                format!("settings file {name} is damaged and ignored ({e}); it is not overwritten: fix or remove it"),
+                true,
+            );
+        }
+    }
     let _ = backend.requests.send(app.fetch());
     let mut events = EventStream::new();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
@@ -189,6 +212,12 @@ async fn event_loop(
         }
         if let Some(text) = app.clipboard.take() {
             osc52(&text);
+        }
+        if std::mem::take(&mut app.prefs_dirty) && prefs_writable {
+            if let Some(Err(e)) = prefs_path.as_deref().map(|p| config::save(p, &app.prefs())) {
+                prefs_writable = false;
+                app.said_prefs(format!("settings not saved: {e}"), true);
+            }
         }
         if app.quit {
             return Ok(());

@@ -300,3 +300,99 @@ fn an_oversized_args_file_is_read_only_up_to_the_limit_and_says_so() {
     assert!(text.contains("over the 64 KiB limit"), "{text}");
     assert!(!text.contains("8388608") && !text.contains("10485760"), "{text}");
 }
+
+/// `toolgate --db DB ARGS` → (exit code, JSON on stdout or Null, stderr).
+fn run_json(db: &Path, args: &[&str]) -> (i32, Value, String) {
+    let out = tg().arg("--db").arg(db).args(args).output().unwrap();
+    let v = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    (out.status.code().unwrap(), v, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn ids_of(v: &Value, list: &str) -> Vec<String> {
+    v[list].as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap().to_string()).collect()
+}
+
+fn bulk_selection_from_the_cli_dry_run_and_one_audit_entry_each(backend: crate::support::Backend) {
+    let dir = tempfile::tempdir().unwrap();
+    let pg = (backend == crate::support::Backend::Postgres).then(|| crate::support::PgDb::new().unwrap());
+    let now = chrono::Utc::now().timestamp_millis();
+    let db = match &pg {
+        None => toolgate::demo::working_copy(dir.path(), now).unwrap(),
+        Some(p) => toolgate::demo::working_copy_at(Path::new(&p.url), now).unwrap(),
+    };
+    let log_len = |db: &Path| run_json(db, &["audit", "--log", "--json"]).1["log"].as_array().unwrap().len();
+    let before = log_len(&db);
+    // --dry-run lists what would be touched, changes nothing, needs no operator.
+    let (rc, v, _) = run_json(&db, &["query", "--all", "--state", "outcome_unknown", "--dry-run", "--json"]);
+    assert_eq!((rc, v["dry_run"].as_bool(), v["selected"].as_i64()), (0, Some(true), Some(4)), "{v}");
+    assert!(v["would_touch"].as_array().unwrap().iter().all(|r| r["state"] == "unknown"));
+    let (_, v, _) = run_json(
+        &db,
+        &[
+            "query",
+            "--all",
+            "--state",
+            "outcome_unknown",
+            "--tenant",
+            "acme",
+            "--tool",
+            "create_refund",
+            "--dry-run",
+            "--json",
+        ],
+    );
+    assert_eq!(v["selected"], 2, "{v}");
+    assert!(v["would_touch"].as_array().unwrap().iter().all(|r| r["tenant"] == "acme" && r["tool"] == "create_refund"));
+    let (_, v, _) = run_json(&db, &["query", "--all", "--older-than", "1d", "--dry-run", "--json"]);
+    assert_eq!(v["selected"], 0, "nothing has been unknown for a day: {v}");
+    let (_, v, _) = run_json(&db, &["query", "--all", "--dry-run", "--json"]);
+    assert_eq!(v["selected"], 5, "default: unknown and needs_review: {v}");
+    assert_eq!(log_len(&db), before, "a dry run writes nothing");
+    // Usage errors exit 2 with a stable code.
+    for (args, code) in [
+        (&["query", "--all", "--state", "stuck"][..], "BAD_SELECTION"),
+        (&["query", "--all", "--older-than", "5x"][..], "BAD_SELECTION"),
+        (&["query", "--all"][..], "OPERATOR_REQUIRED"),
+        (&["approve", "--all", "--approver", "alice", "--state", "unknown", "--dry-run"][..], "BAD_SELECTION"),
+        (&["--operator", "ops1", "resolve", "--all", "--as", "succeeded", "--note", "n"][..], "EVIDENCE_PER_OPERATION"),
+        (&["--read-only", "--operator", "ops1", "query", "--all"][..], "READ_ONLY"),
+    ] {
+        let (rc, _, err) = run_json(&db, args);
+        assert_eq!(rc, 2, "{args:?}: {err}");
+        assert!(err.contains(&format!("error[{code}]")), "{args:?}: {err}");
+    }
+    let (rc, _, err) = run_json(&db, &["query", "--all", "--status-ref", "x"]);
+    assert_eq!(rc, 2, "--all and one operation's status_ref do not mix: {err}");
+    // The run: one engine call and one audit entry each, by the operator.
+    let (rc, v, err) = run_json(&db, &["--operator", "ops1", "query", "--all", "--state", "outcome_unknown", "--json"]);
+    assert_eq!(rc, i32::from(v["all_done"] != true), "exit 1 when any is refused or still unknown: {v} {err}");
+    let queried = ids_of(&v, "results");
+    assert_eq!(queried.len(), 4);
+    assert!(v["summary"].as_str().unwrap().chars().next().unwrap().is_ascii_digit(), "{v}");
+    let (_, log, _) = run_json(&db, &["audit", "--log", "--json"]);
+    let log = log["log"].as_array().unwrap().clone();
+    assert_eq!(log.len(), before + 4);
+    for id in &queried {
+        let n = log
+            .iter()
+            .filter(|r| r["actor"] == "ops1" && r["action"] == "query" && r["operation_id"] == id.as_str())
+            .count();
+        assert_eq!(n, 1, "{id}");
+    }
+    // Resolve what is still unknown or needs review, as compensated, with one shared note.
+    let (_, left, _) = run_json(
+        &db,
+        &["resolve", "--all", "--as", "compensated", "--note", "refunded by hand", "--dry-run", "--json"],
+    );
+    let left = ids_of(&left, "would_touch");
+    let (rc, v, err) = run_json(
+        &db,
+        &["--operator", "ops1", "resolve", "--all", "--as", "compensated", "--note", "refunded by hand", "--json"],
+    );
+    assert_eq!((rc, v["selected"].as_u64()), (0, Some(left.len() as u64)), "{v} {err}");
+    assert!(v["results"].as_array().unwrap().iter().all(|r| r["outcome"] == "resolved"), "{v}");
+    let (_, v, _) = run_json(&db, &["query", "--all", "--dry-run", "--json"]);
+    assert_eq!(v["selected"], 0, "the queue is empty");
+}
+
+crate::on_both_backends!(bulk_selection_from_the_cli_dry_run_and_one_audit_entry_each);

@@ -1,4 +1,4 @@
-//! The console: screens (insta snapshots at 80×24 and 140×40), colours, key
+//! The console: screens (insta snapshots at 80×24, 120×40, 140×40 and 200×50), colours, key
 //! handling (the engine requests each key emits), the walkthrough, and a smoke
 //! test of the real binary in a pseudo-terminal.
 
@@ -43,19 +43,53 @@ fn demo_on(backend: crate::support::Backend) -> Demo {
 fn page(d: &mut Demo, pane: Pane, limit: i64) -> EngineEvent {
     let e = &mut d.engine;
     let rows = match pane {
-        Pane::Live => Rows::Live(e.live_page("", toolgate::tui::app::default_order(Pane::Live), None, limit).unwrap()),
+        Pane::Live => Rows::Live(
+            e.live_page(
+                &toolgate::store::Filter::default(),
+                toolgate::tui::app::default_order(Pane::Live),
+                None,
+                limit,
+            )
+            .unwrap(),
+        ),
         Pane::Ledger => Rows::Ops(
-            e.ops_page(OpsView::All, "", toolgate::tui::app::default_order(Pane::Ledger), None, limit).unwrap(),
+            e.ops_page(
+                OpsView::All,
+                &toolgate::store::Filter::default(),
+                toolgate::tui::app::default_order(Pane::Ledger),
+                None,
+                limit,
+            )
+            .unwrap(),
         ),
         Pane::Unknown => Rows::Ops(
-            e.ops_page(OpsView::Unknown, "", toolgate::tui::app::default_order(Pane::Unknown), None, limit).unwrap(),
+            e.ops_page(
+                OpsView::Unknown,
+                &toolgate::store::Filter::default(),
+                toolgate::tui::app::default_order(Pane::Unknown),
+                None,
+                limit,
+            )
+            .unwrap(),
         ),
         Pane::Approvals => Rows::Approvals(
-            e.approvals_page("", toolgate::tui::app::default_order(Pane::Approvals), None, limit).unwrap(),
+            e.approvals_page(
+                &toolgate::store::Filter::default(),
+                toolgate::tui::app::default_order(Pane::Approvals),
+                None,
+                limit,
+            )
+            .unwrap(),
         ),
-        Pane::Audit => {
-            Rows::Audit(e.audit_page("", toolgate::tui::app::default_order(Pane::Audit), None, limit).unwrap())
-        }
+        Pane::Audit => Rows::Audit(
+            e.audit_page(
+                &toolgate::store::Filter::default(),
+                toolgate::tui::app::default_order(Pane::Audit),
+                None,
+                limit,
+            )
+            .unwrap(),
+        ),
         Pane::Walkthrough => Rows::Empty,
         Pane::Metrics => Rows::Metrics(Box::new(
             toolgate::telemetry::metrics::snapshot(
@@ -112,10 +146,13 @@ fn press(app: &mut App, code: KeyCode) -> Option<Request> {
     app.update(action)
 }
 
+/// The sizes every pane and popup is drawn at (issue 19 §7: 80×24, 120×40, 200×50; and 140×40).
+const SIZES: [(u16, u16); 4] = [(80, 24), (120, 40), (140, 40), (200, 50)];
+
 #[test]
-fn every_pane_at_two_sizes() {
+fn every_pane_at_each_size() {
     let mut d = demo();
-    for (w, h) in [(80u16, 24u16), (140, 40)] {
+    for (w, h) in SIZES {
         for pane in [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown, Pane::Audit, Pane::Metrics] {
             let app = app_on(&mut d, pane, w, h);
             insta::assert_snapshot!(format!("pane_{}_{w}x{h}", pane.title().to_lowercase()), text(&draw(&app, w, h)));
@@ -124,9 +161,9 @@ fn every_pane_at_two_sizes() {
 }
 
 #[test]
-fn popups_and_detail_at_two_sizes() {
+fn popups_and_detail_at_each_size() {
     let mut d = demo();
-    for (w, h) in [(80u16, 24u16), (140, 40)] {
+    for (w, h) in SIZES {
         let mut app = app_on(&mut d, Pane::Approvals, w, h);
         app.update(key('a'));
         insta::assert_snapshot!(format!("confirm_approve_{w}x{h}"), text(&draw(&app, w, h)));
@@ -149,6 +186,23 @@ fn popups_and_detail_at_two_sizes() {
         let detail = d.engine.operation_detail(&id).unwrap().unwrap();
         app.update(Action::Engine(EngineEvent::Detail(Box::new(detail))));
         insta::assert_snapshot!(format!("detail_{w}x{h}"), text(&draw(&app, w, h)));
+        // The marks' popups: the one bulk confirm, the shared-note form, and an
+        // ambiguous :op listing its matches.
+        let mut app = app_on(&mut d, Pane::Unknown, w, h);
+        let req = app.update(key('V'));
+        app.update(Action::Engine(marked(&mut d, req)));
+        app.update(key('q'));
+        insta::assert_snapshot!(format!("popup_bulk_query_{w}x{h}"), text(&draw(&app, w, h)));
+        app.update(Action::Back);
+        app.update(key('r'));
+        insta::assert_snapshot!(format!("popup_bulk_resolve_{w}x{h}"), text(&draw(&app, w, h)));
+        app.update(Action::Back);
+        press(&mut app, KeyCode::Char(':'));
+        type_text(&mut app, "op op_");
+        let Some(Request::FindOperation { prefix, limit }) = press(&mut app, KeyCode::Enter) else { panic!() };
+        let ids = d.engine.operation_ids_with_prefix(&prefix, limit).unwrap();
+        app.update(Action::Engine(EngineEvent::Found { asked: prefix.clone(), prefix: Some(prefix), ids }));
+        insta::assert_snapshot!(format!("popup_op_matches_{w}x{h}"), text(&draw(&app, w, h)));
     }
 }
 
@@ -336,86 +390,202 @@ fn walkthrough_steps_scenario_4_to_the_end() {
     );
 }
 
+/// The real binary in a pseudo-terminal, its screen parsed as a terminal would.
+#[cfg(unix)]
+struct Pty {
+    master: Box<dyn portable_pty::MasterPty + Send>,
+    child: Box<dyn portable_pty::Child + Send + Sync>,
+    writer: Box<dyn std::io::Write + Send>,
+    parser: std::sync::Arc<std::sync::Mutex<vt100::Parser>>,
+}
+
+#[cfg(unix)]
+impl Pty {
+    /// `toolgate ARGS` at 140×40, with its settings under `config` (never the real home).
+    fn spawn(args: &[&std::ffi::OsStr], config: &std::path::Path) -> Self {
+        use std::io::Read;
+        let pty = portable_pty::native_pty_system();
+        let pair = pty.openpty(portable_pty::PtySize { rows: 40, cols: 140, pixel_width: 0, pixel_height: 0 }).unwrap();
+        let mut cmd = portable_pty::CommandBuilder::new(env!("CARGO_BIN_EXE_toolgate"));
+        cmd.args(args);
+        cmd.env("TERM", "xterm-256color");
+        cmd.env("XDG_CONFIG_HOME", config);
+        let child = pair.slave.spawn_command(cmd).unwrap();
+        drop(pair.slave);
+        let parser = std::sync::Arc::new(std::sync::Mutex::new(vt100::Parser::new(40, 140, 0)));
+        let mut reader = pair.master.try_clone_reader().unwrap();
+        let p = parser.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 8192];
+            while let Ok(n) = reader.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                p.lock().unwrap().process(&buf[..n]);
+            }
+        });
+        let writer = pair.master.take_writer().unwrap();
+        Self { master: pair.master, child, writer, parser }
+    }
+
+    fn screen(&self) -> String {
+        self.parser.lock().unwrap().screen().contents()
+    }
+
+    fn keys(&mut self, k: &[u8]) {
+        self.writer.write_all(k).unwrap();
+    }
+
+    /// Waits for text on the screen (the console answers as the engine thread does).
+    fn wait_for(&self, needle: &str) {
+        let start = std::time::Instant::now();
+        while start.elapsed() < std::time::Duration::from_secs(20) {
+            if self.screen().contains(needle) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        panic!("{needle:?} never appeared:\n{}", self.screen());
+    }
+
+    /// The screen line holding `needle`.
+    fn line_with(&self, needle: &str) -> String {
+        self.screen().lines().find(|l| l.contains(needle)).unwrap_or_default().trim().to_string()
+    }
+
+    fn resize(&self, rows: u16, cols: u16) {
+        self.parser.lock().unwrap().screen_mut().set_size(rows, cols);
+        self.master.resize(portable_pty::PtySize { rows, cols, pixel_width: 0, pixel_height: 0 }).unwrap();
+    }
+
+    /// `Q`, and a clean exit.
+    fn quit(mut self) {
+        self.keys(b"Q");
+        let start = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(start.elapsed() < std::time::Duration::from_secs(20), "the console did not exit");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        assert!(status.success(), "clean exit: {status:?}");
+    }
+}
+
+/// `toolgate ARGS --json` on the database, parsed.
+fn cli_json(db: &std::path::Path, args: &[&str]) -> serde_json::Value {
+    let out =
+        std::process::Command::new(env!("CARGO_BIN_EXE_toolgate")).arg("--db").arg(db).args(args).output().unwrap();
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Status-query trace events per operation, read through the CLI.
+fn queries_of(db: &std::path::Path, id: &str) -> usize {
+    let v = cli_json(db, &["ops", "show", id, "--json"]);
+    v["trace"].as_array().unwrap().iter().filter(|e| e["step"] == "query").count()
+}
+
 #[cfg(unix)]
 #[test]
 fn smoke_the_real_binary_in_a_pseudo_terminal() {
-    use std::io::{Read, Write};
-    use std::sync::{Arc, Mutex};
-    use std::time::{Duration, Instant};
-
-    let pty = portable_pty::native_pty_system();
-    let pair = pty.openpty(portable_pty::PtySize { rows: 40, cols: 140, pixel_width: 0, pixel_height: 0 }).unwrap();
-    let mut cmd = portable_pty::CommandBuilder::new(env!("CARGO_BIN_EXE_toolgate"));
-    cmd.args(["--operator", "smoke"]);
-    cmd.env("TERM", "xterm-256color");
-    let mut child = pair.slave.spawn_command(cmd).unwrap();
-    drop(pair.slave);
-    let parser = Arc::new(Mutex::new(vt100::Parser::new(40, 140, 0)));
-    let mut reader = pair.master.try_clone_reader().unwrap();
-    let p = parser.clone();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 8192];
-        while let Ok(n) = reader.read(&mut buf) {
-            if n == 0 {
-                break;
-            }
-            p.lock().unwrap().process(&buf[..n]);
-        }
-    });
-    let mut writer = pair.master.take_writer().unwrap();
-    let screen = || parser.lock().unwrap().screen().contents();
-    let wait_for = |needle: &str| {
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(20) {
-            if screen().contains(needle) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("{needle:?} never appeared:\n{}", screen());
-    };
-    wait_for("Outcome unknown");
-    wait_for("OUTCOME_UNKNOWN");
-    writer.write_all(b"?").unwrap();
-    wait_for("Keys (? or Esc to close)");
-    writer.write_all(b"2").unwrap();
-    wait_for("Idempotency ledger");
+    let dir = tempfile::tempdir().unwrap();
+    let config = tempfile::tempdir().unwrap();
+    let db = toolgate::demo::working_copy(dir.path(), chrono::Utc::now().timestamp_millis()).unwrap();
+    let unknown: Vec<String> = ["unknown", "needs_review"]
+        .iter()
+        .flat_map(|s| {
+            let v = cli_json(&db, &["ops", "list", "--state", s, "--json"]);
+            v["operations"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|o| o["id"].as_str().unwrap().to_string())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(unknown.len(), 5);
+    let queried_before: Vec<usize> = unknown.iter().map(|id| queries_of(&db, id)).collect();
+    let counts_before = cli_json(&db, &["counts", "--json"]);
+    let args = ["--db".as_ref(), db.as_os_str(), "--operator".as_ref(), "smoke".as_ref()];
+    let mut t = Pty::spawn(&args, config.path());
+    t.wait_for("Outcome unknown");
+    t.wait_for("OUTCOME_UNKNOWN");
+    t.keys(b"?");
+    t.wait_for("Keys (? or Esc to close)");
+    t.keys(b"2");
+    t.wait_for("Idempotency ledger");
     // The page arrives from the engine thread after the pane switch: `q` acts on
     // the selected row, so wait for the rows (the table header), not the title.
-    wait_for("result ref / code");
-    writer.write_all(b"q").unwrap();
-    wait_for("Status query");
-    writer.write_all(b"\r").unwrap();
-    wait_for("cancelled");
+    t.wait_for("result ref / code");
+    t.keys(b"q");
+    t.wait_for("Status query");
+    t.keys(b"\r");
+    t.wait_for("cancelled");
     // issue 19: the command bar opens a prefix into a detail (with why it is stuck).
-    writer.write_all(b":op op_5706\r").unwrap();
-    wait_for("Operation detail");
-    wait_for("does not know the key");
-    writer.write_all(b"\x1b").unwrap();
+    t.keys(b":op op_5706\r");
+    t.wait_for("Operation detail");
+    t.wait_for("does not know the key");
+    t.keys(b"\x1b");
     // Sort the Unknown pane both ways.
-    writer.write_all(b":unknown\r").unwrap();
-    wait_for("sort updated ↑");
-    writer.write_all(b":sort since\r").unwrap();
-    wait_for("sort since ↑");
-    writer.write_all(b"S").unwrap();
-    wait_for("sort since ↓");
+    t.keys(b":unknown\r");
+    t.wait_for("sort updated ↑");
+    t.keys(b":sort since\r");
+    t.wait_for("sort since ↑");
+    t.keys(b"S");
+    t.wait_for("sort since ↓");
+    // Mark every unknown operation, one bulk status query, one confirm.
+    t.keys(b"V");
+    t.wait_for("[5 marked]");
+    t.keys(b"q");
+    t.wait_for("Bulk status query: 5 operations");
+    t.keys(b"\t\r");
+    t.wait_for("query 5: ");
+    let summary = t.line_with("query 5: ");
+    eprintln!("bulk summary: {summary}");
+    assert!(summary.contains("still unknown") || summary.contains("settled"), "{summary}");
+    // A filter, kept across a restart.
+    t.keys(b"/state:unknown\r");
+    t.wait_for("/state:unknown");
     // Too small, then back.
-    parser.lock().unwrap().screen_mut().set_size(20, 60);
-    pair.master.resize(portable_pty::PtySize { rows: 20, cols: 60, pixel_width: 0, pixel_height: 0 }).unwrap();
-    wait_for("terminal too small: need 80×24, have 60×20");
-    parser.lock().unwrap().screen_mut().set_size(24, 80);
-    pair.master.resize(portable_pty::PtySize { rows: 24, cols: 80, pixel_width: 0, pixel_height: 0 }).unwrap();
-    wait_for("sort since ↓");
-    writer.write_all(b"Q").unwrap();
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(start.elapsed() < Duration::from_secs(20), "the console did not exit");
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert!(status.success(), "clean exit: {status:?}");
+    t.resize(20, 60);
+    t.wait_for("terminal too small: need 80×24, have 60×20");
+    t.resize(24, 80);
+    t.wait_for("sort since ↓");
+    t.quit();
+    // Through the CLI: each was queried once, with one audit entry each, by this operator.
+    for (id, before) in unknown.iter().zip(&queried_before) {
+        assert_eq!(queries_of(&db, id), before + 1, "{id}");
+    }
+    let log = cli_json(&db, &["audit", "--log", "--json"]);
+    for id in &unknown {
+        let mine = log["log"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["action"] == "query" && r["actor"] == "smoke" && r["operation_id"] == id.as_str())
+            .count();
+        assert_eq!(mine, 1, "{id}");
+    }
+    let counts = cli_json(&db, &["counts", "--json"]);
+    assert_eq!(counts["side_effect_duplicates"], 0);
+    let total =
+        |c: &serde_json::Value| c["operations"].as_object().unwrap().values().map(|v| v.as_i64().unwrap()).sum::<i64>();
+    assert_eq!(total(&counts), total(&counts_before), "a query never creates an operation");
+    // Start again: the Unknown pane's filter and sort are back.
+    let t = Pty::spawn(&args, config.path());
+    t.wait_for("/state:unknown");
+    t.wait_for("sort since ↓");
+    t.quit();
+    // A damaged settings file is said, and the console still opens (and leaves it as it was).
+    let file = config.path().join("toolgate").join("console.json");
+    std::fs::write(&file, b"{ not json").unwrap();
+    let t = Pty::spawn(&args, config.path());
+    t.wait_for("is damaged and ignored");
+    t.wait_for("sort updated ↑");
+    t.quit();
+    assert_eq!(std::fs::read(&file).unwrap(), b"{ not json");
 }
 
 #[test]
@@ -427,7 +597,10 @@ fn demo_runs_on_the_database_path_it_is_given() {
     let db = dir.path().join("class.db");
     let pty = portable_pty::native_pty_system();
     let pair = pty.openpty(portable_pty::PtySize { rows: 40, cols: 140, pixel_width: 0, pixel_height: 0 }).unwrap();
+    let config = tempfile::tempdir().unwrap();
     let mut cmd = portable_pty::CommandBuilder::new(env!("CARGO_BIN_EXE_toolgate"));
+    // Never the real home's settings.
+    cmd.env("XDG_CONFIG_HOME", config.path());
     cmd.arg("demo");
     cmd.arg("--agents");
     cmd.arg("1");
@@ -473,6 +646,7 @@ fn demo_runs_on_the_database_path_it_is_given() {
     let before = crate::support::snapshot(fx.path());
     let pair = pty.openpty(portable_pty::PtySize { rows: 24, cols: 80, pixel_width: 0, pixel_height: 0 }).unwrap();
     let mut cmd = portable_pty::CommandBuilder::new(env!("CARGO_BIN_EXE_toolgate"));
+    cmd.env("XDG_CONFIG_HOME", config.path());
     cmd.args(["demo", "--db"]);
     cmd.arg(fx.path());
     let mut child = pair.slave.spawn_command(cmd).unwrap();
@@ -614,9 +788,20 @@ fn the_resolve_dialog_preselects_nothing_does_not_wrap_and_says_what_each_decisi
 #[test]
 fn the_filter_applies_to_every_pane_and_an_empty_filtered_pane_says_so() {
     let mut d = demo();
-    let all = d.engine.audit_page("", toolgate::tui::app::default_order(Pane::Audit), None, 100).unwrap();
+    let all = d
+        .engine
+        .audit_page(&toolgate::store::Filter::default(), toolgate::tui::app::default_order(Pane::Audit), None, 100)
+        .unwrap();
     // The demo's operator log has one entry about agent_ben's operations.
-    let ben = d.engine.audit_page("agent_ben", toolgate::tui::app::default_order(Pane::Audit), None, 100).unwrap();
+    let ben = d
+        .engine
+        .audit_page(
+            &toolgate::store::Filter::word("agent_ben"),
+            toolgate::tui::app::default_order(Pane::Audit),
+            None,
+            100,
+        )
+        .unwrap();
     assert!(!ben.is_empty() && ben.len() < all.len(), "{} of {}", ben.len(), all.len());
     for r in &ben {
         let op = r.operation_id.clone().unwrap();
@@ -624,12 +809,17 @@ fn the_filter_applies_to_every_pane_and_an_empty_filtered_pane_says_so() {
     }
     assert!(d
         .engine
-        .audit_page("globex", toolgate::tui::app::default_order(Pane::Audit), None, 100)
+        .audit_page(&toolgate::store::Filter::word("globex"), toolgate::tui::app::default_order(Pane::Audit), None, 100)
         .unwrap()
         .is_empty());
     assert_eq!(
         d.engine
-            .audit_page("alice", toolgate::tui::app::default_order(Pane::Audit), None, 100)
+            .audit_page(
+                &toolgate::store::Filter::word("alice"),
+                toolgate::tui::app::default_order(Pane::Audit),
+                None,
+                100
+            )
             .unwrap()
             .iter()
             .filter(|r| r.actor != "alice")
@@ -639,7 +829,10 @@ fn the_filter_applies_to_every_pane_and_an_empty_filtered_pane_says_so() {
     // Live with a filter that hides its rows says the filter hides them, not that nothing is in flight.
     let mut app = app_on(&mut d, Pane::Live, 140, 40);
     app.filter = "globex".into();
-    let rows = d.engine.live_page("globex", toolgate::tui::app::default_order(Pane::Live), None, 10).unwrap();
+    let rows = d
+        .engine
+        .live_page(&toolgate::store::Filter::word("globex"), toolgate::tui::app::default_order(Pane::Live), None, 10)
+        .unwrap();
     app.update(Action::Engine(EngineEvent::Page {
         pane: Pane::Live,
         rows: Rows::Live(rows),
@@ -1017,7 +1210,8 @@ fn s_cycles_the_sort_column_big_s_reverses_and_sort_names_one() {
     let req = press(&mut app, KeyCode::Enter);
     assert!(matches!(req, Some(Request::Fetch { order: Order { column: 2, desc: true }, .. })), "{req:?}");
     let limit = app.visible_rows();
-    let rows = d.engine.ops_page(OpsView::Unknown, "", app.order(), None, limit).unwrap();
+    let rows =
+        d.engine.ops_page(OpsView::Unknown, &toolgate::store::Filter::default(), app.order(), None, limit).unwrap();
     app.update(Action::Engine(EngineEvent::Page {
         pane: Pane::Unknown,
         rows: Rows::Ops(rows),
@@ -1114,34 +1308,39 @@ fn every_sort_column_pages_by_keyset_in_both_directions(backend: crate::support:
         "ledger",
         OPS_SORT,
         |r| Key::Text(r.id.clone()),
-        |o, c, n| e.ops_page(OpsView::All, "", o, c, n).unwrap(),
+        |o, c, n| e.ops_page(OpsView::All, &toolgate::store::Filter::default(), o, c, n).unwrap(),
     );
     check_order(
         "unknown",
         OPS_SORT,
         |r| Key::Text(r.id.clone()),
-        |o, c, n| e.ops_page(OpsView::Unknown, "", o, c, n).unwrap(),
+        |o, c, n| e.ops_page(OpsView::Unknown, &toolgate::store::Filter::default(), o, c, n).unwrap(),
     );
     check_order(
         "ledger filtered",
         OPS_SORT,
         |r| Key::Text(r.id.clone()),
-        |o, c, n| e.ops_page(OpsView::All, "acme", o, c, n).unwrap(),
+        |o, c, n| e.ops_page(OpsView::All, &toolgate::store::Filter::word("acme"), o, c, n).unwrap(),
     );
-    check_order("audit", AUDIT_SORT, |r| Key::Int(r.seq), |o, c, n| e.audit_page("", o, c, n).unwrap());
+    check_order(
+        "audit",
+        AUDIT_SORT,
+        |r| Key::Int(r.seq),
+        |o, c, n| e.audit_page(&toolgate::store::Filter::default(), o, c, n).unwrap(),
+    );
     check_order(
         "approvals",
         APPROVALS_SORT,
         |r| Key::Text(r.id.clone()),
-        |o, c, n| e.approvals_page("", o, c, n).unwrap(),
+        |o, c, n| e.approvals_page(&toolgate::store::Filter::default(), o, c, n).unwrap(),
     );
     // The demo has one live row: page through it anyway (nothing lost, nothing twice).
     for column in 0..LIVE_SORT.len() {
         for desc in [false, true] {
             let order = toolgate::store::Order { column, desc };
-            let whole = e.live_page("", order, None, 100).unwrap();
+            let whole = e.live_page(&toolgate::store::Filter::default(), order, None, 100).unwrap();
             let paged = all_pages(
-                |c, n| e.live_page("", order, c, n).unwrap(),
+                |c, n| e.live_page(&toolgate::store::Filter::default(), order, c, n).unwrap(),
                 |r| toolgate::store::cursor_after(LIVE_SORT, order, r, Key::Text(r.operation_id.clone())),
             );
             assert_eq!(paged, whole);
@@ -1203,4 +1402,380 @@ fn below_80x24_the_console_says_what_it_needs_and_recovers() {
     assert!(screen.lines().nth(2).unwrap().contains("filter /tenant:acme state:unknown"), "{screen}");
 }
 
-crate::on_both_backends!(every_sort_column_pages_by_keyset_in_both_directions);
+/// The engine thread's answer to `V` (the same function the backend runs).
+fn marked(d: &mut Demo, req: Option<Request>) -> EngineEvent {
+    let Some(Request::MarkAll { pane, filter, order, limit }) = req else { panic!("{req:?}") };
+    toolgate::tui::backend::mark_all(&mut d.engine, pane, filter, order, limit)
+}
+
+#[test]
+fn v_marks_big_v_marks_every_match_and_esc_clears() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    let Rows::Ops(rows) = app.rows.clone() else { panic!() };
+    // v marks the selected row and moves down; v on a marked row unmarks it.
+    assert_eq!(app.update(key('v')), None);
+    assert_eq!((app.marks.len(), app.selected), (1, 1));
+    assert!(app.is_marked(&rows[0].id));
+    app.update(Action::Up);
+    app.update(key('v'));
+    assert!(app.marks.is_empty());
+    // V asks the engine for every row that matches the filter, not the visible page.
+    app.update(key('v'));
+    let req = app.update(key('V'));
+    assert!(
+        matches!(&req, Some(Request::MarkAll { pane: Pane::Unknown, filter, limit, .. }) if filter.is_empty() && *limit == 1001),
+        "{req:?}"
+    );
+    app.update(Action::Engine(marked(&mut d, req)));
+    assert_eq!(app.marks.len(), 5, "4 unknown and 1 needs_review: {:?}", app.marks);
+    let screen = text(&draw(&app, 80, 24));
+    assert!(screen.contains("[5 marked]"), "{screen}");
+    assert!(screen.contains(&format!("*{}…", &rows[1].id[..14])), "marked ids start with *:\n{screen}");
+    // With a filter, only its rows; the count is on the status line.
+    press(&mut app, KeyCode::Esc);
+    assert!(app.marks.is_empty(), "Esc clears the marks first");
+    assert_eq!(app.status.as_ref().map(|s| s.0.as_str()), Some("5 marks cleared"));
+    app.filter = "needs:review".into();
+    let req = app.update(key('V'));
+    app.update(Action::Engine(marked(&mut d, req)));
+    assert_eq!(app.marks.len(), 1);
+    assert!(app.marks.iter().all(|m| m.state == "needs_review"));
+    // The operator log has nothing to mark.
+    app.update(key('5'));
+    app.update(Action::Engine(page(&mut d, Pane::Audit, 10)));
+    assert_eq!(app.update(key('v')), None);
+    assert!(app.status.as_ref().is_some_and(|s| s.1 && s.0.contains("nothing to mark")));
+    assert_eq!(app.update(key('V')), None);
+}
+
+#[test]
+fn one_bulk_query_on_every_marked_row_after_one_confirm_with_one_audit_entry_each() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    let req = app.update(key('V'));
+    app.update(Action::Engine(marked(&mut d, req)));
+    // An approval marked too: the query skips it, and says why.
+    app.update(key('3'));
+    app.update(Action::Engine(page(&mut d, Pane::Approvals, 10)));
+    app.update(key('v'));
+    assert_eq!(app.marks.len(), 6);
+    app.update(key('4'));
+    app.update(Action::Engine(page(&mut d, Pane::Unknown, app.visible_rows())));
+    assert_eq!(app.update(key('q')), None, "a dialog first");
+    assert_eq!(app.mode, Mode::Confirm);
+    let c = app.confirm.clone().unwrap();
+    assert_eq!(c.title, "Bulk status query: 5 operations");
+    assert!(!c.on_confirm, "Cancel is the default");
+    assert!(c.evidence.iter().any(|e| e.contains("an approval, not an operation")), "{:?}", c.evidence);
+    insta::assert_snapshot!("confirm_bulk_query_80x24", text(&draw(&app, 80, 24)));
+    // Enter on Cancel sends nothing.
+    assert_eq!(press(&mut app, KeyCode::Enter), None);
+    assert_eq!(app.marks.len(), 6);
+    app.update(key('q'));
+    press(&mut app, KeyCode::Tab);
+    let req = press(&mut app, KeyCode::Enter);
+    let Some(Request::Bulk { action, targets }) = req else { panic!("{req:?}") };
+    assert_eq!(action, toolgate::engine::BulkAction::Query);
+    assert_eq!(targets.len(), 5);
+    assert!(targets.iter().all(|t| t.id.starts_with("op_") && t.seen_version.is_some()));
+    assert_eq!(app.bulk.as_ref().map(|b| (b.done, b.total)), Some((0, 5)));
+    // The engine thread runs it: progress after each, then the summary.
+    let before = d.engine.audit_log(10_000).unwrap();
+    let last_seq = before.iter().map(|r| r.seq).max().unwrap_or(0);
+    let events = std::cell::RefCell::new(Vec::new());
+    let done = toolgate::tui::backend::run_bulk(&mut d.engine, "alice", &action, &targets, &|e| {
+        events.borrow_mut().push(e);
+        true
+    });
+    let events = events.into_inner();
+    assert_eq!(events.len(), 5);
+    for e in events {
+        app.update(Action::Engine(e));
+    }
+    assert_eq!(app.bulk.as_ref().map(|b| (b.done, b.total)), Some((5, 5)));
+    insta::assert_snapshot!("bulk_progress_80x24", text(&draw(&app, 80, 24)));
+    let EngineEvent::BulkDone { summary, .. } = &done else { panic!("{done:?}") };
+    assert!(summary.contains("still unknown"), "{summary}");
+    let req = app.update(Action::Engine(done.clone()));
+    assert!(matches!(req, Some(Request::Fetch { .. })), "the pane refreshes: {req:?}");
+    assert!(app.bulk.is_none());
+    let (said, _) = app.status.clone().unwrap();
+    assert!(said.starts_with(&format!("query 5: {summary}")), "{said}");
+    assert_eq!(app.marks.len(), 1, "the skipped approval stays marked");
+    // One audit entry per operation, by this operator, about each target.
+    let log: Vec<_> = d.engine.audit_log(10_000).unwrap().into_iter().filter(|r| r.seq > last_seq).collect();
+    assert_eq!(log.len(), 5);
+    for t in &targets {
+        let n = log.iter().filter(|r| r.action == "query" && r.operation_id.as_deref() == Some(&t.id)).count();
+        let by_alice = log.iter().filter(|r| r.actor == "alice" && r.operation_id.as_deref() == Some(&t.id)).count();
+        assert_eq!((n, by_alice), (1, 1), "{}", t.id);
+    }
+}
+
+#[test]
+fn bulk_deny_resolve_and_cancel_ask_for_one_shared_note_and_skip_what_does_not_apply() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Ledger, 140, 40);
+    let req = app.update(key('V'));
+    app.update(Action::Engine(marked(&mut d, req)));
+    assert_eq!(app.marks.len(), 11);
+    // Cancel: one note form, then the confirm dialog with the skipped rows and why.
+    app.update(key('c'));
+    assert_eq!(app.mode, Mode::Form);
+    type_text(&mut app, "provider outage");
+    press(&mut app, KeyCode::Enter);
+    let c = app.confirm.clone().unwrap();
+    assert_eq!(c.title, "Bulk cancel: 1 operation", "{:?}", c.evidence);
+    assert!(c.evidence.iter().any(|e| e.contains("skips 10 marked")), "{:?}", c.evidence);
+    assert!(c.evidence.iter().any(|e| e.contains("unknown: only accepted or in_flight")), "{:?}", c.evidence);
+    assert!(c.evidence.iter().any(|e| e.contains("note (shared)  provider outage")), "{:?}", c.evidence);
+    press(&mut app, KeyCode::Esc);
+    // Resolve: a decision first; succeeded is refused (each needs its own receipt).
+    app.update(key('r'));
+    assert_eq!(app.mode, Mode::Form);
+    insta::assert_snapshot!("form_bulk_resolve_80x24", text(&draw(&app, 80, 24)));
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Tab);
+    type_text(&mut app, "no effect, per provider");
+    press(&mut app, KeyCode::Enter);
+    let err = app.form.as_ref().and_then(|f| f.error.clone()).unwrap();
+    assert!(err.contains("own receipt id"), "{err}");
+    // The error put the focus back on the decision: → failed.
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Enter);
+    let c = app.confirm.clone().unwrap();
+    assert_eq!(c.title, "Bulk resolve: 5 operations", "{:?}", c.evidence);
+    let Request::Bulk { action, targets } = c.request.clone() else { panic!() };
+    assert_eq!(
+        action,
+        toolgate::engine::BulkAction::Resolve {
+            resolution: Resolution::Failed,
+            note: "no effect, per provider".into()
+        }
+    );
+    // Run it: each resolved with the shared note in its own audit entry; one
+    // changed since it was marked is refused and the rest still run.
+    let stale = &targets[2].id;
+    let op = d.engine.operation_detail(stale).unwrap().unwrap().operation;
+    d.engine.operator_query(stale, "bob").unwrap();
+    assert!(d.engine.operation_detail(stale).unwrap().unwrap().operation.version > op.version);
+    let last_seq = d.engine.audit_log(1).unwrap().first().map_or(0, |r| r.seq);
+    let done = toolgate::tui::backend::run_bulk(&mut d.engine, "alice", &action, &targets, &|_| true);
+    let EngineEvent::BulkDone { summary, ok, .. } = &done else { panic!() };
+    // Failed against a provider that holds a receipt is refused (resolve asks it
+    // first); refusals of one kind count together.
+    assert_eq!(
+        summary,
+        "1 resolved, 3 refused: the provider's evidence contradicts it, 1 refused: changed since it was marked"
+    );
+    assert!(!ok);
+    let log: Vec<_> = d.engine.audit_log(10_000).unwrap().into_iter().filter(|r| r.seq > last_seq).collect();
+    assert_eq!(log.len(), 5);
+    for t in &targets {
+        let e: Vec<_> =
+            log.iter().filter(|r| r.action == "resolve" && r.operation_id.as_deref() == Some(&t.id)).collect();
+        assert_eq!(e.len(), 1, "{}", t.id);
+        assert_eq!(e[0].actor, "alice");
+        if e[0].result == "applied" {
+            assert_eq!(e[0].reason, "no effect, per provider", "the shared note");
+        }
+    }
+    press(&mut app, KeyCode::Esc);
+    assert_eq!(app.mode, Mode::Normal);
+    // Deny every pending approval: the one alice may not decide is skipped, with why.
+    app.marks.clear();
+    app.update(key('3'));
+    app.update(Action::Engine(page(&mut d, Pane::Approvals, 10)));
+    let req = app.update(key('V'));
+    app.update(Action::Engine(marked(&mut d, req)));
+    assert_eq!(app.marks.len(), 2);
+    app.update(key('d'));
+    assert_eq!(app.mode, Mode::Form);
+    type_text(&mut app, "duplicate request");
+    press(&mut app, KeyCode::Enter);
+    let c = app.confirm.clone().unwrap();
+    assert_eq!(c.title, "Bulk deny: 1 approval");
+    assert!(c.evidence.iter().any(|e| e.contains("alice may not approve for globex")), "{:?}", c.evidence);
+    let Request::Bulk { action, targets } = c.request.clone() else { panic!() };
+    let done = toolgate::tui::backend::run_bulk(&mut d.engine, "alice", &action, &targets, &|_| true);
+    assert!(matches!(&done, EngineEvent::BulkDone { summary, ok: true, .. } if summary == "1 denied"), "{done:?}");
+    let entry = d.engine.audit_log(1).unwrap().remove(0);
+    assert_eq!((entry.action.as_str(), entry.reason.as_str()), ("deny", "duplicate request"));
+    press(&mut app, KeyCode::Esc);
+    // Marked rows the action does not apply to at all: said before any dialog.
+    app.marks.retain(|m| m.tenant == "globex");
+    assert_eq!(app.update(key('a')), None);
+    assert_eq!(app.mode, Mode::Normal);
+    let (said, err) = app.status.clone().unwrap();
+    assert!(err && said.contains("none of the 1 marked rows applies (alice may not approve for globex)"), "{said}");
+    // Read-only refuses all of it.
+    app.read_only = true;
+    for a in [Action::AskQuery, Action::AskApprove, Action::AskDeny, Action::AskResolve, Action::AskCancel] {
+        assert_eq!(app.update(a), None);
+        assert_eq!(app.mode, Mode::Normal);
+        assert!(app.status.as_ref().is_some_and(|s| s.1 && s.0.starts_with("read-only")));
+    }
+}
+
+#[test]
+fn a_filter_expression_that_is_not_understood_says_so_and_esc_keeps_the_one_in_force() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    press(&mut app, KeyCode::Char('/'));
+    type_text(&mut app, "state:unknown");
+    let req = press(&mut app, KeyCode::Enter);
+    assert!(matches!(&req, Some(Request::Fetch { filter, .. }) if filter == "state:unknown"), "{req:?}");
+    assert!(app.prefs_dirty);
+    press(&mut app, KeyCode::Char('/'));
+    type_text(&mut app, " colour:red");
+    assert_eq!(press(&mut app, KeyCode::Enter), None);
+    assert_eq!(app.mode, Mode::Filter, "the filter stays open");
+    let (said, err) = app.status.clone().unwrap();
+    assert!(err && said.contains("colour:red: no such field"), "{said}");
+    insta::assert_snapshot!("filter_error_80x24", text(&draw(&app, 80, 24)));
+    press(&mut app, KeyCode::Esc);
+    assert_eq!(app.filter, "state:unknown");
+    // A field the pane has no column for.
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "approvals");
+    press(&mut app, KeyCode::Enter);
+    assert_eq!(app.filter, "", "each pane keeps its own filter");
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "filter state:unknown");
+    assert_eq!(press(&mut app, KeyCode::Enter), None);
+    assert!(app.command.error.as_deref().is_some_and(|e| e.contains("cannot be filtered by state")));
+    press(&mut app, KeyCode::Esc);
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "unknown");
+    let req = press(&mut app, KeyCode::Enter);
+    assert!(matches!(&req, Some(Request::Fetch { filter, .. }) if filter == "state:unknown"), "{req:?}");
+}
+
+#[test]
+fn named_filters_and_each_panes_filter_and_sort_are_kept_and_restored() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "filter save empty");
+    press(&mut app, KeyCode::Enter);
+    assert!(app.saved_filters.is_empty(), "nothing to save yet");
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "filter tool:create_refund age:>1m");
+    press(&mut app, KeyCode::Enter);
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "filter save refunds");
+    press(&mut app, KeyCode::Enter);
+    app.update(key('S'));
+    app.update(key('2'));
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "filter refunds");
+    let req = press(&mut app, KeyCode::Enter);
+    assert!(
+        matches!(&req, Some(Request::Fetch { pane: Pane::Ledger, filter, .. }) if filter == "tool:create_refund age:>1m"),
+        "a saved name recalls its filter: {req:?}"
+    );
+    // Tab completes saved names after `filter `.
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "filter ref");
+    press(&mut app, KeyCode::Tab);
+    assert_eq!(app.command.input, "filter refunds");
+    press(&mut app, KeyCode::Esc);
+    let prefs = app.prefs();
+    // Saved as JSON and read back, then restored into a fresh console.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("toolgate").join("console.json");
+    toolgate::tui::config::save(&path, &prefs).unwrap();
+    let back = toolgate::tui::config::load(&path).unwrap().unwrap();
+    assert_eq!(back, prefs);
+    let mut fresh = App::new("demo", "alice", false, false, NOW);
+    assert!(fresh.restore(&back).is_empty());
+    assert_eq!(fresh.saved_filters.get("refunds").map(String::as_str), Some("tool:create_refund age:>1m"));
+    let Request::Fetch { pane, filter, order, .. } = fresh.fetch() else { panic!() };
+    assert_eq!((pane, filter.as_str(), order.desc), (Pane::Unknown, "tool:create_refund age:>1m", true));
+    assert_eq!(fresh.update(key('2')), Some(fresh.fetch()));
+    assert_eq!(fresh.filter, "tool:create_refund age:>1m");
+    // A saved filter or column that no longer makes sense is left out and said.
+    let mut odd = back.clone();
+    odd.panes.get_mut("unknown").unwrap().sort = Some("colour".into());
+    odd.filters.insert("bad".into(), "colour:red".into());
+    let mut fresh = App::new("demo", "alice", false, false, NOW);
+    let dropped = fresh.restore(&odd);
+    assert_eq!(dropped.len(), 2, "{dropped:?}");
+    assert!(dropped.iter().any(|d| d.contains("no column \"colour\"")), "{dropped:?}");
+}
+
+fn ids(rows: &[toolgate::store::OperationRow]) -> Vec<String> {
+    let mut v: Vec<String> = rows.iter().map(|r| r.id.clone()).collect();
+    v.sort();
+    v
+}
+
+fn filter_expressions_select_the_same_rows_on_both_backends(backend: crate::support::Backend) {
+    use toolgate::tui::app::filter::parse;
+    let mut d = demo_on(backend);
+    let order = toolgate::tui::app::default_order(Pane::Ledger);
+    let all = d.engine.ops_page(OpsView::All, &toolgate::store::Filter::default(), order, None, 1000).unwrap();
+    let since = |o: &toolgate::store::OperationRow| o.state_since.unwrap_or(o.updated_at);
+    type Keep = Box<dyn Fn(&toolgate::store::OperationRow) -> bool>;
+    let cases: Vec<(&str, Keep)> = vec![
+        ("state:outcome_unknown", Box::new(|o| o.state == "unknown")),
+        (
+            "state:unknown,needs_review tenant:acme",
+            Box::new(|o| o.tenant == "acme" && matches!(o.state.as_str(), "unknown" | "needs_review")),
+        ),
+        ("needs:review", Box::new(|o| o.state == "needs_review")),
+        ("tool:create_refund age:>2m", Box::new(move |o| o.tool == "create_refund" && since(o) <= NOW - 120_000)),
+        ("age:<2m", Box::new(move |o| since(o) > NOW - 120_000)),
+        ("needs:query state:unknown", Box::new(|o| o.state == "unknown" && o.last_query_at.is_none())),
+        ("acme", Box::new(|o| o.tenant == "acme")),
+        ("id:op_6", Box::new(|o| o.id.starts_with("op_6"))),
+        ("op_6", Box::new(|o| o.id.starts_with("op_6"))),
+        // Exact on both backends: `_` and `%` are themselves, case counts.
+        ("id:op%", Box::new(|_| false)),
+        ("id:op_6_", Box::new(|o| o.id.starts_with("op_6_"))),
+        ("OP_", Box::new(|_| false)),
+        ("id:OP_", Box::new(|_| false)),
+    ];
+    for (expr, keep) in &cases {
+        let want: Vec<_> = all.iter().filter(|o| keep(o)).cloned().collect();
+        let got = d.engine.ops_page(OpsView::All, &parse(expr).unwrap(), order, None, 1000).unwrap();
+        assert_eq!(ids(&got), ids(&want), "{expr} on {backend:?}");
+    }
+    assert!(cases.len() > 10);
+    assert_eq!(d.engine.ops_page(OpsView::All, &parse("state:unknown").unwrap(), order, None, 1000).unwrap().len(), 4);
+    // The other tables.
+    let live =
+        d.engine.live_page(&parse("tenant:acme").unwrap(), toolgate::tui::app::default_order(Pane::Live), None, 100);
+    assert!(live.unwrap().iter().all(|r| r.tenant == "acme"));
+    let ap = d
+        .engine
+        .approvals_page(&parse("tenant:globex").unwrap(), toolgate::tui::app::default_order(Pane::Approvals), None, 100)
+        .unwrap();
+    assert_eq!(ap.len(), 1);
+    assert!(d
+        .engine
+        .approvals_page(&parse("id:APR_").unwrap(), toolgate::tui::app::default_order(Pane::Approvals), None, 100)
+        .unwrap()
+        .is_empty());
+    let audit_order = toolgate::tui::app::default_order(Pane::Audit);
+    let log = d.engine.audit_page(&toolgate::store::Filter::default(), audit_order, None, 1000).unwrap();
+    let by = d.engine.audit_page(&parse("actor:alice").unwrap(), audit_order, None, 1000).unwrap();
+    assert_eq!(by.len(), log.iter().filter(|r| r.actor == "alice").count());
+    let acme = d.engine.audit_page(&parse("tenant:acme action:resolve").unwrap(), audit_order, None, 1000).unwrap();
+    for r in &acme {
+        assert_eq!(r.action, "resolve");
+        let op = d.engine.operation_detail(r.operation_id.as_deref().unwrap()).unwrap().unwrap().operation;
+        assert_eq!(op.tenant, "acme");
+    }
+    // The header's oldest unknown is the Unknown pane's oldest "since".
+    let unknown = d.engine.ops_page(OpsView::Unknown, &toolgate::store::Filter::default(), order, None, 100).unwrap();
+    let oldest = unknown.iter().map(since).min();
+    assert_eq!(d.engine.header_counts().unwrap().oldest_unknown_at, oldest);
+    assert!(unknown.iter().any(|o| o.state_since != Some(o.updated_at)), "the demo has a row where they differ");
+}
+
+crate::on_both_backends!(
+    every_sort_column_pages_by_keyset_in_both_directions,
+    filter_expressions_select_the_same_rows_on_both_backends
+);

@@ -281,14 +281,33 @@ mod console {
         let limit = app.visible_rows();
         let rows = match pane {
             Pane::Ledger => Rows::Ops(
-                e.ops_page(OpsView::All, "", toolgate::tui::app::default_order(Pane::Ledger), None, limit).unwrap(),
+                e.ops_page(
+                    OpsView::All,
+                    &toolgate::store::Filter::default(),
+                    toolgate::tui::app::default_order(Pane::Ledger),
+                    None,
+                    limit,
+                )
+                .unwrap(),
             ),
-            Pane::Live => {
-                Rows::Live(e.live_page("", toolgate::tui::app::default_order(Pane::Live), None, limit).unwrap())
-            }
+            Pane::Live => Rows::Live(
+                e.live_page(
+                    &toolgate::store::Filter::default(),
+                    toolgate::tui::app::default_order(Pane::Live),
+                    None,
+                    limit,
+                )
+                .unwrap(),
+            ),
             _ => Rows::Ops(
-                e.ops_page(OpsView::Unknown, "", toolgate::tui::app::default_order(Pane::Unknown), None, limit)
-                    .unwrap(),
+                e.ops_page(
+                    OpsView::Unknown,
+                    &toolgate::store::Filter::default(),
+                    toolgate::tui::app::default_order(Pane::Unknown),
+                    None,
+                    limit,
+                )
+                .unwrap(),
             ),
         };
         app.update(Action::Engine(EngineEvent::Page { pane, rows, header: e.header_counts().unwrap() }));

@@ -38,7 +38,13 @@ pub const COMMANDS: &[CommandSpec] = &[
         args: "COLUMN [asc|desc]",
         help: "order this pane by a column (Tab completes its columns; s and S too)",
     },
-    CommandSpec { name: "filter", args: "EXPR", help: "filter the panes (as /; empty clears)" },
+    CommandSpec {
+        name: "filter",
+        args: "EXPR",
+        help: "filter this pane (as /): tenant:T subject:S tool:X state:S1,S2 id:PREFIX age:>5m needs:review|query, bare words match ids; empty clears",
+    },
+    CommandSpec { name: "filter", args: "save NAME", help: "save this pane's filter under a name (kept across restarts)" },
+    CommandSpec { name: "filter", args: "NAME", help: "apply a saved filter" },
     CommandSpec { name: "help", args: "", help: "keys and commands" },
     CommandSpec { name: "q", args: "", help: "quit" },
 ];
@@ -64,8 +70,10 @@ pub enum Command {
         /// `Some(true)` for desc, `Some(false)` for asc.
         desc: Option<bool>,
     },
-    /// Set (or, empty, clear) the filter.
+    /// Set (or, empty, clear) the pane's filter, or recall a saved one by name.
     Filter(String),
+    /// Save the pane's filter under a name.
+    SaveFilter(String),
     /// The help overlay.
     Help,
     /// Leave the console.
@@ -127,7 +135,17 @@ pub fn parse(line: &str) -> Result<Command, String> {
                 [c, ..] => Ok(Command::Sort { column: (*c).to_string(), desc }),
             }
         }
-        "filter" => Ok(Command::Filter(rest.to_string())),
+        "filter" => match rest.split_once(char::is_whitespace).map_or((rest, ""), |(a, b)| (a, b.trim())) {
+            ("save", "") => Err(":filter save needs a name: :filter save NAME".into()),
+            ("save", name) => {
+                if name.len() <= 32 && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+                    Ok(Command::SaveFilter(name.to_string()))
+                } else {
+                    Err(format!("a filter name is up to 32 letters, digits, - or _ (not {:?})", short(name, 40)))
+                }
+            }
+            _ => Ok(Command::Filter(rest.to_string())),
+        },
         _ => {
             let near: Vec<&str> = COMMANDS.iter().map(|c| c.name).filter(|c| c.starts_with(name)).collect();
             let hint = if near.is_empty() { String::new() } else { format!(" (did you mean :{}?)", near.join(", :")) };
@@ -248,18 +266,27 @@ impl CommandBar {
     /// the listed candidates; several matches are completed to what they share
     /// and listed.
     /// `sort_columns` are the current pane's (completed after `sort `).
-    pub fn complete(&mut self, sort_columns: &[&str]) {
+    /// `filter_names` are the saved filters (completed after `filter `).
+    pub fn complete(&mut self, sort_columns: &[&str], filter_names: &[String]) {
         self.error = None;
         let (word, head) = match self.input.rsplit_once(' ') {
             Some((h, w)) => (w.to_string(), format!("{h} ")),
             None => (self.input.clone(), String::new()),
         };
         let pool: Vec<String> = if head.is_empty() {
-            COMMANDS.iter().map(|c| c.name.to_string()).collect()
+            let mut names: Vec<String> = COMMANDS.iter().map(|c| c.name.to_string()).collect();
+            names.dedup();
+            names
         } else if head.trim() == "op" {
             self.candidates.clone()
         } else if head.trim() == "sort" {
             sort_columns.iter().map(|c| (*c).to_string()).collect()
+        } else if head.trim() == "filter" {
+            // Saved names, then the fields an expression can name.
+            let mut pool: Vec<String> = filter_names.to_vec();
+            pool.extend(super::filter::FIELDS.iter().map(|f| format!("{f}:")));
+            pool.push("save".into());
+            pool
         } else {
             Vec::new()
         };
@@ -280,7 +307,7 @@ impl CommandBar {
             many => {
                 let common = common_prefix(many);
                 self.input = format!("{head}{common}");
-                if head.is_empty() || head.trim() == "sort" {
+                if head.is_empty() || head.trim() == "sort" || head.trim() == "filter" {
                     self.candidates = many.to_vec();
                     self.more = false;
                 }
@@ -343,12 +370,38 @@ impl App {
                 self.switch_pane(p)
             }
             Command::Filter(expr) => {
-                self.mode = Mode::Normal;
-                self.filter = expr.chars().filter(|c| !c.is_control()).take(80).collect();
-                self.cursor = None;
-                self.page_stack.clear();
-                self.selected = 0;
-                Some(self.fetch())
+                // A saved name recalls its filter; anything else is an expression.
+                let (text, named) = match self.saved_filters.get(expr.trim()) {
+                    Some(saved) => (saved.clone(), Some(expr.trim().to_string())),
+                    None => (expr.clone(), None),
+                };
+                match self.apply_filter(&text) {
+                    Ok(()) => {
+                        if let Some(name) = named {
+                            self.say(format!("filter {name}: {}", short(&text, 60)), false);
+                        }
+                        Some(self.fetch())
+                    }
+                    Err(e) => {
+                        self.command.input = format!("filter {expr}");
+                        self.command.error = Some(e);
+                        self.mode = Mode::Command;
+                        None
+                    }
+                }
+            }
+            Command::SaveFilter(name) => {
+                if self.filter.is_empty() {
+                    self.say("this pane has no filter to save: set one with / or :filter EXPR first", true);
+                } else {
+                    self.saved_filters.insert(name.clone(), self.filter.clone());
+                    self.prefs_dirty = true;
+                    self.say(
+                        format!("saved filter {name}: {} (recall with :filter {name})", short(&self.filter, 60)),
+                        false,
+                    );
+                }
+                None
             }
             Command::Sort { column, desc } => match self.sort_by(&column, desc) {
                 Ok(r) => Some(r),
@@ -440,6 +493,10 @@ mod tests {
         check("sort tool up", &Err("asc or desc"));
         check("sort a b c", &Err("a column and asc or desc"));
         check("filter", &Ok(Command::Filter(String::new())));
+        check("filter save stuck", &Ok(Command::SaveFilter("stuck".into())));
+        check("filter save", &Err("needs a name"));
+        check("filter save a/b", &Err("a filter name is up to 32"));
+        check("filter saved:x", &Ok(Command::Filter("saved:x".into())));
         check("q", &Ok(Command::Quit));
         check("help", &Ok(Command::Help));
         check("", &Err("type a command"));
@@ -466,31 +523,31 @@ mod tests {
     #[test]
     fn tab_completes_names_and_lists_what_several_share() {
         let mut b = bar("li");
-        b.complete(&[]);
+        b.complete(&[], &[]);
         assert_eq!(b.input, "live");
         let mut b = bar("a");
-        b.complete(&[]);
+        b.complete(&[], &[]);
         assert_eq!((b.input.as_str(), b.candidates.clone()), ("a", vec!["approvals".to_string(), "audit".into()]));
         let mut b = bar("o");
-        b.complete(&[]);
+        b.complete(&[], &[]);
         assert_eq!(b.input, "op ", "a command with arguments gets its space");
         let mut b = bar("zz");
-        b.complete(&[]);
+        b.complete(&[], &[]);
         assert!(b.error.as_deref().is_some_and(|e| e.contains("nothing to complete")));
         // An ambiguous :op listed its matches: Tab completes among them.
         let mut b = bar("op op_6");
         b.candidates = vec!["op_64a".into(), "op_64b".into()];
-        b.complete(&[]);
+        b.complete(&[], &[]);
         assert_eq!(b.input, "op op_64");
         b.push('b');
-        b.complete(&[]);
+        b.complete(&[], &[]);
         assert_eq!(b.input, "op op_64b");
         // After `sort `, the pane's columns.
         let mut b = bar("sort s");
-        b.complete(&["since", "state", "tool"]);
+        b.complete(&["since", "state", "tool"], &[]);
         assert_eq!((b.input.as_str(), b.candidates.len()), ("sort s", 2));
         b.push('i');
-        b.complete(&["since", "state", "tool"]);
+        b.complete(&["since", "state", "tool"], &[]);
         assert_eq!(b.input, "sort since");
     }
 

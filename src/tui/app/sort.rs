@@ -56,6 +56,7 @@ impl App {
 
     fn resort(&mut self, order: Order) -> Request {
         self.sorts.insert(self.pane, order);
+        self.prefs_dirty = true;
         self.cursor = None;
         self.page_stack.clear();
         self.selected = 0;

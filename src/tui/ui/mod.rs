@@ -234,7 +234,7 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             ("r", "resolve", true),
             ("y", "copy id", false),
         ],
-        (Mode::Filter, _) => &[("Enter", "apply", false), ("Esc", "done", false)],
+        (Mode::Filter, _) => &[("Enter", "apply", false), ("Esc", "cancel", false)],
         (Mode::Lab, _) => &[
             ("j/k", "choose", false),
             ("Enter", "switch off", true),
@@ -266,10 +266,26 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     spans.push(Span::raw("help "));
     spans.push(Span::styled(" Q ", t.accent()));
     spans.push(Span::raw("quit"));
-    let status = match &app.status {
-        Some((s, true)) => Line::from(Span::styled(s.clone(), t.bad())),
-        Some((s, false)) => Line::from(Span::styled(s.clone(), t.ok())),
-        None => Line::from(""),
-    };
-    frame.render_widget(Paragraph::new(vec![status, Line::from(spans)]), area);
+    let [status_area, hints_area] = Layout::vertical([Constraint::Length(1), Constraint::Length(1)]).areas(area);
+    frame.render_widget(Paragraph::new(Line::from(spans)), hints_area);
+    // A running bulk action: its gauge takes the status line.
+    if let Some(b) = &app.bulk {
+        let ratio = if b.total == 0 { 1.0 } else { b.done as f64 / b.total as f64 };
+        let gauge = ratatui::widgets::LineGauge::default()
+            .filled_style(t.accent())
+            .label(format!("bulk {} {}/{} ", b.verb, b.done, b.total))
+            .ratio(ratio.clamp(0.0, 1.0));
+        frame.render_widget(gauge, status_area);
+        return;
+    }
+    let mut line = Vec::new();
+    if !app.marks.is_empty() {
+        line.push(Span::styled(format!("[{} marked] ", app.marks.len()), t.warn().add_modifier(Modifier::BOLD)));
+    }
+    match &app.status {
+        Some((s, true)) => line.push(Span::styled(s.clone(), t.bad())),
+        Some((s, false)) => line.push(Span::styled(s.clone(), t.ok())),
+        None => {}
+    }
+    frame.render_widget(Paragraph::new(Line::from(line)), status_area);
 }

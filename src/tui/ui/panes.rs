@@ -96,6 +96,15 @@ fn table<'a>(
     (table, state)
 }
 
+/// An id cell (16 columns): a marked row's id starts with `*`.
+fn id_cell<'a>(app: &App, id: &str, t: Theme) -> Cell<'a> {
+    if app.marks.is_empty() || !app.is_marked(id) {
+        Cell::from(short(id, 16))
+    } else {
+        Cell::from(Span::styled(format!("*{}", short(id, 15)), t.warn().add_modifier(ratatui::style::Modifier::BOLD)))
+    }
+}
+
 /// The note over an empty table; with a filter set, it says the filter hides the rows.
 fn empty_note(app: &App, frame: &mut Frame, area: Rect, text: &str, t: Theme) {
     let filtered;
@@ -130,7 +139,7 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 "-".into()
             };
             vec![
-                Cell::from(short(&r.operation_id, 16)),
+                id_cell(app, &r.operation_id, t),
                 Cell::from(short(&r.tool, 15)),
                 Cell::from(Span::styled(short(&r.state, 12), t.state(&r.state))),
                 Cell::from(format!("{}/{}", r.attempt, r.max_attempts)),
@@ -177,8 +186,8 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         rows.iter()
             .map(|o| {
                 vec![
-                    Cell::from(short(&o.id, 16)),
-                    Cell::from(format!("{}/{}", short(&o.tenant, 8), short(&o.subject, 10))),
+                    id_cell(app, &o.id, t),
+                    Cell::from(format!("{}/{}", short(&o.tenant, 8), short(&o.subject, 11))),
                     Cell::from(short(&o.tool, 15)),
                     Cell::from(crate::display::digest(&o.key_sha256, 8)),
                     Cell::from(crate::display::digest(&o.request_sha256, 8)),
@@ -199,7 +208,8 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         body,
         vec![
             Constraint::Length(16),
-            Constraint::Length(19),
+            // The header "scope tenant/subject" whole (20).
+            Constraint::Length(20),
             Constraint::Length(15),
             Constraint::Length(8),
             Constraint::Length(8),
@@ -229,7 +239,7 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             let exp_style = if left < 60_000 { t.bad() } else { Style::default() };
             let exp = if left <= 0 { "expired".to_string() } else { human_ms(left) };
             vec![
-                Cell::from(short(&a.id, 16)),
+                id_cell(app, &a.id, t),
                 Cell::from(short(&a.tool, 15)),
                 Cell::from(short(&a.tenant, 8)),
                 Cell::from(short(&a.subject, 12)),
@@ -288,7 +298,7 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 _ => "never queried".into(),
             };
             vec![
-                Cell::from(short(&o.id, 16)),
+                id_cell(app, &o.id, t),
                 Cell::from(short(&o.tool, 15)),
                 Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state.as_str()))),
                 // Since it entered this state: a query that changes nothing does not reset it.

@@ -8,7 +8,7 @@ use ratatui::widgets::{Block, Borders, Clear, Paragraph, Wrap};
 use ratatui::Frame;
 
 use super::Theme;
-use crate::tui::app::{App, FormKind, Mode, COMMANDS};
+use crate::tui::app::{App, BulkKey, FormKind, Mode, COMMANDS};
 use crate::tui::keymap;
 
 fn centered(area: Rect, w: u16, h: u16) -> Rect {
@@ -117,7 +117,18 @@ pub fn confirm(app: &App, frame: &mut Frame, t: Theme) {
     );
 }
 
-/// The resolve / deny / cancel form.
+/// The resolution choices, the chosen one highlighted.
+fn choice_line(choice: Option<usize>, label: ratatui::style::Style, t: Theme) -> Line<'static> {
+    let mut spans = vec![Span::styled(" resolve as  ", label)];
+    for (i, c) in ["succeeded", "failed", "compensated"].iter().enumerate() {
+        let s = if Some(i) == choice { t.accent().add_modifier(Modifier::REVERSED) } else { t.dim() };
+        spans.push(Span::styled(format!(" {c} "), s));
+        spans.push(Span::raw(" "));
+    }
+    Line::from(spans)
+}
+
+/// The resolve / deny / cancel form (one row, or the marked rows).
 pub fn form(app: &App, frame: &mut Frame, t: Theme) {
     let Some(f) = &app.form else { return };
     let focus = |i: usize| if f.field == i && app.mode == Mode::Form { t.accent() } else { t.dim() };
@@ -132,6 +143,31 @@ pub fn form(app: &App, frame: &mut Frame, t: Theme) {
         FormKind::Cancel { operation_id, state, .. } => {
             lines.push(Line::from(format!(" cancel {operation_id} ({state})")));
             " Cancel operation ".to_string()
+        }
+        FormKind::Bulk { plan } => {
+            let n = plan.targets.len();
+            lines.push(Line::from(format!(
+                " {n} marked row{} ({} skipped); the note goes into each one's audit entry",
+                if n == 1 { "" } else { "s" },
+                plan.skipped.len()
+            )));
+            if plan.key == BulkKey::Resolve {
+                lines.push(choice_line(f.choice, focus(0), t));
+                let needs = match f.choice {
+                    None => "no decision yet: ←/→ to choose (nothing is pre-selected)",
+                    Some(0) => "succeeded needs each operation's own receipt id: resolve those one at a time",
+                    Some(1) => "failed: no effect happened, for every one; needs a note",
+                    _ => "compensated: each effect was undone elsewhere; needs a note",
+                };
+                lines.push(Line::from(Span::styled(format!(" {needs}"), t.dim())));
+            }
+            let verb = match plan.key {
+                BulkKey::Deny => "Deny",
+                BulkKey::Resolve => "Resolve",
+                BulkKey::Cancel => "Cancel",
+                BulkKey::Query | BulkKey::Approve => "Act on",
+            };
+            format!(" {verb} {n} marked ")
         }
         FormKind::Resolve { operation_id, seen_version, last_query } => {
             lines.push(Line::from(format!(" {operation_id} (version {seen_version})")));
