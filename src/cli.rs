@@ -1249,7 +1249,12 @@ fn select_rows(
             let page = engine.approvals_page(f, order, cursor.as_ref(), 500)?;
             cursor = page.last().map(|a| cursor_after(APPROVALS_SORT, order, a, Key::Text(a.id.clone())));
             out.extend(page.iter().map(|a| {
-                (BulkTarget { id: a.id.clone(), seen_version: None }, a.state.clone(), a.tool.clone(), a.tenant.clone())
+                (
+                    BulkTarget { id: a.id.clone(), seen_version: None },
+                    a.state.to_string(),
+                    a.tool.clone(),
+                    a.tenant.clone(),
+                )
             }));
             page.len()
         } else {
@@ -1258,7 +1263,7 @@ fn select_rows(
             out.extend(page.iter().map(|o| {
                 (
                     BulkTarget { id: o.id.clone(), seen_version: Some(o.version) },
-                    o.state.clone(),
+                    o.state.to_string(),
                     o.tool.clone(),
                     o.tenant.clone(),
                 )

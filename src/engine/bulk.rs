@@ -5,6 +5,7 @@
 //! One refusal or failure never stops the rest; the report counts what
 //! happened ("37 settled, 2 still unknown, 1 refused: lease held").
 
+use crate::store::OpState;
 use serde::Serialize;
 
 use super::envelope::{Code, Envelope, Status};
@@ -194,12 +195,13 @@ impl Engine {
         let r: Result<BulkItem, EngineError> = match action {
             BulkAction::Query => self.operator_query(id, operator).and_then(|env| {
                 let (code, why) = reason_of(&env);
-                let state = self.read(|tx| tx.operation(id))?.map(|o| o.state).unwrap_or_default();
-                let msg = if why.is_empty() { state.clone() } else { format!("{state}: {why}") };
-                Ok(match state.as_str() {
-                    "succeeded" | "failed" | "resolved" => item(id, "settled".into(), true, &code, msg),
-                    "needs_review" => item(id, "needs review".into(), true, &code, msg),
-                    "unknown" if env.model_result.status == Status::Unknown => {
+                let state = self.read(|tx| tx.operation(id))?.map(|o| o.state);
+                let shown = state.map(|s| s.to_string()).unwrap_or_default();
+                let msg = if why.is_empty() { shown } else { format!("{shown}: {why}") };
+                Ok(match state {
+                    Some(s) if s.is_terminal() => item(id, "settled".into(), true, &code, msg),
+                    Some(OpState::NeedsReview) => item(id, "needs review".into(), true, &code, msg),
+                    Some(OpState::Unknown) if env.model_result.status == Status::Unknown => {
                         item(id, "still unknown".into(), false, &code, msg)
                     }
                     _ => item(id, refused(&code, &why), false, &code, msg),

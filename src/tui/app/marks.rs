@@ -52,7 +52,7 @@ impl Mark {
         Self {
             id: o.id.clone(),
             kind: MarkKind::Operation,
-            state: o.state.clone(),
+            state: o.state.to_string(),
             version: Some(o.version),
             tool: o.tool.clone(),
             tenant: o.tenant.clone(),
@@ -80,7 +80,7 @@ impl Mark {
         Self {
             id: a.id.clone(),
             kind: MarkKind::Approval,
-            state: a.state.clone(),
+            state: a.state.to_string(),
             version: None,
             tool: a.tool.clone(),
             tenant: a.tenant.clone(),
