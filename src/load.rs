@@ -44,7 +44,7 @@ use crate::engine::clock::{Clock, SystemClock};
 use crate::engine::envelope::{Code, Envelope, Status};
 use crate::engine::tool::Toolset;
 use crate::engine::{DispatchRequest, Engine, EngineError, EngineOptions, LabToggle, QueryRequest};
-use crate::store::{Store, StoreError, Sync};
+use crate::store::{ProviderStore, StoreError, Sync};
 
 /// How to run the agents.
 #[derive(Clone)]
@@ -743,7 +743,7 @@ fn effect_counts(referee: &mut Engine, provider_db: Option<&Path>) -> Result<(i6
             let c = referee.counts()?;
             Ok((c.downstream_effects, c.side_effect_duplicates))
         }
-        Some(p) => Ok(Store::open_read_only(p)?
+        Some(p) => Ok(ProviderStore::open_read_only(p)?
             .read(|tx| -> Result<_, StoreError> { Ok((tx.count_effects()?, tx.side_effect_duplicates()?)) })?),
     }
 }
@@ -758,7 +758,7 @@ fn effects_for_intent(
         None => e.effects_for_intent(tenant, subject, tool, key),
         Some(p) => {
             let intent = crate::engine::operation::intent_of(tenant, subject, tool, key);
-            Ok(Store::open_read_only(p)?.read(|tx| tx.count_effects_for_intent(&intent))?)
+            Ok(ProviderStore::open_read_only(p)?.read(|tx| tx.count_effects_for_intent(&intent))?)
         }
     }
 }

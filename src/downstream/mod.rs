@@ -13,13 +13,14 @@ use serde_json::Value;
 
 pub use crate::engine::faults::{Fault, FaultParseError, FaultPlan};
 pub use crate::engine::tool::{
-    Downstream, DownstreamContext, DownstreamError, DownstreamFactory, DownstreamRequest, Lookup, Receipt, Reply,
+    Downstream, DownstreamContext, DownstreamError, DownstreamFactory, DownstreamRequest, EffectCounts, Lookup,
+    Receipt, Reply,
 };
 
 use crate::engine::canonical::{canonical_string, sha256_hex};
 use crate::engine::clock::Clock;
 use crate::engine::contracts::{DownstreamRef, Effect};
-use crate::store::{EffectRow, OpenOptions, Store, StoreError};
+use crate::store::{EffectRow, OpenOptions, ProviderStore, StoreError};
 
 /// Which simulated provider: payments honours keys, notifications does not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,9 +86,9 @@ impl DownstreamFactory for SimulatedAdapter {
             reason: "not a simulated provider".into(),
         })?;
         let store = if ctx.read_only {
-            Store::open_read_only(ctx.ledger_path)?
+            ProviderStore::open_read_only(ctx.ledger_path)?
         } else {
-            Store::open(ctx.ledger_path, OpenOptions { create: false, sync: ctx.sync })?
+            ProviderStore::open(ctx.ledger_path, OpenOptions { create: false, sync: ctx.sync })?
         };
         Ok(Box::new(Simulated {
             kind,
@@ -102,7 +103,7 @@ impl DownstreamFactory for SimulatedAdapter {
 /// A simulated provider, durable in its own tables, with a fault plan.
 pub struct Simulated {
     kind: SimKind,
-    store: Store,
+    store: ProviderStore,
     clock: std::sync::Arc<dyn Clock>,
     faults: std::sync::Arc<Mutex<FaultPlan>>,
     ids: crate::engine::ids::Ids,
@@ -124,7 +125,7 @@ impl Simulated {
         sync: crate::store::Sync,
         ids: crate::engine::ids::Ids,
     ) -> Result<Self, DownstreamError> {
-        let store = Store::open(path, OpenOptions { create: false, sync })?;
+        let store = ProviderStore::open(path, OpenOptions { create: false, sync })?;
         Ok(Self { kind, store, clock, faults, ids })
     }
 
@@ -305,5 +306,16 @@ impl Downstream for Simulated {
             Some(e) if e.visible_at <= now => Lookup::Found(receipt_of(&e)),
             _ => Lookup::NotFound,
         })
+    }
+
+    fn effect_counts(&mut self) -> Result<Option<EffectCounts>, DownstreamError> {
+        let (effects, duplicates) = self
+            .store
+            .read(|tx| -> Result<_, StoreError> { Ok((tx.count_effects()?, tx.side_effect_duplicates()?)) })?;
+        Ok(Some(EffectCounts { effects, duplicates }))
+    }
+
+    fn effects_for_intent(&mut self, intent: &str) -> Result<Option<i64>, DownstreamError> {
+        Ok(Some(self.store.read(|tx| tx.count_effects_for_intent(intent))?))
     }
 }

@@ -259,7 +259,12 @@ impl Engine {
         key: &str,
     ) -> Result<i64, EngineError> {
         let intent = super::operation::intent_of(tenant, subject, tool, key);
-        Ok(self.store.read(|tx| tx.count_effects_for_intent(&intent))?)
+        for d in self.downstreams.values_mut() {
+            if let Some(n) = d.effects_for_intent(&intent)? {
+                return Ok(n);
+            }
+        }
+        Ok(0)
     }
 
     /// Switches one defense off (or, with `None`, every defense back on), on a

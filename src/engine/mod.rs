@@ -386,15 +386,29 @@ impl Engine {
 
     /// Counts of operations, outbox rows, effects and duplicates.
     pub fn counts(&mut self) -> Result<Counts, EngineError> {
+        let referee = self.effect_counts()?;
         Ok(self.store.read(|tx| -> Result<_, StoreError> {
             Ok(Counts {
                 operations: tx.count_operations_by_state()?.into_iter().collect(),
                 outbox: tx.count_outbox_by_state()?.into_iter().collect(),
-                downstream_effects: tx.count_effects()?,
-                side_effect_duplicates: tx.side_effect_duplicates()?,
+                downstream_effects: referee.effects,
+                side_effect_duplicates: referee.duplicates,
                 pending_approvals: tx.pending_approvals(i64::MAX)?.len() as i64,
             })
         })?)
+    }
+
+    /// The effects the providers committed, as the first downstream that can
+    /// count them says (the simulated providers keep one set of counters for
+    /// both of them); zero when none can (a real API's adapter cannot: count
+    /// at the provider, as `toolgate load --provider-db` does).
+    pub fn effect_counts(&mut self) -> Result<tool::EffectCounts, EngineError> {
+        for d in self.downstreams.values_mut() {
+            if let Some(c) = d.effect_counts()? {
+                return Ok(c);
+            }
+        }
+        Ok(tool::EffectCounts::default())
     }
 
     /// Grants a tool to a subject.

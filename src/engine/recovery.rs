@@ -830,6 +830,8 @@ impl Engine {
     pub fn audit(&mut self) -> Result<Vec<AuditFinding>, EngineError> {
         let toolset = self.toolset.clone();
         let refs = self.refs.clone();
+        // Counted by the providers, never read from their storage here.
+        let dups = self.effect_counts()?.duplicates;
         let mut settled = Vec::new();
         let mut out = self.store.read(|tx| -> Result<Vec<AuditFinding>, StoreError> {
             let mut out = Vec::new();
@@ -884,7 +886,6 @@ impl Engine {
                 find("trace", &format!("trace_events {from}..{to}"), "events missing (the trace is never pruned)");
             }
             check_audit_chain(tx, &mut find)?;
-            let dups = tx.side_effect_duplicates()?;
             if dups > 0 {
                 find("side_effect_duplicates", "downstream", &format!("{dups} intent(s) with more than one effect"));
             }

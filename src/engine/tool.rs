@@ -206,12 +206,32 @@ pub enum DownstreamError {
     },
 }
 
+/// What a provider that can count its own effects tells a referee.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EffectCounts {
+    /// Committed effects.
+    pub effects: i64,
+    /// Business intents with more than one committed effect (must be 0).
+    pub duplicates: i64,
+}
+
 /// The adapter every downstream implements.
 pub trait Downstream: Send {
     /// Executes a request under a downstream key.
     fn execute(&mut self, downstream_key: &str, req: &DownstreamRequest) -> Result<Reply, DownstreamError>;
     /// Looks up what happened under a downstream key.
     fn lookup(&mut self, downstream_key: &str) -> Result<Lookup, DownstreamError>;
+    /// The effects this provider committed, for a referee (the console's
+    /// duplicate counter, the lab, `counts`): only a provider that can count
+    /// them from its own records answers (the simulated ones). The engine never
+    /// reads a provider's storage itself.
+    fn effect_counts(&mut self) -> Result<Option<EffectCounts>, DownstreamError> {
+        Ok(None)
+    }
+    /// Effects this provider committed for one business intent (the lab's referee).
+    fn effects_for_intent(&mut self, _intent: &str) -> Result<Option<i64>, DownstreamError> {
+        Ok(None)
+    }
 }
 
 /// What an adapter may use when an engine opens it.

@@ -84,6 +84,7 @@ impl Engine {
     /// Header counts.
     pub fn header_counts(&mut self) -> Result<HeaderCounts, EngineError> {
         let now = self.clock.now_ms();
+        let duplicates = self.effect_counts()?.duplicates;
         Ok(self.store.read(|tx| -> Result<HeaderCounts, StoreError> {
             let mut approvers: std::collections::BTreeMap<String, Vec<String>> = std::collections::BTreeMap::new();
             for (tenant, approver) in tx.approver_lists()? {
@@ -92,7 +93,7 @@ impl Engine {
             Ok(HeaderCounts {
                 by_state: tx.count_operations_by_state()?,
                 pending_approvals: tx.count_pending_approvals(now)?,
-                side_effect_duplicates: tx.side_effect_duplicates()?,
+                side_effect_duplicates: duplicates,
                 oldest_unknown_at: tx.oldest_unknown_at()?,
                 approvers,
             })

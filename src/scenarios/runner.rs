@@ -19,7 +19,7 @@ use crate::engine::clock::{rfc3339, Clock};
 use crate::engine::contracts::Contracts;
 use crate::engine::envelope::{Code, Delivery, Envelope, Outcome, Recovery, Status};
 use crate::engine::{DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest, ReapReport, ResolveRequest};
-use crate::store::{OpenOptions, OperationRow, Store, StoreError, Sync};
+use crate::store::{OpenOptions, OperationRow, ProviderStore, Store, StoreError, Sync};
 
 /// How long a background call or a crashing child may take before the step fails.
 const WAIT_LIMIT: Duration = Duration::from_secs(30);
@@ -258,7 +258,9 @@ pub struct ScenarioRun {
     toolset: Arc<crate::engine::tool::Toolset>,
     http: Option<HttpProviders>,
     /// The served provider's database, read-only, when the tools go over HTTP.
-    effects_observer: Option<Store>,
+    /// The providers' storage (theirs, never the ledger's): beside the ledger,
+    /// or the served provider's database when the tools go over HTTP.
+    effects: ProviderStore,
     path: PathBuf,
     kept: Option<PathBuf>,
     engine: Option<Engine>,
@@ -323,9 +325,9 @@ impl ScenarioRun {
             Engine::create(&path, engine_options(&clock, &contracts, &toolset, "scenario-w1", seed(script.id, 1)))?;
         engine.load_world(&script.world)?;
         let observer = Store::open(&path, OpenOptions { create: false, sync: Sync::Normal })?;
-        let effects_observer = match &opts.http {
-            Some(h) => Some(Store::open_read_only(&h.provider_db)?),
-            None => None,
+        let effects = match &opts.http {
+            Some(h) => ProviderStore::open_read_only(&h.provider_db)?,
+            None => ProviderStore::open_read_only(&path)?,
         };
         Ok(Self {
             script: script.clone(),
@@ -334,7 +336,7 @@ impl ScenarioRun {
             contracts,
             toolset,
             http: opts.http,
-            effects_observer,
+            effects,
             path,
             kept,
             engine: Some(engine),
@@ -449,8 +451,7 @@ impl ScenarioRun {
 
     /// (effects, duplicates) in the whole database.
     fn counts(&mut self) -> Result<(i64, i64), StoreError> {
-        let at = self.effects_observer.as_mut().unwrap_or(&mut self.observer);
-        at.read(|tx| Ok::<_, StoreError>((tx.count_effects()?, tx.side_effect_duplicates()?)))
+        self.effects.read(|tx| Ok::<_, StoreError>((tx.count_effects()?, tx.side_effect_duplicates()?)))
     }
 
     fn op_of(&mut self, scope: Option<&Scope>) -> Result<Option<OperationRow>, StoreError> {
@@ -854,8 +855,7 @@ impl ScenarioRun {
             .get(&op.tool)
             .map(|c| c.downstream.as_str())
             .ok_or_else(|| StepError::new("evidence", "the operation's tool is not in the catalog"))?;
-        let at = self.effects_observer.as_mut().unwrap_or(&mut self.observer);
-        let effect = at.read(|tx| tx.provider_effect_by_key(provider, &op.downstream_key))?;
+        let effect = self.effects.read(|tx| tx.provider_effect_by_key(provider, &op.downstream_key))?;
         effect
             .map(|e| e.receipt_id)
             .ok_or_else(|| StepError::new("evidence", format!("the provider has no record for step {k}'s operation")))

@@ -9,6 +9,7 @@
 
 pub mod bench;
 mod pg;
+mod provider;
 mod resilience;
 mod rows;
 pub(crate) mod sql;
@@ -23,6 +24,7 @@ use std::time::{Duration, Instant};
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 
 pub use pg::ScratchDatabase;
+pub use provider::{ProviderStore, ProviderTx};
 pub use resilience::{CircuitRow, RetryBudgetRow, MILLI_TOKEN};
 pub use rows::*;
 pub use sql::Backend;
@@ -1529,56 +1531,6 @@ impl Tx<'_> {
         let mut st = self.conn.prepare(&format!("SELECT {APPROVAL_COLS} FROM approvals ORDER BY created_at, id"))?;
         let rows = st.query_map((), ApprovalRow::from_row)?;
         rows.collect::<Result<_, _>>()
-    }
-
-    // ------------------------------------------------------------- provider
-
-    /// The effect a provider committed under a downstream key (the first one).
-    pub fn provider_effect_by_key(&self, provider: &str, downstream_key: &str) -> R<Option<EffectRow>> {
-        self
-            .conn
-            .prepare_cached(&format!(
-                "SELECT {EFFECT_COLS} FROM provider_effects WHERE provider = ?1 AND downstream_key = ?2 ORDER BY seq LIMIT 1"
-            ))?
-            .query_opt([provider, downstream_key], EffectRow::from_row)
-    }
-
-    /// Commits a provider effect.
-    pub fn insert_provider_effect(&self, e: &EffectRow) -> R<()> {
-        self.conn
-            .prepare_cached(
-                "INSERT INTO provider_effects (provider, downstream_key, intent, body_sha256, request_id, receipt_id, result_json, committed_at, visible_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-            )?
-            .execute(params![
-                e.provider,
-                e.downstream_key,
-                e.intent,
-                e.body_sha256,
-                e.request_id,
-                e.receipt_id,
-                e.result_json,
-                e.committed_at,
-                e.visible_at
-            ])?;
-        Ok(())
-    }
-
-    /// Total committed provider effects.
-    pub fn count_effects(&self) -> R<i64> {
-        self.conn.prepare_cached("SELECT effects FROM effect_totals WHERE id = 1")?.query_row((), |r| r.get(0))
-    }
-
-    /// Effects committed for one business intent.
-    pub fn count_effects_for_intent(&self, intent: &str) -> R<i64> {
-        self.conn
-            .prepare_cached("SELECT count(*) FROM provider_effects WHERE intent = ?1")?
-            .query_row([intent], |r| r.get(0))
-    }
-
-    /// Intents with more than one committed effect (must be 0 outside lab mode).
-    pub fn side_effect_duplicates(&self) -> R<i64> {
-        self.conn.prepare_cached("SELECT duplicates FROM effect_totals WHERE id = 1")?.query_row((), |r| r.get(0))
     }
 }
 

@@ -523,6 +523,7 @@ pub fn snapshot(engine: &mut Engine, window: Window, slice: &Slice) -> Result<Me
         engine.contracts().all().iter().map(|c| (c.name.clone(), c.risk.clone())).collect();
     let end_minute = now.div_euclid(60_000) + 1;
     let start_minute = end_minute - window.span_minutes;
+    let referee = engine.effect_counts()?;
     let raw = engine.read(|tx| -> Result<Raw, StoreError> {
         Ok(Raw {
             totals: tx.metric_totals()?,
@@ -531,8 +532,8 @@ pub fn snapshot(engine: &mut Engine, window: Window, slice: &Slice) -> Result<Me
             latency_minutes: tx.latency_minutes(start_minute, end_minute)?,
             open: tx.open_operations()?,
             approvals: tx.approval_states(now)?,
-            effects: tx.count_effects()?,
-            duplicates: tx.side_effect_duplicates()?,
+            effects: referee.effects,
+            duplicates: referee.duplicates,
             budgets: tx.retry_budgets()?,
             circuits: tx.circuits()?,
         })
