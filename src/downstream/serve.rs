@@ -39,7 +39,7 @@ use super::{Downstream, DownstreamRequest, Fault, FaultPlan, Lookup, Receipt, Si
 use crate::engine::canonical::{canonical_string, parse_strict, sha256_hex};
 use crate::engine::clock::SystemClock;
 use crate::engine::ids::Ids;
-use crate::store::{OpenOptions, Store, Sync};
+use crate::store::{OpenOptions, ProviderStore, Sync};
 
 /// Largest request body accepted.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -119,7 +119,7 @@ pub fn serve(db: &Path, opts: ServeOptions, ready: impl FnOnce(SocketAddr)) -> R
     if !opts.public && !opts.listen.ip().is_loopback() {
         return Err(ServeError::NotLoopback(opts.listen));
     }
-    drop(Store::open(db, OpenOptions { create: true, sync: Sync::Full })?);
+    drop(ProviderStore::open(db, OpenOptions { create: true, sync: Sync::Full })?);
     let open = |kind| {
         // Faults come per request from the server's plan or header: the
         // providers' own plans stay empty.

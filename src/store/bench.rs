@@ -73,6 +73,8 @@ impl BareLedger {
     /// connections with the engine's pragmas and durability.
     pub fn create(path: &Path, sync: Sync, payload: BarePayload) -> Result<Self, StoreError> {
         let mut ledger = Store::open(path, OpenOptions { create: true, sync })?;
+        // The providers' tables (theirs, not the ledger's), then no trigger at all.
+        drop(super::ProviderStore::open(path, OpenOptions { create: false, sync })?);
         let drops: Vec<String> = {
             let sql = match ledger.backend() {
                 super::Backend::Sqlite => {

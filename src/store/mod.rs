@@ -341,6 +341,50 @@ impl Store {
         })
     }
 
+    /// Opens a database without touching the ledger's schema: neither its
+    /// migrations nor its version check (the simulated providers' own store,
+    /// which may live in a file of its own, has migrations of its own).
+    pub(crate) fn open_unmigrated(path: &Path, opts: OpenOptions, read_only: bool) -> Result<Self, StoreError> {
+        if let Location::Postgres(url) = Location::of(path) {
+            let conn = Conn::Pg(pg::connect(url, opts.sync, read_only)?);
+            return Ok(Self { conn, sync: opts.sync, relaxed: false, writer: writer_lock(path), read_only });
+        }
+        if !opts.create && !path.exists() {
+            return Err(StoreError::Missing);
+        }
+        if let Ok(meta) = std::fs::metadata(path) {
+            if meta.len() > 0 && meta.len() < 512 {
+                return Err(StoreError::NotToolgate);
+            }
+        }
+        let mut flags = if read_only { OpenFlags::SQLITE_OPEN_READ_ONLY } else { OpenFlags::SQLITE_OPEN_READ_WRITE }
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX
+            | OpenFlags::SQLITE_OPEN_URI;
+        if opts.create && !read_only {
+            flags |= OpenFlags::SQLITE_OPEN_CREATE;
+        }
+        let conn = Connection::open_with_flags(path, flags).map_err(|e| open_error(&e))?;
+        conn.busy_timeout(BUSY_TIMEOUT)?;
+        conn.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0)).map_err(|e| match e {
+            rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::NotADatabase => {
+                StoreError::NotToolgate
+            }
+            other => open_error(&other),
+        })?;
+        if !read_only {
+            let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
+            if !mode.eq_ignore_ascii_case("wal") && !mode.eq_ignore_ascii_case("memory") {
+                return Err(StoreError::Open(format!("could not enable WAL (journal_mode={mode})")));
+            }
+            conn.execute_batch(match opts.sync {
+                Sync::Full => "PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;",
+                Sync::Normal => "PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON;",
+            })?;
+        }
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+        Ok(Self { conn: Conn::Lite(conn), sync: opts.sync, relaxed: false, writer: writer_lock(path), read_only })
+    }
+
     /// Opens (and migrates) a database: a SQLite file, or a PostgreSQL
     /// database when `path` is a `postgres://` URL (`create` has no meaning
     /// there: the database must exist; its schema is created on first use).

@@ -35,8 +35,30 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Lock key that serializes migrations of one database across processes.
 const MIGRATION_LOCK: i64 = 0x746f_6f6c_6761_7465; // "toolgate"
 
-/// Connects, checks the schema, and migrates unless `read_only`.
+/// Connects, checks the ledger's schema, and migrates it unless `read_only`.
 pub(crate) fn open(url: &str, sync: Sync, read_only: bool) -> R<Conn> {
+    let pg = connect(url, sync, read_only)?;
+    let mut client = pg.client.borrow_mut();
+    let version = schema_version(&mut client)?;
+    if version > SCHEMA_VERSION {
+        return Err(StoreError::SchemaTooNew { found: version, supported: SCHEMA_VERSION });
+    }
+    if read_only {
+        if version <= 0 {
+            return Err(StoreError::NotToolgate);
+        }
+        if version < SCHEMA_VERSION {
+            return Err(StoreError::SchemaOld { found: version, supported: SCHEMA_VERSION });
+        }
+    } else {
+        migrate(&mut client, version)?;
+    }
+    drop(client);
+    Ok(Conn::Pg(pg))
+}
+
+/// Connects with the session settings, touching no schema.
+pub(crate) fn connect(url: &str, sync: Sync, read_only: bool) -> R<PgConn> {
     // The URL may carry a password: no error here repeats it.
     let mut config: postgres::Config = url
         .parse()
@@ -54,21 +76,7 @@ pub(crate) fn open(url: &str, sync: Sync, read_only: bool) -> R<Conn> {
         session.push_str("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY;");
     }
     client.batch_execute(&session).map_err(|e| pg_error(&e))?;
-    let version = schema_version(&mut client)?;
-    if version > SCHEMA_VERSION {
-        return Err(StoreError::SchemaTooNew { found: version, supported: SCHEMA_VERSION });
-    }
-    if read_only {
-        if version <= 0 {
-            return Err(StoreError::NotToolgate);
-        }
-        if version < SCHEMA_VERSION {
-            return Err(StoreError::SchemaOld { found: version, supported: SCHEMA_VERSION });
-        }
-    } else {
-        migrate(&mut client, version)?;
-    }
-    Ok(Conn::Pg(PgConn::new(client, config, session)))
+    Ok(PgConn::new(client, config, session))
 }
 
 fn connect_error(e: &postgres::Error) -> StoreError {
@@ -170,7 +178,7 @@ pub(crate) fn transaction<T, E: From<StoreError>>(
         let failed = pg.failed.get();
         let retry = match (&out, failed) {
             // Nothing failed: commit (which may itself meet a serialization failure).
-            (Ok(_), None) => match pg.client.borrow_mut().batch_execute("COMMIT") {
+            (Ok(_), None) => match commit(pg) {
                 Ok(()) => return out,
                 Err(e) => match pg_error(&e) {
                     StoreError::Conflict => true,
@@ -200,6 +208,11 @@ pub(crate) fn transaction<T, E: From<StoreError>>(
         let cap = 1u64 << tries.min(6);
         std::thread::sleep(Duration::from_micros(500 + rand::random::<u64>() % (cap * 800)));
     }
+}
+
+/// `COMMIT`, with the client's borrow released before the caller reacts.
+fn commit(pg: &PgConn) -> Result<(), postgres::Error> {
+    pg.client.borrow_mut().batch_execute("COMMIT")
 }
 
 fn rollback(pg: &PgConn) {

@@ -3,17 +3,29 @@
 //! take part in a ledger transaction. A provider opens its own connection
 //! ([`ProviderStore`]) and commits its effects in transactions of its own.
 //!
-//! Their tables sit in the same database as the ledger (one file, or one
-//! PostgreSQL database), so that a demo or a test is one thing to copy, and
-//! `toolgate provider serve --provider-db` gives them a file of their own.
+//! Their tables are created by their own numbered migrations (`provider/`,
+//! version in their own `provider_meta` table), never by the ledger's. They
+//! sit in the ledger's database when the providers run in the engine's
+//! process (one file, or one PostgreSQL database: a demo or a test is one
+//! thing to copy), and in a database of their own under `toolgate provider
+//! serve --provider-db`. A SQLite ledger made before the providers had a
+//! store of their own holds the same tables from its migrations 0001 and
+//! 0003; the SQLite migration here is written to find and keep them.
 
 use std::path::Path;
 
 use super::rows::{EffectRow, EFFECT_COLS};
-use super::sql::{params, Conn};
+use super::sql::{params, Backend, Conn};
 use super::{OpenOptions, Store, StoreError, Sync};
 
 type R<T> = Result<T, StoreError>;
+
+/// The providers' migrations, per backend, in order.
+const SQLITE_MIGRATIONS: [&str; 1] = [include_str!("provider/sqlite_0001_effects.sql")];
+const PG_MIGRATIONS: [&str; 1] = [include_str!("provider/pg_0001_effects.sql")];
+
+/// Lock key that serializes the providers' migrations across processes (PostgreSQL).
+const MIGRATION_LOCK: i64 = 0x7072_6f76_6964_6572; // "provider"
 
 /// A connection to the simulated providers' tables.
 #[derive(Debug)]
@@ -25,12 +37,27 @@ impl ProviderStore {
     /// Opens the providers' storage in the database at `path` (a SQLite path or
     /// a PostgreSQL URL), creating the file when asked.
     pub fn open(path: &Path, opts: OpenOptions) -> R<Self> {
-        Ok(Self { store: Store::open(path, opts)? })
+        let mut store = Store::open_unmigrated(path, opts, false)?;
+        store.write(|tx| migrate(tx.conn))?;
+        Ok(Self { store })
     }
 
-    /// Opens it for reading only (a referee, a read-only engine).
+    /// Opens it for reading only (a referee, a read-only engine); the
+    /// providers' tables must be there already.
     pub fn open_read_only(path: &Path) -> R<Self> {
-        Ok(Self { store: Store::open_read_only(path)? })
+        let mut store = Store::open_unmigrated(path, OpenOptions::default(), true)?;
+        let (version, supported) = store
+            .read(|tx| -> R<(i64, i64)> { Ok((version(tx.conn)?, migrations(tx.conn.backend()).len() as i64)) })?;
+        if version <= 0 {
+            return Err(StoreError::NotToolgate);
+        }
+        if version > supported {
+            return Err(StoreError::SchemaTooNew { found: version, supported });
+        }
+        if version < supported {
+            return Err(StoreError::SchemaOld { found: version, supported });
+        }
+        Ok(Self { store })
     }
 
     /// The providers' own write transaction (the same retry rules as the ledger's).
@@ -105,4 +132,70 @@ impl ProviderTx<'_> {
     pub fn side_effect_duplicates(&self) -> R<i64> {
         self.conn.prepare_cached("SELECT duplicates FROM effect_totals WHERE id = 1")?.query_row((), |r| r.get(0))
     }
+}
+
+fn migrations(backend: Backend) -> &'static [&'static str] {
+    match backend {
+        Backend::Sqlite => &SQLITE_MIGRATIONS,
+        Backend::Postgres => &PG_MIGRATIONS,
+    }
+}
+
+/// The providers' schema version: 0 when their tables are not there yet.
+fn version(conn: &Conn) -> R<i64> {
+    let has_meta = match conn.backend() {
+        Backend::Sqlite => conn
+            .prepare("SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name = 'provider_meta'")?
+            .query_row((), |r| r.get::<i64>(0))?,
+        Backend::Postgres => conn
+            .prepare("SELECT CASE WHEN to_regclass('provider_meta') IS NULL THEN 0 ELSE 1 END")?
+            .query_row((), |r| r.get::<i64>(0))?,
+    };
+    if has_meta == 0 {
+        // A SQLite ledger from before the providers had a store of their own
+        // holds their tables from its own migrations: that is version 1.
+        if conn.backend() == Backend::Sqlite {
+            let legacy = conn
+                .prepare("SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name = 'provider_effects'")?
+                .query_row((), |r| r.get::<i64>(0))?;
+            return Ok(legacy.min(1));
+        }
+        return Ok(0);
+    }
+    let v: Option<String> = conn
+        .prepare_cached("SELECT value FROM provider_meta WHERE key = 'schema_version'")?
+        .query_opt((), |r| r.get(0))?;
+    Ok(v.and_then(|v| v.parse().ok()).unwrap_or(0))
+}
+
+/// Applies the providers' migrations not applied yet, in the caller's write
+/// transaction (one migrator at a time: SQLite's write lock, PostgreSQL's
+/// advisory lock).
+fn migrate(conn: &Conn) -> R<()> {
+    if conn.backend() == Backend::Postgres {
+        conn.execute("SELECT pg_advisory_xact_lock(?1)", params![MIGRATION_LOCK])?;
+    }
+    let all = migrations(conn.backend());
+    let from = version(conn)?;
+    if from > all.len() as i64 {
+        return Err(StoreError::SchemaTooNew { found: from, supported: all.len() as i64 });
+    }
+    if from == all.len() as i64 {
+        return Ok(());
+    }
+    conn.execute_batch("CREATE TABLE IF NOT EXISTS provider_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")?;
+    for (i, sql) in all.iter().enumerate().skip(from as usize) {
+        conn.execute_batch(sql).map_err(|e| match e {
+            StoreError::Other(reason) | StoreError::Constraint(reason) => {
+                StoreError::Migration { number: i + 1, found: from, reason }
+            }
+            other => other,
+        })?;
+    }
+    conn.execute(
+        "INSERT INTO provider_meta (key, value) VALUES ('schema_version', ?1)
+         ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        params![all.len().to_string()],
+    )?;
+    Ok(())
 }

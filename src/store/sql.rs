@@ -175,6 +175,14 @@ impl Conn {
         self.prepare_cached(sql)
     }
 
+    /// Runs several statements (a migration), no parameters.
+    pub(crate) fn execute_batch(&self, sql: &str) -> R<()> {
+        match self {
+            Conn::Lite(c) => Ok(c.execute_batch(sql)?),
+            Conn::Pg(c) => c.client.borrow_mut().batch_execute(sql).map_err(|e| c.fail(&e)),
+        }
+    }
+
     /// Runs one statement; returns the rows changed.
     #[allow(clippy::needless_pass_by_value)]
     pub(crate) fn execute(&self, sql: &str, params: impl Params) -> R<usize> {
