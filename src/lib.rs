@@ -25,6 +25,7 @@
 //!   they are shortened, control characters escaped, durations in days).
 //! - [`cli`]: the command line (the binary's only dependency on this crate).
 
+pub mod api;
 pub mod bench;
 pub mod cli;
 pub mod demo;

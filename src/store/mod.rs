@@ -10,8 +10,10 @@
 pub mod bench;
 mod pg;
 mod resilience;
+#[macro_use]
 mod rows;
 pub(crate) mod sql;
+mod tokens;
 mod views;
 
 use std::collections::HashMap;
@@ -26,12 +28,13 @@ pub use resilience::{CircuitRow, RetryBudgetRow, MILLI_TOKEN};
 pub use rows::*;
 pub use sql::Backend;
 use sql::{params, Conn};
+pub use tokens::TokenRow;
 pub use views::{
     cursor_after, Cursor, Key, LiveRow, OpsView, Order, SortColumn, APPROVALS_SORT, AUDIT_SORT, LIVE_SORT, OPS_SORT,
 };
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 9] = [
+const MIGRATIONS: [&str; 10] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
@@ -41,6 +44,7 @@ const MIGRATIONS: [&str; 9] = [
     include_str!("migrations/0007_integrity.sql"),
     include_str!("migrations/0008_state_since.sql"),
     include_str!("migrations/0009_downstream_key.sql"),
+    include_str!("migrations/0010_api_tokens.sql"),
 ];
 
 /// The schema version this build writes.
