@@ -180,12 +180,14 @@ async fn accept_loop(app: Arc<App>, listen: SocketAddr, ready: impl FnOnce(Socke
     let listener =
         tokio::net::TcpListener::bind(listen).await.map_err(|e| ServeError::Bind { addr: listen, kind: e.kind() })?;
     let addr = listener.local_addr().map_err(|e| ServeError::Bind { addr: listen, kind: e.kind() })?;
+    // The handlers are installed before anyone is told where we listen: a
+    // SIGTERM right after the address is printed must drain, not kill.
+    let shutdown = shutdown_signal().map_err(|e| ServeError::Runtime(e.kind()))?;
     ready(addr);
     tracing::info!(%addr, "serving the API");
     let router = router(app);
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let (draining, drain) = tokio::sync::watch::channel(false);
-    let shutdown = crate::downstream::serve::shutdown_signal();
     tokio::pin!(shutdown);
     loop {
         let permit = tokio::select! {
@@ -238,6 +240,28 @@ async fn accept_loop(app: Arc<App>, listen: SocketAddr, ready: impl FnOnce(Socke
         tracing::warn!("shutdown: requests still in flight after the drain timeout");
     }
     Ok(())
+}
+
+/// SIGTERM or SIGINT (Ctrl-C). Registered when called, not when first polled.
+#[cfg(unix)]
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
+}
+
+/// Ctrl-C.
+#[cfg(not(unix))]
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
 }
 
 fn router(app: Arc<App>) -> Router {

@@ -190,7 +190,7 @@ pub fn serve(db: &Path, opts: ServeOptions, ready: impl FnOnce(SocketAddr)) -> R
     })
 }
 
-pub(crate) async fn shutdown_signal() {
+async fn shutdown_signal() {
     #[cfg(unix)]
     {
         let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
