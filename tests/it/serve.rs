@@ -629,6 +629,36 @@ impl Server {
     }
 }
 
+/// The README's code -> status table names every code with the status the server uses.
+#[test]
+fn the_readme_table_matches_the_status_mapping() {
+    use toolgate::api::status;
+    use toolgate::engine::envelope::Code;
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let row_of = |code: &str| {
+        readme
+            .lines()
+            .find(|l| l.split('|').nth(1).is_some_and(|first| first.contains(&format!("`{code}`"))))
+            .unwrap_or_else(|| panic!("README's status table lacks {code}"))
+            .to_string()
+    };
+    for c in Code::ALL {
+        let row = row_of(c.as_str());
+        let statuses: Vec<u16> =
+            [None, Some("in_flight"), Some("unknown")].iter().map(|s| status::of_code(c, *s).as_u16()).collect();
+        for st in statuses {
+            assert!(row.contains(&st.to_string()), "README row for {c} lacks {st}: {row}");
+        }
+    }
+    for c in status::ALL {
+        let row = row_of(c.code);
+        assert!(row.contains(&c.status.as_u16().to_string()), "README row for {} lacks {}: {row}", c.code, c.status);
+    }
+    for code in ["TOKEN_MISSING", "TOKEN_MALFORMED", "TOKEN_UNKNOWN", "TOKEN_EXPIRED", "TOKEN_REVOKED"] {
+        assert!(row_of(code).contains("401"));
+    }
+}
+
 crate::on_both_backends!(
     fresh_dispatch_replay_conflict_and_missing_key,
     a_lost_reply_is_unknown_until_a_status_query_reconciles_it,
