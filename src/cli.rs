@@ -91,6 +91,16 @@ pub enum Command {
         #[command(subcommand)]
         what: ProviderCommand,
     },
+    /// Bearer tokens for `toolgate serve`: create (printed once), list, revoke.
+    Token {
+        /// What to do.
+        #[command(subcommand)]
+        what: TokenCommand,
+    },
+    /// Serve the HTTP API for agents and operators (loopback only unless
+    /// --public) until Ctrl-C or SIGTERM; prints `listening on http://ADDR`
+    /// once bound. Runs the outbox workers and the reaper in the same process.
+    Serve(ServeArgs),
     /// Create a database and load a world file (the demo world by default).
     Init {
         /// World file (JSON); the demo world when absent.
@@ -254,6 +264,59 @@ pub enum Command {
         #[arg(long, value_name = "PATH")]
         dir: Option<PathBuf>,
     },
+}
+
+/// `token` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum TokenCommand {
+    /// Make a token for a subject (`--tenant T --subject S`) or, with the
+    /// global `--operator NAME`, for an operator. The token is printed once:
+    /// the ledger keeps only a digest of it.
+    Create {
+        /// Tenant of the subject.
+        #[arg(long, requires = "subject")]
+        tenant: Option<String>,
+        /// Subject the token acts for.
+        #[arg(long, requires = "tenant")]
+        subject: Option<String>,
+        /// A label shown in `token list`.
+        #[arg(long)]
+        name: Option<String>,
+        /// Expiry (RFC 3339); none by default.
+        #[arg(long, value_name = "RFC3339")]
+        expires: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List tokens (id, prefix, whom it is for, expiry, revocation; never a secret).
+    List {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a token: the next request that carries it is refused (TOKEN_REVOKED).
+    Revoke {
+        /// Token id (`tok_…`, from `token list`).
+        id: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `serve` arguments.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Address to listen on (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: std::net::SocketAddr,
+    /// Allow a non-loopback address.
+    #[arg(long)]
+    pub public: bool,
+    /// Engine threads answering requests (each owns its own connections).
+    #[arg(long, default_value_t = 4)]
+    pub threads: usize,
 }
 
 /// `trace` arguments.
@@ -647,7 +710,10 @@ fn command_wants_json(c: Option<&Command>) -> bool {
             | Command::Bench { json, .. },
         ) => *json,
         Some(Command::DemoDb { json, .. }) => *json,
-        Some(Command::Demo { .. } | Command::Provider { .. }) => false,
+        Some(Command::Demo { .. } | Command::Provider { .. } | Command::Serve(_)) => false,
+        Some(Command::Token {
+            what: TokenCommand::Create { json, .. } | TokenCommand::List { json } | TokenCommand::Revoke { json, .. },
+        }) => *json,
         Some(Command::Dispatch(a)) => a.json,
         Some(Command::Query(a)) => a.json,
         Some(Command::Resolve(a)) => a.act.json,
@@ -800,6 +866,8 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         }
         Command::Demo { agents } => console(cli, *agents),
         Command::Cancel(a) => cancel_command(cli, a),
+        Command::Token { what } => token_command(cli, what),
+        Command::Serve(a) => serve_command(cli, a),
         Command::Load(a) => load_command(cli, a),
         Command::Lab(a) => lab_command(cli, a),
         Command::Init { world, json } => {
@@ -1664,6 +1732,121 @@ fn print_detail(d: &crate::engine::OperationDetail) {
             );
         }
     }
+}
+
+// ------------------------------------------------------- tokens and serve
+
+fn token_command(cli: &Cli, what: &TokenCommand) -> Result<i32, CliError> {
+    use crate::engine::tokens::TokenFor;
+    match what {
+        TokenCommand::Create { tenant, subject, name, expires, json } => {
+            refuse_read_only(cli)?;
+            let who = match (tenant, subject, &cli.operator) {
+                (Some(t), Some(s), None) => TokenFor::Subject { tenant: t.clone(), subject: s.clone() },
+                (None, None, Some(o)) => TokenFor::Operator(o.clone()),
+                _ => {
+                    return Err(CliError::new(
+                        "USAGE",
+                        "give either --tenant T --subject S (an agent's token) or --operator NAME (an operator's), not both",
+                    ))
+                }
+            };
+            let expires_at = expires
+                .as_deref()
+                .map(|s| {
+                    parse_rfc3339(s).ok_or_else(|| {
+                        CliError::new("BAD_TIME", "--expires must be an RFC 3339 time, e.g. 2026-01-01T00:00:00Z")
+                    })
+                })
+                .transpose()?;
+            let mut engine = open(cli)?;
+            let t = engine.create_token(&who, name.as_deref(), expires_at)?;
+            if *json {
+                print_json(&json!({"token": t.token, "id": t.row.id, "prefix": t.row.prefix, "kind": t.row.kind,
+                    "tenant": t.row.tenant, "subject": t.row.subject, "operator": t.row.operator, "name": t.row.name,
+                    "expires_at": t.row.expires_at.map(rfc3339)}));
+            } else {
+                outln!("{}", t.token);
+                eprintln!("token {} ({}): shown once, the ledger keeps only its digest", t.row.id, t.row.kind);
+            }
+            Ok(0)
+        }
+        TokenCommand::List { json } => {
+            let mut engine = open_read(cli)?;
+            let rows = engine.tokens()?;
+            let now = engine.clock().now_ms();
+            let state = |r: &crate::store::TokenRow| {
+                if r.revoked_at.is_some() {
+                    "revoked"
+                } else if r.expires_at.is_some_and(|t| now >= t) {
+                    "expired"
+                } else {
+                    "active"
+                }
+            };
+            if *json {
+                let list: Vec<Value> = rows
+                    .iter()
+                    .map(|r| {
+                        json!({"id": r.id, "prefix": r.prefix, "kind": r.kind, "tenant": r.tenant, "subject": r.subject,
+                            "operator": r.operator, "name": r.name, "created_at": rfc3339(r.created_at),
+                            "expires_at": r.expires_at.map(rfc3339), "revoked_at": r.revoked_at.map(rfc3339),
+                            "state": state(r)})
+                    })
+                    .collect();
+                print_json(&json!({"tokens": list}));
+            } else if rows.is_empty() {
+                outln!("no tokens");
+            } else {
+                outln!("{:<20} {:<20} {:<8} {:<28} {:<8} name", "id", "prefix", "kind", "for", "state");
+                for r in &rows {
+                    let who = match (&r.tenant, &r.subject, &r.operator) {
+                        (Some(t), Some(s), _) => format!("{t}/{s}"),
+                        (_, _, Some(o)) => o.clone(),
+                        _ => "?".into(),
+                    };
+                    outln!(
+                        "{:<20} {:<20} {:<8} {:<28} {:<8} {}",
+                        r.id,
+                        r.prefix,
+                        r.kind,
+                        crate::display::escape(&who),
+                        state(r),
+                        crate::display::escape(r.name.as_deref().unwrap_or("-"))
+                    );
+                }
+            }
+            Ok(0)
+        }
+        TokenCommand::Revoke { id, json } => {
+            refuse_read_only(cli)?;
+            let mut engine = open(cli)?;
+            let changed = engine.revoke_token(id)?;
+            if *json {
+                print_json(&json!({"revoked": id, "changed": changed}));
+            } else {
+                outln!("revoked{}", if changed { "" } else { " (it already was)" });
+            }
+            Ok(0)
+        }
+    }
+}
+
+fn serve_command(cli: &Cli, a: &ServeArgs) -> Result<i32, CliError> {
+    refuse_read_only(cli)?;
+    if a.threads == 0 || a.threads > 64 {
+        return Err(CliError::new("USAGE", "--threads must be between 1 and 64"));
+    }
+    let path = db_path(cli)?;
+    let opts = engine_options(cli)?;
+    crate::telemetry::logging::init_for_db(path);
+    let serve =
+        crate::api::ServeOptions { listen: a.listen, public: a.public, threads: a.threads, toolset: opts.toolset };
+    crate::api::serve(path, &serve, |addr| {
+        outln!("listening on http://{addr}");
+    })
+    .map_err(|e| CliError::new(e.code(), e.to_string()))?;
+    Ok(0)
 }
 
 // ------------------------------------------------- cancel, load and the lab

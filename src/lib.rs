@@ -23,8 +23,11 @@
 //!   the same commits, side by side.
 //! - [`display`]: stored text shown to people safely (digests checked before
 //!   they are shortened, control characters escaped, durations in days).
+//! - [`api`]: `toolgate serve`, the authenticated HTTP API (axum): bearer
+//!   tokens resolved at every request, engine threads, the envelope's status table.
 //! - [`cli`]: the command line (the binary's only dependency on this crate).
 
+pub mod api;
 pub mod bench;
 pub mod cli;
 pub mod demo;

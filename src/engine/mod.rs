@@ -19,6 +19,7 @@ pub(crate) mod operation;
 pub mod policy;
 mod recovery;
 pub mod retention;
+pub mod tokens;
 pub mod tool;
 pub mod trace;
 pub mod views;

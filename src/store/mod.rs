@@ -11,9 +11,11 @@ pub mod bench;
 mod pg;
 mod provider;
 mod resilience;
+#[macro_use]
 mod rows;
 pub(crate) mod sql;
 mod states;
+mod tokens;
 mod views;
 
 use std::collections::HashMap;
@@ -30,13 +32,14 @@ pub use rows::*;
 pub use sql::Backend;
 use sql::{params, Conn};
 pub use states::{ApprovalState, AttemptOutcome, OpState, OutboxState};
+pub use tokens::TokenRow;
 pub use views::{
     cursor_after, Cursor, Filter, FilterTarget, Key, LiveRow, OpsView, Order, SortColumn, APPROVALS_SORT, AUDIT_SORT,
     LIVE_SORT, OPS_SORT,
 };
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 9] = [
+const MIGRATIONS: [&str; 10] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
@@ -46,6 +49,7 @@ const MIGRATIONS: [&str; 9] = [
     include_str!("migrations/0007_integrity.sql"),
     include_str!("migrations/0008_state_since.sql"),
     include_str!("migrations/0009_downstream_key.sql"),
+    include_str!("migrations/0010_api_tokens.sql"),
 ];
 
 /// The schema version this build writes.

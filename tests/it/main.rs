@@ -23,5 +23,6 @@ mod recovery;
 mod resilience;
 mod retention;
 mod scenarios;
+mod serve;
 mod support;
 mod tamper;

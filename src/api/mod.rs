@@ -1,0 +1,773 @@
+//! `toolgate serve`: the authenticated HTTP API for agents and operators
+//! (axum on hyper and tokio). One process runs the API's engine threads
+//! ([`pool`]), the outbox workers and the reaper.
+//!
+//! Every request that is not `/healthz` or `/metrics` resolves its bearer
+//! token first (re-read from the ledger at every request), then the engine
+//! does the work with the caller's tenant and subject from the token, never
+//! from the request. Bodies are the envelope of docs/design.md §4; the status
+//! mapping is [`status`].
+//!
+//! Hostile input is bounded before it costs anything: request heads must
+//! arrive within [`HEAD_TIMEOUT`], bodies within [`BODY_TIMEOUT`] and under
+//! [`MAX_BODY_BYTES`] (the engine's own argument limit), at most
+//! [`MAX_CONNECTIONS`] connections are served at once (more wait in the
+//! kernel's accept queue), and at most a bounded queue of jobs waits for an
+//! engine thread (then `SERVER_BUSY`). Malformed JSON, deep nesting, invalid
+//! UTF-8 and duplicate keys are refused by the engine's strict parser with
+//! `INVALID_ARGUMENTS` before any state.
+
+// A handler's early return is the finished response itself, built once per
+// request; boxing it would only add an allocation.
+#![allow(clippy::result_large_err)]
+
+pub mod pool;
+pub mod status;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path as UrlPath, State};
+use axum::http::{header, HeaderMap, HeaderValue, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use http_body_util::{BodyExt, Limited};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::engine::canonical::{parse_strict, CallIdentity, MAX_DEPTH, MAX_INPUT_BYTES};
+use crate::engine::envelope::{Code, Envelope};
+use crate::engine::faults::FaultPlan;
+use crate::engine::tokens::{AuthFailure, Principal};
+use crate::engine::tool::Toolset;
+use crate::engine::{
+    CancelRequest, DispatchRequest, Engine, EngineError, EngineOptions, OperatorOutcome, QueryRequest, Resolution,
+    ResolveRequest,
+};
+use pool::{Pool, Refused};
+use status::ServerCode;
+
+/// Largest request body: the engine's own limit on a call's arguments.
+pub const MAX_BODY_BYTES: usize = MAX_INPUT_BYTES;
+/// Most connections served at once.
+pub const MAX_CONNECTIONS: usize = 1024;
+/// How long a request head may take to arrive (slow-loris bound).
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a request body may take to arrive.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long shutdown waits for in-flight requests before it stops anyway.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
+/// Jobs that may wait for an engine thread, per thread.
+const QUEUE_PER_THREAD: usize = 64;
+/// How often the in-process outbox worker and reaper look for work.
+const WORK_INTERVAL: Duration = Duration::from_millis(250);
+
+/// How to serve.
+pub struct ServeOptions {
+    /// Address to listen on (port 0: any free port).
+    pub listen: SocketAddr,
+    /// Allow a non-loopback address.
+    pub public: bool,
+    /// Engine threads answering requests.
+    pub threads: usize,
+    /// The tools.
+    pub toolset: Arc<Toolset>,
+}
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// Refused to bind a non-loopback address without `--public`.
+    #[error("{0} is not a loopback address: pass --public to serve beyond this machine")]
+    NotLoopback(SocketAddr),
+    /// The socket.
+    #[error("cannot listen on {addr}: {kind}")]
+    Bind {
+        /// Address.
+        addr: SocketAddr,
+        /// What went wrong.
+        kind: std::io::ErrorKind,
+    },
+    /// Opening the ledger.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// Threads or the runtime.
+    #[error("runtime: {0}")]
+    Runtime(std::io::ErrorKind),
+}
+
+impl ServeError {
+    /// Stable code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ServeError::NotLoopback(_) => "NOT_LOOPBACK",
+            ServeError::Bind { .. } => "LISTEN_FAILED",
+            ServeError::Engine(e) => e.code(),
+            ServeError::Runtime(_) => "INTERNAL",
+        }
+    }
+}
+
+struct App {
+    pool: Pool,
+    /// The ledger is marked as a demo: `Toolgate-Fault` is honoured.
+    demo: bool,
+}
+
+/// Serves until Ctrl-C or SIGTERM, then stops accepting, lets in-flight
+/// requests finish (bounded by [`DRAIN_TIMEOUT`]), stops the engine threads
+/// and the worker, and returns. `ready` gets the bound address first.
+pub fn serve(db: &Path, opts: &ServeOptions, ready: impl FnOnce(SocketAddr)) -> Result<(), ServeError> {
+    if !opts.public && !opts.listen.ip().is_loopback() {
+        return Err(ServeError::NotLoopback(opts.listen));
+    }
+    let pid = std::process::id();
+    let engine_opts = |role: String| EngineOptions {
+        worker_id: format!("serve-{pid}-{role}"),
+        toolset: opts.toolset.clone(),
+        ..EngineOptions::default()
+    };
+    // Every engine is opened here, on a plain thread, before any runtime exists.
+    let mut engines = Vec::with_capacity(opts.threads);
+    for i in 0..opts.threads {
+        engines.push(Engine::open(db, engine_opts(format!("api{i}")))?);
+    }
+    let demo = engines.first().is_some_and(Engine::is_demo);
+    let worker = Engine::open(db, engine_opts("worker".into()))?;
+    let pool = Pool::start(engines, opts.threads * QUEUE_PER_THREAD).map_err(|e| ServeError::Runtime(e.kind()))?;
+    let app = Arc::new(App { pool, demo });
+    let (stop_worker, stopped) = std::sync::mpsc::channel::<()>();
+    let worker = std::thread::Builder::new()
+        .name("toolgate-worker".into())
+        .spawn(move || work(worker, &stopped))
+        .map_err(|e| ServeError::Runtime(e.kind()))?;
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| ServeError::Runtime(e.kind()))?;
+    let served = rt.block_on(accept_loop(app.clone(), opts.listen, ready));
+    drop(rt);
+    // Requests have drained: the engine threads finish what is queued, then the worker stops.
+    app.pool.close();
+    drop(stop_worker);
+    let _ = worker.join();
+    tracing::info!("serve stopped");
+    served
+}
+
+/// The in-process outbox worker and reaper: due retries, accepted operations
+/// (approved calls), expired leases.
+fn work(mut engine: Engine, stop: &std::sync::mpsc::Receiver<()>) {
+    loop {
+        if let Err(e) = engine.reap().and_then(|_| engine.work(64)) {
+            tracing::warn!(code = e.code(), "worker pass failed");
+        }
+        match stop.recv_timeout(WORK_INTERVAL) {
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            _ => return,
+        }
+    }
+}
+
+async fn accept_loop(app: Arc<App>, listen: SocketAddr, ready: impl FnOnce(SocketAddr)) -> Result<(), ServeError> {
+    let listener =
+        tokio::net::TcpListener::bind(listen).await.map_err(|e| ServeError::Bind { addr: listen, kind: e.kind() })?;
+    let addr = listener.local_addr().map_err(|e| ServeError::Bind { addr: listen, kind: e.kind() })?;
+    // The handlers are installed before anyone is told where we listen: a
+    // SIGTERM right after the address is printed must drain, not kill.
+    let shutdown = shutdown_signal().map_err(|e| ServeError::Runtime(e.kind()))?;
+    ready(addr);
+    tracing::info!(%addr, "serving the API");
+    let router = router(app);
+    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let (draining, drain) = tokio::sync::watch::channel(false);
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            () = &mut shutdown => break,
+            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+        };
+        let stream = tokio::select! {
+            () = &mut shutdown => break,
+            s = listener.accept() => match s {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait, never spin.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let router = router.clone();
+        let mut drain = drain.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let router = router.clone();
+                async move {
+                    use tower::ServiceExt as _;
+                    router.oneshot(req.map(Body::new)).await
+                }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEAD_TIMEOUT)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                () = async { drop(drain.wait_for(|d| *d).await) } => {
+                    // Finish the request in flight (if any), then close.
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+            drop(permit);
+        });
+    }
+    // Stop accepting; let every connection finish its request in flight.
+    drop(listener);
+    let _ = draining.send(true);
+    let all = u32::try_from(MAX_CONNECTIONS).unwrap_or(u32::MAX);
+    if tokio::time::timeout(DRAIN_TIMEOUT, permits.acquire_many(all)).await.is_err() {
+        tracing::warn!("shutdown: requests still in flight after the drain timeout");
+    }
+    Ok(())
+}
+
+/// SIGTERM or SIGINT (Ctrl-C). Registered when called, not when first polled.
+#[cfg(unix)]
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
+}
+
+/// Ctrl-C.
+#[cfg(not(unix))]
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+}
+
+fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .route("/v1/tools/{tool}/calls", post(call_tool))
+        .route("/v1/status-queries", post(status_query))
+        .route("/v1/operations/{id}", get(get_operation))
+        .route("/v1/approvals", get(list_approvals))
+        .route("/v1/approvals/{id}/approve", post(approve))
+        .route("/v1/approvals/{id}/deny", post(deny))
+        .route("/v1/operations/{id}/resolve", post(resolve))
+        .route("/v1/operations/{id}/cancel", post(cancel))
+        .fallback(|| async { refuse(status::NO_SUCH_ROUTE) })
+        .method_not_allowed_fallback(|| async { refuse(status::METHOD_NOT_ALLOWED) })
+        .with_state(app)
+}
+
+// ------------------------------------------------------------------ replies
+
+fn json_reply(status: StatusCode, body: &impl serde::Serialize) -> Response {
+    let bytes = serde_json::to_vec(body).unwrap_or_else(|_| b"null".to_vec());
+    let mut r = (status, bytes).into_response();
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+fn with_retry_after(mut r: Response, ms: u64) -> Response {
+    if let Ok(v) = HeaderValue::from_str(&ms.div_ceil(1000).max(1).to_string()) {
+        r.headers_mut().insert(header::RETRY_AFTER, v);
+    }
+    r
+}
+
+/// A refusal of the server's own.
+fn refuse(c: ServerCode) -> Response {
+    let r = json_reply(c.status, &status::envelope_json(c.code, c.category, c.recovery, c.message, None, false));
+    if c.code == status::SERVER_BUSY.code {
+        return with_retry_after(r, 1000);
+    }
+    r
+}
+
+fn unauthorized(f: AuthFailure) -> Response {
+    let body = status::envelope_json(f.code(), "authentication", "request_authorization", f.message(), None, false);
+    let mut r = json_reply(StatusCode::UNAUTHORIZED, &body);
+    r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"toolgate\""));
+    r
+}
+
+/// An environment failure during a call: the ledger is the truth, so the
+/// outcome is reported as unknown, and a retry with the same key is safe.
+fn engine_failure(e: &EngineError) -> Response {
+    let code = e.code();
+    let st = status::of_engine_error(code);
+    tracing::warn!(code, "API call failed");
+    if st.is_client_error() {
+        let body = status::envelope_json(code, "invalid_request", "correct_input", &e.to_string(), None, false);
+        return json_reply(st, &body);
+    }
+    let body = status::envelope_json(code, "environment", "retry_after", status::INTERNAL.message, Some(1000), true);
+    with_retry_after(json_reply(st, &body), 1000)
+}
+
+/// The reply for an engine envelope.
+fn envelope_reply(env: &Envelope, op_state: Option<crate::store::OpState>) -> Response {
+    let st = status::of_envelope(env, op_state);
+    let r = json_reply(st, env);
+    let retry_ms = env.model_result.error.as_ref().and_then(|e| e.retry_after_ms);
+    match (retry_ms, st) {
+        (Some(ms), _) => with_retry_after(r, ms),
+        // Still in flight: come back shortly with the same key.
+        (None, StatusCode::CONFLICT) if env.code() == Some(Code::OutcomeUnknown) => with_retry_after(r, 1000),
+        (None, StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE) => with_retry_after(r, 1000),
+        _ => r,
+    }
+}
+
+fn outcome_reply(o: &OperatorOutcome) -> Response {
+    json_reply(if o.applied { StatusCode::OK } else { StatusCode::CONFLICT }, o)
+}
+
+// ------------------------------------------------------------------ plumbing
+
+/// Runs `f` on an engine thread and waits for it.
+async fn on_engine<T: Send + 'static>(
+    app: &App,
+    f: impl FnOnce(&mut Engine) -> T + Send + 'static,
+) -> Result<T, Response> {
+    match app.pool.submit(f) {
+        Ok(answer) => answer.await.map_err(|_| refuse(status::INTERNAL)),
+        Err(Refused::Busy | Refused::Closed) => Err(refuse(status::SERVER_BUSY)),
+    }
+}
+
+/// Resolves the request's token, before anything else.
+async fn authenticate(app: &App, headers: &HeaderMap) -> Result<Principal, Response> {
+    let header = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes().to_vec());
+    match on_engine(app, move |e| e.authenticate(header.as_deref())).await? {
+        Ok(Ok(p)) => Ok(p),
+        Ok(Err(f)) => Err(unauthorized(f)),
+        Err(e) => Err(engine_failure(&e)),
+    }
+}
+
+async fn subject_of(app: &App, headers: &HeaderMap) -> Result<(String, String), Response> {
+    match authenticate(app, headers).await? {
+        Principal::Subject { tenant, subject, .. } => Ok((tenant, subject)),
+        Principal::Operator { .. } => Err(refuse(status::SUBJECT_TOKEN_REQUIRED)),
+    }
+}
+
+async fn operator_of(app: &App, headers: &HeaderMap) -> Result<String, Response> {
+    match authenticate(app, headers).await? {
+        Principal::Operator { operator, .. } => Ok(operator),
+        Principal::Subject { .. } => Err(refuse(status::OPERATOR_TOKEN_REQUIRED)),
+    }
+}
+
+fn is_json(headers: &HeaderMap) -> bool {
+    headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|ct| {
+        let media = ct.split(';').next().unwrap_or("").trim();
+        media.eq_ignore_ascii_case("application/json")
+    })
+}
+
+/// Reads a JSON body: the right media type (an empty body may have none when
+/// `empty_ok`), under the size limit, within the time limit.
+async fn read_body(headers: &HeaderMap, body: Body, empty_ok: bool) -> Result<Bytes, Response> {
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return Err(refuse(status::BODY_TOO_LARGE));
+    }
+    let json = is_json(headers);
+    if !(json || empty_ok && declared.unwrap_or(0) == 0) {
+        return Err(refuse(status::UNSUPPORTED_MEDIA_TYPE));
+    }
+    let collected = tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, MAX_BODY_BYTES).collect()).await;
+    let bytes = match collected {
+        Err(_) => return Err(refuse(status::BODY_TIMEOUT)),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => return Err(refuse(status::BODY_TOO_LARGE)),
+        Ok(Err(_)) => return Err(refuse(status::INVALID_BODY)),
+        Ok(Ok(c)) => c.to_bytes(),
+    };
+    if !json && !bytes.is_empty() {
+        return Err(refuse(status::UNSUPPORTED_MEDIA_TYPE));
+    }
+    Ok(bytes)
+}
+
+/// Parses an endpoint's own JSON body strictly (no duplicate keys, bounded
+/// depth, no unknown fields). An empty body is `{}`.
+fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Response> {
+    let bytes: &[u8] = if bytes.is_empty() { b"{}" } else { bytes };
+    let value = parse_strict(bytes, MAX_BODY_BYTES, MAX_DEPTH).map_err(|_| refuse(status::INVALID_BODY))?;
+    serde_json::from_value(value).map_err(|_| refuse(status::INVALID_BODY))
+}
+
+fn header_text(headers: &HeaderMap, name: &str) -> Option<String> {
+    // Lossy on purpose: the engine checks every part (length, control
+    // characters) and refuses with its own code, so a bad byte is not lost.
+    headers.get(name).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+}
+
+/// The call identity from the `Toolgate-*` headers; each part absent is fresh.
+fn call_identity(headers: &HeaderMap) -> CallIdentity {
+    let fresh = crate::engine::fresh_call_identity();
+    CallIdentity {
+        provider: header_text(headers, "toolgate-provider").unwrap_or_else(|| "http".into()),
+        api_family: header_text(headers, "toolgate-api-family").unwrap_or(fresh.api_family),
+        response_id: header_text(headers, "toolgate-response-id").unwrap_or(fresh.response_id),
+        call_id: header_text(headers, "toolgate-call-id").unwrap_or(fresh.call_id),
+        adapter_revision: header_text(headers, "toolgate-adapter-revision").unwrap_or(fresh.adapter_revision),
+    }
+}
+
+fn path_param(p: Result<UrlPath<String>, PathRejection>) -> Result<String, Response> {
+    p.map(|UrlPath(s)| s).map_err(|_| refuse(status::NO_SUCH_ROUTE))
+}
+
+/// Collapses the `Result<Response, Response>` of a handler body.
+fn reply(r: Result<Response, Response>) -> Response {
+    r.unwrap_or_else(|e| e)
+}
+
+// ------------------------------------------------------------------ handlers
+
+async fn healthz() -> Response {
+    json_reply(StatusCode::OK, &json!({"ok": true}))
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    use crate::telemetry::{metrics, prometheus};
+    let rendered = on_engine(&app, |e| {
+        metrics::snapshot(e, metrics::Window::last_minutes(15), &metrics::Slice::default())
+            .map(|s| prometheus::render(&s))
+    })
+    .await;
+    match rendered {
+        Ok(Ok(text)) => {
+            let mut r = (StatusCode::OK, text).into_response();
+            r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(prometheus::CONTENT_TYPE));
+            r
+        }
+        Ok(Err(e)) => engine_failure(&e),
+        Err(r) => r,
+    }
+}
+
+async fn call_tool(
+    State(app): State<Arc<App>>,
+    tool: Result<UrlPath<String>, PathRejection>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    reply(
+        async move {
+            let (tenant, subject) = subject_of(&app, &headers).await?;
+            let tool = path_param(tool)?;
+            let arguments = read_body(&headers, body, false).await?;
+            let faults = match header_text(&headers, "toolgate-fault") {
+                None => None,
+                // Faults make real calls look lost (or abort the server): never on
+                // a ledger that matters. Only the demo generator marks a database
+                // as a demo, and nothing marks an existing ledger.
+                Some(_) if !app.demo => return Err(refuse(status::FAULT_NOT_ALLOWED)),
+                Some(spec) => Some(FaultPlan::parse(&spec).map_err(|_| refuse(status::BAD_FAULT))?),
+            };
+            let deadline_ms = match header_text(&headers, "toolgate-deadline-ms") {
+                None => None,
+                Some(v) => Some(v.trim().parse::<u64>().map_err(|_| refuse(status::INVALID_HEADER))?),
+            };
+            let req = DispatchRequest {
+                tenant,
+                subject,
+                tool,
+                arguments: arguments.to_vec(),
+                idempotency_key: header_text(&headers, "idempotency-key"),
+                call: Some(call_identity(&headers)),
+                approval_id: header_text(&headers, "toolgate-approval-id"),
+                deadline_ms,
+            };
+            let answered = on_engine(&app, move |e| {
+                if let Some(f) = faults {
+                    e.set_faults(f);
+                }
+                let env = e.dispatch(&req);
+                e.set_faults(FaultPlan::none());
+                let env = env?;
+                let state = match (env.code(), env.protected_audit.operation_id.as_deref()) {
+                    (Some(Code::OutcomeUnknown), Some(id)) => e.operation_state(id)?,
+                    _ => None,
+                };
+                Ok::<_, EngineError>((env, state))
+            })
+            .await?;
+            match answered {
+                Ok((env, state)) => Ok(envelope_reply(&env, state)),
+                Err(e) => Err(engine_failure(&e)),
+            }
+        }
+        .await,
+    )
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StatusQueryBody {
+    status_ref: String,
+    expected_request_sha256: String,
+    #[serde(default)]
+    idempotency_key: Option<String>,
+}
+
+async fn status_query(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    reply(
+        async move {
+            let (tenant, subject) = subject_of(&app, &headers).await?;
+            let b: StatusQueryBody = parse_body(&read_body(&headers, body, false).await?)?;
+            let q = QueryRequest {
+                tenant,
+                subject,
+                status_ref: b.status_ref,
+                expected_request_sha256: b.expected_request_sha256,
+                idempotency_key: b.idempotency_key,
+                call: Some(call_identity(&headers)),
+                operator: None,
+            };
+            let answered = on_engine(&app, move |e| {
+                let env = e.query_operation_status(&q)?;
+                let state = match (env.code(), env.protected_audit.operation_id.as_deref()) {
+                    (Some(Code::OutcomeUnknown), Some(id)) => e.operation_state(id)?,
+                    _ => None,
+                };
+                Ok::<_, EngineError>((env, state))
+            })
+            .await?;
+            match answered {
+                Ok((env, state)) => Ok(envelope_reply(&env, state)),
+                Err(e) => Err(engine_failure(&e)),
+            }
+        }
+        .await,
+    )
+}
+
+async fn get_operation(
+    State(app): State<Arc<App>>,
+    id: Result<UrlPath<String>, PathRejection>,
+    headers: HeaderMap,
+) -> Response {
+    reply(
+        async move {
+            let scope = match authenticate(&app, &headers).await? {
+                Principal::Subject { tenant, subject, .. } => Some((tenant, subject)),
+                Principal::Operator { .. } => None,
+            };
+            let id = path_param(id)?;
+            let found = on_engine(&app, move |e| {
+                let env = e.caller_operation(&id, scope.as_ref().map(|(t, s)| (t.as_str(), s.as_str())))?;
+                let state = match &env {
+                    Some(env) if env.code() == Some(Code::OutcomeUnknown) => env
+                        .protected_audit
+                        .operation_id
+                        .as_deref()
+                        .map(|id| e.operation_state(id))
+                        .transpose()?
+                        .flatten(),
+                    _ => None,
+                };
+                Ok::<_, EngineError>(env.map(|env| (env, state)))
+            })
+            .await?;
+            match found {
+                Ok(Some((env, state))) => Ok(envelope_reply(&env, state)),
+                // Another tenant's or subject's operation reads exactly like none at all.
+                Ok(None) => Err(refuse(status::NO_SUCH_OPERATION)),
+                Err(e) => Err(engine_failure(&e)),
+            }
+        }
+        .await,
+    )
+}
+
+async fn list_approvals(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    reply(
+        async move {
+            operator_of(&app, &headers).await?;
+            let listed = on_engine(&app, |e| {
+                let now = e.clock().now_ms();
+                e.pending_approvals(1000).map(|rows| {
+                    rows.iter()
+                        .map(|a| {
+                            json!({
+                                "approval_id": a.id, "tool": a.tool, "tenant": a.tenant, "subject": a.subject,
+                                "amount_minor": crate::engine::approval_amount(a),
+                                "created_at": crate::engine::clock::rfc3339(a.created_at),
+                                "expires_at": crate::engine::clock::rfc3339(a.expires_at),
+                                "expires_in_ms": a.expires_at - now, "request_sha256": a.request_sha256,
+                            })
+                        })
+                        .collect::<Vec<Value>>()
+                })
+            })
+            .await?;
+            match listed {
+                Ok(list) => Ok(json_reply(StatusCode::OK, &json!({"pending": list}))),
+                Err(e) => Err(engine_failure(&e)),
+            }
+        }
+        .await,
+    )
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Empty {}
+
+async fn approve(
+    State(app): State<Arc<App>>,
+    id: Result<UrlPath<String>, PathRejection>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    reply(
+        async move {
+            let operator = operator_of(&app, &headers).await?;
+            let id = path_param(id)?;
+            let _: Empty = parse_body(&read_body(&headers, body, true).await?)?;
+            match on_engine(&app, move |e| e.approve(&id, &operator)).await? {
+                Ok(env) => Ok(envelope_reply(&env, None)),
+                Err(e) => Err(engine_failure(&e)),
+            }
+        }
+        .await,
+    )
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DenyBody {
+    note: String,
+}
+
+async fn deny(
+    State(app): State<Arc<App>>,
+    id: Result<UrlPath<String>, PathRejection>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    reply(
+        async move {
+            let operator = operator_of(&app, &headers).await?;
+            let id = path_param(id)?;
+            let b: DenyBody = parse_body(&read_body(&headers, body, false).await?)?;
+            match on_engine(&app, move |e| e.deny(&id, &operator, &b.note)).await? {
+                Ok(o) => Ok(outcome_reply(&o)),
+                Err(e) => Err(engine_failure(&e)),
+            }
+        }
+        .await,
+    )
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResolveBody {
+    resolution: Resolution,
+    note: String,
+    #[serde(default)]
+    evidence: Option<String>,
+    #[serde(default)]
+    seen_version: Option<i64>,
+    #[serde(default)]
+    action_id: Option<String>,
+    #[serde(default)]
+    against_evidence: bool,
+}
+
+async fn resolve(
+    State(app): State<Arc<App>>,
+    id: Result<UrlPath<String>, PathRejection>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    reply(
+        async move {
+            let operator = operator_of(&app, &headers).await?;
+            let operation_id = path_param(id)?;
+            let b: ResolveBody = parse_body(&read_body(&headers, body, false).await?)?;
+            let req = ResolveRequest {
+                operation_id,
+                resolution: b.resolution,
+                operator,
+                note: b.note,
+                evidence: b.evidence,
+                seen_version: b.seen_version,
+                action_id: b.action_id,
+            };
+            let against = b.against_evidence;
+            let out =
+                on_engine(&app, move |e| if against { e.resolve_against_evidence(&req) } else { e.resolve(&req) });
+            match out.await? {
+                Ok(o) => Ok(outcome_reply(&o)),
+                Err(e) => Err(engine_failure(&e)),
+            }
+        }
+        .await,
+    )
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CancelBody {
+    note: String,
+    #[serde(default)]
+    seen_version: Option<i64>,
+    #[serde(default)]
+    action_id: Option<String>,
+}
+
+async fn cancel(
+    State(app): State<Arc<App>>,
+    id: Result<UrlPath<String>, PathRejection>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    reply(
+        async move {
+            let operator = operator_of(&app, &headers).await?;
+            let operation_id = path_param(id)?;
+            let b: CancelBody = parse_body(&read_body(&headers, body, false).await?)?;
+            let req = CancelRequest {
+                operation_id,
+                operator,
+                note: b.note,
+                seen_version: b.seen_version,
+                action_id: b.action_id,
+            };
+            match on_engine(&app, move |e| e.cancel(&req)).await? {
+                Ok(o) => Ok(outcome_reply(&o)),
+                Err(e) => Err(engine_failure(&e)),
+            }
+        }
+        .await,
+    )
+}

@@ -1,0 +1,675 @@
+//! `toolgate serve` (issue 17 §1, §2, §5): a real child process on an
+//! ephemeral loopback port, driven by a real HTTP client (ureq), on both
+//! backends. Every scenario checks the HTTP status, the envelope's code and
+//! delivery, and what the ledger holds afterwards.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::support::{refund_args, Backend, Fixture};
+
+fn bin() -> PathBuf {
+    assert_cmd::cargo::cargo_bin("toolgate")
+}
+
+/// A `toolgate serve` child on an ephemeral loopback port; killed on drop.
+struct Server {
+    child: Option<Child>,
+    url: String,
+    addr: String,
+}
+
+impl Server {
+    fn start(db: &Path, extra: &[&str]) -> Self {
+        let mut child = Command::new(bin())
+            .arg("--db")
+            .arg(db)
+            .args(extra)
+            .args(["serve", "--listen", "127.0.0.1:0", "--threads", "2"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let url =
+            line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("no address in {line:?}")).to_string();
+        let addr = url.trim_start_matches("http://").to_string();
+        Self { child: Some(child), url, addr }
+    }
+
+    /// SIGTERM, then the exit status.
+    fn terminate(&mut self) -> ExitStatus {
+        let mut child = self.child.take().unwrap();
+        let ok = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+        assert!(ok.success());
+        child.wait().unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `toolgate token create ...` → the token.
+fn token(db: &Path, args: &[&str]) -> String {
+    let out = Command::new(bin()).arg("--db").arg(db).args(args).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["token"].as_str().unwrap().to_string()
+}
+
+fn agent_token(db: &Path, tenant: &str, subject: &str) -> String {
+    token(db, &["token", "create", "--tenant", tenant, "--subject", subject, "--json"])
+}
+
+fn operator_token(db: &Path, name: &str) -> String {
+    token(db, &["--operator", name, "token", "create", "--json"])
+}
+
+/// One HTTP answer.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    retry_after: Option<String>,
+    body: Value,
+}
+
+impl Answer {
+    fn code(&self) -> Option<&str> {
+        self.body["model_result"]["error"]["code"].as_str()
+    }
+    fn delivery(&self) -> &str {
+        self.body["model_result"]["execution"]["delivery"].as_str().unwrap_or("?")
+    }
+    fn status_ref(&self) -> &str {
+        self.body["protected_audit"]["downstream"]["status_ref"].as_str().unwrap()
+    }
+    fn request_sha256(&self) -> &str {
+        self.body["protected_audit"]["binding"]["request_sha256"].as_str().unwrap()
+    }
+    fn operation_id(&self) -> &str {
+        self.body["protected_audit"]["operation_id"].as_str().unwrap()
+    }
+}
+
+struct Client {
+    agent: ureq::Agent,
+    url: String,
+}
+
+impl Client {
+    fn new(server: &Server) -> Self {
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(60)))
+            .build()
+            .into();
+        Self { agent, url: server.url.clone() }
+    }
+
+    fn send(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+    ) -> Answer {
+        let url = format!("{}{path}", self.url);
+        let auth = token.map(|t| format!("Bearer {t}"));
+        let resp = if method == "GET" {
+            let mut r = self.agent.get(&url);
+            if let Some(a) = &auth {
+                r = r.header("authorization", a);
+            }
+            for (k, v) in headers {
+                r = r.header(*k, *v);
+            }
+            r.call()
+        } else {
+            let mut r = self.agent.post(&url);
+            if let Some(a) = &auth {
+                r = r.header("authorization", a);
+            }
+            for (k, v) in headers {
+                r = r.header(*k, *v);
+            }
+            r.send(body.unwrap_or(b""))
+        };
+        let mut resp = resp.unwrap();
+        let status = resp.status().as_u16();
+        let retry_after = resp.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
+        let text = resp.body_mut().read_to_string().unwrap();
+        let body = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON ({status}): {text}"));
+        Answer { status, retry_after, body }
+    }
+
+    /// `POST /v1/tools/{tool}/calls` with a JSON body and an optional key.
+    fn call(&self, token: &str, tool: &str, key: Option<&str>, args: &str, extra: &[(&str, &str)]) -> Answer {
+        let mut h = vec![("content-type", "application/json")];
+        if let Some(k) = key {
+            h.push(("idempotency-key", k));
+        }
+        h.extend_from_slice(extra);
+        self.send("POST", &format!("/v1/tools/{tool}/calls"), Some(token), &h, Some(args.as_bytes()))
+    }
+
+    fn post_json(&self, token: &str, path: &str, body: &Value) -> Answer {
+        let text = body.to_string();
+        self.send("POST", path, Some(token), &[("content-type", "application/json")], Some(text.as_bytes()))
+    }
+}
+
+fn effects(f: &Fixture) -> i64 {
+    f.engine().counts().unwrap().downstream_effects
+}
+
+/// Everything a refusal must leave alone: operations, outbox rows, effects,
+/// approvals, tokens (the trace may grow by its events).
+fn business_snapshot(f: &Fixture) -> Vec<i64> {
+    ["operations", "outbox", "provider_effects", "approvals", "call_identities", "api_tokens", "orders"]
+        .iter()
+        .map(|t| f.query_i64(&format!("SELECT count(*) FROM {t}")))
+        .chain([f.query_i64("SELECT CAST(coalesce(sum(refunded_minor), 0) AS BIGINT) FROM orders")])
+        .collect()
+}
+
+fn fresh_dispatch_replay_conflict_and_missing_key(backend: Backend) {
+    let f = Fixture::on(backend);
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let server = Server::start(f.path(), &[]);
+    let c = Client::new(&server);
+    let args = refund_args("ord_1001", 1000);
+
+    let first = c.call(&ana, "create_refund", Some("refund-http-0001"), &args, &[]);
+    assert_eq!((first.status, first.code(), first.delivery()), (200, None, "fresh"), "{:#}", first.body);
+    let refund_id = first.body["model_result"]["data"]["refund_id"].as_str().unwrap().to_string();
+
+    // The model retries under a new call id: a local replay of the same refund, no second effect.
+    let again = c.call(&ana, "create_refund", Some("refund-http-0001"), &args, &[("toolgate-call-id", "call_2")]);
+    assert_eq!((again.status, again.delivery()), (200, "local_replay"));
+    assert_eq!(again.body["model_result"]["data"]["refund_id"], refund_id.as_str());
+
+    // Same key, another amount: 422, nothing changes.
+    let before = business_snapshot(&f);
+    let other = c.call(&ana, "create_refund", Some("refund-http-0001"), &refund_args("ord_1001", 1500), &[]);
+    assert_eq!((other.status, other.code()), (422, Some("IDEMPOTENCY_CONFLICT")));
+    assert_eq!(other.body["model_result"]["error"]["retryable"], false);
+
+    // A write tool without a key: 400, before any state.
+    let keyless = c.call(&ana, "create_refund", None, &args, &[]);
+    assert_eq!((keyless.status, keyless.code()), (400, Some("IDEMPOTENCY_KEY_REQUIRED")));
+    assert_eq!(business_snapshot(&f)[..1], before[..1]);
+    assert_eq!(effects(&f), 1);
+
+    // The caller reads its own operation.
+    let op = c.send("GET", &format!("/v1/operations/{}", first.operation_id()), Some(&ana), &[], None);
+    assert_eq!((op.status, op.delivery()), (200, "local_replay"));
+    assert_eq!(op.body["model_result"]["data"]["refund_id"], refund_id.as_str());
+
+    // A read tool needs no key.
+    let read = c.call(&ana, "get_order", None, r#"{"order_ref":"ord_1001"}"#, &[]);
+    assert_eq!(read.status, 200, "{:#}", read.body);
+    assert_eq!(read.body["model_result"]["data"]["refunded_minor"], 1000);
+}
+
+fn a_lost_reply_is_unknown_until_a_status_query_reconciles_it(backend: Backend) {
+    let f = Fixture::on(backend);
+    // Faults come in a request header only on a database marked as a demo.
+    f.engine().mark_demo(crate::support::T0).unwrap();
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let server = Server::start(f.path(), &[]);
+    let c = Client::new(&server);
+    let args = refund_args("ord_1004", 700);
+    let fault = [("toolgate-fault", "timeout_after_commit")];
+
+    let lost = c.call(&ana, "create_refund", Some("refund-http-lost-1"), &args, &fault);
+    assert_eq!((lost.status, lost.code()), (504, Some("OUTCOME_UNKNOWN")), "{:#}", lost.body);
+    assert_eq!(lost.body["model_result"]["error"]["recovery"], "query_status");
+    assert_eq!(effects(&f), 1, "the provider committed");
+
+    // A retry with the same key never executes again: still unknown, same status_ref.
+    let retry = c.call(&ana, "create_refund", Some("refund-http-lost-1"), &args, &[]);
+    assert_eq!((retry.status, retry.code()), (504, Some("OUTCOME_UNKNOWN")));
+    assert_eq!(retry.status_ref(), lost.status_ref());
+    assert_eq!(effects(&f), 1);
+
+    // The explicit status query finds the receipt.
+    let q = c.post_json(
+        &ana,
+        "/v1/status-queries",
+        &json!({"status_ref": lost.status_ref(), "expected_request_sha256": lost.request_sha256()}),
+    );
+    assert_eq!((q.status, q.code(), q.delivery()), (200, None, "receipt_reconciled"), "{:#}", q.body);
+
+    let replay = c.call(&ana, "create_refund", Some("refund-http-lost-1"), &args, &[]);
+    assert_eq!((replay.status, replay.delivery()), (200, "local_replay"));
+    assert_eq!(effects(&f), 1);
+    assert_eq!(f.engine().counts().unwrap().side_effect_duplicates, 0);
+}
+
+/// A provider that takes one request and holds it until told to drop it.
+struct HoldingProvider {
+    url: String,
+    received: std::sync::mpsc::Receiver<()>,
+    release: std::sync::mpsc::Sender<()>,
+}
+
+impl HoldingProvider {
+    fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (got, received) = std::sync::mpsc::channel();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+            let mut head = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 1 << 20 {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
+            let _ = got.send(());
+            // Held until the test says so (or gives up), then dropped with no reply.
+            let _ = released.recv_timeout(Duration::from_secs(120));
+            drop(s);
+        });
+        Self { url, received, release }
+    }
+}
+
+/// The demo catalog behind HTTP, pointed at `base_url`, with attempts that
+/// wait as long as the provider holds them (the test releases it).
+fn held_catalog(dir: &Path, base_url: &str) -> PathBuf {
+    let out = crate::http::write_catalog(dir, base_url, None);
+    for name in ["create_refund.json", "notify_customer.json"] {
+        let p = out.join(name);
+        let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        v["retry"]["attempt_timeout_ms"] = Value::from(60_000);
+        v["retry"]["deadline_ms"] = Value::from(120_000);
+        std::fs::write(&p, v.to_string()).unwrap();
+    }
+    out
+}
+
+fn the_same_key_while_in_flight_is_409_with_retry_after(backend: Backend) {
+    let f = Fixture::on(backend);
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let provider = HoldingProvider::start();
+    let catalog = held_catalog(f.scratch(), &provider.url);
+    let server = Server::start(f.path(), &["--catalog", catalog.to_str().unwrap()]);
+    let c = std::sync::Arc::new(Client::new(&server));
+    let args = refund_args("ord_1001", 900);
+
+    let first = {
+        let (c, ana, args) = (c.clone(), ana.clone(), args.clone());
+        std::thread::spawn(move || c.call(&ana, "create_refund", Some("refund-http-held-1"), &args, &[]))
+    };
+    // The provider has the request: the sent-marker committed before it was sent.
+    provider.received.recv_timeout(Duration::from_secs(60)).unwrap();
+    let dup = c.call(&ana, "create_refund", Some("refund-http-held-1"), &args, &[("toolgate-call-id", "call_dup")]);
+    assert_eq!((dup.status, dup.code()), (409, Some("OUTCOME_UNKNOWN")), "{:#}", dup.body);
+    assert!(dup.retry_after.as_deref().is_some_and(|s| s.parse::<u64>().is_ok()), "{:?}", dup.retry_after);
+    assert_eq!(f.query_i64("SELECT count(*) FROM operations"), 1);
+    assert_eq!(f.query_i64("SELECT count(*) FROM attempts"), 1, "the duplicate sent nothing");
+
+    // The provider drops the connection: the first caller learns the outcome is unknown.
+    provider.release.send(()).unwrap();
+    let first = first.join().unwrap();
+    assert_eq!(first.code(), Some("OUTCOME_UNKNOWN"), "{:#}", first.body);
+    assert_eq!(first.status_ref(), dup.status_ref());
+}
+
+fn tokens_are_checked_at_every_request_and_never_stored(backend: Backend) {
+    let f = Fixture::on(backend);
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    // Expired from the start as the server sees it (the system clock is past 2020).
+    let expired = token(
+        f.path(),
+        &[
+            "--now",
+            "2020-01-01T00:00:00Z",
+            "token",
+            "create",
+            "--tenant",
+            "acme",
+            "--subject",
+            "agent_ana",
+            "--expires",
+            "2020-01-02T00:00:00Z",
+            "--json",
+        ],
+    );
+    let server = Server::start(f.path(), &[]);
+    let c = Client::new(&server);
+    let read = r#"{"order_ref":"ord_1001"}"#;
+    assert_eq!(c.call(&ana, "get_order", None, read, &[]).status, 200);
+
+    let before = business_snapshot(&f);
+    let h = [("content-type", "application/json")];
+    let path = "/v1/tools/get_order/calls";
+    let refused = |auth: Option<&str>| {
+        let mut headers = h.to_vec();
+        if let Some(a) = auth {
+            headers.push(("authorization", a));
+        }
+        c.send("POST", path, None, &headers, Some(read.as_bytes()))
+    };
+    // `tgt_` + 16 hex digits, `_`, then the secret (base64url, which may itself hold `_`).
+    let (public, secret) = (&ana[..20], &ana[21..]);
+    assert_eq!((&ana[..4], &ana[20..21], secret.len()), ("tgt_", "_", 43), "{ana}");
+    let wrong_secret = format!("Bearer {public}_{}", "A".repeat(secret.len()));
+    let unknown = format!("Bearer tgt_0000000000000000_{}", "A".repeat(43));
+    for (auth, code) in [
+        (None, "TOKEN_MISSING"),
+        (Some("Bearer nope"), "TOKEN_MALFORMED"),
+        (Some("Basic YWxpY2U6c2VjcmV0"), "TOKEN_MALFORMED"),
+        (Some(unknown.as_str()), "TOKEN_UNKNOWN"),
+        (Some(wrong_secret.as_str()), "TOKEN_UNKNOWN"),
+        (Some(&format!("Bearer {expired}")), "TOKEN_EXPIRED"),
+    ] {
+        let a = refused(auth);
+        assert_eq!((a.status, a.code()), (401, Some(code)), "{auth:?}: {:#}", a.body);
+        assert_eq!(a.body["model_result"]["data"], Value::Null);
+    }
+
+    // Revoked mid-run: the very next request is refused.
+    let id = {
+        let out = Command::new(bin()).arg("--db").arg(f.path()).args(["token", "list", "--json"]).output().unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let list = v["tokens"].as_array().unwrap().clone();
+        let mine = list.iter().find(|t| ana.starts_with(t["prefix"].as_str().unwrap())).unwrap();
+        assert!(mine.get("secret_sha256").is_none() && !v.to_string().contains(secret));
+        mine["id"].as_str().unwrap().to_string()
+    };
+    let out = Command::new(bin()).arg("--db").arg(f.path()).args(["token", "revoke", &id]).output().unwrap();
+    assert!(out.status.success());
+    let a = c.call(&ana, "get_order", None, read, &[]);
+    assert_eq!((a.status, a.code()), (401, Some("TOKEN_REVOKED")));
+    assert_eq!(business_snapshot(&f)[..5], before[..5], "a refused token writes nothing but its trace");
+    assert!(f.query_i64("SELECT count(*) FROM trace_events WHERE step = 'authentication'") >= 7);
+
+    // The raw token is nowhere: not in any token row, not in the trace, not in the log.
+    assert_eq!(
+        f.query_i64(&format!(
+            "SELECT count(*) FROM api_tokens WHERE secret_sha256 LIKE '%{secret}%' OR prefix LIKE '%{secret}%'"
+        )),
+        0
+    );
+    assert_eq!(f.query_i64(&format!("SELECT count(*) FROM trace_events WHERE fields LIKE '%{secret}%'")), 0);
+    if backend == Backend::Sqlite {
+        for p in [f.path().to_path_buf(), f.path().with_extension("db-wal"), f.path().with_extension("db.log")] {
+            if let Ok(bytes) = std::fs::read(&p) {
+                assert!(
+                    !bytes.windows(secret.len()).any(|w| w == secret.as_bytes()),
+                    "{} holds the token",
+                    p.display()
+                );
+            }
+        }
+    }
+}
+
+fn other_callers_ids_are_404_and_agents_cannot_act_as_operators(backend: Backend) {
+    let f = Fixture::on(backend);
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let ben = agent_token(f.path(), "acme", "agent_ben");
+    let gus = agent_token(f.path(), "globex", "agent_gus");
+    let alice = operator_token(f.path(), "alice");
+    let server = Server::start(f.path(), &[]);
+    let c = Client::new(&server);
+
+    let mine = c.call(&ana, "create_refund", Some("refund-http-own-1"), &refund_args("ord_1001", 100), &[]);
+    assert_eq!(mine.status, 200);
+    let path = format!("/v1/operations/{}", mine.operation_id());
+    let none = c.send("GET", "/v1/operations/op_000000000000000000000000", Some(&ana), &[], None);
+    assert_eq!((none.status, none.code()), (404, Some("NO_SUCH_OPERATION")));
+    for other in [&gus, &ben] {
+        let a = c.send("GET", &path, Some(other), &[], None);
+        assert_eq!(a.status, 404);
+        assert_eq!(a.body, none.body, "someone else's operation reads exactly like none");
+    }
+    assert_eq!(c.send("GET", &path, Some(&alice), &[], None).status, 200, "an operator sees every operation");
+
+    // Above the threshold: an approval request holds the exact call.
+    let big = refund_args("ord_1002", 60_000);
+    let held = c.call(&ana, "create_refund", Some("refund-http-big-1"), &big, &[]);
+    assert_eq!((held.status, held.code()), (202, Some("APPROVAL_REQUIRED")), "{:#}", held.body);
+    let approval = held.body["protected_audit"]["approval_id"].as_str().unwrap().to_string();
+
+    let before = business_snapshot(&f);
+    let note = json!({"note": "no"});
+    let empty = json!({});
+    for (path, body) in [
+        (format!("/v1/approvals/{approval}/approve"), &empty),
+        (format!("/v1/approvals/{approval}/deny"), &note),
+        (format!("/v1/operations/{}/resolve", mine.operation_id()), &json!({"resolution": "failed", "note": "x"})),
+        (format!("/v1/operations/{}/cancel", mine.operation_id()), &note),
+    ] {
+        let a = c.post_json(&ana, &path, body);
+        assert_eq!((a.status, a.code()), (403, Some("OPERATOR_TOKEN_REQUIRED")), "{path}");
+    }
+    let list = c.send("GET", "/v1/approvals", Some(&ana), &[], None);
+    assert_eq!((list.status, list.code()), (403, Some("OPERATOR_TOKEN_REQUIRED")));
+    assert_eq!(business_snapshot(&f), before, "an agent's operator attempt changes nothing");
+
+    // An operator token cannot dispatch as a subject.
+    let as_subject = c.call(&alice, "create_refund", Some("refund-http-op-1"), &refund_args("ord_1001", 100), &[]);
+    assert_eq!((as_subject.status, as_subject.code()), (403, Some("SUBJECT_TOKEN_REQUIRED")));
+
+    // The operator lists and approves; the held call runs once.
+    let list = c.send("GET", "/v1/approvals", Some(&alice), &[], None);
+    assert_eq!(list.status, 200);
+    assert!(list.body["pending"].as_array().unwrap().iter().any(|a| a["approval_id"] == approval.as_str()));
+    let ok = c.post_json(&alice, &format!("/v1/approvals/{approval}/approve"), &empty);
+    assert_eq!(ok.status, 200, "{:#}", ok.body);
+    let replay = c.call(&ana, "create_refund", Some("refund-http-big-1"), &big, &[]);
+    assert_eq!((replay.status, replay.delivery()), (200, "local_replay"), "{:#}", replay.body);
+    assert_eq!(effects(&f), 2);
+}
+
+fn hostile_requests_get_stable_codes_and_change_nothing(backend: Backend) {
+    let f = Fixture::on(backend);
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let server = Server::start(f.path(), &[]);
+    let c = Client::new(&server);
+    let before = business_snapshot(&f);
+    let key = Some("refund-http-hostile-1");
+    let deep = format!("{}{}", "[".repeat(100), "]".repeat(100));
+    let big = format!(r#"{{"order_ref":"{}"}}"#, "x".repeat(70 * 1024));
+    let h = [("content-type", "application/json"), ("idempotency-key", "refund-http-hostile-1")];
+    let raw = |body: &[u8], extra: &[(&str, &str)]| {
+        let mut headers = h.to_vec();
+        headers.extend_from_slice(extra);
+        c.send("POST", "/v1/tools/create_refund/calls", Some(&ana), &headers, Some(body))
+    };
+    for (what, a, status, code) in [
+        ("over the limit", raw(big.as_bytes(), &[]), 413, "BODY_TOO_LARGE"),
+        ("invalid UTF-8", raw(b"{\"order_ref\":\"\xff\"}", &[]), 400, "INVALID_ARGUMENTS"),
+        ("duplicate keys", raw(br#"{"amount_minor":1,"amount_minor":2}"#, &[]), 400, "INVALID_ARGUMENTS"),
+        ("deep nesting", raw(deep.as_bytes(), &[]), 400, "INVALID_ARGUMENTS"),
+        ("not JSON", raw(b"{nope", &[]), 400, "INVALID_ARGUMENTS"),
+        (
+            "fault off a demo database",
+            c.call(
+                &ana,
+                "create_refund",
+                key,
+                &refund_args("ord_1001", 5),
+                &[("toolgate-fault", "timeout_after_commit")],
+            ),
+            400,
+            "FAULT_NOT_ALLOWED",
+        ),
+        (
+            "bad deadline",
+            c.call(&ana, "create_refund", key, &refund_args("ord_1001", 5), &[("toolgate-deadline-ms", "soon")]),
+            400,
+            "INVALID_HEADER",
+        ),
+        ("unknown tool", c.call(&ana, "drop_tables", key, "{}", &[]), 404, "UNKNOWN_TOOL"),
+        (
+            "text/plain",
+            c.send("POST", "/v1/tools/create_refund/calls", Some(&ana), &[("content-type", "text/plain")], Some(b"{}")),
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+        ),
+        (
+            "no content type",
+            c.send("POST", "/v1/tools/create_refund/calls", Some(&ana), &[], Some(b"{}")),
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+        ),
+        (
+            "status query with an unknown field",
+            c.post_json(
+                &ana,
+                "/v1/status-queries",
+                &json!({"status_ref": "x", "expected_request_sha256": "y", "tenant": "globex"}),
+            ),
+            400,
+            "INVALID_BODY",
+        ),
+        (
+            "malformed status_ref",
+            c.post_json(&ana, "/v1/status-queries", &json!({"status_ref": "x", "expected_request_sha256": "y"})),
+            400,
+            "INVALID_ARGUMENTS",
+        ),
+        ("no such route", c.send("GET", "/v1/nope", Some(&ana), &[], None), 404, "NO_SUCH_ROUTE"),
+        (
+            "wrong method",
+            c.send("GET", "/v1/tools/create_refund/calls", Some(&ana), &[], None),
+            405,
+            "METHOD_NOT_ALLOWED",
+        ),
+    ] {
+        assert_eq!((a.status, a.code()), (status, Some(code)), "{what}: {:#}", a.body);
+        assert!(a.body["model_result"]["execution"].is_object(), "{what}: the body is an envelope");
+    }
+    assert_eq!(business_snapshot(&f), before, "hostile requests changed the ledger");
+
+    // A request head that never finishes is cut off; the server stays up.
+    let mut slow = TcpStream::connect(&server.addr).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    slow.write_all(b"POST /v1/tools/create_refund/calls HTTP/1.1\r\nHost: x\r\n").unwrap();
+    let mut rest = Vec::new();
+    let _ = slow.read_to_end(&mut rest);
+    assert!(rest.is_empty() || String::from_utf8_lossy(&rest).starts_with("HTTP/1.1 408"), "{rest:?}");
+
+    // 200 connections at once, idle: another caller is still answered (a
+    // read binds its call identity: the snapshot is taken again after it).
+    let idle: Vec<TcpStream> = (0..200).map(|_| TcpStream::connect(&server.addr).unwrap()).collect();
+    let ok = c.call(&ana, "get_order", None, r#"{"order_ref":"ord_1001"}"#, &[]);
+    assert_eq!(ok.status, 200);
+    drop(idle);
+    let before = business_snapshot(&f);
+    // 200 concurrent requests: every one answered.
+    let answered: Vec<u16> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..200).map(|_| s.spawn(|| c.send("GET", "/healthz", None, &[], None).status)).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(answered.iter().all(|s| *s == 200 || *s == 503), "{answered:?}");
+    assert_eq!(business_snapshot(&f), before);
+}
+
+fn sigterm_lets_the_call_in_flight_finish_and_exits_0(backend: Backend) {
+    let f = Fixture::on(backend);
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let provider = HoldingProvider::start();
+    let catalog = held_catalog(f.scratch(), &provider.url);
+    let mut server = Server::start(f.path(), &["--catalog", catalog.to_str().unwrap()]);
+    let c = std::sync::Arc::new(Client::new(&server));
+    let in_flight = {
+        let (c, ana) = (c.clone(), ana.clone());
+        std::thread::spawn(move || {
+            c.call(&ana, "create_refund", Some("refund-http-term-1"), &refund_args("ord_1001", 300), &[])
+        })
+    };
+    provider.received.recv_timeout(Duration::from_secs(60)).unwrap();
+    let kill = Command::new("kill").args(["-TERM", &server.child.as_ref().unwrap().id().to_string()]).status().unwrap();
+    assert!(kill.success());
+    // It stops accepting (bounded wait for the listener to close) ...
+    let mut refused = false;
+    for _ in 0..600 {
+        if TcpStream::connect(&server.addr).is_err() {
+            refused = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(refused, "still accepting after SIGTERM");
+    // ... and the call in flight still gets its answer.
+    provider.release.send(()).unwrap();
+    let answer = in_flight.join().unwrap();
+    assert_eq!(answer.code(), Some("OUTCOME_UNKNOWN"), "{:#}", answer.body);
+    let status = server.terminate_wait();
+    assert_eq!(status.code(), Some(0));
+
+    // A second server, stopped while idle, exits 0 too.
+    let mut idle = Server::start(f.path(), &[]);
+    assert_eq!(idle.terminate().code(), Some(0));
+}
+
+impl Server {
+    fn terminate_wait(&mut self) -> ExitStatus {
+        self.child.take().unwrap().wait().unwrap()
+    }
+}
+
+/// The README's code -> status table names every code with the status the server uses.
+#[test]
+fn the_readme_table_matches_the_status_mapping() {
+    use toolgate::api::status;
+    use toolgate::engine::envelope::Code;
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let row_of = |code: &str| {
+        readme
+            .lines()
+            .find(|l| l.split('|').nth(1).is_some_and(|first| first.contains(&format!("`{code}`"))))
+            .unwrap_or_else(|| panic!("README's status table lacks {code}"))
+            .to_string()
+    };
+    for c in Code::ALL {
+        let row = row_of(c.as_str());
+        let statuses: Vec<u16> =
+            [None, Some(toolgate::store::OpState::InFlight), Some(toolgate::store::OpState::Unknown)]
+                .iter()
+                .map(|s| status::of_code(c, *s).as_u16())
+                .collect();
+        for st in statuses {
+            assert!(row.contains(&st.to_string()), "README row for {c} lacks {st}: {row}");
+        }
+    }
+    for c in status::ALL {
+        let row = row_of(c.code);
+        assert!(row.contains(&c.status.as_u16().to_string()), "README row for {} lacks {}: {row}", c.code, c.status);
+    }
+    for code in ["TOKEN_MISSING", "TOKEN_MALFORMED", "TOKEN_UNKNOWN", "TOKEN_EXPIRED", "TOKEN_REVOKED"] {
+        assert!(row_of(code).contains("401"));
+    }
+}
+
+crate::on_both_backends!(
+    fresh_dispatch_replay_conflict_and_missing_key,
+    a_lost_reply_is_unknown_until_a_status_query_reconciles_it,
+    the_same_key_while_in_flight_is_409_with_retry_after,
+    tokens_are_checked_at_every_request_and_never_stored,
+    other_callers_ids_are_404_and_agents_cannot_act_as_operators,
+    hostile_requests_get_stable_codes_and_change_nothing,
+    sigterm_lets_the_call_in_flight_finish_and_exits_0,
+);
