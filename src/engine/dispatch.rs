@@ -22,7 +22,7 @@ use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, DefensesOff, Engine, EngineError};
 use crate::failpoint;
 use crate::store::{
-    ApprovalRow, ApprovalState, AttemptOutcome, CallIdentityRow, CallKey, OpState, OperationRow, OutboxState,
+    ApprovalRow, ApprovalState, AttemptOutcome, CallIdentityRow, CallKey, ForClaim, OpState, OperationRow, OutboxState,
     ReceiptRow, StoreError, Sync, Tx,
 };
 
@@ -963,8 +963,16 @@ fn claim(
         ev.write(tx, now)?;
         Ok(Claim::Answer(env))
     };
-    let Some(ob) = tx.outbox(op_id)? else {
-        return skipped(&ev, op_envelope(&op, Delivery::Fresh, pref.to_string(), None), "no_outbox_row");
+    let ob = match tx.outbox_for_claim(op_id)? {
+        ForClaim::Row(ob) => ob,
+        ForClaim::Missing => {
+            return skipped(&ev, op_envelope(&op, Delivery::Fresh, pref.to_string(), None), "no_outbox_row");
+        }
+        // Another worker is claiming it this instant: it runs there.
+        ForClaim::Busy => {
+            let env = op_envelope(&op, Delivery::LocalReplay, pref.to_string(), None);
+            return skipped(&ev, env, "claimed_elsewhere");
+        }
     };
     // Someone else runs it (or ran it): report its state, not a fresh execution.
     if ob.state != OutboxState::Pending {

@@ -677,6 +677,17 @@ impl Versioned {
     }
 }
 
+/// What [`Tx::outbox_for_claim`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ForClaim {
+    /// The row, locked for this transaction.
+    Row(OutboxRow),
+    /// Another transaction (a claim on another host) holds it right now.
+    Busy,
+    /// No outbox row.
+    Missing,
+}
+
 /// Typed queries inside one transaction, on either backend.
 pub struct Tx<'a> {
     conn: &'a Conn,
@@ -1140,6 +1151,30 @@ impl Tx<'_> {
         self.conn
             .prepare_cached(&format!("SELECT {OUTBOX_COLS} FROM outbox WHERE operation_id = ?1"))?
             .query_opt([operation_id], OutboxRow::from_row)
+    }
+
+    /// The outbox row a claim is about to take, locked for this transaction. On
+    /// PostgreSQL `FOR UPDATE SKIP LOCKED`: a row another host's claim holds
+    /// right now is not waited for; it reads as [`ForClaim::Busy`] and the
+    /// worker moves on (the queue pattern: claimers never queue behind each
+    /// other). On SQLite the write lock is already held: never busy.
+    pub fn outbox_for_claim(&self, operation_id: &str) -> R<ForClaim> {
+        if self.backend() == Backend::Postgres {
+            let locked = self
+                .conn
+                .prepare_cached(&format!(
+                    "SELECT {OUTBOX_COLS} FROM outbox WHERE operation_id = ?1 FOR UPDATE SKIP LOCKED"
+                ))?
+                .query_opt([operation_id], OutboxRow::from_row)?;
+            if let Some(row) = locked {
+                return Ok(ForClaim::Row(row));
+            }
+        }
+        Ok(match self.outbox(operation_id)? {
+            Some(_) if self.backend() == Backend::Postgres => ForClaim::Busy,
+            Some(row) => ForClaim::Row(row),
+            None => ForClaim::Missing,
+        })
     }
 
     /// Claims a pending, due outbox row with a lease; bumps the attempt. Returns the
