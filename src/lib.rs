@@ -6,8 +6,10 @@
 //! - [`engine`]: the dispatch pipeline, idempotency ledger, outbox, leases and the
 //!   reaper; recovery (explicit status queries, approvals, human review, audit);
 //!   contracts, canonical JSON, digests and `status_ref`. UI-free.
-//! - [`store`]: SQLite (rusqlite, WAL, `BEGIN IMMEDIATE`, STRICT tables,
-//!   embedded migrations). The only module with SQL.
+//! - [`store`]: the ledger on SQLite (rusqlite, WAL, `BEGIN IMMEDIATE`, STRICT
+//!   tables) or PostgreSQL (`postgres`, `SERIALIZABLE`, retried), one set of
+//!   queries over a neutral statement layer, numbered migrations per backend;
+//!   the simulated providers' own store. The only module with SQL.
 //! - [`downstream`]: the adapter trait and the simulated, durable payments and
 //!   notifications providers with their fault plans.
 //! - [`telemetry`]: the trace export, metrics computed from the database (and
@@ -19,8 +21,8 @@
 //!   walkthrough; a client of the engine that never writes the database itself.
 //! - [`demo`]: the deterministic demo database and its re-based working copy.
 //! - [`load`]: simulated agents that dispatch like real harnesses.
-//! - [`bench`]: `toolgate bench`, the engine against bare SQLite loops doing
-//!   the same commits, side by side.
+//! - [`bench`]: `toolgate bench`, the engine against bare loops doing the same
+//!   commits on the same backend, side by side.
 //! - [`display`]: stored text shown to people safely (digests checked before
 //!   they are shortened, control characters escaped, durations in days).
 //! - [`api`]: `toolgate serve`, the authenticated HTTP API (axum): bearer
