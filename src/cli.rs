@@ -102,6 +102,13 @@ pub enum Command {
     /// --public) until Ctrl-C or SIGTERM; prints `listening on http://ADDR`
     /// once bound. Runs the outbox workers and the reaper in the same process.
     Serve(ServeArgs),
+    /// Serve the catalog as Model Context Protocol tools on standard input and
+    /// output, as the agent the token names (checked at every call).
+    Mcp {
+        /// An agent's (subject) bearer token from `token create`.
+        #[arg(long, env = "TOOLGATE_TOKEN", hide_env_values = true)]
+        token: String,
+    },
     /// Create a database and load a world file (the demo world by default).
     Init {
         /// World file (JSON); the demo world when absent.
@@ -719,7 +726,7 @@ fn command_wants_json(c: Option<&Command>) -> bool {
             | Command::Bench { json, .. },
         ) => *json,
         Some(Command::DemoDb { json, .. }) => *json,
-        Some(Command::Demo { .. } | Command::Provider { .. } | Command::Serve(_)) => false,
+        Some(Command::Demo { .. } | Command::Provider { .. } | Command::Serve(_) | Command::Mcp { .. }) => false,
         Some(Command::Token {
             what: TokenCommand::Create { json, .. } | TokenCommand::List { json } | TokenCommand::Revoke { json, .. },
         }) => *json,
@@ -882,6 +889,15 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Cancel(a) => cancel_command(cli, a),
         Command::Token { what } => token_command(cli, what),
         Command::Serve(a) => serve_command(cli, a),
+        Command::Mcp { token } => {
+            refuse_read_only(cli)?;
+            let path = db_path(cli)?;
+            let opts = engine_options(cli)?;
+            // Diagnostics go to `<db>.log`: standard output is the protocol.
+            crate::telemetry::logging::init_for_db(path);
+            crate::mcp::serve_stdio(path, token, opts).map_err(|e| CliError::new(e.code(), e.to_string()))?;
+            Ok(0)
+        }
         Command::Load(a) => load_command(cli, a),
         Command::Lab(a) => lab_command(cli, a),
         Command::Init { world, json } => {
