@@ -18,8 +18,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, JsonObject, ListToolsResult, PaginatedRequestParams,
-    ServerCapabilities, ServerConfig, Tool, ToolAnnotations,
+    CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, JsonObject, ListToolsResult,
+    PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool, ToolAnnotations,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler, ServiceExt};
@@ -272,6 +272,12 @@ impl Gate {
 impl ServerHandler for Gate {
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(Implementation::new("toolgate", env!("CARGO_PKG_VERSION")))
+            .with_instructions(
+                "Tool calls go through toolgate's ledger: each write or external tool needs an idempotency_key \
+                 you generate once per business intent and reuse on every retry. An OUTCOME_UNKNOWN result \
+                 is settled with query_operation_status, never by calling the tool again with a new key.",
+            )
     }
 
     async fn list_tools(

@@ -72,6 +72,9 @@ fn tools_list_call_replay_conflict_and_revocation(backend: Backend) {
         let db = f.path().to_path_buf();
         let client = connect(&db, &token).await;
 
+        let info = client.peer_info().expect("the server's initialize answer");
+        assert_eq!(info.server_info.as_ref().map(|i| i.name.as_str()), Some("toolgate"));
+
         // tools/list: every catalog tool, the key where the effect needs one, and the query tool.
         let tools = client.list_all_tools().await.unwrap();
         if std::env::var_os("TOOLGATE_PRINT_TOOLS").is_some() {
