@@ -15,6 +15,7 @@ use crate::downstream::FaultPlan;
 use crate::engine::canonical::CallIdentity;
 use crate::engine::clock::{parse_rfc3339, rfc3339, Clock, ManualClock, SystemClock};
 use crate::engine::envelope::Envelope;
+use crate::engine::projection::{Projection, UnknownProjection, QUERY_STATUS_TOOL};
 use crate::engine::world::{World, DEMO_WORLD};
 use crate::engine::{
     fresh_call_identity, BulkAction, BulkTarget, DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest,
@@ -101,6 +102,13 @@ pub enum Command {
     /// --public) until Ctrl-C or SIGTERM; prints `listening on http://ADDR`
     /// once bound. Runs the outbox workers and the reaper in the same process.
     Serve(ServeArgs),
+    /// Serve the catalog as Model Context Protocol tools on standard input and
+    /// output, as the agent the token names (checked at every call).
+    Mcp {
+        /// An agent's (subject) bearer token from `token create`.
+        #[arg(long, env = "TOOLGATE_TOKEN", hide_env_values = true)]
+        token: String,
+    },
     /// Create a database and load a world file (the demo world by default).
     Init {
         /// World file (JSON); the demo world when absent.
@@ -508,6 +516,10 @@ pub struct DispatchArgs {
     /// Downstream faults for this call's attempts, e.g. `rate_limit(2000),ok`.
     #[arg(long)]
     pub fault: Option<String>,
+    /// Print only the model-facing result as this provider's tool-result message:
+    /// openai-responses, openai-chat, anthropic or gemini (JSON; the call id is `--call-id`).
+    #[arg(long, value_name = "PROVIDER")]
+    pub project: Option<String>,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -561,6 +573,10 @@ pub struct QueryArgs {
     /// retry a query under the same identity; reusing a dispatch's is CALL_ID_CONFLICT).
     #[command(flatten)]
     pub call: CallArgs,
+    /// Print only the model-facing result as this provider's tool-result message
+    /// (see `dispatch --project`; the tool is `query_operation_status`).
+    #[arg(long, value_name = "PROVIDER", conflicts_with = "all")]
+    pub project: Option<String>,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -710,7 +726,7 @@ fn command_wants_json(c: Option<&Command>) -> bool {
             | Command::Bench { json, .. },
         ) => *json,
         Some(Command::DemoDb { json, .. }) => *json,
-        Some(Command::Demo { .. } | Command::Provider { .. } | Command::Serve(_)) => false,
+        Some(Command::Demo { .. } | Command::Provider { .. } | Command::Serve(_) | Command::Mcp { .. }) => false,
         Some(Command::Token {
             what: TokenCommand::Create { json, .. } | TokenCommand::List { json } | TokenCommand::Revoke { json, .. },
         }) => *json,
@@ -846,6 +862,11 @@ fn tempfile_dir() -> Result<PathBuf, CliError> {
     Ok(dir)
 }
 
+/// The `--project` choice, refused before anything is opened or dispatched.
+fn projection(name: Option<&str>) -> Result<Option<Projection>, CliError> {
+    name.map(|n| Projection::parse(n).map_err(|e| CliError::new(UnknownProjection::CODE, e.to_string()))).transpose()
+}
+
 fn print_json(v: &impl serde::Serialize) {
     outln!("{}", serde_json::to_string_pretty(v).unwrap_or_else(|_| "null".into()));
 }
@@ -868,6 +889,15 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Cancel(a) => cancel_command(cli, a),
         Command::Token { what } => token_command(cli, what),
         Command::Serve(a) => serve_command(cli, a),
+        Command::Mcp { token } => {
+            refuse_read_only(cli)?;
+            let path = db_path(cli)?;
+            let opts = engine_options(cli)?;
+            // Diagnostics go to `<db>.log`: standard output is the protocol.
+            crate::telemetry::logging::init_for_db(path);
+            crate::mcp::serve_stdio(path, token, opts).map_err(|e| CliError::new(e.code(), e.to_string()))?;
+            Ok(0)
+        }
         Command::Load(a) => load_command(cli, a),
         Command::Lab(a) => lab_command(cli, a),
         Command::Init { world, json } => {
@@ -922,12 +952,14 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         }
         Command::Dispatch(a) => {
             refuse_read_only(cli)?;
+            let project = projection(a.project.as_deref())?;
             let arguments = read_args(a)?;
             let mut engine = open(cli)?;
             if let Some(f) = &a.fault {
                 engine.set_faults(FaultPlan::parse(f).map_err(|e| CliError::new("BAD_FAULT", e.to_string()))?);
             }
             let call = a.call.identity();
+            let call_id = call.call_id.clone();
             let env = engine.dispatch(&DispatchRequest {
                 tenant: a.tenant.clone(),
                 subject: a.subject.clone(),
@@ -938,7 +970,10 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 approval_id: a.approval_id.clone(),
                 deadline_ms: a.deadline_ms,
             })?;
-            print_envelope(&env, a.json);
+            match project {
+                Some(p) => print_json(&p.render(&call_id, &a.tool, &env.model_result)),
+                None => print_envelope(&env, a.json),
+            }
             Ok(env.exit_code())
         }
         Command::Query(a) if a.select.all => {
@@ -963,8 +998,10 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         }
         Command::Query(a) => {
             refuse_read_only(cli)?;
+            let project = projection(a.project.as_deref())?;
             let mut engine = open(cli)?;
             let call = a.call.identity();
+            let call_id = call.call_id.clone();
             let env = engine.query_operation_status(&QueryRequest {
                 tenant: a.tenant.clone().unwrap_or_default(),
                 subject: a.subject.clone().unwrap_or_default(),
@@ -974,7 +1011,10 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 call: Some(call),
                 operator: cli.operator.clone(),
             })?;
-            print_envelope(&env, a.json);
+            match project {
+                Some(p) => print_json(&p.render(&call_id, QUERY_STATUS_TOOL, &env.model_result)),
+                None => print_envelope(&env, a.json),
+            }
             Ok(env.exit_code())
         }
         Command::Approve { approval_id, approver, json, .. } => {

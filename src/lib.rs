@@ -27,6 +27,8 @@
 //!   they are shortened, control characters escaped, durations in days).
 //! - [`api`]: `toolgate serve`, the authenticated HTTP API (axum): bearer
 //!   tokens resolved at every request, engine threads, the envelope's status table.
+//! - [`mcp`]: `toolgate mcp`, the Model Context Protocol server (rmcp, stdio):
+//!   catalog tools with an idempotency key, `query_operation_status`.
 //! - [`cli`]: the command line (the binary's only dependency on this crate).
 
 pub mod api;
@@ -38,6 +40,7 @@ pub mod downstream;
 pub mod engine;
 pub mod failpoint;
 pub mod load;
+pub mod mcp;
 pub mod scenarios;
 pub mod store;
 pub mod telemetry;

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::PathRejection;
-use axum::extract::{Path as UrlPath, State};
+use axum::extract::{Path as UrlPath, RawQuery, State};
 use axum::http::{header, HeaderMap, HeaderValue, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -43,6 +43,7 @@ use serde_json::{json, Value};
 use crate::engine::canonical::{parse_strict, CallIdentity, MAX_DEPTH, MAX_INPUT_BYTES};
 use crate::engine::envelope::{Code, Envelope};
 use crate::engine::faults::FaultPlan;
+use crate::engine::projection::{Projection, QUERY_STATUS_TOOL};
 use crate::engine::tokens::{AuthFailure, Principal};
 use crate::engine::tool::Toolset;
 use crate::engine::{
@@ -327,10 +328,22 @@ fn engine_failure(e: &EngineError) -> Response {
     with_retry_after(json_reply(st, &body), 1000)
 }
 
-/// The reply for an engine envelope.
-fn envelope_reply(env: &Envelope, op_state: Option<crate::store::OpState>) -> Response {
+/// A `?project=` view of a reply's body: only its model result, as one
+/// provider's tool-result message for the call `call_id` of `tool`.
+struct View {
+    project: Projection,
+    call_id: String,
+    tool: String,
+}
+
+/// The reply for an engine envelope. A projection changes the body only: the
+/// status and `Retry-After` are the envelope's either way.
+fn envelope_reply(env: &Envelope, op_state: Option<crate::store::OpState>, view: Option<&View>) -> Response {
     let st = status::of_envelope(env, op_state);
-    let r = json_reply(st, env);
+    let r = match view {
+        Some(v) => json_reply(st, &v.project.render(&v.call_id, &v.tool, &env.model_result)),
+        None => json_reply(st, env),
+    };
     let retry_ms = env.model_result.error.as_ref().and_then(|e| e.retry_after_ms);
     match (retry_ms, st) {
         (Some(ms), _) => with_retry_after(r, ms),
@@ -440,6 +453,24 @@ fn call_identity(headers: &HeaderMap) -> CallIdentity {
     }
 }
 
+/// The `?project=` choice of the call and status-query endpoints. The query
+/// string holds that one parameter or nothing: anything else (another
+/// parameter, `project` twice) is `INVALID_QUERY`, so a typo is not silently
+/// answered with the whole envelope.
+fn projection_param(query: Option<&str>) -> Result<Option<Projection>, Response> {
+    let mut chosen = None;
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("project", name)) if chosen.is_none() => {
+                // Names are plain ASCII: a percent-encoded one is just not a name.
+                chosen = Some(Projection::parse(name).map_err(|_| refuse(status::UNKNOWN_PROJECTION))?);
+            }
+            _ => return Err(refuse(status::INVALID_QUERY)),
+        }
+    }
+    Ok(chosen)
+}
+
 fn path_param(p: Result<UrlPath<String>, PathRejection>) -> Result<String, Response> {
     p.map(|UrlPath(s)| s).map_err(|_| refuse(status::NO_SUCH_ROUTE))
 }
@@ -476,6 +507,7 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
 async fn call_tool(
     State(app): State<Arc<App>>,
     tool: Result<UrlPath<String>, PathRejection>,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
@@ -483,6 +515,7 @@ async fn call_tool(
         async move {
             let (tenant, subject) = subject_of(&app, &headers).await?;
             let tool = path_param(tool)?;
+            let project = projection_param(query.as_deref())?;
             let arguments = read_body(&headers, body, false).await?;
             let faults = match header_text(&headers, "toolgate-fault") {
                 None => None,
@@ -496,13 +529,15 @@ async fn call_tool(
                 None => None,
                 Some(v) => Some(v.trim().parse::<u64>().map_err(|_| refuse(status::INVALID_HEADER))?),
             };
+            let call = call_identity(&headers);
+            let view = project.map(|project| View { project, call_id: call.call_id.clone(), tool: tool.clone() });
             let req = DispatchRequest {
                 tenant,
                 subject,
                 tool,
                 arguments: arguments.to_vec(),
                 idempotency_key: header_text(&headers, "idempotency-key"),
-                call: Some(call_identity(&headers)),
+                call: Some(call),
                 approval_id: header_text(&headers, "toolgate-approval-id"),
                 deadline_ms,
             };
@@ -521,7 +556,7 @@ async fn call_tool(
             })
             .await?;
             match answered {
-                Ok((env, state)) => Ok(envelope_reply(&env, state)),
+                Ok((env, state)) => Ok(envelope_reply(&env, state, view.as_ref())),
                 Err(e) => Err(engine_failure(&e)),
             }
         }
@@ -538,18 +573,30 @@ struct StatusQueryBody {
     idempotency_key: Option<String>,
 }
 
-async fn status_query(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+async fn status_query(
+    State(app): State<Arc<App>>,
+    RawQuery(query): RawQuery,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     reply(
         async move {
             let (tenant, subject) = subject_of(&app, &headers).await?;
+            let project = projection_param(query.as_deref())?;
             let b: StatusQueryBody = parse_body(&read_body(&headers, body, false).await?)?;
+            let call = call_identity(&headers);
+            let view = project.map(|project| View {
+                project,
+                call_id: call.call_id.clone(),
+                tool: QUERY_STATUS_TOOL.to_string(),
+            });
             let q = QueryRequest {
                 tenant,
                 subject,
                 status_ref: b.status_ref,
                 expected_request_sha256: b.expected_request_sha256,
                 idempotency_key: b.idempotency_key,
-                call: Some(call_identity(&headers)),
+                call: Some(call),
                 operator: None,
             };
             let answered = on_engine(&app, move |e| {
@@ -562,7 +609,7 @@ async fn status_query(State(app): State<Arc<App>>, headers: HeaderMap, body: Bod
             })
             .await?;
             match answered {
-                Ok((env, state)) => Ok(envelope_reply(&env, state)),
+                Ok((env, state)) => Ok(envelope_reply(&env, state, view.as_ref())),
                 Err(e) => Err(engine_failure(&e)),
             }
         }
@@ -598,7 +645,7 @@ async fn get_operation(
             })
             .await?;
             match found {
-                Ok(Some((env, state))) => Ok(envelope_reply(&env, state)),
+                Ok(Some((env, state))) => Ok(envelope_reply(&env, state, None)),
                 // Another tenant's or subject's operation reads exactly like none at all.
                 Ok(None) => Err(refuse(status::NO_SUCH_OPERATION)),
                 Err(e) => Err(engine_failure(&e)),
@@ -654,7 +701,7 @@ async fn approve(
             let id = path_param(id)?;
             let _: Empty = parse_body(&read_body(&headers, body, true).await?)?;
             match on_engine(&app, move |e| e.approve(&id, &operator)).await? {
-                Ok(env) => Ok(envelope_reply(&env, None)),
+                Ok(env) => Ok(envelope_reply(&env, None, None)),
                 Err(e) => Err(engine_failure(&e)),
             }
         }

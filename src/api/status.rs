@@ -101,6 +101,10 @@ server_codes! {
         "Toolgate-Fault is honoured only on a database marked as a demo.";
     BAD_FAULT = "BAD_FAULT", BAD_REQUEST, "invalid_request", "correct_input",
         "The Toolgate-Fault header is not a fault plan.";
+    UNKNOWN_PROJECTION = "UNKNOWN_PROJECTION", BAD_REQUEST, "invalid_request", "correct_input",
+        "?project= must be one of openai-responses, openai-chat, anthropic, gemini.";
+    INVALID_QUERY = "INVALID_QUERY", BAD_REQUEST, "invalid_request", "correct_input",
+        "This endpoint takes no query parameter but one ?project=.";
     NO_SUCH_ROUTE = "NO_SUCH_ROUTE", NOT_FOUND, "not_found", "none",
         "There is no such endpoint.";
     NO_SUCH_OPERATION = "NO_SUCH_OPERATION", NOT_FOUND, "not_found", "none",

@@ -182,6 +182,8 @@ pub struct Contract {
     pub result_echoes: Vec<String>,
     /// Ledger retention; never shorter than the downstream's de-duplication window.
     pub retention_ms: u64,
+    /// The input schema as written (the MCP server lists it).
+    pub input_schema: Value,
     input: jsonschema::Validator,
     output: jsonschema::Validator,
 }
@@ -401,6 +403,7 @@ impl Contracts {
                 circuit: c.circuit,
                 result_echoes: c.result_echoes,
                 retention_ms: c.retention_ms,
+                input_schema: c.input_schema,
                 input,
                 output,
             });

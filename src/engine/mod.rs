@@ -17,6 +17,7 @@ pub mod ids;
 pub mod lab;
 pub(crate) mod operation;
 pub mod policy;
+pub mod projection;
 mod recovery;
 pub mod retention;
 pub mod tokens;

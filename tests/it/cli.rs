@@ -239,6 +239,47 @@ fn query_names_its_call_identity_like_dispatch() {
     assert_eq!(query(&db, &env, &q)["model_result"]["status"], "succeeded");
 }
 
+/// `--project` (SPEC §17) prints only the model result as a provider's tool
+/// result for `--call-id`, keeps the exit codes, and an unknown name is exit 2
+/// before anything is dispatched.
+#[test]
+fn project_prints_a_provider_tool_result_and_an_unknown_name_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = init(dir.path());
+    let (rc, v) = dispatch(&db, "cli-proj-0001", ARGS, &["--project", "openai-chat", "--call-id", "call_c1"]);
+    assert_eq!(rc, 0, "{v:#}");
+    assert_eq!((v["role"].as_str(), v["tool_call_id"].as_str()), (Some("tool"), Some("call_c1")));
+    let content: Value = serde_json::from_str(v["content"].as_str().unwrap()).unwrap();
+    assert_eq!((content["status"].as_str(), content.get("protected_audit")), (Some("succeeded"), None));
+
+    let conflict = ARGS.replace("1000", "1500");
+    let (rc, v) = dispatch(&db, "cli-proj-0001", &conflict, &["--project", "anthropic", "--call-id", "toolu_1"]);
+    assert_eq!((rc, v["is_error"].as_bool(), v["tool_use_id"].as_str()), (1, Some(true), Some("toolu_1")));
+    assert!(v["content"][0]["text"].as_str().unwrap().contains("IDEMPOTENCY_CONFLICT"));
+
+    // An unknown outcome, then its status query, projected for Gemini and OpenAI Responses.
+    let (_, env) = dispatch(
+        &db,
+        "cli-proj-lost",
+        ARGS.replace("ord_1001", "ord_1004").as_str(),
+        &["--fault", "timeout_after_commit"],
+    );
+    let (rc, v) =
+        dispatch(&db, "cli-proj-lost", ARGS.replace("ord_1001", "ord_1004").as_str(), &["--project", "gemini"]);
+    assert_eq!((rc, v["functionResponse"]["name"].as_str()), (1, Some("create_refund")));
+    assert_eq!(v["functionResponse"]["response"]["error"]["code"], "OUTCOME_UNKNOWN");
+    assert!(!v.to_string().contains(env["protected_audit"]["downstream"]["status_ref"].as_str().unwrap()));
+    let q = query(&db, &env, &["--project", "openai-responses", "--call-id", "call_q1"]);
+    assert_eq!((q["type"].as_str(), q["call_id"].as_str()), (Some("function_call_output"), Some("call_q1")));
+    assert!(q["output"].as_str().unwrap().contains("receipt_reconciled"), "{q:#}");
+
+    // An unknown name: exit 2 with the stable code, and the key was never used.
+    let (rc, v) = dispatch(&db, "cli-proj-0002", ARGS, &["--project", "openai"]);
+    assert_eq!((rc, v["error"]["code"].as_str()), (2, Some("UNKNOWN_PROJECTION")));
+    let (rc, v) = dispatch(&db, "cli-proj-0002", &conflict, &[]);
+    assert_eq!((rc, v["model_result"]["execution"]["delivery"].as_str()), (0, Some("fresh")));
+}
+
 #[test]
 fn every_read_command_stops_quietly_when_the_reader_goes_away() {
     let dir = tempfile::tempdir().unwrap();

@@ -15,6 +15,7 @@ mod hostile;
 mod http;
 mod invariants;
 mod lab;
+mod mcp;
 mod observability;
 mod pg;
 mod props;

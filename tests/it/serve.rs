@@ -631,6 +631,101 @@ impl Server {
     }
 }
 
+/// `?project=` (SPEC §17): only the model result, as one provider's tool
+/// result for the request's call id, with the envelope's status; the
+/// protected audit never appears; a bad name or parameter is 400 before any state.
+fn projections_render_the_model_result_only(backend: Backend) {
+    let f = Fixture::on(backend);
+    f.engine().mark_demo(crate::support::T0).unwrap();
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let server = Server::start(f.path(), &[]);
+    let c = Client::new(&server);
+    let args = refund_args("ord_1001", 1000);
+    let call_id = [("toolgate-call-id", "call_abc")];
+    let path = |p: &str| format!("/v1/tools/create_refund/calls?project={p}");
+    let send = |p: &str, key: &str, args: &str, extra: &[(&str, &str)]| {
+        let mut h = vec![("content-type", "application/json"), ("idempotency-key", key)];
+        h.extend_from_slice(extra);
+        c.send("POST", &path(p), Some(&ana), &h, Some(args.as_bytes()))
+    };
+
+    // A success as an OpenAI Responses item; its output is the model result exactly.
+    let ok = send("openai-responses", "refund-proj-0001", &args, &call_id);
+    assert_eq!(ok.status, 200, "{:#}", ok.body);
+    assert_eq!(ok.body["type"], "function_call_output");
+    assert_eq!(ok.body["call_id"], "call_abc");
+    let inner: Value = serde_json::from_str(ok.body["output"].as_str().unwrap()).unwrap();
+    assert_eq!(inner["status"], "succeeded");
+    assert_eq!(inner["execution"]["delivery"], "fresh");
+    assert!(inner.get("protected_audit").is_none() && ok.body.get("protected_audit").is_none());
+    let full = c.call(&ana, "create_refund", Some("refund-proj-0001"), &args, &[]);
+    assert_eq!(full.delivery(), "local_replay");
+    assert_eq!(inner["data"], full.body["model_result"]["data"]);
+
+    // A conflict as an Anthropic tool_result: the envelope's 422, is_error.
+    let conflict =
+        send("anthropic", "refund-proj-0001", &refund_args("ord_1001", 1500), &[("toolgate-call-id", "toolu_9")]);
+    assert_eq!(conflict.status, 422, "{:#}", conflict.body);
+    assert_eq!(
+        (conflict.body["tool_use_id"].as_str(), conflict.body["is_error"].as_bool()),
+        (Some("toolu_9"), Some(true))
+    );
+    let text: Value = serde_json::from_str(conflict.body["content"][0]["text"].as_str().unwrap()).unwrap();
+    assert_eq!(text["error"]["code"], "IDEMPOTENCY_CONFLICT");
+
+    // A lost reply as a Gemini functionResponse: 504, unknown, and nothing of the audit.
+    let lost_args = refund_args("ord_1004", 700);
+    let lost = c.call(
+        &ana,
+        "create_refund",
+        Some("refund-proj-lost"),
+        &lost_args,
+        &[("toolgate-fault", "timeout_after_commit")],
+    );
+    assert_eq!(lost.code(), Some("OUTCOME_UNKNOWN"));
+    let again = send("gemini", "refund-proj-lost", &lost_args, &[]);
+    assert_eq!(again.status, 504, "{:#}", again.body);
+    assert_eq!(again.body["functionResponse"]["name"], "create_refund");
+    assert_eq!(again.body["functionResponse"]["response"]["error"]["code"], "OUTCOME_UNKNOWN");
+    let shown = again.body.to_string();
+    for secret in [lost.status_ref(), lost.request_sha256(), lost.operation_id()] {
+        assert!(!shown.contains(secret), "{secret} leaked into {shown}");
+    }
+
+    // The status query as an OpenAI Chat tool message.
+    let q = c.send(
+        "POST",
+        "/v1/status-queries?project=openai-chat",
+        Some(&ana),
+        &[("content-type", "application/json"), ("toolgate-call-id", "call_q1")],
+        Some(
+            json!({"status_ref": lost.status_ref(), "expected_request_sha256": lost.request_sha256()})
+                .to_string()
+                .as_bytes(),
+        ),
+    );
+    assert_eq!(q.status, 200, "{:#}", q.body);
+    assert_eq!((q.body["role"].as_str(), q.body["tool_call_id"].as_str()), (Some("tool"), Some("call_q1")));
+    let content: Value = serde_json::from_str(q.body["content"].as_str().unwrap()).unwrap();
+    assert_eq!(content["execution"]["delivery"], "receipt_reconciled");
+
+    // Refusals before any state: an unknown name, another parameter, `project` twice.
+    let before = business_snapshot(&f);
+    for (query, code) in [
+        ("project=openai", "UNKNOWN_PROJECTION"),
+        ("project=", "UNKNOWN_PROJECTION"),
+        ("projection=gemini", "INVALID_QUERY"),
+        ("project=gemini&project=anthropic", "INVALID_QUERY"),
+    ] {
+        let h = [("content-type", "application/json"), ("idempotency-key", "refund-proj-refused")];
+        let r =
+            c.send("POST", &format!("/v1/tools/create_refund/calls?{query}"), Some(&ana), &h, Some(args.as_bytes()));
+        assert_eq!((r.status, r.code()), (400, Some(code)), "{query}: {:#}", r.body);
+    }
+    assert_eq!(business_snapshot(&f), before);
+    assert_eq!(effects(&f), 2);
+}
+
 /// The README's code -> status table names every code with the status the server uses.
 #[test]
 fn the_readme_table_matches_the_status_mapping() {
@@ -672,4 +767,5 @@ crate::on_both_backends!(
     other_callers_ids_are_404_and_agents_cannot_act_as_operators,
     hostile_requests_get_stable_codes_and_change_nothing,
     sigterm_lets_the_call_in_flight_finish_and_exits_0,
+    projections_render_the_model_result_only,
 );

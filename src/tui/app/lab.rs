@@ -55,7 +55,7 @@ pub struct LabView {
 /// `12.5%` from basis points.
 pub fn percent(bp: u32) -> String {
     let p = f64::from(bp) / 100.0;
-    if bp % 100 == 0 {
+    if bp.is_multiple_of(100) {
         format!("{p:.0}%")
     } else {
         format!("{p:.1}%")
