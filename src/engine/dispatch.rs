@@ -968,9 +968,13 @@ fn claim(
         ForClaim::Missing => {
             return skipped(&ev, op_envelope(&op, Delivery::Fresh, pref.to_string(), None), "no_outbox_row");
         }
-        // Another worker is claiming it this instant: it runs there.
+        // Another worker is claiming it this instant: it runs there. Its
+        // claim is not committed yet, so the row still reads `accepted`; the
+        // caller is answered as for any call in flight elsewhere (never
+        // "nothing was sent": it may be being sent right now).
         ForClaim::Busy => {
-            let env = op_envelope(&op, Delivery::LocalReplay, pref.to_string(), None);
+            let seen = OperationRow { state: OpState::InFlight, ..op.clone() };
+            let env = op_envelope(&seen, Delivery::LocalReplay, pref.to_string(), None);
             return skipped(&ev, env, "claimed_elsewhere");
         }
     };

@@ -17,7 +17,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::sql::{pg_error, Conn, PgConn};
+use super::sql::{pg_error, Conn, Failed, PgConn};
 use super::{Mode, StoreError, Sync, Tx, BEGIN_RETRY_BUDGET};
 
 type R<T> = Result<T, StoreError>;
@@ -155,6 +155,10 @@ fn migrate(client: &mut postgres::Client, from: i64) -> R<()> {
     Ok(())
 }
 
+/// How many times a write transaction that met a unique violation is run
+/// again before the violation is returned (`Failed::Unique`).
+const UNIQUE_RETRIES: u32 = 3;
+
 /// One transaction on PostgreSQL, retried on serialization failure.
 pub(crate) fn transaction<T, E: From<StoreError>>(
     pg: &PgConn,
@@ -169,6 +173,7 @@ pub(crate) fn transaction<T, E: From<StoreError>>(
     };
     let started = Instant::now();
     let mut tries: u32 = 0;
+    let mut unique_tries: u32 = 0;
     loop {
         tries += 1;
         pg.failed.set(None);
@@ -188,10 +193,16 @@ pub(crate) fn transaction<T, E: From<StoreError>>(
                     }
                 },
             },
-            (_, Some(true)) => true,
+            (_, Some(Failed::Serialization)) => true,
+            // A concurrent insert of the same key (see `Failed::Unique`):
+            // run again a few times, then it is a real constraint violation.
+            (_, Some(Failed::Unique)) if mode != Mode::Read && unique_tries < UNIQUE_RETRIES => {
+                unique_tries += 1;
+                true
+            }
             // A statement failed and `f` went on as if it had not: PostgreSQL
             // has aborted the transaction, so nothing of it can commit.
-            (Ok(_), Some(false)) => {
+            (Ok(_), Some(_)) => {
                 rollback(pg);
                 return Err(StoreError::Other("a statement of the transaction failed".into()).into());
             }

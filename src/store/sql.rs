@@ -38,9 +38,27 @@ pub(crate) struct PgConn {
     session: String,
     cache: RefCell<HashMap<String, postgres::Statement>>,
     /// A statement of the open transaction failed: PostgreSQL has aborted
-    /// the transaction, so it must not be committed. `Some(true)` when the
-    /// failure was a serialization failure or deadlock (retried by the store).
-    pub(crate) failed: Cell<Option<bool>>,
+    /// the transaction, so it must not be committed. Says whether the store
+    /// may run the transaction again (see `Failed`).
+    pub(crate) failed: Cell<Option<Failed>>,
+}
+
+/// Why a statement of an open PostgreSQL transaction failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Failed {
+    /// A serialization failure or deadlock: run the transaction again.
+    Serialization,
+    /// A unique constraint. Under SERIALIZABLE, PostgreSQL reports a
+    /// concurrent insert of the same key (two hosts accepting one scope, or
+    /// binding one call identity, at once) as a unique violation rather than
+    /// a serialization failure whenever the earlier "is it there?" read did
+    /// not take a predicate lock on that index entry. Run again, the
+    /// transaction sees the committed row and answers as for any existing
+    /// record (replay, in flight, conflict). A violation that persists over a
+    /// few runs is a real one and is returned.
+    Unique,
+    /// Anything else: the transaction cannot commit.
+    Other,
 }
 
 impl PgConn {
@@ -70,8 +88,17 @@ impl PgConn {
     /// Records a failure of a statement of the open transaction and maps it.
     fn fail(&self, e: &postgres::Error) -> StoreError {
         let err = pg_error(e);
-        let retry = matches!(err, StoreError::Conflict);
-        self.failed.set(Some(self.failed.get().unwrap_or(false) || retry));
+        let now = if matches!(err, StoreError::Conflict) {
+            Failed::Serialization
+        } else if e.as_db_error().is_some_and(|db| *db.code() == SqlState::UNIQUE_VIOLATION) {
+            Failed::Unique
+        } else {
+            Failed::Other
+        };
+        // The first failure aborted the transaction; what follows it is noise.
+        if self.failed.get().is_none() {
+            self.failed.set(Some(now));
+        }
         err
     }
 
