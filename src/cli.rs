@@ -892,7 +892,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Mcp { token } => {
             refuse_read_only(cli)?;
             let path = db_path(cli)?;
-            let opts = engine_options(cli)?;
+            let opts = [engine_options(cli)?, engine_options(cli)?];
             // Diagnostics go to `<db>.log`: standard output is the protocol.
             crate::telemetry::logging::init_for_db(path);
             crate::mcp::serve_stdio(path, token, opts).map_err(|e| CliError::new(e.code(), e.to_string()))?;

@@ -1,5 +1,6 @@
-//! `toolgate mcp`: a Model Context Protocol server over stdio, with the
-//! official Rust SDK (`rmcp`).
+//! `toolgate mcp`: a Model Context Protocol server, with the official Rust
+//! SDK (`rmcp`), over stdio (`toolgate mcp`) and over streamable HTTP at
+//! `/mcp` inside `toolgate serve` ([`http_service`]).
 //!
 //! Each catalog tool is an MCP tool; its input schema is the contract's plus,
 //! for write and external tools, a required `idempotency_key` (MCP has no key
@@ -9,19 +10,33 @@
 //! sets `isError`. The MCP session and request ids become the call identity
 //! (provider `mcp`).
 //!
-//! The caller is whoever the `--token` says, re-checked at every call (a
-//! revoked token is refused from the next call on). The engine runs on a
-//! plain thread of its own ([`crate::api::pool`]): the async runtime only
-//! moves messages.
+//! The caller is whoever the token says (`--token` on stdio, the request's
+//! `Authorization` header over HTTP), re-checked at every call (a revoked
+//! token is refused from the next call on). The engine runs on plain threads
+//! of its own ([`crate::api::pool`]): the async runtime only moves messages.
+//!
+//! A call in flight reports progress (`notifications/progress`, when the
+//! request carries a progress token) while it waits, and a
+//! `notifications/cancelled` for it becomes the engine's cancellation of the
+//! operation its key names (docs/design.md §11: before send it is cancelled,
+//! after send it goes to the unknown queue, a late reply never flips it).
+//! The result's `_meta` carries what a harness needs to settle an
+//! `OUTCOME_UNKNOWN` later (`status_ref`, `request_sha256`, the operation
+//! id); the model-facing content never does.
 
 use std::path::Path;
 use std::sync::Arc;
 
+use std::time::Duration;
+
+use axum::http::request::Parts;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, JsonObject, ListToolsResult,
-    PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool, ToolAnnotations,
+    CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, JsonObject, ListToolsResult, MetaObject,
+    PaginatedRequestParams, ProgressNotificationParam, ServerCapabilities, ServerConfig, Tool, ToolAnnotations,
 };
 use rmcp::service::RequestContext;
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
 use rmcp::{ErrorData, RoleServer, ServerHandler, ServiceExt};
 use serde_json::{json, Value};
 
@@ -29,9 +44,18 @@ use crate::api::pool::Pool;
 use crate::engine::canonical::CallIdentity;
 use crate::engine::contracts::{Contract, Effect};
 use crate::engine::envelope::{Envelope, Status};
+use crate::engine::faults::FaultPlan;
 use crate::engine::projection::QUERY_STATUS_TOOL;
 use crate::engine::tokens::Principal;
 use crate::engine::{DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest};
+
+/// How often a call in flight reports progress.
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+/// How long a client's cancellation keeps looking for the operation of a
+/// call that has not been accepted yet.
+const CANCEL_LOOKUP: Duration = Duration::from_secs(5);
+/// Who the operator log names for a caller's own cancellation.
+const CANCELLED_BY: &str = "mcp-client";
 
 /// The argument that carries the idempotency key of a write or external tool.
 pub const KEY_ARGUMENT: &str = "idempotency_key";
@@ -67,20 +91,23 @@ impl McpError {
 
 /// Serves MCP on standard input and output until the client closes it. The
 /// token is checked once here (a bad one never starts the server) and again
-/// at every call.
-pub fn serve_stdio(db: &Path, token: &str, opts: EngineOptions) -> Result<(), McpError> {
+/// at every call. Two engines (`opts`): a client's cancellation must not
+/// queue behind the call it cancels.
+pub fn serve_stdio(db: &Path, token: &str, opts: [EngineOptions; 2]) -> Result<(), McpError> {
     let authorization = format!("Bearer {token}").into_bytes();
+    let [first, second] = opts;
     // Opened here, on a plain thread, before any runtime exists.
-    let mut engine = Engine::open(db, opts)?;
+    let mut engine = Engine::open(db, first)?;
     match engine.authenticate(Some(&authorization))? {
         Ok(Principal::Subject { .. }) => {}
         Ok(Principal::Operator { .. }) => return Err(McpError::OperatorToken),
         Err(f) => return Err(McpError::Token(f.code())),
     }
-    let tools = engine.contracts().all().iter().map(mcp_tool).chain([query_tool()]).collect();
-    let pool = Pool::start(vec![engine], 64).map_err(|e| McpError::Runtime(e.to_string()))?;
+    let tools = tools_of(&engine);
+    let second = Engine::open(db, second)?;
+    let pool = Pool::start(vec![engine, second], 64).map_err(|e| McpError::Runtime(e.to_string()))?;
     let session = crate::engine::ids::Ids::default().id("mcps");
-    let gate = Gate { pool: Arc::new(pool), tools: Arc::new(tools), authorization: Arc::new(authorization), session };
+    let gate = Gate { pool: Arc::new(pool), tools, auth: Auth::Fixed(Arc::new(authorization)), demo: false, session };
     let pool = gate.pool.clone();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -94,6 +121,44 @@ pub fn serve_stdio(db: &Path, token: &str, opts: EngineOptions) -> Result<(), Mc
     drop(rt);
     pool.close();
     served
+}
+
+/// Every catalog tool of `engine`'s catalog as an MCP tool, plus
+/// `query_operation_status`.
+pub(crate) fn tools_of(engine: &Engine) -> Arc<Vec<Tool>> {
+    Arc::new(engine.contracts().all().iter().map(mcp_tool).chain([query_tool()]).collect())
+}
+
+/// `/mcp` for `toolgate serve`: MCP over streamable HTTP on the server's
+/// engine pool, one session per client (rmcp's in-memory session manager).
+/// The token comes with every request (checked by the server before the
+/// request reaches rmcp, and again by each call); `ct` ends every session at
+/// shutdown. Host validation (rmcp's guard against DNS rebinding) stays on
+/// for a loopback server and is off with `--public`, where the bearer token
+/// is what admits a caller.
+pub(crate) fn http_service(
+    pool: Arc<Pool>,
+    tools: Arc<Vec<Tool>>,
+    demo: bool,
+    public: bool,
+    ct: tokio_util::sync::CancellationToken,
+) -> StreamableHttpService<Gate, LocalSessionManager> {
+    let mut config = StreamableHttpServerConfig::default()
+        .with_cancellation_token(ct)
+        .with_max_request_body_bytes(crate::api::MAX_BODY_BYTES);
+    if public {
+        config = config.disable_allowed_hosts();
+    }
+    let factory = move || {
+        Ok(Gate {
+            pool: pool.clone(),
+            tools: tools.clone(),
+            auth: Auth::PerRequest,
+            demo,
+            session: crate::engine::ids::Ids::default().id("mcph"),
+        })
+    };
+    StreamableHttpService::new(factory, Arc::new(LocalSessionManager::default()), config)
 }
 
 /// The MCP tool of a contract.
@@ -162,11 +227,26 @@ fn query_tool() -> Tool {
     tool
 }
 
+/// Where a call's token comes from.
 #[derive(Clone)]
-struct Gate {
+enum Auth {
+    /// stdio: the `--token` the server was started with.
+    Fixed(Arc<Vec<u8>>),
+    /// HTTP: the `Authorization` header of the request that carries the call.
+    PerRequest,
+}
+
+/// One MCP server session: the tools, the engine pool, the caller's token.
+#[derive(Clone)]
+pub(crate) struct Gate {
     pool: Arc<Pool>,
     tools: Arc<Vec<Tool>>,
-    authorization: Arc<Vec<u8>>,
+    auth: Auth,
+    /// A demo ledger behind HTTP: a request's `Toolgate-Fault` header is
+    /// honoured, as on the API's call endpoint (the server refused it before
+    /// rmcp saw the request on any other ledger).
+    demo: bool,
+    /// The call identity's `response_id` when the transport has no session id.
     session: String,
 }
 
@@ -179,92 +259,249 @@ fn refusal(code: &str, category: &str, recovery: &str, message: &str) -> CallToo
 
 fn result_of(env: &Envelope) -> CallToolResult {
     let model = serde_json::to_value(&env.model_result).unwrap_or(Value::Null);
-    if env.model_result.status == Status::Succeeded {
+    let mut r = if env.model_result.status == Status::Succeeded {
         CallToolResult::structured(model)
     } else {
         CallToolResult::structured_error(model)
+    };
+    // For the harness, not the model: what settles an OUTCOME_UNKNOWN later.
+    let a = &env.protected_audit;
+    let mut meta = JsonObject::new();
+    let mut put = |k: &str, v: Option<&String>| {
+        if let Some(v) = v {
+            meta.insert(format!("toolgate/{k}"), Value::from(v.as_str()));
+        }
+    };
+    put("operation_id", a.operation_id.as_ref());
+    put("status_ref", a.downstream.status_ref.as_ref());
+    put("request_sha256", a.binding.request_sha256.as_ref());
+    if !meta.is_empty() {
+        r.meta = Some(MetaObject(meta));
     }
+    r
+}
+
+/// What the client's `notifications/cancelled` did.
+enum Cancelled {
+    /// The call's operation was cancelled (or moved to the unknown queue).
+    Applied(String),
+    /// No operation yet: look again.
+    NotYet,
+    /// Nothing to cancel (a status query, a refused token, an operator token).
+    Nothing,
 }
 
 impl Gate {
-    async fn call(&self, request: CallToolRequestParams, id: String) -> CallToolResult {
-        let authorization = self.authorization.clone();
+    /// The token of this call: the server's, or the HTTP request's header.
+    fn authorization(&self, ctx: &RequestContext<RoleServer>) -> Vec<u8> {
+        match &self.auth {
+            Auth::Fixed(a) => a.as_ref().clone(),
+            Auth::PerRequest => ctx
+                .extensions
+                .get::<Parts>()
+                .and_then(|p| p.headers.get(axum::http::header::AUTHORIZATION))
+                .map(|v| v.as_bytes().to_vec())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// The call identity's `response_id`: the MCP session, as the transport names it.
+    fn session_of(&self, ctx: &RequestContext<RoleServer>) -> String {
+        ctx.extensions
+            .get::<Parts>()
+            .and_then(|p| p.headers.get("mcp-session-id"))
+            .and_then(|v| v.to_str().ok())
+            .filter(|s| !s.is_empty() && s.len() <= 128)
+            .map_or_else(|| self.session.clone(), str::to_string)
+    }
+
+    async fn call(&self, request: CallToolRequestParams, ctx: &RequestContext<RoleServer>) -> CallToolResult {
+        let id = match serde_json::to_value(&ctx.id) {
+            Ok(Value::String(s)) => s,
+            Ok(v) => v.to_string(),
+            Err(_) => String::new(),
+        };
+        let authorization = Arc::new(self.authorization(ctx));
         let call = CallIdentity {
             provider: "mcp".into(),
             api_family: "tools/call".into(),
-            response_id: self.session.clone(),
-            call_id: id,
+            response_id: self.session_of(ctx),
+            call_id: format!("req_{id}"),
             adapter_revision: "1".into(),
+        };
+        let faults = if self.demo {
+            ctx.extensions
+                .get::<Parts>()
+                .and_then(|p| p.headers.get("toolgate-fault"))
+                .and_then(|v| v.to_str().ok())
+                .and_then(|spec| FaultPlan::parse(spec).ok())
+        } else {
+            None
         };
         let name = request.name.to_string();
         let mut args = request.arguments.unwrap_or_default();
-        let job = move |e: &mut Engine| -> Result<CallToolResult, EngineError> {
-            let (tenant, subject) = match e.authenticate(Some(&authorization))? {
-                Ok(Principal::Subject { tenant, subject, .. }) => (tenant, subject),
-                Ok(Principal::Operator { .. }) => {
-                    let c = crate::api::status::SUBJECT_TOKEN_REQUIRED;
-                    return Ok(refusal(c.code, c.category, c.recovery, c.message));
-                }
-                Err(f) => return Ok(refusal(f.code(), "authentication", "request_authorization", f.message())),
-            };
-            let text = |v: Option<Value>| match v {
-                Some(Value::String(s)) => s,
-                _ => String::new(),
-            };
-            let env = if name == QUERY_STATUS_TOOL {
-                e.query_operation_status(&QueryRequest {
-                    tenant,
-                    subject,
-                    status_ref: text(args.remove("status_ref")),
-                    expected_request_sha256: text(args.remove("expected_request_sha256")),
-                    idempotency_key: None,
-                    call: Some(call),
-                    operator: None,
-                })?
-            } else {
-                // A key that is not a string stays in the arguments, where the
-                // contract refuses it (INVALID_ARGUMENTS) like any other stray field.
-                let key = match args.get(KEY_ARGUMENT) {
-                    Some(Value::String(_)) => args.remove(KEY_ARGUMENT).and_then(|v| v.as_str().map(str::to_string)),
-                    _ => None,
+        // A key that is not a string stays in the arguments, where the
+        // contract refuses it (INVALID_ARGUMENTS) like any other stray field.
+        let key = match args.get(KEY_ARGUMENT) {
+            Some(Value::String(_)) => args.remove(KEY_ARGUMENT).and_then(|v| v.as_str().map(str::to_string)),
+            _ => None,
+        };
+        let job = {
+            let (authorization, name, key) = (authorization.clone(), name.clone(), key.clone());
+            move |e: &mut Engine| -> Result<CallToolResult, EngineError> {
+                let (tenant, subject) = match e.authenticate(Some(&authorization))? {
+                    Ok(Principal::Subject { tenant, subject, .. }) => (tenant, subject),
+                    Ok(Principal::Operator { .. }) => {
+                        let c = crate::api::status::SUBJECT_TOKEN_REQUIRED;
+                        return Ok(refusal(c.code, c.category, c.recovery, c.message));
+                    }
+                    Err(f) => return Ok(refusal(f.code(), "authentication", "request_authorization", f.message())),
                 };
-                let arguments = serde_json::to_vec(&args).unwrap_or_default();
-                e.dispatch(&DispatchRequest {
-                    tenant,
-                    subject,
-                    tool: name,
-                    arguments,
-                    idempotency_key: key,
-                    call: Some(call),
-                    approval_id: None,
-                    deadline_ms: None,
-                })?
-            };
-            Ok(result_of(&env))
+                let text = |v: Option<Value>| match v {
+                    Some(Value::String(s)) => s,
+                    _ => String::new(),
+                };
+                let env = if name == QUERY_STATUS_TOOL {
+                    e.query_operation_status(&QueryRequest {
+                        tenant,
+                        subject,
+                        status_ref: text(args.remove("status_ref")),
+                        expected_request_sha256: text(args.remove("expected_request_sha256")),
+                        idempotency_key: None,
+                        call: Some(call),
+                        operator: None,
+                    })?
+                } else {
+                    let arguments = serde_json::to_vec(&args).unwrap_or_default();
+                    if let Some(f) = faults {
+                        e.set_faults(f);
+                    }
+                    let env = e.dispatch(&DispatchRequest {
+                        tenant,
+                        subject,
+                        tool: name,
+                        arguments,
+                        idempotency_key: key,
+                        call: Some(call),
+                        approval_id: None,
+                        deadline_ms: None,
+                    });
+                    e.set_faults(FaultPlan::none());
+                    env?
+                };
+                Ok(result_of(&env))
+            }
         };
         let busy = || {
             let c = crate::api::status::SERVER_BUSY;
             refusal(c.code, c.category, c.recovery, c.message)
         };
-        match self.pool.submit(job) {
-            Err(_) => busy(),
-            Ok(answer) => match answer.await {
-                Ok(Ok(r)) => r,
-                // An environment failure: the ledger is the truth, the outcome
-                // unknown to us; a retry with the same key is safe.
-                Ok(Err(e)) => {
-                    let env = crate::api::status::envelope_json(
-                        e.code(),
-                        "environment",
-                        "retry_after",
-                        crate::api::status::INTERNAL.message,
-                        Some(1000),
-                        true,
-                    );
-                    CallToolResult::structured_error(env["model_result"].clone())
+        let Ok(mut answer) = self.pool.submit(job) else { return busy() };
+        // While the engine works: progress for a client that asked for it,
+        // and the client's cancellation.
+        let progress = ctx.meta.get_progress_token();
+        let mut tick = tokio::time::interval(PROGRESS_EVERY);
+        tick.tick().await;
+        let mut sent: u32 = 0;
+        let answered = loop {
+            tokio::select! {
+                a = &mut answer => break Some(a),
+                () = ctx.ct.cancelled() => break None,
+                _ = tick.tick(), if progress.is_some() => {
+                    if let Some(token) = progress.clone() {
+                        sent += 1;
+                        let mut p = ProgressNotificationParam::new(token, f64::from(sent));
+                        p.message = Some("waiting for the downstream's answer".into());
+                        let _ = ctx.peer.notify_progress(p).await;
+                    }
                 }
-                Err(_) => busy(),
-            },
+            }
+        };
+        let Some(answered) = answered else {
+            let key = key.filter(|_| name != QUERY_STATUS_TOOL);
+            return self.cancel(authorization, name, key, answer).await;
+        };
+        match answered {
+            Ok(Ok(r)) => r,
+            // An environment failure: the ledger is the truth, the outcome
+            // unknown to us; a retry with the same key is safe.
+            Ok(Err(e)) => {
+                let env = crate::api::status::envelope_json(
+                    e.code(),
+                    "environment",
+                    "retry_after",
+                    crate::api::status::INTERNAL.message,
+                    Some(1000),
+                    true,
+                );
+                CallToolResult::structured_error(env["model_result"].clone())
+            }
+            Err(_) => busy(),
+        }
+    }
+
+    /// The client cancelled its call: cancel the operation its key names, as
+    /// soon as there is one, unless the call finishes first. The client
+    /// expects no answer to a cancelled request (rmcp drops it); the result
+    /// says what happened, for the logs.
+    async fn cancel(
+        &self,
+        authorization: Arc<Vec<u8>>,
+        tool: String,
+        key: Option<String>,
+        mut answer: tokio::sync::oneshot::Receiver<Result<CallToolResult, EngineError>>,
+    ) -> CallToolResult {
+        let Some(key) = key else { return self.finish(answer).await };
+        let started = tokio::time::Instant::now();
+        loop {
+            let (authorization, tool, key) = (authorization.clone(), tool.clone(), key.clone());
+            let job = move |e: &mut Engine| -> Result<Cancelled, EngineError> {
+                let Ok(Principal::Subject { tenant, subject, .. }) = e.authenticate(Some(&authorization))? else {
+                    return Ok(Cancelled::Nothing);
+                };
+                let note = format!("notifications/cancelled from the caller {subject}");
+                Ok(match e.cancel_own_call(&tenant, &subject, &tool, &key, CANCELLED_BY, &note)? {
+                    Some(o) => Cancelled::Applied(o.code),
+                    None => Cancelled::NotYet,
+                })
+            };
+            let done = match self.pool.submit(job) {
+                Ok(rx) => rx.await.ok(),
+                Err(_) => None,
+            };
+            match done {
+                Some(Ok(Cancelled::Applied(code))) => {
+                    tracing::info!(code, "MCP call cancelled by its client");
+                    return self.finish(answer).await;
+                }
+                Some(Ok(Cancelled::Nothing)) => return self.finish(answer).await,
+                Some(Err(e)) => tracing::warn!(code = e.code(), "MCP cancellation failed"),
+                Some(Ok(Cancelled::NotYet)) => {}
+                None => tracing::warn!("MCP cancellation: engine busy"),
+            }
+            // Not accepted yet: wait a little for the call (or its end).
+            if let Ok(done) = tokio::time::timeout(Duration::from_millis(50), &mut answer).await {
+                return done.ok().and_then(Result::ok).unwrap_or_else(|| {
+                    let c = crate::api::status::INTERNAL;
+                    refusal(c.code, c.category, c.recovery, c.message)
+                });
+            }
+            if started.elapsed() >= CANCEL_LOOKUP {
+                return self.finish(answer).await;
+            }
+        }
+    }
+
+    /// The call's own answer, whenever the engine gives it.
+    async fn finish(
+        &self,
+        answer: tokio::sync::oneshot::Receiver<Result<CallToolResult, EngineError>>,
+    ) -> CallToolResult {
+        if let Ok(Ok(r)) = answer.await {
+            r
+        } else {
+            let c = crate::api::status::INTERNAL;
+            refusal(c.code, c.category, c.recovery, c.message)
         }
     }
 }
@@ -293,11 +530,6 @@ impl ServerHandler for Gate {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
-        let id = match serde_json::to_value(&context.id) {
-            Ok(Value::String(s)) => s,
-            Ok(v) => v.to_string(),
-            Err(_) => String::new(),
-        };
-        Ok(self.call(request, format!("req_{id}")).await.into())
+        Ok(self.call(request, &context).await.into())
     }
 }

@@ -34,7 +34,7 @@ use axum::extract::rejection::PathRejection;
 use axum::extract::{Path as UrlPath, RawQuery, State};
 use axum::http::{header, HeaderMap, HeaderValue, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::Router;
 use http_body_util::{BodyExt, Limited};
 use serde::Deserialize;
@@ -51,6 +51,8 @@ use crate::engine::{
     ResolveRequest,
 };
 use pool::{Pool, Refused};
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+use rmcp::transport::StreamableHttpService;
 use status::ServerCode;
 
 /// Largest request body: the engine's own limit on a call's arguments.
@@ -115,9 +117,14 @@ impl ServeError {
 }
 
 struct App {
-    pool: Pool,
+    pool: Arc<Pool>,
     /// The ledger is marked as a demo: `Toolgate-Fault` is honoured.
     demo: bool,
+    /// `/mcp`: MCP over streamable HTTP on the same engine pool.
+    mcp: StreamableHttpService<crate::mcp::Gate, LocalSessionManager>,
+    /// Ends every MCP session at shutdown (an open event stream would
+    /// otherwise hold its connection until the drain timeout).
+    mcp_stop: tokio_util::sync::CancellationToken,
 }
 
 /// Serves until Ctrl-C or SIGTERM, then stops accepting, lets in-flight
@@ -139,9 +146,16 @@ pub fn serve(db: &Path, opts: &ServeOptions, ready: impl FnOnce(SocketAddr)) -> 
         engines.push(Engine::open(db, engine_opts(format!("api{i}")))?);
     }
     let demo = engines.first().is_some_and(Engine::is_demo);
+    let tools = match engines.first() {
+        Some(e) => crate::mcp::tools_of(e),
+        None => Arc::new(Vec::new()),
+    };
     let worker = Engine::open(db, engine_opts("worker".into()))?;
-    let pool = Pool::start(engines, opts.threads * QUEUE_PER_THREAD).map_err(|e| ServeError::Runtime(e.kind()))?;
-    let app = Arc::new(App { pool, demo });
+    let pool =
+        Arc::new(Pool::start(engines, opts.threads * QUEUE_PER_THREAD).map_err(|e| ServeError::Runtime(e.kind()))?);
+    let mcp_stop = tokio_util::sync::CancellationToken::new();
+    let mcp = crate::mcp::http_service(pool.clone(), tools, demo, opts.public, mcp_stop.clone());
+    let app = Arc::new(App { pool, demo, mcp, mcp_stop });
     let (stop_worker, stopped) = std::sync::mpsc::channel::<()>();
     let worker = std::thread::Builder::new()
         .name("toolgate-worker".into())
@@ -186,7 +200,7 @@ async fn accept_loop(app: Arc<App>, listen: SocketAddr, ready: impl FnOnce(Socke
     let shutdown = shutdown_signal().map_err(|e| ServeError::Runtime(e.kind()))?;
     ready(addr);
     tracing::info!(%addr, "serving the API");
-    let router = router(app);
+    let router = router(app.clone());
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let (draining, drain) = tokio::sync::watch::channel(false);
     tokio::pin!(shutdown);
@@ -235,6 +249,7 @@ async fn accept_loop(app: Arc<App>, listen: SocketAddr, ready: impl FnOnce(Socke
     }
     // Stop accepting; let every connection finish its request in flight.
     drop(listener);
+    app.mcp_stop.cancel();
     let _ = draining.send(true);
     let all = u32::try_from(MAX_CONNECTIONS).unwrap_or(u32::MAX);
     if tokio::time::timeout(DRAIN_TIMEOUT, permits.acquire_many(all)).await.is_err() {
@@ -277,9 +292,34 @@ fn router(app: Arc<App>) -> Router {
         .route("/v1/approvals/{id}/deny", post(deny))
         .route("/v1/operations/{id}/resolve", post(resolve))
         .route("/v1/operations/{id}/cancel", post(cancel))
+        .route("/mcp", any(mcp))
         .fallback(|| async { refuse(status::NO_SUCH_ROUTE) })
         .method_not_allowed_fallback(|| async { refuse(status::METHOD_NOT_ALLOWED) })
         .with_state(app)
+}
+
+/// `/mcp`: MCP over streamable HTTP (rmcp). The token is resolved here
+/// first, like every other endpoint's (401 before rmcp sees the request; an
+/// operator token is 403), and again by each tool call, so a token revoked
+/// mid-session stops working at its next call.
+async fn mcp(State(app): State<Arc<App>>, req: Request<Body>) -> Response {
+    use tower::ServiceExt as _;
+    if let Err(refused) = subject_of(&app, req.headers()).await {
+        return refused;
+    }
+    // Faults only on a demo ledger, and only well-formed ones (as on the call endpoint).
+    if let Some(spec) = header_text(req.headers(), "toolgate-fault") {
+        if !app.demo {
+            return refuse(status::FAULT_NOT_ALLOWED);
+        }
+        if FaultPlan::parse(&spec).is_err() {
+            return refuse(status::BAD_FAULT);
+        }
+    }
+    match app.mcp.clone().oneshot(req).await {
+        Ok(r) => r.map(Body::new),
+        Err(never) => match never {},
+    }
 }
 
 // ------------------------------------------------------------------ replies

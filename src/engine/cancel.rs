@@ -190,4 +190,33 @@ impl Engine {
             Ok(outcome(true, "OK", message.to_string(), Some(&op.id)))
         })?)
     }
+
+    /// The caller's own cancellation of its call in flight (an MCP client's
+    /// `notifications/cancelled`): the operation its key names in its own
+    /// scope, cancelled as [`Engine::cancel`] does, recorded under `who` (the
+    /// channel it came by). `None` while the call has no operation yet (not
+    /// accepted, or refused before accept): there is nothing to cancel.
+    pub fn cancel_own_call(
+        &mut self,
+        tenant: &str,
+        subject: &str,
+        tool: &str,
+        key: &str,
+        who: &str,
+        note: &str,
+    ) -> Result<Option<OperatorOutcome>, EngineError> {
+        let defenses = self.defenses()?;
+        let key = super::lab::scope_key(key, defenses, &self.instance, &self.ids);
+        let Some(op) = self.store.read(|tx| tx.operation_by_scope(tenant, subject, tool, &key))? else {
+            return Ok(None);
+        };
+        let r = CancelRequest {
+            operation_id: op.id,
+            operator: who.to_string(),
+            note: note.to_string(),
+            seen_version: None,
+            action_id: None,
+        };
+        self.cancel(&r).map(Some)
+    }
 }

@@ -3,6 +3,7 @@
 
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 use rmcp::model::{CallToolRequestParams, CallToolResult, JsonObject, Tool};
 use rmcp::service::RunningService;
@@ -204,3 +205,203 @@ fn a_bad_token_is_refused_before_serving() {
 }
 
 crate::on_both_backends!(tools_list_call_replay_conflict_and_revocation);
+
+/// Counts the progress notifications the server sends.
+#[derive(Clone, Default)]
+struct Progress(std::sync::Arc<std::sync::atomic::AtomicU32>);
+
+impl rmcp::ClientHandler for Progress {
+    async fn on_progress(
+        &self,
+        _params: rmcp::model::ProgressNotificationParam,
+        _context: rmcp::service::NotificationContext<RoleClient>,
+    ) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+async fn connect_http<H: rmcp::ClientHandler>(
+    url: &str,
+    token: &str,
+    fault: Option<&str>,
+    handler: H,
+) -> RunningService<RoleClient, H> {
+    use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+    use rmcp::transport::StreamableHttpClientTransport;
+    let mut headers = std::collections::HashMap::new();
+    if let Some(f) = fault {
+        headers.insert(
+            axum::http::HeaderName::from_static("toolgate-fault"),
+            axum::http::HeaderValue::from_str(f).unwrap(),
+        );
+    }
+    let config =
+        StreamableHttpClientTransportConfig::with_uri(format!("{url}/mcp")).auth_header(token).custom_headers(headers);
+    handler.serve(StreamableHttpClientTransport::from_config(config)).await.unwrap()
+}
+
+/// `/mcp` inside `toolgate serve` (issue 17 §3, streamable HTTP), driven by
+/// rmcp's own HTTP client: the token on every request (401 without, 403 for
+/// an operator's), the tools, a call and its replay, a lost reply settled
+/// with `query_operation_status` from the result's `_meta` alone, progress
+/// while a slow call waits, the client's cancellation becoming the engine's
+/// (after send: the unknown queue, the late reply only evidence), and a token
+/// revoked mid-session refused at its next call.
+fn mcp_over_streamable_http_in_serve(backend: Backend) {
+    use crate::serve::{agent_token, operator_token, Server};
+    let f = Fixture::on(backend);
+    // Faults come in a request header only on a database marked as a demo.
+    f.engine().mark_demo(crate::support::T0).unwrap();
+    let token = agent_token(f.path(), "acme", "agent_ana");
+    let operator = operator_token(f.path(), "alice");
+    let contracts = f.engine().contracts().all().len();
+    let mut server = Server::start(f.path(), &[]);
+
+    // Refused before rmcp sees anything: no token, an operator's token, a bad fault.
+    let http: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}});
+    let post = |auth: Option<&str>, fault: Option<&str>| {
+        let mut r = http
+            .post(&format!("{}/mcp", server.url))
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream");
+        if let Some(a) = auth {
+            r = r.header("authorization", &format!("Bearer {a}"));
+        }
+        if let Some(x) = fault {
+            r = r.header("toolgate-fault", x);
+        }
+        let mut resp = r.send(init.to_string()).unwrap();
+        (resp.status().as_u16(), resp.body_mut().read_to_string().unwrap_or_default())
+    };
+    let (st, body) = post(None, None);
+    assert_eq!(st, 401, "{body}");
+    assert!(body.contains("TOKEN_MISSING"), "{body}");
+    let (st, body) = post(Some(&operator), None);
+    assert_eq!(st, 403, "{body}");
+    let (st, body) = post(Some(&token), Some("no_such_fault"));
+    assert_eq!(st, 400, "{body}");
+
+    let progress = Progress::default();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let token_id = {
+        let out = Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
+            .arg("--db")
+            .arg(f.path())
+            .args(["token", "list", "--json"])
+            .output()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let rows = v.as_array().cloned().or_else(|| v["tokens"].as_array().cloned()).unwrap();
+        rows.iter().find(|t| t["subject"] == "agent_ana").unwrap()["id"].as_str().unwrap().to_string()
+    };
+    rt.block_on(async {
+        let client = connect_http(&server.url, &token, None, ()).await;
+        let info = client.peer_info().expect("the server's initialize answer");
+        assert_eq!(info.server_info.as_ref().map(|i| i.name.as_str()), Some("toolgate"));
+        let tools = client.list_all_tools().await.unwrap();
+        assert_eq!(tools.len(), contracts + 1);
+        assert!(tool(&tools, "create_refund").input_schema.contains_key("properties"));
+
+        // A call and its replay under the same key.
+        let first = call(&client, "create_refund", refund("ord_1001", 1000, Some("refund-mcph-001"))).await;
+        let first_model = model(&first);
+        assert_eq!(first_model["execution"]["delivery"], "fresh");
+        let meta = first.meta.as_ref().expect("_meta for the harness").0.clone();
+        assert!(meta["toolgate/status_ref"].as_str().unwrap().starts_with("sr1_"));
+        assert_eq!(meta["toolgate/request_sha256"].as_str().unwrap().len(), 64);
+        let again = model(&call(&client, "create_refund", refund("ord_1001", 1000, Some("refund-mcph-001"))).await);
+        assert_eq!(again["execution"]["delivery"], "local_replay");
+        assert_eq!(again["data"]["refund_id"], first_model["data"]["refund_id"]);
+        client.cancel().await.unwrap();
+
+        // A lost reply, then settled with what the result's _meta carries (no side channel).
+        let lossy = connect_http(&server.url, &token, Some("timeout_after_commit"), ()).await;
+        let lost = call(&lossy, "create_refund", refund("ord_1004", 700, Some("refund-mcph-lost"))).await;
+        assert_eq!(model(&lost)["error"]["code"], "OUTCOME_UNKNOWN");
+        let meta = lost.meta.as_ref().expect("_meta on an unknown outcome").0.clone();
+        lossy.cancel().await.unwrap();
+        let client = connect_http(&server.url, &token, None, ()).await;
+        let settled = model(
+            &call(
+                &client,
+                "query_operation_status",
+                json!({
+                    "status_ref": meta["toolgate/status_ref"],
+                    "expected_request_sha256": meta["toolgate/request_sha256"],
+                }),
+            )
+            .await,
+        );
+        assert_eq!(settled["execution"]["delivery"], "receipt_reconciled", "{settled:#}");
+        client.cancel().await.unwrap();
+
+        // A slow call: progress while it waits, then the client cancels it.
+        let slow = connect_http(&server.url, &token, Some("latency(8000)"), progress.clone()).await;
+        let request = rmcp::model::ClientRequest::CallToolRequest(rmcp::model::Request::new(
+            CallToolRequestParams::new("create_refund").with_arguments(args(refund(
+                "ord_1002",
+                300,
+                Some("refund-mcph-slow"),
+            ))),
+        ));
+        let handle = slow
+            .peer()
+            .send_cancellable_request(request, rmcp::service::PeerRequestOptions::no_options())
+            .await
+            .unwrap();
+        let waited = std::time::Instant::now();
+        while progress.0.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            assert!(waited.elapsed() < Duration::from_secs(7), "no progress notification while the call waited");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        handle.cancel(Some("the user gave up".into())).await.unwrap();
+        slow.cancel().await.unwrap();
+
+        // Revoked mid-session: the next call is refused before anything runs.
+        let client = connect_http(&server.url, &token, None, ()).await;
+        let out = Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
+            .arg("--db")
+            .arg(f.path())
+            .args(["token", "revoke", &token_id, "--json"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let refused = client
+            .call_tool(CallToolRequestParams::new("create_refund").with_arguments(args(refund(
+                "ord_1003",
+                200,
+                Some("refund-mcph-rev"),
+            ))))
+            .await;
+        assert!(refused.is_err() || refused.as_ref().is_ok_and(|r| r.is_error == Some(true)), "{refused:?}");
+        let _ = client.cancel().await;
+    });
+
+    // The cancelled call: moved to the unknown queue by the client's cancellation
+    // (it had been sent), recorded in the operator log, and its late reply never
+    // flipped it to success.
+    let slow_op = || f.query_text("SELECT id FROM operations WHERE idem_key = 'refund-mcph-slow'");
+    let waited = std::time::Instant::now();
+    let op = loop {
+        if let Some(id) = slow_op() {
+            break id;
+        }
+        assert!(waited.elapsed() < Duration::from_secs(20), "the slow call never made an operation");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let cancelled = f.query_i64(&format!(
+        "SELECT count(*) FROM audit_log WHERE action = 'cancel' AND actor = 'mcp-client' AND operation_id = '{op}'"
+    ));
+    assert_eq!(cancelled, 1, "one cancellation by the client, in the operator log");
+    // Wait for the provider's late answer, then: still unknown, never succeeded.
+    std::thread::sleep(Duration::from_secs(9));
+    let state = f.query_text(&format!("SELECT state FROM operations WHERE id = '{op}'")).unwrap();
+    assert_eq!(state, "unknown");
+    assert_eq!(f.query_i64("SELECT count(*) FROM operations WHERE idem_key = 'refund-mcph-rev'"), 0);
+    assert_eq!(f.engine().counts().unwrap().side_effect_duplicates, 0);
+    assert_eq!(server.terminate().code(), Some(0));
+}
+
+crate::on_both_backends!(mcp_over_streamable_http_in_serve);

@@ -18,14 +18,14 @@ fn bin() -> PathBuf {
 }
 
 /// A `toolgate serve` child on an ephemeral loopback port; killed on drop.
-struct Server {
+pub(crate) struct Server {
     child: Option<Child>,
-    url: String,
+    pub(crate) url: String,
     addr: String,
 }
 
 impl Server {
-    fn start(db: &Path, extra: &[&str]) -> Self {
+    pub(crate) fn start(db: &Path, extra: &[&str]) -> Self {
         let mut child = Command::new(bin())
             .arg("--db")
             .arg(db)
@@ -44,7 +44,7 @@ impl Server {
     }
 
     /// SIGTERM, then the exit status.
-    fn terminate(&mut self) -> ExitStatus {
+    pub(crate) fn terminate(&mut self) -> ExitStatus {
         let mut child = self.child.take().unwrap();
         let ok = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
         assert!(ok.success());
@@ -69,11 +69,11 @@ fn token(db: &Path, args: &[&str]) -> String {
     v["token"].as_str().unwrap().to_string()
 }
 
-fn agent_token(db: &Path, tenant: &str, subject: &str) -> String {
+pub(crate) fn agent_token(db: &Path, tenant: &str, subject: &str) -> String {
     token(db, &["token", "create", "--tenant", tenant, "--subject", subject, "--json"])
 }
 
-fn operator_token(db: &Path, name: &str) -> String {
+pub(crate) fn operator_token(db: &Path, name: &str) -> String {
     token(db, &["--operator", name, "token", "create", "--json"])
 }
 

@@ -208,6 +208,17 @@ impl Fixture {
         }
     }
 
+    /// One optional text from raw SQL on either backend (`None`: no row).
+    pub fn query_text(&self, sql: &str) -> Option<String> {
+        match &self.pg {
+            None => {
+                use rusqlite::OptionalExtension as _;
+                raw(&self.path).query_row(sql, [], |r| r.get(0)).optional().unwrap()
+            }
+            Some(db) => db.client().query_opt(sql, &[]).unwrap().map(|r| r.get(0)),
+        }
+    }
+
     /// One integer from raw SQL on either backend.
     pub fn query_i64(&self, sql: &str) -> i64 {
         match &self.pg {
