@@ -1924,6 +1924,12 @@ pub struct LoadArgs {
     /// Switch this defense off for the run (demo databases only; see `toolgate lab`).
     #[arg(long, value_name = "TOGGLE")]
     pub lab: Option<String>,
+    /// Drive the agents through the HTTP API of `toolgate serve` at URL
+    /// (repeat it for several replicas on this --db; each call goes to one at
+    /// random). The run mints one token per agent and approver in the ledger
+    /// and revokes them at its end; the servers run the outbox.
+    #[arg(long = "url", value_name = "URL")]
+    pub urls: Vec<String>,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -2021,6 +2027,9 @@ fn load_command(cli: &Cli, a: &LoadArgs) -> Result<i32, CliError> {
     if a.agents == 0 || a.agents > 256 {
         return Err(CliError::new("USAGE", "--agents must be between 1 and 256"));
     }
+    if let Some(bad) = a.urls.iter().find(|u| !(u.starts_with("http://") || u.starts_with("https://"))) {
+        return Err(CliError::new("USAGE", format!("--url takes an http:// address, not {bad:?}")));
+    }
     // Opening checks the file (and fails with its own code) before any thread starts.
     drop(open(cli)?);
     let opts = crate::load::LoadOptions {
@@ -2033,6 +2042,7 @@ fn load_command(cli: &Cli, a: &LoadArgs) -> Result<i32, CliError> {
         clock: clock_from(cli.now.as_deref())?,
         toolset: engine_options(cli)?.toolset,
         provider_db: a.provider_db.clone(),
+        urls: a.urls.clone(),
         ..crate::load::LoadOptions::default()
     };
     let bar = std::io::stderr().is_terminal();

@@ -43,6 +43,11 @@ impl Server {
         Self { child: Some(child), url, addr }
     }
 
+    /// The child's process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
     /// SIGTERM, then the exit status.
     pub(crate) fn terminate(&mut self) -> ExitStatus {
         let mut child = self.child.take().unwrap();
@@ -769,3 +774,40 @@ crate::on_both_backends!(
     sigterm_lets_the_call_in_flight_finish_and_exits_0,
     projections_render_the_model_result_only,
 );
+
+/// `toolgate load --url A --url B` (issue 17 §5): the agents go through the
+/// HTTP API of two `serve` replicas on one ledger, each call to either, with
+/// random faults (5%) in a header; the referee finds 0 duplicates and 0
+/// silently wrong results, both replicas served calls, and the run's tokens
+/// are revoked at its end.
+fn the_load_generator_through_two_serve_replicas(backend: Backend) {
+    let f = Fixture::on(backend);
+    f.engine().mark_demo(crate::support::T0).unwrap();
+    let mut a = Server::start(f.path(), &[]);
+    let mut b = Server::start(f.path(), &[]);
+    let out = Command::new(bin())
+        .arg("--db")
+        .arg(f.path())
+        .args(["load", "--agents", "3", "--ops", "60", "--fault-rate", "5%", "--seed", "5", "--json"])
+        .args(["--url", &a.url, "--url", &b.url])
+        .output()
+        .unwrap();
+    let report: Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!(out.status.code(), Some(0), "{report}");
+    assert_eq!(report["ops"], 60, "{report}");
+    assert_eq!(report["duplicates"], 0, "{report}");
+    assert_eq!(report["silently_wrong"], 0, "{report}");
+    assert!(report["effects"].as_i64().unwrap() > 0, "{report}");
+    for s in [&a, &b] {
+        let served =
+            f.query_i64(&format!("SELECT count(*) FROM trace_events WHERE fields LIKE '%serve-{}-api%'", s.pid()));
+        assert!(served > 0, "replica {} served no call", s.url);
+    }
+    assert_eq!(f.query_i64("SELECT count(*) FROM api_tokens WHERE name LIKE 'load-%' AND revoked_at IS NULL"), 0);
+    assert!(f.query_i64("SELECT count(*) FROM api_tokens WHERE name LIKE 'load-%'") >= 6);
+    assert_eq!(a.terminate().code(), Some(0));
+    assert_eq!(b.terminate().code(), Some(0));
+}
+
+crate::on_both_backends!(the_load_generator_through_two_serve_replicas);

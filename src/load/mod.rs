@@ -27,6 +27,8 @@
 //! answered `succeeded`, a replay that returns another result than the first
 //! call, an intent its harness believes failed while the provider has its effect.
 
+mod http;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -88,6 +90,11 @@ pub struct LoadOptions {
     /// process (`toolgate provider serve --provider-db PATH`): that database,
     /// read-only. None: the simulated providers' tables beside the ledger.
     pub provider_db: Option<PathBuf>,
+    /// `toolgate serve` replicas on the same ledger (`--url`, each call to
+    /// one of them at random): the agents go through the HTTP API with
+    /// tokens the run mints, instead of through dispatchers of their own.
+    /// Empty: in-process dispatchers.
+    pub urls: Vec<String>,
 }
 
 impl std::fmt::Debug for LoadOptions {
@@ -121,6 +128,7 @@ impl Default for LoadOptions {
             worker_interval_ms: Some(250),
             toolset: crate::tools::demo_toolset(),
             provider_db: None,
+            urls: Vec::new(),
         }
     }
 }
@@ -355,6 +363,9 @@ struct Tally {
 struct Shared {
     path: PathBuf,
     opts: LoadOptions,
+    /// The API replicas and the run's tokens (`--url`), or in-process dispatchers.
+    door: Option<http::HttpDoor>,
+    tokens: Option<http::RunTokens>,
     run_id: String,
     next: AtomicU64,
     stop: Arc<AtomicBool>,
@@ -388,7 +399,9 @@ fn mix(parts: &[u64]) -> u64 {
 }
 
 fn open_replicas(shared: &Shared, n: usize, generation: u64) -> Result<Vec<Engine>, EngineError> {
-    (0..REPLICAS)
+    // Over HTTP the replicas are the servers; one engine reads the controls and referees.
+    let replicas = if shared.door.is_some() { 1 } else { REPLICAS };
+    (0..replicas)
         .map(|r| {
             let seed = mix(&[shared.opts.seed, shared.opts.clock.now_ms() as u64, n as u64, generation, r as u64]);
             Engine::open(
@@ -428,6 +441,11 @@ impl Agent<'_> {
     fn controls(&mut self) -> Result<(), EngineError> {
         let (toggle, bp) = self.replicas[0].lab_controls()?;
         self.codes_dropped = toggle == Some(LabToggle::ErrorCodesDropped);
+        if self.shared.door.is_some() {
+            // Over HTTP each call carries its own fault (see `fault_header`).
+            self.fault_bp = Some(bp);
+            return Ok(());
+        }
         if self.fault_bp != Some(bp) {
             for (r, e) in self.replicas.iter().enumerate() {
                 let seed = mix(&[self.shared.opts.seed, self.n as u64, self.generation, u64::from(bp), r as u64, 7]);
@@ -475,32 +493,62 @@ impl Agent<'_> {
         *self.tally.answers.entry(label).or_default() += 1;
     }
 
+    /// Over HTTP: this call's fault, drawn at the run's rate with a seed of
+    /// its own (a demo database honours `Toolgate-Fault`).
+    fn fault_header(&mut self) -> Option<String> {
+        let bp = self.fault_bp.filter(|bp| *bp > 0)?;
+        let seed = mix(&[self.shared.opts.seed, self.n as u64, self.generation, self.calls, 13]);
+        Some(format!("random({},seed={seed})", f64::from(bp.min(10_000)) / 10_000.0))
+    }
+
+    /// Over HTTP: the replica the next call goes to (the load balancer's pick).
+    fn replica(&mut self) -> usize {
+        let n = self.shared.opts.urls.len().max(1);
+        self.rng.gen_range(0..n)
+    }
+
     fn dispatch(&mut self, req: &DispatchRequest) -> Result<Seen, EngineError> {
         let mut req = req.clone();
         req.call = Some(self.call_identity());
         let t0 = Instant::now();
-        let env = self.engine().dispatch(&req)?;
+        let env = if self.shared.door.is_some() {
+            let (at, fault) = (self.replica(), self.fault_header());
+            self.shared.door.as_ref().map_or_else(|| Err(http_missing()), |d| d.dispatch(at, &req, fault))?
+        } else {
+            self.engine().dispatch(&req)?
+        };
         self.tally.latencies_us.push(t0.elapsed().as_micros() as u64);
         self.count(&env);
         Ok(seen(&env, self.codes_dropped))
     }
 
     fn approve(&mut self, approval_id: &str, approver: &str) -> Result<Seen, EngineError> {
-        let env = self.engine().approve(approval_id, approver)?;
+        let env = if self.shared.door.is_some() {
+            let at = self.replica();
+            self.shared.door.as_ref().map_or_else(|| Err(http_missing()), |d| d.approve(at, approval_id, approver))?
+        } else {
+            self.engine().approve(approval_id, approver)?
+        };
         self.count(&env);
         Ok(seen(&env, self.codes_dropped))
     }
 
     fn query(&mut self, p: &Principal, status_ref: &str, sha: &str) -> Result<Seen, EngineError> {
         let call = self.call_identity();
-        let env = self.engine().query_operation_status(&QueryRequest {
+        let q = QueryRequest {
             tenant: p.tenant.into(),
             subject: p.subject.into(),
             status_ref: status_ref.into(),
             expected_request_sha256: sha.into(),
             call: Some(call),
             ..QueryRequest::default()
-        })?;
+        };
+        let env = if self.shared.door.is_some() {
+            let at = self.replica();
+            self.shared.door.as_ref().map_or_else(|| Err(http_missing()), |d| d.query(at, &q))?
+        } else {
+            self.engine().query_operation_status(&q)?
+        };
         self.count(&env);
         Ok(seen(&env, self.codes_dropped))
     }
@@ -629,9 +677,18 @@ fn start(path: &Path, opts: &LoadOptions, stats: Arc<LoadStats>) -> Result<Arc<S
         control.set_load_fault_rate(bp)?;
     }
     let run_id = format!("{:x}", mix(&[opts.seed, opts.clock.now_ms() as u64]) & 0xff_ffff_ffff);
+    let (door, tokens) = if opts.urls.is_empty() {
+        (None, None)
+    } else {
+        let who: Vec<(&str, &str, &str)> = PRINCIPALS.iter().map(|p| (p.tenant, p.subject, p.approver)).collect();
+        let tokens = http::RunTokens::mint(&mut control, &who, &run_id)?;
+        (Some(http::HttpDoor::new(&opts.urls, tokens.tokens.clone())), Some(tokens))
+    };
     Ok(Arc::new(Shared {
         path: path.to_path_buf(),
         opts: opts.clone(),
+        door,
+        tokens,
         run_id,
         next: AtomicU64::new(0),
         stop: Arc::new(AtomicBool::new(false)),
@@ -671,6 +728,10 @@ fn spawn_threads(
 /// sees them in flight (`OUTCOME_UNKNOWN`) for no reason.
 fn spawn_worker(shared: &Arc<Shared>) -> Result<Option<std::thread::JoinHandle<Result<(), EngineError>>>, EngineError> {
     let Some(interval) = shared.opts.worker_interval_ms else { return Ok(None) };
+    // Over HTTP the servers run their own outbox workers and reapers.
+    if shared.door.is_some() {
+        return Ok(None);
+    }
     let mut engine = Engine::open(
         &shared.path,
         EngineOptions {
@@ -763,6 +824,10 @@ fn effects_for_intent(
     }
 }
 
+fn http_missing() -> EngineError {
+    EngineError::invalid("LOAD_HTTP", "no API replicas configured")
+}
+
 fn percentile(sorted: &[u64], p: f64) -> u64 {
     if sorted.is_empty() {
         return 0;
@@ -840,6 +905,9 @@ pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) 
     }
     let after = effect_counts(&mut referee, opts.provider_db.as_deref())?;
     let fault_bp = referee.lab_controls()?.1;
+    if let Some(t) = &shared.tokens {
+        t.revoke(&mut referee)?;
+    }
     if opts.lab.is_some() {
         referee.set_lab_toggle(None, &opts.operator)?;
     }
