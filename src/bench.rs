@@ -17,6 +17,12 @@
 //!   intents (exactly-once checked: effects, duplicates, busy errors) against 8
 //!   threads on distinct intents.
 //!
+//! - with `--http`, `http_fresh` and `http_replay`: the same calls through
+//!   `toolgate serve`'s HTTP API (a server in this process on a loopback
+//!   port, its own engine threads on the same ledger; a keep-alive client
+//!   with an agent token), against the in-process `fresh_dispatch` and
+//!   `replay` of the same round, at `synchronous=FULL`.
+//!
 //! The phases are interleaved in rounds (bare, engine, bare, engine, ...) so that
 //! a machine whose speed drifts moves both sides of a ratio; each ratio is
 //! reported as the median of its rounds with their spread. Both
@@ -47,6 +53,8 @@ pub struct BenchOptions {
     /// engine's and the bare loop's ledgers are databases made there for the
     /// run and dropped after it. SQLite files in `dir` when absent.
     pub postgres: Option<PathBuf>,
+    /// Also measure the HTTP API (`http_fresh`, `http_replay`).
+    pub http: bool,
 }
 
 /// Why the bench could not run, or found the engine misbehaving.
@@ -145,6 +153,10 @@ pub struct Ratios {
     pub replay_over_bare_replay: Ratio,
     /// Calls/s of 8 threads on shared intents over 8 threads on distinct ones.
     pub shared_over_distinct: f64,
+    /// `http_fresh` ops/s over `fresh_dispatch` ops/s (with `--http`).
+    pub http_fresh_over_fresh: Option<Ratio>,
+    /// `http_replay` ops/s over `replay` ops/s (with `--http`).
+    pub http_replay_over_replay: Option<Ratio>,
 }
 
 /// What the contention phases checked.
@@ -270,12 +282,12 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, BenchError> {
     let parent = opts.dir.clone().unwrap_or_else(std::env::temp_dir);
     let dir = parent.join(format!("toolgate-bench-{}-{}", std::process::id(), hex::encode(rand::random::<[u8; 4]>())));
     std::fs::create_dir_all(&dir).map_err(|e| BenchError::Dir(format!("cannot create it: {}", e.kind())))?;
-    let out = run_in(&dir, opts.quick, opts.postgres.as_deref());
+    let out = run_in(&dir, opts.quick, opts.postgres.as_deref(), opts.http);
     let _ = std::fs::remove_dir_all(&dir);
     out
 }
 
-fn run_in(dir: &Path, quick: bool, postgres: Option<&Path>) -> Result<BenchReport, BenchError> {
+fn run_in(dir: &Path, quick: bool, postgres: Option<&Path>, http: bool) -> Result<BenchReport, BenchError> {
     let mut modes = Vec::new();
     let mut rounds = 0;
     for (sync, name) in [(Sync::Full, "FULL"), (Sync::Normal, "NORMAL")] {
@@ -284,7 +296,7 @@ fn run_in(dir: &Path, quick: bool, postgres: Option<&Path>) -> Result<BenchRepor
         let sub = dir.join(name.to_lowercase());
         std::fs::create_dir_all(&sub).map_err(|e| BenchError::Dir(format!("cannot create it: {}", e.kind())))?;
         let ledgers = Ledgers::new(&sub, postgres)?;
-        modes.push(mode(&ledgers, sync, name, plan)?);
+        modes.push(mode(&ledgers, sync, name, plan, http && sync == Sync::Full)?);
     }
     let backend = if postgres.is_some() { "postgres" } else { "sqlite" };
     Ok(BenchReport { quick, rounds, backend, modes })
@@ -395,7 +407,77 @@ impl Ledgers {
     }
 }
 
-fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan) -> Result<ModeReport, BenchError> {
+/// `toolgate serve` inside the bench: its engine threads on the bench's
+/// ledger, a loopback port, stopped when dropped.
+struct HttpServer {
+    url: String,
+    token: String,
+    agent: ureq::Agent,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl HttpServer {
+    fn start(ledger: &Path, sync: Sync, token: String) -> Result<Self, BenchError> {
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let (ready, addr) = std::sync::mpsc::channel();
+        let db = ledger.to_path_buf();
+        let thread = std::thread::spawn(move || {
+            let opts = crate::api::ServeOptions {
+                listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                public: false,
+                threads: 1,
+                toolset: crate::tools::demo_toolset(),
+                sync,
+            };
+            let failed = ready.clone();
+            if let Err(e) = crate::api::serve_until(&db, &opts, |a| drop(ready.send(Ok(a))), Some(stopped)) {
+                let _ = failed.send(Err(e.to_string()));
+            }
+        });
+        let addr = addr
+            .recv_timeout(Duration::from_secs(60))
+            .map_err(|_| BenchError::Check("the HTTP server did not start".into()))?
+            .map_err(|e| BenchError::Check(format!("the HTTP server did not start: {e}")))?;
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build()
+            .into();
+        Ok(Self { url: format!("http://{addr}"), token, agent, stop: Some(stop), thread: Some(thread) })
+    }
+
+    /// One `create_refund` through the API; the envelope's status and delivery checked.
+    fn call(&self, key: &str, delivery: Delivery) -> Result<(), BenchError> {
+        let r = refund(0, key.to_string());
+        let mut resp = self
+            .agent
+            .post(&format!("{}/v1/tools/create_refund/calls", self.url))
+            .header("authorization", &format!("Bearer {}", self.token))
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+            .send(&r.arguments[..])
+            .map_err(|e| BenchError::Check(format!("HTTP call failed: {e}")))?;
+        let body = resp.body_mut().read_to_string().map_err(|e| BenchError::Check(format!("HTTP body: {e}")))?;
+        let env: Envelope = serde_json::from_str(&body)
+            .map_err(|_| BenchError::Check(format!("HTTP answer is no envelope: {body}")))?;
+        check(&env, Status::Succeeded, delivery, "HTTP call")
+    }
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[allow(clippy::too_many_lines)]
+fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan, http: bool) -> Result<ModeReport, BenchError> {
     let path = ledgers.engine.clone();
     let mut engine = Engine::create(&path, options(sync, "bench-main"))?;
     engine.load_world(&world(THREADS))?;
@@ -413,6 +495,18 @@ fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan) -> Result
     };
     let mut bare = BareLedger::create(&ledgers.bare, sync, payload)?;
     let clock = SystemClock;
+    let server = if http {
+        let who = crate::engine::tokens::TokenFor::Subject { tenant: "bench".into(), subject: agent(0) };
+        let token = engine.create_token(&who, Some("bench"), None)?.token;
+        let server = HttpServer::start(&path, sync, token)?;
+        server.call("bench-http-warmup-0001", Delivery::Fresh)?;
+        Some(server)
+    } else {
+        None
+    };
+    let (mut hf, mut hr) = (Samples::default(), Samples::default());
+    let (mut http_fresh_ratios, mut http_replay_ratios) = (Vec::new(), Vec::new());
+    let mut http_settled: Vec<String> = Vec::new();
 
     let (mut bw, mut fd, mut bl, mut br, mut rp, mut qy) = (
         Samples::default(),
@@ -469,6 +563,18 @@ fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan) -> Result
         })?;
         replay_ratios.push(replay_rate / lookup_rate);
         bare_replay_ratios.push(replay_rate / bare_replay_rate);
+        if let Some(server) = &server {
+            let http_fresh_rate = timed(&mut hf, plan, |i| {
+                let key = format!("bench-http-{round:02}-{i:08}");
+                server.call(&key, Delivery::Fresh)?;
+                http_settled.push(key);
+                Ok(())
+            })?;
+            http_fresh_ratios.push(http_fresh_rate / fresh_rate);
+            let http_replay_rate =
+                timed(&mut hr, plan, |i| server.call(&http_settled[i % http_settled.len()], Delivery::LocalReplay))?;
+            http_replay_ratios.push(http_replay_rate / replay_rate);
+        }
         timed(&mut qy, plan, |i| {
             let (_, status_ref, digest) = &settled[i % settled.len()];
             let env = engine.query_operation_status(&QueryRequest {
@@ -482,28 +588,29 @@ fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan) -> Result
         })?;
     }
     drop(engine);
+    drop(server);
     let (shared, distinct, contention) = contention(&path, sync, plan)?;
     let ratios = Ratios {
         fresh_over_bare: ratio(write_ratios),
         replay_over_lookup: ratio(replay_ratios),
         replay_over_bare_replay: ratio(bare_replay_ratios),
         shared_over_distinct: shared.ops_per_s / distinct.ops_per_s.max(1e-9),
+        http_fresh_over_fresh: http.then(|| ratio(http_fresh_ratios)),
+        http_replay_over_replay: http.then(|| ratio(http_replay_ratios)),
     };
-    Ok(ModeReport {
-        synchronous: name,
-        phases: vec![
-            bw.phase("bare_write"),
-            fd.phase("fresh_dispatch"),
-            bl.phase("bare_lookup"),
-            br.phase("bare_replay"),
-            rp.phase("replay"),
-            qy.phase("query"),
-            shared,
-            distinct,
-        ],
-        ratios,
-        contention,
-    })
+    let mut phases = vec![
+        bw.phase("bare_write"),
+        fd.phase("fresh_dispatch"),
+        bl.phase("bare_lookup"),
+        br.phase("bare_replay"),
+        rp.phase("replay"),
+        qy.phase("query"),
+    ];
+    if http {
+        phases.extend([hf.phase("http_fresh"), hr.phase("http_replay")]);
+    }
+    phases.extend([shared, distinct]);
+    Ok(ModeReport { synchronous: name, phases, ratios, contention })
 }
 
 /// What one contention thread saw.
@@ -660,6 +767,13 @@ pub fn table(r: &BenchReport) -> String {
             bare.max,
             m.ratios.shared_over_distinct
         );
+        if let (Some(f), Some(r)) = (m.ratios.http_fresh_over_fresh, m.ratios.http_replay_over_replay) {
+            let _ = writeln!(
+                out,
+                "  http_fresh/fresh {:.3} [{:.3}–{:.3}]   http_replay/replay {:.3} [{:.3}–{:.3}]",
+                f.median, f.min, f.max, r.median, r.min, r.max
+            );
+        }
         let c = &m.contention;
         let _ = writeln!(
             out,

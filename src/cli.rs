@@ -271,6 +271,11 @@ pub enum Command {
         /// Where to make the temporary directory (removed at the end).
         #[arg(long, value_name = "PATH")]
         dir: Option<PathBuf>,
+        /// Also measure the HTTP API: fresh and replayed calls through
+        /// `toolgate serve` (in this process, on a loopback port) against the
+        /// in-process engine's, at synchronous=FULL.
+        #[arg(long)]
+        http: bool,
     },
 }
 
@@ -1259,11 +1264,11 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Scenario { what } => scenario_command(what),
         Command::Trace(a) => trace_command(cli, a),
         Command::Metrics(a) => metrics_command(cli, a),
-        Command::Bench { quick, json, dir } => {
+        Command::Bench { quick, json, dir, http } => {
             // `--db postgres://...` benches on that server (databases made and dropped there).
             let postgres = cli.db.clone().filter(|d| Location::is_postgres(d));
-            let report = crate::bench::run(&crate::bench::BenchOptions { quick: *quick, dir: dir.clone(), postgres })
-                .map_err(|e| CliError::new(e.code(), e.to_string()))?;
+            let opts = crate::bench::BenchOptions { quick: *quick, dir: dir.clone(), postgres, http: *http };
+            let report = crate::bench::run(&opts).map_err(|e| CliError::new(e.code(), e.to_string()))?;
             if *json {
                 print_json(&report);
             } else {
@@ -1880,8 +1885,13 @@ fn serve_command(cli: &Cli, a: &ServeArgs) -> Result<i32, CliError> {
     let path = db_path(cli)?;
     let opts = engine_options(cli)?;
     crate::telemetry::logging::init_for_db(path);
-    let serve =
-        crate::api::ServeOptions { listen: a.listen, public: a.public, threads: a.threads, toolset: opts.toolset };
+    let serve = crate::api::ServeOptions {
+        listen: a.listen,
+        public: a.public,
+        threads: a.threads,
+        toolset: opts.toolset,
+        sync: opts.sync,
+    };
     crate::api::serve(path, &serve, |addr| {
         outln!("listening on http://{addr}");
     })

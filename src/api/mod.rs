@@ -80,6 +80,8 @@ pub struct ServeOptions {
     pub threads: usize,
     /// The tools.
     pub toolset: Arc<Toolset>,
+    /// Durability of the engines' ledger commits (FULL unless a bench says).
+    pub sync: crate::store::Sync,
 }
 
 /// Why the server could not start.
@@ -131,6 +133,17 @@ struct App {
 /// requests finish (bounded by [`DRAIN_TIMEOUT`]), stops the engine threads
 /// and the worker, and returns. `ready` gets the bound address first.
 pub fn serve(db: &Path, opts: &ServeOptions, ready: impl FnOnce(SocketAddr)) -> Result<(), ServeError> {
+    serve_until(db, opts, ready, None)
+}
+
+/// [`serve`], which also stops (the same way) when `stop` fires: for a
+/// server inside another program (`toolgate bench --http`).
+pub fn serve_until(
+    db: &Path,
+    opts: &ServeOptions,
+    ready: impl FnOnce(SocketAddr),
+    stop: Option<tokio::sync::oneshot::Receiver<()>>,
+) -> Result<(), ServeError> {
     if !opts.public && !opts.listen.ip().is_loopback() {
         return Err(ServeError::NotLoopback(opts.listen));
     }
@@ -138,6 +151,7 @@ pub fn serve(db: &Path, opts: &ServeOptions, ready: impl FnOnce(SocketAddr)) -> 
     let engine_opts = |role: String| EngineOptions {
         worker_id: format!("serve-{pid}-{role}"),
         toolset: opts.toolset.clone(),
+        sync: opts.sync,
         ..EngineOptions::default()
     };
     // Every engine is opened here, on a plain thread, before any runtime exists.
@@ -167,7 +181,7 @@ pub fn serve(db: &Path, opts: &ServeOptions, ready: impl FnOnce(SocketAddr)) -> 
         .enable_all()
         .build()
         .map_err(|e| ServeError::Runtime(e.kind()))?;
-    let served = rt.block_on(accept_loop(app.clone(), opts.listen, ready));
+    let served = rt.block_on(accept_loop(app.clone(), opts.listen, ready, stop));
     drop(rt);
     // Requests have drained: the engine threads finish what is queued, then the worker stops.
     app.pool.close();
@@ -191,13 +205,27 @@ fn work(mut engine: Engine, stop: &std::sync::mpsc::Receiver<()>) {
     }
 }
 
-async fn accept_loop(app: Arc<App>, listen: SocketAddr, ready: impl FnOnce(SocketAddr)) -> Result<(), ServeError> {
+async fn accept_loop(
+    app: Arc<App>,
+    listen: SocketAddr,
+    ready: impl FnOnce(SocketAddr),
+    stop: Option<tokio::sync::oneshot::Receiver<()>>,
+) -> Result<(), ServeError> {
     let listener =
         tokio::net::TcpListener::bind(listen).await.map_err(|e| ServeError::Bind { addr: listen, kind: e.kind() })?;
     let addr = listener.local_addr().map_err(|e| ServeError::Bind { addr: listen, kind: e.kind() })?;
     // The handlers are installed before anyone is told where we listen: a
     // SIGTERM right after the address is printed must drain, not kill.
-    let shutdown = shutdown_signal().map_err(|e| ServeError::Runtime(e.kind()))?;
+    let signal = shutdown_signal().map_err(|e| ServeError::Runtime(e.kind()))?;
+    let shutdown = async move {
+        match stop {
+            Some(stop) => tokio::select! {
+                () = signal => {}
+                _ = stop => {}
+            },
+            None => signal.await,
+        }
+    };
     ready(addr);
     tracing::info!(%addr, "serving the API");
     let router = router(app.clone());

@@ -1,4 +1,4 @@
-//! `toolgate bench --quick --json` runs end to end: every phase measured
+//! `toolgate bench --quick --json --http` runs end to end: every phase measured
 //! something, and the contention check held (one effect per shared intent, no
 //! duplicates, no busy error reaching a caller). Speed is never asserted here:
 //! the numbers belong to `toolgate bench` itself, on a quiet machine.
@@ -13,7 +13,7 @@ fn quick_bench_runs_and_its_checks_hold(backend: crate::support::Backend) {
     let shm = std::path::Path::new("/dev/shm");
     let parent = if shm.is_dir() { tempfile::tempdir_in(shm).unwrap() } else { dir };
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_toolgate"));
-    cmd.args(["bench", "--quick", "--json", "--dir"]).arg(parent.path()).env("TOOLGATE_LOG", "off");
+    cmd.args(["bench", "--quick", "--json", "--http", "--dir"]).arg(parent.path()).env("TOOLGATE_LOG", "off");
     if backend == crate::support::Backend::Postgres {
         // Its ledgers are databases made on the server for the run.
         cmd.arg("--db").arg(crate::support::pg_base().unwrap());
@@ -28,19 +28,17 @@ fn quick_bench_runs_and_its_checks_hold(backend: crate::support::Backend) {
     assert_eq!(names, ["FULL", "NORMAL"]);
     for m in modes {
         let phases: Vec<&str> = m["phases"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
-        assert_eq!(
-            phases,
-            [
-                "bare_write",
-                "fresh_dispatch",
-                "bare_lookup",
-                "bare_replay",
-                "replay",
-                "query",
-                "contention_shared",
-                "contention_distinct"
-            ]
-        );
+        // The HTTP API is measured at FULL (`--http`): through a real loopback socket.
+        let full = m["synchronous"] == "FULL";
+        let mut expect = vec!["bare_write", "fresh_dispatch", "bare_lookup", "bare_replay", "replay", "query"];
+        if full {
+            expect.extend(["http_fresh", "http_replay"]);
+        }
+        expect.extend(["contention_shared", "contention_distinct"]);
+        assert_eq!(phases, expect);
+        for r in ["http_fresh_over_fresh", "http_replay_over_replay"] {
+            assert_eq!(m["ratios"][r].is_null(), !full, "{r}: {}", m["ratios"]);
+        }
         for p in m["phases"].as_array().unwrap() {
             assert!(p["ops"].as_u64().unwrap() > 0, "{p}");
             assert!(p["ops_per_s"].as_f64().unwrap() > 0.0, "{p}");
@@ -48,6 +46,9 @@ fn quick_bench_runs_and_its_checks_hold(backend: crate::support::Backend) {
         }
         for r in ["fresh_over_bare", "replay_over_lookup", "replay_over_bare_replay"] {
             assert!(m["ratios"][r]["median"].as_f64().unwrap() > 0.0, "{r}: {}", m["ratios"]);
+        }
+        if full {
+            assert!(m["ratios"]["http_fresh_over_fresh"]["median"].as_f64().unwrap() > 0.0, "{}", m["ratios"]);
         }
         let c = &m["contention"];
         assert_eq!(c["threads"], 8);
