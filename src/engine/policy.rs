@@ -113,12 +113,18 @@ fn wait_until(until: Option<i64>, now: i64) -> u64 {
 /// and cooling down, or half-open with a probe out. It never takes the probe
 /// slot (nothing is sent at accept; the claim does that). A refusal is counted.
 pub(crate) fn admit_new(tx: &Tx<'_>, downstream: &str, now: i64) -> Result<Option<u64>, StoreError> {
-    let Some(mut c) = tx.circuit(downstream)? else { return Ok(None) };
-    let wait = match c.state.as_str() {
+    let refusal = |c: &CircuitRow| match c.state.as_str() {
         "open" if c.open_until.is_some_and(|u| now < u) => Some(wait_until(c.open_until, now)),
         "half_open" if c.probe_until.is_some_and(|u| now < u) => Some(wait_until(c.probe_until, now)),
         _ => None,
     };
+    let Some(c) = tx.circuit(downstream)? else { return Ok(None) };
+    if refusal(&c).is_none() {
+        return Ok(None);
+    }
+    // About to count a refusal: decide again on the row under its lock.
+    let Some(mut c) = tx.circuit_for_change(downstream)? else { return Ok(None) };
+    let wait = refusal(&c);
     if wait.is_some() {
         c.refused_total += 1;
         c.updated_at = now;
@@ -137,7 +143,15 @@ pub(crate) fn admit_send(
     now: i64,
     probe_ms: i64,
 ) -> Result<Admission, StoreError> {
-    let Some(mut c) = tx.circuit(downstream)? else { return Ok(Admission::Closed) };
+    match tx.circuit(downstream)? {
+        None => return Ok(Admission::Closed),
+        Some(c) if c.state == "closed" => return Ok(Admission::Closed),
+        Some(_) => {}
+    }
+    // Not closed: whatever this claim decides (become the probe, be refused)
+    // it writes, so it decides on the row under its lock (two hosts never
+    // both become the probe).
+    let Some(mut c) = tx.circuit_for_change(downstream)? else { return Ok(Admission::Closed) };
     let take_probe = |c: &mut CircuitRow| -> Result<Admission, StoreError> {
         c.state = "half_open".into();
         c.open_until = None;
@@ -165,7 +179,7 @@ pub(crate) fn admit_send(
 /// Gives a probe slot back without sending (the claim was refused for another
 /// reason after the circuit let it through).
 pub(crate) fn release_probe(tx: &Tx<'_>, downstream: &str, operation_id: &str, now: i64) -> Result<(), StoreError> {
-    if let Some(mut c) = tx.circuit(downstream)? {
+    if let Some(mut c) = tx.circuit_for_change(downstream)? {
         if c.state == "half_open" && c.probe_operation.as_deref() == Some(operation_id) {
             c.probe_operation = None;
             c.probe_until = Some(now);
@@ -202,13 +216,20 @@ pub(crate) fn record(
     health: Health,
     now: i64,
 ) -> Result<Option<Transition>, StoreError> {
-    let existing = tx.circuit(downstream)?;
-    let mut c = match (health, existing) {
-        (Health::Neutral, _) | (Health::Healthy, None) => return Ok(None),
-        (Health::Healthy, Some(c)) if c.state == "closed" && c.consecutive_failures == 0 => return Ok(None),
-        (_, Some(c)) => c,
-        (Health::Failing, None) => CircuitRow::closed(downstream, now),
+    let clean = |c: &Option<CircuitRow>| match (health, c) {
+        (Health::Neutral, _) | (Health::Healthy, None) => true,
+        (Health::Healthy, Some(c)) => c.state == "closed" && c.consecutive_failures == 0,
+        (Health::Failing, _) => false,
     };
+    if clean(&tx.circuit(downstream)?) {
+        return Ok(None);
+    }
+    // About to write: decide on the row under its lock.
+    let existing = tx.circuit_for_change(downstream)?;
+    if clean(&existing) {
+        return Ok(None);
+    }
+    let mut c = existing.unwrap_or_else(|| CircuitRow::closed(downstream, now));
     let from = state_name(&c.state);
     c.updated_at = now;
     let open = |c: &mut CircuitRow| {

@@ -157,6 +157,21 @@ impl Tx<'_> {
             .query_opt([downstream], CircuitRow::from_row)
     }
 
+    /// A downstream's circuit read for a change: on PostgreSQL under a row
+    /// lock (`FOR UPDATE`), so two hosts deciding at once (who becomes the
+    /// half-open probe, who opens it) queue on the row instead of both acting
+    /// on what they read; on SQLite the write transaction already holds the
+    /// whole file. Gates read with [`Tx::circuit`] first and take the lock only
+    /// when they are about to write: a closed circuit costs no lock.
+    pub fn circuit_for_change(&self, downstream: &str) -> R<Option<CircuitRow>> {
+        if self.backend() != super::Backend::Postgres {
+            return self.circuit(downstream);
+        }
+        self.conn
+            .prepare_cached(&format!("SELECT {CIRCUIT_COLS} FROM circuits WHERE downstream = ?1 FOR UPDATE"))?
+            .query_opt([downstream], CircuitRow::from_row)
+    }
+
     /// Writes a circuit's row (insert or replace).
     pub fn put_circuit(&self, c: &CircuitRow) -> R<()> {
         self.conn

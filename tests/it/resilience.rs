@@ -582,7 +582,45 @@ fn the_retry_budget_and_the_breaker_are_exported() {
     prometheus_parse::Scrape::parse(lines).unwrap();
 }
 
+/// Six dispatchers, each with its own engine and connections (hosts, on
+/// PostgreSQL), call the downstream at once right after its circuit cooled
+/// down: exactly one of them becomes the half-open probe and sends; every
+/// other call is refused without sending (the probe fails, so the circuit
+/// opens again and nothing else gets through).
+fn concurrent_callers_never_both_become_the_half_open_probe(backend: Backend) {
+    let fx = Fixture::on(backend);
+    let mut e = fx.engine();
+    open_payments(&mut e, "probe-race");
+    let open_until = circuit(&mut e, "payments").unwrap().open_until.unwrap();
+    fx.clock.set(open_until);
+    let hosts = 6;
+    let barrier = Arc::new(std::sync::Barrier::new(hosts));
+    let threads: Vec<_> = (0..hosts)
+        .map(|i| {
+            let mut host = fx.engine();
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                barrier.wait();
+                dispatch_with(&mut host, &refund(&format!("probe-race-call-{i:04}"), 1), "unavailable")
+            })
+        })
+        .collect();
+    let answers: Vec<Envelope> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    for env in &answers {
+        assert_eq!(env.code(), Some(Code::ToolUnavailable), "{:?}", env.model_result);
+    }
+    let sent = fx.query_i64(
+        "SELECT count(*) FROM attempts a JOIN operations o ON o.id = a.operation_id
+         WHERE o.idem_key LIKE 'probe-race-call-%' AND a.sent_at IS NOT NULL",
+    );
+    assert_eq!(sent, 1, "exactly one probe was sent");
+    let c = circuit(&mut e, "payments").unwrap();
+    assert_eq!(c.state, "open", "the failed probe opened it again");
+    assert_eq!(duplicates(&mut e), 0);
+}
+
 crate::on_both_backends!(
+    concurrent_callers_never_both_become_the_half_open_probe,
     backoff_is_full_jitter_within_its_bounds,
     retry_after_beats_backoff_when_larger,
     the_budget_stops_retries_when_exhausted_and_load_refills_it,
