@@ -429,6 +429,7 @@ impl HttpServer {
                 threads: 1,
                 toolset: crate::tools::demo_toolset(),
                 sync,
+                worker: false,
             };
             let failed = ready.clone();
             if let Err(e) = crate::api::serve_until(&db, &opts, |a| drop(ready.send(Ok(a))), Some(stopped)) {

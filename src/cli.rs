@@ -1891,6 +1891,7 @@ fn serve_command(cli: &Cli, a: &ServeArgs) -> Result<i32, CliError> {
         threads: a.threads,
         toolset: opts.toolset,
         sync: opts.sync,
+        worker: true,
     };
     crate::api::serve(path, &serve, |addr| {
         outln!("listening on http://{addr}");

@@ -82,6 +82,9 @@ pub struct ServeOptions {
     pub toolset: Arc<Toolset>,
     /// Durability of the engines' ledger commits (FULL unless a bench says).
     pub sync: crate::store::Sync,
+    /// Run the in-process outbox worker and reaper (a bench that measures
+    /// calls alone turns it off: it would claim the bench's own operations).
+    pub worker: bool,
 }
 
 /// Why the server could not start.
@@ -171,9 +174,14 @@ pub fn serve_until(
     let mcp = crate::mcp::http_service(pool.clone(), tools, demo, opts.public, mcp_stop.clone());
     let app = Arc::new(App { pool, demo, mcp, mcp_stop });
     let (stop_worker, stopped) = std::sync::mpsc::channel::<()>();
+    let run_worker = opts.worker;
     let worker = std::thread::Builder::new()
         .name("toolgate-worker".into())
-        .spawn(move || work(worker, &stopped))
+        .spawn(move || {
+            if run_worker {
+                work(worker, &stopped);
+            }
+        })
         .map_err(|e| ServeError::Runtime(e.kind()))?;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -366,9 +374,20 @@ fn with_retry_after(mut r: Response, ms: u64) -> Response {
     r
 }
 
+/// Asks the client to close the connection after this response. A refusal
+/// of the server's own is answered before the request's body is read; hyper
+/// then closes the connection unless the rest of the body happens to be in its
+/// buffer already, and a client that reused the connection would meet a
+/// reset on its next request. Saying so makes the close explicit.
+fn closing(mut r: Response) -> Response {
+    r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
 /// A refusal of the server's own.
 fn refuse(c: ServerCode) -> Response {
-    let r = json_reply(c.status, &status::envelope_json(c.code, c.category, c.recovery, c.message, None, false));
+    let r =
+        closing(json_reply(c.status, &status::envelope_json(c.code, c.category, c.recovery, c.message, None, false)));
     if c.code == status::SERVER_BUSY.code {
         return with_retry_after(r, 1000);
     }
@@ -377,7 +396,7 @@ fn refuse(c: ServerCode) -> Response {
 
 fn unauthorized(f: AuthFailure) -> Response {
     let body = status::envelope_json(f.code(), "authentication", "request_authorization", f.message(), None, false);
-    let mut r = json_reply(StatusCode::UNAUTHORIZED, &body);
+    let mut r = closing(json_reply(StatusCode::UNAUTHORIZED, &body));
     r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"toolgate\""));
     r
 }

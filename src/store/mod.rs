@@ -8,6 +8,7 @@
 //! `postgresql://` URL selects PostgreSQL, anything else is a SQLite path.
 
 pub mod bench;
+mod group;
 mod pg;
 mod provider;
 mod resilience;
@@ -257,33 +258,40 @@ pub struct Store {
     /// A relaxed commit left the connection at `synchronous=NORMAL` and
     /// restoring FULL failed: the next synced write restores it first.
     relaxed: bool,
-    /// This process's writers' turn on the database ([`writer_lock`]).
-    writer: Arc<Mutex<()>>,
+    /// This process's writer of the database ([`writer_lock`]).
+    writer: Arc<group::Writer>,
     /// Opened with [`Store::open_read_only`].
     read_only: bool,
 }
 
-/// One lock per database in this process, held around every write
-/// transaction. Writers of one process (an engine per thread, the providers'
-/// connections) queue on it and are woken as soon as it is free, instead of
-/// polling SQLite's write lock from its busy handler, which sleeps up to 100 ms
-/// between tries: under contention that made the slowest calls wait seconds.
-/// Other processes still meet SQLite's lock and the busy timeout (on
-/// PostgreSQL: serializable conflicts, retried). Nothing writes through a
-/// second connection while holding a write transaction, so the lock cannot be
-/// taken twice by one thread.
-fn writer_lock(key: &Path) -> Arc<Mutex<()>> {
-    static LOCKS: OnceLock<Mutex<HashMap<PathBuf, Weak<Mutex<()>>>>> = OnceLock::new();
-    let key = match Location::of(key) {
-        Location::File(path) => std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf()),
-        Location::Postgres(url) => PathBuf::from(url),
+/// The writer of each database in this process ([`group::Writer`]): one per
+/// database, shared by every store on it. Writers of one process (an engine
+/// per thread, the providers' connections) queue on it and are woken as soon
+/// as it is free, instead of polling SQLite's write lock from its busy
+/// handler, which sleeps up to 100 ms between tries: under contention that
+/// made the slowest calls wait seconds. On SQLite the FULL writers that queue
+/// together share one commit (group commit, `group.rs`); other processes still
+/// meet SQLite's lock and the busy timeout (on PostgreSQL: serializable
+/// conflicts, retried). Nothing writes through a second connection while
+/// holding a write transaction, so the writer cannot be taken twice by one
+/// thread. `TOOLGATE_GROUP_COMMIT=off` switches group commit off (writers
+/// only take turns), for measurements.
+fn writer_lock(key: &Path) -> Arc<group::Writer> {
+    static LOCKS: OnceLock<Mutex<HashMap<PathBuf, Weak<group::Writer>>>> = OnceLock::new();
+    let (key, file) = match Location::of(key) {
+        Location::File(path) => {
+            let canonical = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+            (canonical.clone(), Some(canonical))
+        }
+        Location::Postgres(url) => (PathBuf::from(url), None),
     };
     let mut locks = LOCKS.get_or_init(Mutex::default).lock().unwrap_or_else(PoisonError::into_inner);
     if let Some(lock) = locks.get(&key).and_then(Weak::upgrade) {
         return lock;
     }
     locks.retain(|_, w| w.strong_count() > 0);
-    let lock = Arc::new(Mutex::new(()));
+    let group = std::env::var("TOOLGATE_GROUP_COMMIT").map_or(true, |v| v != "off");
+    let lock = Arc::new(group::Writer::new(file, group));
     locks.insert(key, Arc::downgrade(&lock));
     lock
 }
@@ -418,7 +426,7 @@ impl Store {
         Self::setup(conn, opts.sync, writer_lock(path))
     }
 
-    fn setup(conn: Connection, sync: Sync, writer: Arc<Mutex<()>>) -> Result<Self, StoreError> {
+    fn setup(conn: Connection, sync: Sync, writer: Arc<group::Writer>) -> Result<Self, StoreError> {
         conn.busy_timeout(BUSY_TIMEOUT)?;
         // A file that is not SQLite fails on the first read.
         let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(|e| match e {
@@ -524,14 +532,34 @@ impl Store {
         mode: Mode,
         f: impl FnMut(&Tx<'_>) -> Result<T, E>,
     ) -> Result<T, E> {
-        let writer = Arc::clone(&self.writer);
-        // A panic in another writer's `f` rolled its transaction back: the lock
-        // guards no data of its own, so a poisoned one is as good as free.
-        let _turn = (mode != Mode::Read).then(|| writer.lock().unwrap_or_else(PoisonError::into_inner));
-        match &self.conn {
-            Conn::Lite(conn) => lite_transaction(conn, &self.conn, mode != Mode::Read, f),
-            Conn::Pg(pg) => pg::transaction(pg, &self.conn, mode, f),
+        if mode == Mode::Read {
+            return match &self.conn {
+                Conn::Lite(conn) => lite_transaction(conn, &self.conn, false, f),
+                Conn::Pg(pg) => pg::transaction(pg, &self.conn, mode, f),
+            };
         }
+        // A FULL write on SQLite joins the batch of the writers queued with it.
+        let synced = mode == Mode::Write && self.sync == Sync::Full && !self.relaxed;
+        if synced && !self.read_only && self.writer.groups() && matches!(self.conn, Conn::Lite(_)) {
+            return self.writer.write(f);
+        }
+        let writer = Arc::clone(&self.writer);
+        let _alone = writer.alone();
+        let out = match &self.conn {
+            Conn::Lite(conn) => lite_transaction(conn, &self.conn, true, f),
+            Conn::Pg(pg) => pg::transaction(pg, &self.conn, mode, f),
+        };
+        if synced && out.is_ok() {
+            writer.count_synced();
+        }
+        out
+    }
+
+    /// Commits that waited for the disk (a group commit counts once, whatever
+    /// its members), made by this process's writers of this database, all
+    /// time: `toolgate bench` reports them per call.
+    pub fn synced_commits(&self) -> u64 {
+        self.writer.synced_commits()
     }
 
     /// Folds the write-ahead log into the main file (SQLite; PostgreSQL
