@@ -20,6 +20,22 @@ pub fn ago(now_ms: i64, at: Option<i64>) -> String {
     at.map_or_else(|| "never".to_string(), |t| format!("{} ago", human_ms(now_ms.saturating_sub(t))))
 }
 
+/// `07:58:12`, the time of day (UTC) of an instant in ms since the epoch.
+pub fn time_of_day(at: i64) -> String {
+    crate::engine::clock::rfc3339(at).chars().skip(11).take(8).collect()
+}
+
+/// Retry tokens from thousandths: `3`, `2.5` (tenths, rounded down), never negative.
+pub fn tokens(milli: i64) -> String {
+    let milli = milli.max(0);
+    let (whole, tenths) = (milli / 1000, milli % 1000 / 100);
+    if tenths == 0 {
+        whole.to_string()
+    } else {
+        format!("{whole}.{tenths}")
+    }
+}
+
 /// Digits after the decimal point of a currency's minor unit (ISO 4217; two
 /// unless listed).
 fn minor_digits(currency: &str) -> u32 {
@@ -96,6 +112,15 @@ mod tests {
         check(money(100, "e\u{1b}"), "100 (minor units, currency e\\u{1b})");
         check(money(i64::MIN, "EUR"), "-92,233,720,368,547,758.08 EUR");
         check(money(i64::MAX, "EUR"), "92,233,720,368,547,758.07 EUR");
+    }
+
+    #[test]
+    fn tokens_and_times_of_day() {
+        check(tokens(10_000), "10");
+        check(tokens(2_599), "2.5");
+        check(tokens(999), "0.9");
+        check(tokens(-5), "0");
+        check(time_of_day(1_800_000_000_000), "08:00:00");
     }
 
     #[test]

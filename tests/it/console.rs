@@ -206,6 +206,59 @@ fn popups_and_detail_at_each_size() {
     }
 }
 
+/// The line of `screen` that holds `needle`.
+fn line_of<'a>(screen: &'a str, needle: &str) -> &'a str {
+    screen.lines().find(|l| l.contains(needle)).unwrap_or_else(|| panic!("{needle:?} not on screen:\n{screen}"))
+}
+
+#[test]
+fn the_metrics_pane_shows_each_tools_budget_breaker_and_rate_limit_cooldown() {
+    let mut d = demo();
+    let screen = text(&draw(&app_on(&mut d, Pane::Metrics, 140, 40), 140, 40));
+    assert!(line_of(&screen, "budget").contains("rate-limit cooldown"), "{screen}");
+    let refund = line_of(&screen, "create_refund");
+    assert!(refund.contains(" 10/10 ") && refund.contains(" closed ") && refund.ends_with(" none"), "{screen}");
+    // The payments circuit opens (its cool-down is 5 s), the budget is spent down
+    // to 2.5 retries, and the demo's rate-limited operation waits 30 s more.
+    let c = crate::support::raw(&d.dir.path().join("demo.db"));
+    c.execute("UPDATE circuits SET state = 'open', open_until = ?1 WHERE downstream = 'payments'", [NOW + 20_000])
+        .unwrap();
+    c.execute("UPDATE retry_budgets SET tokens_milli = 2500 WHERE tool = 'create_refund'", []).unwrap();
+    let limited = c
+        .execute(
+            "UPDATE outbox SET available_at = ?1 WHERE last_code = 'RATE_LIMIT' AND state = 'pending'",
+            [NOW + 30_000],
+        )
+        .unwrap();
+    assert_eq!(limited, 1);
+    let app = app_on(&mut d, Pane::Metrics, 140, 40);
+    let screen = text(&draw(&app, 140, 40));
+    let refund = line_of(&screen, "create_refund");
+    assert!(refund.contains(" 2.5/10 ") && refund.contains("open since 08:00:15, probe 08:00:20"), "{screen}");
+    assert!(refund.contains("1 op wait until 08:00:30"), "{screen}");
+    assert!(line_of(&screen, "notify_customer").contains("closed"), "another downstream: {screen}");
+    insta::assert_snapshot!("metrics_resilience_open_140x40", screen);
+    // At 80 columns, three lines per tool say the same.
+    let app = app_on(&mut d, Pane::Metrics, 80, 24);
+    let screen = text(&draw(&app, 80, 24));
+    for fact in [
+        "create_refund  retries 2.5/10",
+        "breaker open since 08:00:15\n",
+        "           probe 08:00:20\n",
+        "rate limit 1 op wait until 08:00:30",
+    ] {
+        assert!(screen.contains(fact), "{fact}: {screen}");
+    }
+    insta::assert_snapshot!("metrics_resilience_open_80x24", screen);
+    // Past the cool-down the next send is the probe; half-open, the probe is out.
+    let mut later = app.clone();
+    later.update(Action::Tick(NOW + 21_000));
+    assert!(text(&draw(&later, 80, 24)).contains("           probe due\n"));
+    c.execute("UPDATE circuits SET state = 'half_open', open_until = NULL, probe_until = ?1", [NOW + 3_000]).unwrap();
+    let screen = text(&draw(&app_on(&mut d, Pane::Metrics, 140, 40), 140, 40));
+    assert!(line_of(&screen, "create_refund").contains("half-open, probe out until 08:00:03"), "{screen}");
+}
+
 fn cell_with(b: &Buffer, needle: &str) -> (u16, u16) {
     for y in 0..b.area.height {
         let line: String = (0..b.area.width).map(|x| b[(x, y)].symbol().to_string()).collect();
