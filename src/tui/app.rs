@@ -109,6 +109,8 @@ pub enum Action {
     Bottom,
     /// Enter: the detail view.
     OpenDetail,
+    /// `F` in the detail view: follow the operation's trace as events arrive.
+    ToggleFollow,
     /// Esc: back / close.
     Back,
     /// `/`: start typing a filter.
@@ -534,6 +536,9 @@ pub struct App {
     pub detail: Option<Box<OperationDetail>>,
     /// Detail scroll.
     pub detail_scroll: u16,
+    /// `F`: the detail is fetched again whenever the ledger changes, and shown
+    /// scrolled to its end (the newest trace events).
+    pub follow: bool,
     /// Confirm dialog.
     pub confirm: Option<Confirm>,
     /// Open form.
@@ -610,6 +615,7 @@ impl App {
             header: HeaderCounts::default(),
             detail: None,
             detail_scroll: 0,
+            follow: false,
             confirm: None,
             form: None,
             help_return: Mode::Normal,
@@ -874,6 +880,7 @@ impl App {
             Action::SelectPane(p) => self.switch_pane(p),
             Action::Up | Action::Scroll(-1) => {
                 if self.mode == Mode::Detail {
+                    self.stop_following();
                     self.detail_scroll = self.detail_scroll.saturating_sub(1);
                 } else {
                     self.selected = self.selected.saturating_sub(1);
@@ -882,6 +889,7 @@ impl App {
             }
             Action::Down | Action::Scroll(1) => {
                 if self.mode == Mode::Detail {
+                    self.stop_following();
                     self.detail_scroll = self.detail_scroll.saturating_add(1);
                 } else if self.selected + 1 < self.row_count() {
                     self.selected += 1;
@@ -924,15 +932,21 @@ impl App {
                     self.mode = Mode::Detail;
                     self.detail = None;
                     self.detail_scroll = 0;
+                    self.follow = false;
                     Some(Request::Detail(id))
                 } else {
                     self.say("no operation selected", true);
                     None
                 }
             }
+            Action::ToggleFollow => self.toggle_follow(),
             Action::Back => {
                 match self.mode {
-                    Mode::Detail | Mode::Help | Mode::Lab => self.mode = Mode::Normal,
+                    Mode::Detail => {
+                        self.follow = false;
+                        self.mode = Mode::Normal;
+                    }
+                    Mode::Help | Mode::Lab => self.mode = Mode::Normal,
                     Mode::Filter => {
                         // Esc cancels the edit: the filter in force stays.
                         if let Some(before) = self.filter_before.take() {
@@ -1121,6 +1135,25 @@ impl App {
         }
     }
 
+    /// `F` in the detail view: start following its operation (fetched again at
+    /// once and on every change of the ledger) or stop.
+    fn toggle_follow(&mut self) -> Option<Request> {
+        if self.follow {
+            self.stop_following();
+            return None;
+        }
+        let id = self.detail.as_ref().filter(|_| self.mode == Mode::Detail).map(|d| d.operation.id.clone())?;
+        self.follow = true;
+        self.say(format!("following {id}: new trace events appear at the end (F or j/k stops)"), false);
+        Some(Request::Detail(id))
+    }
+
+    fn stop_following(&mut self) {
+        if std::mem::take(&mut self.follow) {
+            self.say("stopped following", false);
+        }
+    }
+
     fn page_down(&mut self) -> Option<Request> {
         let key = self.next_cursor();
         if (self.row_count() as i64) < self.visible_rows() || key.is_none() {
@@ -1144,6 +1177,13 @@ impl App {
         match ev {
             EngineEvent::Page { pane, rows, header } => {
                 self.header = header;
+                // A page comes whenever the ledger changed (and every few
+                // seconds): a followed detail is fetched again with it.
+                let followed = self
+                    .detail
+                    .as_ref()
+                    .filter(|_| self.follow && self.mode == Mode::Detail)
+                    .map(|d| Request::Detail(d.operation.id.clone()));
                 if pane == self.pane {
                     // Keep the selection on the same row when rows move.
                     let keep = row_key(&self.rows, self.selected);
@@ -1159,7 +1199,7 @@ impl App {
                         self.selected = self.row_count().saturating_sub(1);
                     }
                 }
-                None
+                followed
             }
             EngineEvent::Detail(d) => {
                 self.detail = Some(d);

@@ -133,6 +133,9 @@ fn detail() -> Vec<Binding> {
         }),
         bind!("Esc / Enter", "back", false, |k| matches!(k.code, KeyCode::Esc | KeyCode::Enter)
             .then_some(Action::Back)),
+        bind!("F", "follow the trace: fetched again as events arrive, shown to its end (F or j/k stops)", false, |k| {
+            ch(k, 'F').then_some(Action::ToggleFollow)
+        }),
         bind!("q", "status query on this operation", true, |k| ch(k, 'q').then_some(Action::AskQuery)),
         bind!("r", "resolve this operation (unknown / needs_review)", true, |k| ch(k, 'r')
             .then_some(Action::AskResolve)),

@@ -1234,6 +1234,51 @@ fn keys_in_the_detail_view_act_on_its_operation_and_come_back_to_it() {
 }
 
 #[test]
+fn big_f_follows_the_detail_and_a_new_trace_event_appears_at_its_end() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    let target = detail_in(&mut d, "unknown", Some("not_found"));
+    let id = target.operation.id.clone();
+    app.update(Action::Engine(EngineEvent::Found {
+        asked: id.clone(),
+        prefix: Some(id.clone()),
+        ids: vec![id.clone()],
+    }));
+    app.update(Action::Engine(EngineEvent::Detail(Box::new(target))));
+    assert_eq!(app.mode, Mode::Detail);
+    // Not following: a page brings nothing for the detail.
+    assert_eq!(app.update(Action::Engine(page(&mut d, Pane::Unknown, app.visible_rows()))), None);
+    assert_eq!(press(&mut app, KeyCode::Char('F')), Some(Request::Detail(id.clone())), "F fetches it at once");
+    assert!(app.follow);
+    assert!(app.status.as_ref().is_some_and(|(s, err)| !err && s.starts_with("following ")), "{:?}", app.status);
+    // Another process changes the ledger: a status query writes a trace event
+    // (at the manual clock's 08:00:00). The engine thread's next page asks for the detail again.
+    d.engine.operator_query(&id, "alice").unwrap();
+    let req = app.update(Action::Engine(page(&mut d, Pane::Unknown, app.visible_rows())));
+    assert_eq!(req, Some(Request::Detail(id.clone())));
+    let detail = d.engine.operation_detail(&id).unwrap().unwrap();
+    assert_eq!(detail.trace.last().map(|e| e.step.as_str()), Some("query"));
+    app.update(Action::Engine(EngineEvent::Detail(Box::new(detail))));
+    let screen = text(&draw(&app, 80, 24));
+    assert!(screen.contains("08:00:00.000 query"), "the new event, at the end, is in view:\n{screen}");
+    assert!(screen.contains("[following]"), "{screen}");
+    // Without following, the same detail opens at its top, where the new event is not.
+    let mut top = app.clone();
+    top.follow = false;
+    assert!(!text(&draw(&top, 80, 24)).contains("08:00:00.000 query"));
+    // j/k scroll again, and stop following; F starts again, Esc leaves and stops.
+    press(&mut app, KeyCode::Char('k'));
+    assert!(!app.follow);
+    assert_eq!(app.status, Some(("stopped following".into(), false)));
+    assert_eq!(app.update(Action::Engine(page(&mut d, Pane::Unknown, app.visible_rows()))), None);
+    assert_eq!(press(&mut app, KeyCode::Char('F')), Some(Request::Detail(id.clone())));
+    press(&mut app, KeyCode::Esc);
+    assert!(!app.follow && app.mode == Mode::Normal);
+    // The key is in the detail view's help (generated from the keymap).
+    assert!(keymap::help_lines(Mode::Detail, false).iter().any(|(k, h)| *k == "F" && h.contains("follow")));
+}
+
+#[test]
 fn the_unknown_pane_says_why_in_a_short_column() {
     let mut d = demo();
     for (w, h) in [(80u16, 24u16), (140, 40)] {

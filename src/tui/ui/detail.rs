@@ -126,8 +126,14 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             )));
         }
     }
-    frame.render_widget(
-        Paragraph::new(super::escaped(lines)).block(block).wrap(Wrap { trim: false }).scroll((app.detail_scroll, 0)),
-        area,
-    );
+    let paragraph = Paragraph::new(super::escaped(lines)).wrap(Wrap { trim: false });
+    // Following: the end (the newest trace events) stays in view.
+    let scroll = if app.follow {
+        let inner = block.inner(area);
+        let total = u16::try_from(paragraph.line_count(inner.width)).unwrap_or(u16::MAX);
+        total.saturating_sub(inner.height)
+    } else {
+        app.detail_scroll
+    };
+    frame.render_widget(paragraph.block(block).scroll((scroll, 0)), area);
 }

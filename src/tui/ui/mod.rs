@@ -232,6 +232,7 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             ("j/k", "scroll", false),
             ("q", "query", true),
             ("r", "resolve", true),
+            ("F", if app.follow { "stop following" } else { "follow" }, false),
             ("y", "copy id", false),
         ],
         (Mode::Filter, _) => &[("Enter", "apply", false), ("Esc", "cancel", false)],
@@ -279,6 +280,9 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return;
     }
     let mut line = Vec::new();
+    if app.follow && app.mode == Mode::Detail {
+        line.push(Span::styled("[following] ", t.accent()));
+    }
     if !app.marks.is_empty() {
         line.push(Span::styled(format!("[{} marked] ", app.marks.len()), t.warn().add_modifier(Modifier::BOLD)));
     }
