@@ -19,7 +19,7 @@ pub use lab::{percent, AgentsView, LabView, FAULT_STEPS};
 pub use marks::{marks_of, BulkKey, BulkPlan, BulkProgress, Mark, MarkKind, MAX_MARKS};
 pub use prefs::{PanePrefs, Prefs};
 pub use sort::{columns as sort_columns, default_order};
-pub use why::{explain, reason, Why};
+pub use why::{explain, explain_approval, reason, Why};
 
 /// The panes, in tab order (number keys 1..=7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -536,6 +536,9 @@ pub struct App {
     pub detail: Option<Box<OperationDetail>>,
     /// Detail scroll.
     pub detail_scroll: u16,
+    /// The detail view of a pending approval (no operation exists before it is
+    /// approved): shown instead of `detail` while set.
+    pub approval: Option<Box<ApprovalRow>>,
     /// `F`: the detail is fetched again whenever the ledger changes, and shown
     /// scrolled to its end (the newest trace events).
     pub follow: bool,
@@ -616,6 +619,7 @@ impl App {
             detail: None,
             detail_scroll: 0,
             follow: false,
+            approval: None,
             confirm: None,
             form: None,
             help_return: Mode::Normal,
@@ -682,7 +686,12 @@ impl App {
         }
     }
 
+    /// The approval an action is about: the one in the detail view, or the
+    /// selected row of the Approvals pane.
     fn selected_approval(&self) -> Option<&ApprovalRow> {
+        if self.mode == Mode::Detail {
+            return self.approval.as_deref();
+        }
         match &self.rows {
             Rows::Approvals(r) => r.get(self.selected),
             _ => None,
@@ -924,12 +933,24 @@ impl App {
                 None
             }
             Action::OpenDetail => {
+                // A pending approval has no operation yet: its detail is the
+                // approval itself, with why it waits and what to press.
+                if let Rows::Approvals(r) = &self.rows {
+                    if let Some(a) = r.get(self.selected).filter(|a| a.operation_id.is_none()) {
+                        self.approval = Some(Box::new(a.clone()));
+                        self.detail = None;
+                        self.follow = false;
+                        self.mode = Mode::Detail;
+                        return None;
+                    }
+                }
                 let id = match &self.rows {
                     Rows::Approvals(r) => r.get(self.selected).and_then(|a| a.operation_id.clone()),
                     _ => self.selected_id().filter(|id| id.starts_with("op_")),
                 };
                 if let Some(id) = id {
                     self.mode = Mode::Detail;
+                    self.approval = None;
                     self.detail = None;
                     self.detail_scroll = 0;
                     self.follow = false;
@@ -944,6 +965,7 @@ impl App {
                 match self.mode {
                     Mode::Detail => {
                         self.follow = false;
+                        self.approval = None;
                         self.mode = Mode::Normal;
                     }
                     Mode::Help | Mode::Lab => self.mode = Mode::Normal,
@@ -1040,9 +1062,10 @@ impl App {
                 Some(Request::SetLive(self.live))
             }
             Action::Copy => {
-                let id = match self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
-                    Some(d) => Some(d.operation.id.clone()),
-                    None => self.selected_id(),
+                let id = match (self.detail.as_ref(), self.approval.as_ref()) {
+                    (_, Some(a)) if self.mode == Mode::Detail => Some(a.id.clone()),
+                    (Some(d), _) if self.mode == Mode::Detail => Some(d.operation.id.clone()),
+                    _ => self.selected_id(),
                 };
                 if let Some(id) = id {
                     self.say(format!("copied {id}"), false);
@@ -1207,6 +1230,11 @@ impl App {
             }
             EngineEvent::Done { ok, summary } => {
                 self.say(summary, !ok);
+                // An approval decided from its detail view is no longer pending:
+                // back to the pane, which the fetch below refreshes.
+                if self.mode == Mode::Detail && self.approval.take().is_some() {
+                    self.mode = Mode::Normal;
+                }
                 // An action taken from the detail view: show what it changed there too.
                 if let Some(d) = self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
                     self.pending_requests.push(Request::Detail(d.operation.id.clone()));
@@ -1279,7 +1307,7 @@ impl App {
 
     /// Whether this operator may decide this approval now; the reason if not
     /// (said before any dialog opens, as the engine would refuse it after).
-    fn may_decide(&self, a: &ApprovalRow) -> Result<(), String> {
+    pub fn may_decide(&self, a: &ApprovalRow) -> Result<(), String> {
         if self.now_ms >= a.expires_at {
             return Err(format!(
                 "{} expired {} ago (expiry is exclusive): it can no longer be approved or denied; the agent's next call asks anew",
@@ -1304,7 +1332,7 @@ impl App {
 
     /// What an approver sees before approving or denying: from the bound,
     /// digest-checked request (amount as money, order), who asked, the expiry.
-    fn approval_evidence(&self, a: &ApprovalRow) -> Vec<String> {
+    pub fn approval_evidence(&self, a: &ApprovalRow) -> Vec<String> {
         let left = a.expires_at.saturating_sub(self.now_ms);
         let amount = match (super::format::approval_money(a), crate::engine::approval_amount(a)) {
             (Some(m), Some(minor)) => format!("{m}  ({minor} minor units)"),

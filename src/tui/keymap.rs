@@ -137,6 +137,15 @@ fn detail() -> Vec<Binding> {
             ch(k, 'F').then_some(Action::ToggleFollow)
         }),
         bind!("q", "status query on this operation", true, |k| ch(k, 'q').then_some(Action::AskQuery)),
+        bind!("a / d", "approve / deny this pending approval (its detail, from pane 3)", true, |k| {
+            if ch(k, 'a') {
+                Some(Action::AskApprove)
+            } else if ch(k, 'd') {
+                Some(Action::AskDeny)
+            } else {
+                None
+            }
+        }),
         bind!("r", "resolve this operation (unknown / needs_review)", true, |k| ch(k, 'r')
             .then_some(Action::AskResolve)),
         bind!("c", "cancel this operation (accepted / in-flight)", true, |k| ch(k, 'c').then_some(Action::AskCancel)),

@@ -1189,6 +1189,47 @@ fn why_is_this_stuck_one_sentence_per_state_and_reason() {
 }
 
 #[test]
+fn enter_on_a_pending_approval_says_why_it_waits_and_what_to_press() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Approvals, 80, 24);
+    let Rows::Approvals(rows) = &app.rows else { panic!("approvals expected") };
+    let a = rows[0].clone();
+    assert!(a.operation_id.is_none(), "a pending approval has no operation yet");
+    assert_eq!(press(&mut app, KeyCode::Enter), None, "the approval is on screen already: nothing to fetch");
+    assert_eq!(app.mode, Mode::Detail);
+    let why = toolgate::tui::app::explain_approval(&a, NOW, None);
+    assert!(why.sentence.starts_with(&format!("Waiting for approval {}; it expires in ", a.id)), "{why:?}");
+    assert!(why.sentence.ends_with("UTC (a approves, d denies)."), "{why:?}");
+    let screen = text(&draw(&app, 80, 24));
+    assert!(screen.lines().nth(6).is_some_and(|l| l.trim_start().starts_with("why")), "opens with it\n{screen}");
+    insta::assert_snapshot!("why_approval_pending_80x24", screen);
+    // a and d act on the approval shown; a cancelled dialog comes back to it.
+    press(&mut app, KeyCode::Char('a'));
+    assert_eq!(app.mode, Mode::Confirm);
+    assert_eq!(app.confirm.as_ref().map(|c| c.request.clone()), Some(Request::Approve { approval_id: a.id.clone() }));
+    press(&mut app, KeyCode::Esc);
+    assert_eq!(app.mode, Mode::Detail);
+    press(&mut app, KeyCode::Char('y'));
+    assert_eq!(app.clipboard.as_deref(), Some(a.id.as_str()));
+    // Past its expiry: expired, and a new dispatch makes a new request; a and d refuse.
+    app.update(Action::Tick(a.expires_at + 5_000));
+    let screen = text(&draw(&app, 80, 24));
+    assert!(screen.contains("expired 5s ago") && screen.contains("next dispatch of the same call"), "{screen}");
+    insta::assert_snapshot!("why_approval_expired_80x24", screen);
+    press(&mut app, KeyCode::Char('a'));
+    assert_eq!(app.mode, Mode::Detail, "no dialog for an expired request");
+    assert!(app.status.as_ref().is_some_and(|(s, err)| *err && s.contains("expired")), "{:?}", app.status);
+    press(&mut app, KeyCode::Esc);
+    assert!(app.mode == Mode::Normal && app.approval.is_none());
+    // An operator who may not decide it is told why, in the detail.
+    let mut bob = app_on(&mut d, Pane::Approvals, 80, 24);
+    bob.operator = "mallory".into();
+    press(&mut bob, KeyCode::Enter);
+    let screen = text(&draw(&bob, 80, 24));
+    assert!(screen.contains("You cannot decide it: mallory is not on"), "{screen}");
+}
+
+#[test]
 fn keys_in_the_detail_view_act_on_its_operation_and_come_back_to_it() {
     let mut d = demo();
     let mut app = app_on(&mut d, Pane::Ledger, 80, 24);

@@ -227,6 +227,9 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return;
     }
     let hints: &[(&str, &str, bool)] = match (app.mode, app.pane) {
+        (Mode::Detail, _) if app.approval.is_some() => {
+            &[("Esc", "back", false), ("a", "approve", true), ("d", "deny", true), ("y", "copy id", false)]
+        }
         (Mode::Detail, _) => &[
             ("Esc", "back", false),
             ("j/k", "scroll", false),
