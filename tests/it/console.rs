@@ -1864,6 +1864,15 @@ fn filter_expressions_select_the_same_rows_on_both_backends(backend: crate::supp
             Box::new(|o| o.tenant == "acme" && matches!(o.state.as_str(), "unknown" | "needs_review")),
         ),
         ("needs:review", Box::new(|o| o.state == "needs_review")),
+        (
+            "tenant:acme state:outcome_unknown tool:create_refund age:>1m needs:review",
+            Box::new(move |o| {
+                o.tenant == "acme"
+                    && o.tool == "create_refund"
+                    && since(o) <= NOW - 60_000
+                    && matches!(o.state.as_str(), "unknown" | "needs_review")
+            }),
+        ),
         ("tool:create_refund age:>2m", Box::new(move |o| o.tool == "create_refund" && since(o) <= NOW - 120_000)),
         ("age:<2m", Box::new(move |o| since(o) > NOW - 120_000)),
         ("needs:query state:unknown", Box::new(|o| o.state == "unknown" && o.last_query_at.is_none())),
