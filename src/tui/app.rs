@@ -1333,7 +1333,6 @@ impl App {
     /// What an approver sees before approving or denying: from the bound,
     /// digest-checked request (amount as money, order), who asked, the expiry.
     pub fn approval_evidence(&self, a: &ApprovalRow) -> Vec<String> {
-        let left = a.expires_at.saturating_sub(self.now_ms);
         let amount = match (super::format::approval_money(a), crate::engine::approval_amount(a)) {
             (Some(m), Some(minor)) => format!("{m}  ({minor} minor units)"),
             _ => "- (none, or the record is damaged: toolgate audit)".to_string(),
@@ -1353,7 +1352,7 @@ impl App {
         }
         evidence.extend([
             format!("request     {}…", crate::display::digest(&a.request_sha256, 16)),
-            format!("expires in  {}", crate::display::countdown(left)),
+            format!("expires     {}", super::format::lapses_at(self.now_ms, a.expires_at)),
             format!("approver    {}  (may approve: {})", self.operator, self.approvers_of(&a.tenant)),
         ]);
         evidence

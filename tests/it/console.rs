@@ -1230,6 +1230,50 @@ fn enter_on_a_pending_approval_says_why_it_waits_and_what_to_press() {
 }
 
 #[test]
+fn the_detail_shows_absolute_times_beside_countdowns_and_nothing_counts_below_zero() {
+    let mut d = demo();
+    let accepted = detail_in(&mut d, "accepted", None);
+    let tall = |detail: toolgate::engine::OperationDetail| {
+        let mut app = App::new("demo.db (working copy)", "alice", false, false, NOW);
+        app.size = (140, 50);
+        app.mode = Mode::Detail;
+        app.detail = Some(Box::new(detail));
+        text(&draw(&app, 140, 50))
+    };
+    // Pending, due in 12 s, deadline in a minute.
+    let mut waits = accepted.clone();
+    waits.outbox.as_mut().unwrap().available_at = NOW + 12_000;
+    waits.operation.deadline_at = NOW + 60_000;
+    let screen = tall(waits);
+    assert!(screen.contains("deadline        2027-01-15T08:01:00.000Z (in 1m00s)"), "{screen}");
+    assert!(screen.contains("next retry      2027-01-15T08:00:12.000Z (in 12s)"), "{screen}");
+    // The demo's own: the retry was due 33 s ago and the deadline passed 1m16s ago.
+    let screen = tall(accepted.clone());
+    assert!(screen.contains("(overdue 33s)") && screen.contains("(overdue 1m16s)"), "{screen}");
+    // A lease held, then lapsed.
+    let mut leased = accepted;
+    leased.operation.state = toolgate::store::OpState::InFlight;
+    let ob = leased.outbox.as_mut().unwrap();
+    ob.state = toolgate::store::OutboxState::Leased;
+    ob.lease_owner = Some("w-2".into());
+    ob.lease_until = Some(NOW + 25_000);
+    let screen = tall(leased.clone());
+    assert!(screen.contains("lease until     2027-01-15T08:00:25.000Z (in 25s), worker w-2"), "{screen}");
+    leased.outbox.as_mut().unwrap().lease_until = Some(NOW - 4_000);
+    let screen = tall(leased);
+    assert!(screen.contains("lease until     2027-01-15T07:59:56.000Z (expired 4s ago), worker w-2"), "{screen}");
+    // No screen counts below zero anywhere.
+    for pane in [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown] {
+        let mut app = app_on(&mut d, pane, 140, 40);
+        app.update(Action::Tick(NOW + 3_600_000));
+        let screen = text(&draw(&app, 140, 40));
+        let negative = screen.as_bytes().windows(3).any(|w| w[0] == b' ' && w[1] == b'-' && w[2].is_ascii_digit());
+        assert!(!negative, "{pane:?}: a negative countdown:\n{screen}");
+        assert!(pane != Pane::Live || screen.contains("overdue 1h00m"), "{screen}");
+    }
+}
+
+#[test]
 fn keys_in_the_detail_view_act_on_its_operation_and_come_back_to_it() {
     let mut d = demo();
     let mut app = app_on(&mut d, Pane::Ledger, 80, 24);

@@ -9,7 +9,7 @@ use ratatui::Frame;
 use super::Theme;
 use crate::engine::clock::rfc3339;
 use crate::tui::app::App;
-use crate::tui::format::human_ms;
+use crate::tui::format::{due_in, human_ms, lapses_in};
 
 /// `why` and `next` wrapped under their labels, so the label column stays clear.
 fn why_lines(why: crate::tui::app::Why, width: u16, t: Theme) -> Vec<Line<'static>> {
@@ -79,6 +79,15 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         kv("scope", format!("{} / {} / key#{}", o.tenant, o.subject, crate::display::digest(&o.key_sha256, 16))),
         kv("call", format!("{} {} {} {}", o.call_provider, o.call_api_family, o.call_response_id, o.call_id)),
         kv("created", format!("{} ({} ago)", rfc3339(o.created_at), human_ms(app.now_ms.saturating_sub(o.created_at)))),
+        // While it can still run, the deadline counts down (or says by how much it passed).
+        kv(
+            "deadline",
+            if matches!(o.state.as_str(), "accepted" | "in_flight") {
+                format!("{} ({})", rfc3339(o.deadline_at), due_in(app.now_ms, o.deadline_at))
+            } else {
+                rfc3339(o.deadline_at)
+            },
+        ),
         kv("code", o.code.clone().unwrap_or_else(|| "-".into())),
         Line::from(Span::styled("  bindings", t.accent())),
         kv("request_sha256", o.request_sha256.clone()),
@@ -125,6 +134,22 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 ob.last_code.as_deref().unwrap_or("-")
             ),
         ));
+        match (ob.state.as_str(), ob.lease_until) {
+            ("leased", Some(until)) => lines.push(kv(
+                "lease until",
+                format!(
+                    "{} ({}), worker {}",
+                    rfc3339(until),
+                    lapses_in(app.now_ms, until),
+                    ob.lease_owner.as_deref().unwrap_or("?")
+                ),
+            )),
+            ("pending", _) => lines.push(kv(
+                "next retry",
+                format!("{} ({})", rfc3339(ob.available_at), due_in(app.now_ms, ob.available_at)),
+            )),
+            _ => {}
+        }
     }
     lines.push(Line::from(Span::styled("  attempts", t.accent())));
     for a in &d.attempts {

@@ -140,8 +140,8 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             };
             vec![
                 id_cell(app, &r.operation_id, t),
-                Cell::from(short(&r.tool, 15)),
-                Cell::from(Span::styled(short(&r.state, 12), t.state(&r.state))),
+                Cell::from(short(&r.tool, 14)),
+                Cell::from(Span::styled(short(&r.state, 10), t.state(&r.state))),
                 Cell::from(format!("{}/{}", r.attempt, r.max_attempts)),
                 lease,
                 Cell::from(next),
@@ -158,14 +158,17 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         body,
         vec![
             Constraint::Length(16),
-            Constraint::Length(15),
-            Constraint::Length(12),
-            Constraint::Length(7),
-            Constraint::Length(8),
+            Constraint::Length(14),
+            // accepted / in_flight.
             Constraint::Length(10),
+            Constraint::Length(7),
+            // "expired", "12m03s".
+            Constraint::Length(7),
+            // "overdue 12m03s" whole; at 80 columns the kept ones fit exactly.
+            Constraint::Length(14),
             Constraint::Length(22),
             Constraint::Length(14),
-            Constraint::Length(9),
+            Constraint::Length(14),
         ],
         area.width,
         &[7, 6, 3],
