@@ -152,12 +152,40 @@ const SIZES: [(u16, u16); 4] = [(80, 24), (120, 40), (140, 40), (200, 50)];
 #[test]
 fn every_pane_at_each_size() {
     let mut d = demo();
+    let scratch = tempfile::tempdir().unwrap();
+    let walk = toolgate::tui::walkthrough::Walkthrough::new(scratch.path().to_path_buf(), None);
     for (w, h) in SIZES {
-        for pane in [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown, Pane::Audit, Pane::Metrics] {
-            let app = app_on(&mut d, pane, w, h);
-            insta::assert_snapshot!(format!("pane_{}_{w}x{h}", pane.title().to_lowercase()), text(&draw(&app, w, h)));
+        for pane in Pane::ALL {
+            let mut app = app_on(&mut d, pane, w, h);
+            if pane == Pane::Walkthrough {
+                app.update(Action::Engine(walk.view()));
+                assert!(!app.walkthrough.scenarios.is_empty());
+            }
+            let screen = text(&draw(&app, w, h));
+            fits(&screen, w, h);
+            insta::assert_snapshot!(format!("pane_{}_{w}x{h}", pane.title().to_lowercase()), screen);
         }
     }
+}
+
+/// What every screen keeps at any size: the header's first line and the tabs
+/// whole, the status and key lines, and no line longer than the terminal.
+fn fits(screen: &str, w: u16, h: u16) {
+    fits_under(screen, w, h, true);
+}
+
+/// [`fits`]; `tabs: false` for a panel that covers them at this size.
+fn fits_under(screen: &str, w: u16, h: u16, tabs: bool) {
+    let lines: Vec<&str> = screen.lines().collect();
+    assert_eq!(lines.len(), usize::from(h), "{screen}");
+    assert!(lines.iter().all(|l| l.chars().count() <= usize::from(w)), "{screen}");
+    assert!(lines[0].starts_with("toolgate demo.db (working copy)  operator alice"), "{screen}");
+    let walk = if w < 100 { "6 Walk │" } else { "6 Walkthrough │" };
+    assert!(!tabs || (lines[3].contains(walk) && lines[3].contains("7 Metrics")), "the tabs are whole:\n{screen}");
+    assert!(
+        lines[usize::from(h) - 1].ends_with("? help  Q quit") || lines[usize::from(h) - 1].contains("Enter run"),
+        "{screen}"
+    );
 }
 
 #[test]
@@ -203,6 +231,59 @@ fn popups_and_detail_at_each_size() {
         let ids = d.engine.operation_ids_with_prefix(&prefix, limit).unwrap();
         app.update(Action::Engine(EngineEvent::Found { asked: prefix.clone(), prefix: Some(prefix), ids }));
         insta::assert_snapshot!(format!("popup_op_matches_{w}x{h}"), text(&draw(&app, w, h)));
+        // The command bar open, with a half-typed command.
+        let mut app = app_on(&mut d, Pane::Unknown, w, h);
+        press(&mut app, KeyCode::Char(':'));
+        type_text(&mut app, "sort sin");
+        let screen = text(&draw(&app, w, h));
+        assert!(screen.lines().last().is_some_and(|l| l.starts_with(":sort sin")), "{screen}");
+        insta::assert_snapshot!(format!("popup_command_bar_{w}x{h}"), screen);
+        // One status query, confirmed (Cancel focused).
+        let mut app = app_on(&mut d, Pane::Unknown, w, h);
+        app.update(key('q'));
+        assert_eq!(app.mode, Mode::Confirm);
+        let screen = text(&draw(&app, w, h));
+        fits(&screen, w, h);
+        insta::assert_snapshot!(format!("confirm_query_{w}x{h}"), screen);
+        // Cancel: the note, then the confirm that says what cancelling means.
+        let mut app = app_on(&mut d, Pane::Live, w, h);
+        app.update(key('c'));
+        assert_eq!(app.mode, Mode::Form);
+        type_text(&mut app, "customer withdrew");
+        press(&mut app, KeyCode::Enter);
+        assert_eq!(app.mode, Mode::Confirm);
+        let screen = text(&draw(&app, w, h));
+        fits(&screen, w, h);
+        insta::assert_snapshot!(format!("confirm_cancel_{w}x{h}"), screen);
+        // The lab panel, on the demo database.
+        let mut app = app_on(&mut d, Pane::Unknown, w, h);
+        let s = d.engine.lab_state().unwrap();
+        app.update(Action::Engine(EngineEvent::Lab(toolgate::tui::app::LabView {
+            demo: s.demo,
+            toggle: s.toggle,
+            fault_bp: s.fault_bp,
+            masked_conflicts: s.masked_conflicts,
+            agents: None,
+        })));
+        app.update(key('L'));
+        assert_eq!(app.mode, Mode::Lab);
+        let screen = text(&draw(&app, w, h));
+        // At 80×24 the panel takes the whole height, over the tabs.
+        fits_under(&screen, w, h, h > 24);
+        assert!(screen.contains("Esc: close"), "the panel's key line is whole:\n{screen}");
+        insta::assert_snapshot!(format!("popup_lab_{w}x{h}"), screen);
+        // A bulk status query under way: its gauge on the status line.
+        let mut app = app_on(&mut d, Pane::Unknown, w, h);
+        let req = app.update(key('V'));
+        app.update(Action::Engine(marked(&mut d, req)));
+        app.update(key('q'));
+        press(&mut app, KeyCode::Tab);
+        assert!(matches!(press(&mut app, KeyCode::Enter), Some(Request::Bulk { .. })));
+        app.update(Action::Engine(EngineEvent::BulkProgress { verb: "query".into(), done: 2, total: 5 }));
+        let screen = text(&draw(&app, w, h));
+        fits(&screen, w, h);
+        assert!(screen.contains("bulk query 2/5"), "{screen}");
+        insta::assert_snapshot!(format!("bulk_gauge_{w}x{h}"), screen);
     }
 }
 
