@@ -1854,12 +1854,23 @@ fn bulk_deny_resolve_and_cancel_ask_for_one_shared_note_and_skip_what_does_not_a
     let req = app.update(key('V'));
     app.update(Action::Engine(marked(&mut d, req)));
     assert_eq!(app.marks.len(), 2);
+    // Each approval row shows what it pays, as the single dialog does.
+    let money = |c: &toolgate::tui::app::Confirm| {
+        c.evidence.iter().any(|e| e.contains("apr_3960bc4aa496beee9b88a832") && e.ends_with(" 1,200.00 EUR"))
+    };
+    app.update(key('a'));
+    let c = app.confirm.clone().unwrap();
+    assert_eq!(c.title, "Bulk approve: 1 approval");
+    assert!(money(&c), "{:?}", c.evidence);
+    insta::assert_snapshot!("confirm_bulk_approve_140x40", text(&draw(&app, 140, 40)));
+    press(&mut app, KeyCode::Esc);
     app.update(key('d'));
     assert_eq!(app.mode, Mode::Form);
     type_text(&mut app, "duplicate request");
     press(&mut app, KeyCode::Enter);
     let c = app.confirm.clone().unwrap();
     assert_eq!(c.title, "Bulk deny: 1 approval");
+    assert!(money(&c), "{:?}", c.evidence);
     assert!(c.evidence.iter().any(|e| e.contains("alice may not approve for globex")), "{:?}", c.evidence);
     let Request::Bulk { action, targets } = c.request.clone() else { panic!() };
     let done = toolgate::tui::backend::run_bulk(&mut d.engine, "alice", &action, &targets, &|_| true);
