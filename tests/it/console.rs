@@ -687,6 +687,20 @@ fn smoke_the_real_binary_in_a_pseudo_terminal() {
     t.wait_for("terminal too small: need 80×24, have 60×20");
     t.resize(24, 80);
     t.wait_for("sort since ↓");
+    t.wait_for("6 Walk │ 7 Metrics");
+    // And back to 140×40: the full header labels and tab names return.
+    t.resize(40, 140);
+    t.wait_for("6 Walkthrough │ 7 Metrics");
+    let screen = t.screen();
+    let lines: Vec<&str> = screen.lines().collect();
+    assert!(lines[0].starts_with("toolgate ") && lines[0].contains("operator smoke"), "{screen}");
+    assert!(
+        lines[1].starts_with("accepted ") && lines[1].contains(" in_flight ") && lines[1].contains(" needs_review "),
+        "{screen}"
+    );
+    assert!(lines[2].starts_with("duplicate effects") && lines[2].contains("pending approvals"), "{screen}");
+    assert!(lines[3].contains("1 Live │ 2 Ledger │ 3 Approvals │ 4 Unknown │ 5 Audit │ 6 Walkthrough"), "{screen}");
+    t.wait_for("sort since ↓");
     t.quit();
     // Through the CLI: each was queried once, with one audit entry each, by this operator.
     for (id, before) in unknown.iter().zip(&queried_before) {
