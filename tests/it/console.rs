@@ -1180,16 +1180,19 @@ fn help_lists_the_commands_and_scrolls() {
 }
 
 #[test]
-fn the_readme_names_every_command_and_every_normal_key() {
+fn the_readme_names_every_command_and_every_key_of_the_panes_the_detail_and_the_lab() {
     let readme = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
     for c in toolgate::tui::app::COMMANDS {
         assert!(readme.contains(&format!("`:{}", c.name)), "README lacks :{}", c.name);
     }
-    // Every single-character key of the normal keymap has a row (or a mention) in the key table.
+    // Every single-character key of the pane, detail and lab keymaps has a row
+    // (or a mention) in the key table, as the in-app help lists it.
     let table: String = readme.lines().filter(|l| l.starts_with("| ")).collect::<Vec<_>>().join("\n");
-    for (keys, _) in keymap::help_lines(Mode::Normal, false) {
-        for k in keys.split([' ', '/']).filter(|k| k.chars().count() == 1) {
-            assert!(table.contains(&format!("`{k}`")), "README's key table lacks `{k}` ({keys})");
+    for mode in [Mode::Normal, Mode::Detail, Mode::Lab] {
+        for (keys, _) in keymap::help_lines(mode, false) {
+            for k in keys.split([' ', '/']).filter(|k| k.chars().count() == 1) {
+                assert!(table.contains(&format!("`{k}`")), "README's key table lacks `{k}` ({keys}, {mode:?})");
+            }
         }
     }
 }
