@@ -331,6 +331,8 @@ fn the_metrics_pane_shows_each_tools_budget_breaker_and_rate_limit_cooldown() {
         assert!(screen.contains(fact), "{fact}: {screen}");
     }
     insta::assert_snapshot!("metrics_resilience_open_80x24", screen);
+    // And the latency table's tool names are whole at 80 columns.
+    assert!(line_of(&screen, "1.2ms").starts_with("create_refund   "), "{screen}");
     // Past the cool-down the next send is the probe; half-open, the probe is out.
     let mut later = app.clone();
     later.update(Action::Tick(NOW + 21_000));

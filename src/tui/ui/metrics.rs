@@ -12,7 +12,7 @@ use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row, Sparkline, Table};
 use ratatui::Frame;
 
 use super::Theme;
-use crate::telemetry::metrics::{ToolLatency, ToolResilience};
+use crate::telemetry::metrics::{MetricsSnapshot, ToolLatency, ToolResilience};
 use crate::tui::app::{App, Rows};
 use crate::tui::format::{human_ms, short, time_of_day, tokens};
 
@@ -186,6 +186,42 @@ fn latency_rows(rows: &[ToolLatency]) -> Vec<Row<'static>> {
         .collect()
 }
 
+/// Latency below 120 columns: per tool the window's calls and p50/p95/p99, then
+/// the all-time calls and p99.
+fn render_latency_narrow(m: &MetricsSnapshot, frame: &mut Frame, area: Rect, t: Theme) {
+    let p = |l: Option<&ToolLatency>, f: fn(&crate::telemetry::histogram::Percentiles) -> i64| {
+        l.and_then(|l| l.percentiles.as_ref()).map_or_else(|| "-".to_string(), |p| us(f(p)))
+    };
+    // Every tool called, all time; the window's figures beside them.
+    let rows: Vec<Row> = m
+        .latency_all_time
+        .iter()
+        .map(|all| {
+            let win = m.latency_window.iter().find(|w| w.tool == all.tool);
+            Row::new(vec![
+                Cell::from(short(&all.tool, 15)),
+                Cell::from(win.map_or(0, |w| w.count).to_string()),
+                Cell::from(p(win, |p| p.p50_us)),
+                Cell::from(p(win, |p| p.p95_us)),
+                Cell::from(p(win, |p| p.p99_us)),
+                Cell::from(all.count.to_string()),
+                Cell::from(p(Some(all), |p| p.p99_us)),
+            ])
+        })
+        .collect();
+    let widths = [15, 6, 8, 8, 8, 9, 8].map(Constraint::Length);
+    frame.render_widget(
+        Table::new(rows, widths)
+            .header(Row::new(vec!["tool", "calls", "p50", "p95", "p99", "all calls", "all p99"]).style(t.dim()))
+            .block(
+                Block::default()
+                    .borders(Borders::TOP)
+                    .title(Span::styled(" dispatch latency, window (all time at the right) ", t.accent())),
+            ),
+        area,
+    );
+}
+
 /// Draws the metrics pane.
 pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let block = Block::default()
@@ -246,6 +282,12 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         Constraint::Length(10),
         Constraint::Length(10),
     ];
+    // Two tables side by side need 2 × 60 columns; narrower, one table holds the
+    // window and the all-time count and p99, so tool names are not cut.
+    if lat_area.width < 120 {
+        render_latency_narrow(m, frame, lat_area, t);
+        return;
+    }
     let [win, all] = Layout::horizontal([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(lat_area);
     let header = || Row::new(vec!["tool", "calls", "p50", "p95", "p99"]).style(t.dim());
     frame.render_widget(
