@@ -81,10 +81,21 @@ pub fn duration(ms: i64) -> String {
     }
 }
 
-/// Time left until a deadline: the duration, or `overdue` once it has passed.
+/// Time left until a deadline: the duration, or `overdue 3s` (by how much)
+/// once it has passed; never a negative countdown.
 pub fn countdown(ms_left: i64) -> String {
     if ms_left <= 0 {
-        "overdue".to_string()
+        format!("overdue {}", duration(ms_left))
+    } else {
+        duration(ms_left)
+    }
+}
+
+/// Time left until something lapses (a lease, an approval): the duration, or
+/// `expired 3s ago` once it has.
+pub fn expiry(ms_left: i64) -> String {
+    if ms_left <= 0 {
+        format!("expired {} ago", duration(ms_left))
     } else {
         duration(ms_left)
     }
@@ -122,8 +133,12 @@ mod tests {
         check(duration((336 * 24 + 4) * 3_600_000 + 5), "336d 4h");
         check(duration(-89_000), "1m29s");
         check(duration(i64::MIN), "106751991167d 7h");
-        check(countdown(-29_029_000), "overdue");
-        check(countdown(0), "overdue");
+        check(countdown(-29_029_000), "overdue 8h03m");
+        check(countdown(-3_000), "overdue 3s");
+        check(countdown(0), "overdue 0ms");
         check(countdown(1_500), "1s");
+        check(countdown(i64::MIN), "overdue 106751991167d 7h");
+        check(expiry(-4_000), "expired 4s ago");
+        check(expiry(60_000), "1m00s");
     }
 }

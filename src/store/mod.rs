@@ -28,7 +28,7 @@ use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 
 pub use pg::ScratchDatabase;
 pub use provider::{ProviderStore, ProviderTx};
-pub use resilience::{CircuitRow, RetryBudgetRow, MILLI_TOKEN};
+pub use resilience::{CircuitRow, RateLimitedRow, RetryBudgetRow, MILLI_TOKEN};
 pub use rows::*;
 pub use sql::Backend;
 use sql::{params, Conn};

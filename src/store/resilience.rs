@@ -95,6 +95,18 @@ impl CircuitRow {
     }
 }
 
+/// A tool's operations waiting out a provider's rate limit: pending outbox rows
+/// whose last attempt was answered `RATE_LIMIT` and that are not due yet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RateLimitedRow {
+    /// Tool.
+    pub tool: String,
+    /// Operations waiting.
+    pub waiting: i64,
+    /// When the last of them is due again.
+    pub until: i64,
+}
+
 const BUDGET_COLS: &str = "tool, tokens_milli, capacity_milli, retries, refused, updated_at";
 const CIRCUIT_COLS: &str = "downstream, state, consecutive_failures, open_until, probe_operation, probe_until, \
                             opened_total, refused_total, updated_at";
@@ -195,6 +207,19 @@ impl Tx<'_> {
                 c.updated_at
             ])?;
         Ok(())
+    }
+
+    /// Per tool, the operations cooling down after a `RATE_LIMIT` answer at
+    /// `now` (pending, due later; served by the `outbox_ready` index).
+    pub fn rate_limited(&self, now: i64) -> R<Vec<RateLimitedRow>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT p.tool, count(*), max(o.available_at) FROM outbox o JOIN operations p ON p.id = o.operation_id
+             WHERE o.state = 'pending' AND o.available_at > ?1 AND o.last_code = 'RATE_LIMIT'
+             GROUP BY p.tool ORDER BY p.tool",
+        )?;
+        let rows =
+            st.query_map([now], |r| Ok(RateLimitedRow { tool: r.get(0)?, waiting: r.get(1)?, until: r.get(2)? }))?;
+        rows.collect::<Result<_, _>>()
     }
 
     /// Every downstream's circuit row (downstreams never disturbed have none).

@@ -139,6 +139,31 @@ pub struct ToolLatency {
     pub percentiles: Option<Percentiles>,
 }
 
+/// What stands between a tool and its downstream right now: the retry budget,
+/// the circuit breaker of its downstream, and any provider rate-limit cooldown.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ToolResilience {
+    /// Tool.
+    pub tool: String,
+    /// Its downstream (whose circuit it shares with the other tools there).
+    pub downstream: String,
+    /// Retry tokens left, in thousandths ([`crate::store::MILLI_TOKEN`]).
+    pub budget_milli: i64,
+    /// The bucket's size, in thousandths.
+    pub capacity_milli: i64,
+    /// `closed`, `open` or `half_open`.
+    pub circuit: String,
+    /// While open: since when (ms since the epoch).
+    pub open_since_ms: Option<i64>,
+    /// While open: the first instant a probe may go; while half-open: when the
+    /// probe's slot lapses (another probe may go then).
+    pub next_probe_ms: Option<i64>,
+    /// Operations waiting out a `RATE_LIMIT` answer.
+    pub rate_limited: i64,
+    /// When the last of them is due again.
+    pub rate_limited_until_ms: Option<i64>,
+}
+
 /// A metric the design asks for that the engine does not have yet.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct NotTracked {
@@ -180,6 +205,8 @@ pub struct MetricsSnapshot {
     pub oldest_unknown_age_ms: Option<i64>,
     /// Intents with more than one committed downstream effect (must be 0).
     pub side_effect_duplicates: i64,
+    /// Per tool (of the slice): retry budget, circuit breaker, rate-limit cooldown.
+    pub resilience: Vec<ToolResilience>,
     /// Metrics the design names that are not exported yet, and why.
     pub not_tracked: Vec<NotTracked>,
 }
@@ -213,8 +240,10 @@ const NOT_TRACKED: [NotTracked; 0] = [];
 
 /// The retry budget and the circuit breaker, as they stand in the ledger (every
 /// process shares them): tokens left per tool, and per tool the state of its
-/// downstream's circuit, with since when it is open.
-fn resilience_families(families: &mut Vec<Family>, engine: &Engine, raw: &Raw, slice: &Slice) {
+/// downstream's circuit, with since when it is open. Returns the same per tool,
+/// with the rate-limit cooldowns, for screens.
+fn resilience_families(families: &mut Vec<Family>, engine: &Engine, raw: &Raw, slice: &Slice) -> Vec<ToolResilience> {
+    let mut tools = Vec::new();
     let mut tokens = BTreeMap::new();
     let mut capacity = BTreeMap::new();
     let mut state = BTreeMap::new();
@@ -244,13 +273,32 @@ fn resilience_families(families: &mut Vec<Family>, engine: &Engine, raw: &Raw, s
             ]);
             state.insert(labels, if s == current { 1.0 } else { 0.0 });
         }
+        let mut since_ms = None;
         if let (Some(r), "open") = (row, current) {
             if let Some(until) = r.open_until {
                 let since = until - c.circuit.cool_down_ms as i64;
                 let labels = BTreeMap::from([("tool", c.name.clone()), ("downstream", downstream.to_string())]);
                 open_since.insert(labels, since as f64 / 1000.0);
+                since_ms = Some(since);
             }
         }
+        let cap_milli = i64::from(c.retry.budget_burst) * crate::store::MILLI_TOKEN;
+        let limited = raw.rate_limited.iter().find(|r| r.tool == c.name);
+        tools.push(ToolResilience {
+            tool: c.name.clone(),
+            downstream: downstream.to_string(),
+            budget_milli: raw.budgets.iter().find(|b| b.tool == c.name).map_or(cap_milli, |b| b.tokens_milli),
+            capacity_milli: cap_milli,
+            circuit: current.to_string(),
+            open_since_ms: since_ms,
+            next_probe_ms: match current {
+                "open" => row.and_then(|r| r.open_until),
+                "half_open" => row.and_then(|r| r.probe_until),
+                _ => None,
+            },
+            rate_limited: limited.map_or(0, |r| r.waiting),
+            rate_limited_until_ms: limited.map(|r| r.until),
+        });
     }
     families.push(Family {
         name: "toolgate_retry_budget_tokens",
@@ -276,6 +324,7 @@ fn resilience_families(families: &mut Vec<Family>, engine: &Engine, raw: &Raw, s
         kind: Kind::Gauge,
         samples: samples_of(open_since),
     });
+    tools
 }
 
 /// What every event-based series is labelled with.
@@ -512,6 +561,7 @@ struct Raw {
     duplicates: i64,
     budgets: Vec<crate::store::RetryBudgetRow>,
     circuits: Vec<crate::store::CircuitRow>,
+    rate_limited: Vec<crate::store::RateLimitedRow>,
 }
 
 /// Computes every metric at the engine clock's now, for one window and slice.
@@ -536,6 +586,7 @@ pub fn snapshot(engine: &mut Engine, window: Window, slice: &Slice) -> Result<Me
             duplicates: referee.duplicates,
             budgets: tx.retry_budgets()?,
             circuits: tx.circuits()?,
+            rate_limited: tx.rate_limited(now)?,
         })
     })?;
     // The ledger's own rows hold the tenant itself: hash it before it is a label.
@@ -641,7 +692,7 @@ pub fn snapshot(engine: &mut Engine, window: Window, slice: &Slice) -> Result<Me
         samples: unsliced(raw.effects as f64),
     });
 
-    resilience_families(&mut families, engine, &raw, slice);
+    let resilience = resilience_families(&mut families, engine, &raw, slice);
 
     // Latency of answered calls.
     let mut hist: BTreeMap<BTreeMap<&'static str, String>, Histogram> = BTreeMap::new();
@@ -716,6 +767,7 @@ pub fn snapshot(engine: &mut Engine, window: Window, slice: &Slice) -> Result<Me
         outcome_unknown: unknown,
         oldest_unknown_age_ms: oldest_unknown.map(|t| (now - t).max(0)),
         side_effect_duplicates: raw.duplicates,
+        resilience,
         not_tracked: NOT_TRACKED.to_vec(),
     })
 }

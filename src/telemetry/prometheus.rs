@@ -93,6 +93,7 @@ mod tests {
             outcome_unknown: 0,
             oldest_unknown_age_ms: None,
             side_effect_duplicates: 0,
+            resilience: vec![],
             not_tracked: vec![],
         };
         assert_eq!(render(&s), expect);

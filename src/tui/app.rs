@@ -19,7 +19,7 @@ pub use lab::{percent, AgentsView, LabView, FAULT_STEPS};
 pub use marks::{marks_of, BulkKey, BulkPlan, BulkProgress, Mark, MarkKind, MAX_MARKS};
 pub use prefs::{PanePrefs, Prefs};
 pub use sort::{columns as sort_columns, default_order};
-pub use why::{explain, reason, Why};
+pub use why::{explain, explain_approval, reason, Why};
 
 /// The panes, in tab order (number keys 1..=7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -109,6 +109,8 @@ pub enum Action {
     Bottom,
     /// Enter: the detail view.
     OpenDetail,
+    /// `F` in the detail view: follow the operation's trace as events arrive.
+    ToggleFollow,
     /// Esc: back / close.
     Back,
     /// `/`: start typing a filter.
@@ -534,6 +536,12 @@ pub struct App {
     pub detail: Option<Box<OperationDetail>>,
     /// Detail scroll.
     pub detail_scroll: u16,
+    /// The detail view of a pending approval (no operation exists before it is
+    /// approved): shown instead of `detail` while set.
+    pub approval: Option<Box<ApprovalRow>>,
+    /// `F`: the detail is fetched again whenever the ledger changes, and shown
+    /// scrolled to its end (the newest trace events).
+    pub follow: bool,
     /// Confirm dialog.
     pub confirm: Option<Confirm>,
     /// Open form.
@@ -610,6 +618,8 @@ impl App {
             header: HeaderCounts::default(),
             detail: None,
             detail_scroll: 0,
+            follow: false,
+            approval: None,
             confirm: None,
             form: None,
             help_return: Mode::Normal,
@@ -676,7 +686,12 @@ impl App {
         }
     }
 
+    /// The approval an action is about: the one in the detail view, or the
+    /// selected row of the Approvals pane.
     fn selected_approval(&self) -> Option<&ApprovalRow> {
+        if self.mode == Mode::Detail {
+            return self.approval.as_deref();
+        }
         match &self.rows {
             Rows::Approvals(r) => r.get(self.selected),
             _ => None,
@@ -874,6 +889,7 @@ impl App {
             Action::SelectPane(p) => self.switch_pane(p),
             Action::Up | Action::Scroll(-1) => {
                 if self.mode == Mode::Detail {
+                    self.stop_following();
                     self.detail_scroll = self.detail_scroll.saturating_sub(1);
                 } else {
                     self.selected = self.selected.saturating_sub(1);
@@ -882,6 +898,7 @@ impl App {
             }
             Action::Down | Action::Scroll(1) => {
                 if self.mode == Mode::Detail {
+                    self.stop_following();
                     self.detail_scroll = self.detail_scroll.saturating_add(1);
                 } else if self.selected + 1 < self.row_count() {
                     self.selected += 1;
@@ -916,23 +933,42 @@ impl App {
                 None
             }
             Action::OpenDetail => {
+                // A pending approval has no operation yet: its detail is the
+                // approval itself, with why it waits and what to press.
+                if let Rows::Approvals(r) = &self.rows {
+                    if let Some(a) = r.get(self.selected).filter(|a| a.operation_id.is_none()) {
+                        self.approval = Some(Box::new(a.clone()));
+                        self.detail = None;
+                        self.follow = false;
+                        self.mode = Mode::Detail;
+                        return None;
+                    }
+                }
                 let id = match &self.rows {
                     Rows::Approvals(r) => r.get(self.selected).and_then(|a| a.operation_id.clone()),
                     _ => self.selected_id().filter(|id| id.starts_with("op_")),
                 };
                 if let Some(id) = id {
                     self.mode = Mode::Detail;
+                    self.approval = None;
                     self.detail = None;
                     self.detail_scroll = 0;
+                    self.follow = false;
                     Some(Request::Detail(id))
                 } else {
                     self.say("no operation selected", true);
                     None
                 }
             }
+            Action::ToggleFollow => self.toggle_follow(),
             Action::Back => {
                 match self.mode {
-                    Mode::Detail | Mode::Help | Mode::Lab => self.mode = Mode::Normal,
+                    Mode::Detail => {
+                        self.follow = false;
+                        self.approval = None;
+                        self.mode = Mode::Normal;
+                    }
+                    Mode::Help | Mode::Lab => self.mode = Mode::Normal,
                     Mode::Filter => {
                         // Esc cancels the edit: the filter in force stays.
                         if let Some(before) = self.filter_before.take() {
@@ -1026,9 +1062,10 @@ impl App {
                 Some(Request::SetLive(self.live))
             }
             Action::Copy => {
-                let id = match self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
-                    Some(d) => Some(d.operation.id.clone()),
-                    None => self.selected_id(),
+                let id = match (self.detail.as_ref(), self.approval.as_ref()) {
+                    (_, Some(a)) if self.mode == Mode::Detail => Some(a.id.clone()),
+                    (Some(d), _) if self.mode == Mode::Detail => Some(d.operation.id.clone()),
+                    _ => self.selected_id(),
                 };
                 if let Some(id) = id {
                     self.say(format!("copied {id}"), false);
@@ -1121,6 +1158,25 @@ impl App {
         }
     }
 
+    /// `F` in the detail view: start following its operation (fetched again at
+    /// once and on every change of the ledger) or stop.
+    fn toggle_follow(&mut self) -> Option<Request> {
+        if self.follow {
+            self.stop_following();
+            return None;
+        }
+        let id = self.detail.as_ref().filter(|_| self.mode == Mode::Detail).map(|d| d.operation.id.clone())?;
+        self.follow = true;
+        self.say(format!("following {id}: new trace events appear at the end (F or j/k stops)"), false);
+        Some(Request::Detail(id))
+    }
+
+    fn stop_following(&mut self) {
+        if std::mem::take(&mut self.follow) {
+            self.say("stopped following", false);
+        }
+    }
+
     fn page_down(&mut self) -> Option<Request> {
         let key = self.next_cursor();
         if (self.row_count() as i64) < self.visible_rows() || key.is_none() {
@@ -1144,6 +1200,13 @@ impl App {
         match ev {
             EngineEvent::Page { pane, rows, header } => {
                 self.header = header;
+                // A page comes whenever the ledger changed (and every few
+                // seconds): a followed detail is fetched again with it.
+                let followed = self
+                    .detail
+                    .as_ref()
+                    .filter(|_| self.follow && self.mode == Mode::Detail)
+                    .map(|d| Request::Detail(d.operation.id.clone()));
                 if pane == self.pane {
                     // Keep the selection on the same row when rows move.
                     let keep = row_key(&self.rows, self.selected);
@@ -1159,7 +1222,7 @@ impl App {
                         self.selected = self.row_count().saturating_sub(1);
                     }
                 }
-                None
+                followed
             }
             EngineEvent::Detail(d) => {
                 self.detail = Some(d);
@@ -1167,6 +1230,11 @@ impl App {
             }
             EngineEvent::Done { ok, summary } => {
                 self.say(summary, !ok);
+                // An approval decided from its detail view is no longer pending:
+                // back to the pane, which the fetch below refreshes.
+                if self.mode == Mode::Detail && self.approval.take().is_some() {
+                    self.mode = Mode::Normal;
+                }
                 // An action taken from the detail view: show what it changed there too.
                 if let Some(d) = self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
                     self.pending_requests.push(Request::Detail(d.operation.id.clone()));
@@ -1239,7 +1307,7 @@ impl App {
 
     /// Whether this operator may decide this approval now; the reason if not
     /// (said before any dialog opens, as the engine would refuse it after).
-    fn may_decide(&self, a: &ApprovalRow) -> Result<(), String> {
+    pub fn may_decide(&self, a: &ApprovalRow) -> Result<(), String> {
         if self.now_ms >= a.expires_at {
             return Err(format!(
                 "{} expired {} ago (expiry is exclusive): it can no longer be approved or denied; the agent's next call asks anew",
@@ -1264,8 +1332,7 @@ impl App {
 
     /// What an approver sees before approving or denying: from the bound,
     /// digest-checked request (amount as money, order), who asked, the expiry.
-    fn approval_evidence(&self, a: &ApprovalRow) -> Vec<String> {
-        let left = a.expires_at.saturating_sub(self.now_ms);
+    pub fn approval_evidence(&self, a: &ApprovalRow) -> Vec<String> {
         let amount = match (super::format::approval_money(a), crate::engine::approval_amount(a)) {
             (Some(m), Some(minor)) => format!("{m}  ({minor} minor units)"),
             _ => "- (none, or the record is damaged: toolgate audit)".to_string(),
@@ -1285,7 +1352,7 @@ impl App {
         }
         evidence.extend([
             format!("request     {}…", crate::display::digest(&a.request_sha256, 16)),
-            format!("expires in  {}", crate::display::countdown(left)),
+            format!("expires     {}", super::format::lapses_at(self.now_ms, a.expires_at)),
             format!("approver    {}  (may approve: {})", self.operator, self.approvers_of(&a.tenant)),
         ]);
         evidence

@@ -20,6 +20,50 @@ pub fn ago(now_ms: i64, at: Option<i64>) -> String {
     at.map_or_else(|| "never".to_string(), |t| format!("{} ago", human_ms(now_ms.saturating_sub(t))))
 }
 
+/// `07:58:12`, the time of day (UTC) of an instant in ms since the epoch.
+pub fn time_of_day(at: i64) -> String {
+    crate::engine::clock::rfc3339(at).chars().skip(11).take(8).collect()
+}
+
+/// `in 12s`, or `overdue 3s` once `at` has passed (a deadline, a due time).
+pub fn due_in(now_ms: i64, at: i64) -> String {
+    if at > now_ms {
+        format!("in {}", human_ms(at.saturating_sub(now_ms)))
+    } else {
+        crate::display::countdown(at.saturating_sub(now_ms))
+    }
+}
+
+/// `in 12s`, or `expired 3s ago` once `at` has passed (a lease end, an expiry).
+pub fn lapses_in(now_ms: i64, at: i64) -> String {
+    if at > now_ms {
+        format!("in {}", human_ms(at.saturating_sub(now_ms)))
+    } else {
+        crate::display::expiry(at.saturating_sub(now_ms))
+    }
+}
+
+/// `08:14:26 UTC (in 14m26s)` / `(overdue 3s)`: [`due_in`] with the time of day.
+pub fn due_at(now_ms: i64, at: i64) -> String {
+    format!("{} UTC ({})", time_of_day(at), due_in(now_ms, at))
+}
+
+/// `08:14:26 UTC (in 14m26s)` / `(expired 3s ago)`: [`lapses_in`] with the time of day.
+pub fn lapses_at(now_ms: i64, at: i64) -> String {
+    format!("{} UTC ({})", time_of_day(at), lapses_in(now_ms, at))
+}
+
+/// Retry tokens from thousandths: `3`, `2.5` (tenths, rounded down), never negative.
+pub fn tokens(milli: i64) -> String {
+    let milli = milli.max(0);
+    let (whole, tenths) = (milli / 1000, milli % 1000 / 100);
+    if tenths == 0 {
+        whole.to_string()
+    } else {
+        format!("{whole}.{tenths}")
+    }
+}
+
 /// Digits after the decimal point of a currency's minor unit (ISO 4217; two
 /// unless listed).
 fn minor_digits(currency: &str) -> u32 {
@@ -96,6 +140,21 @@ mod tests {
         check(money(100, "e\u{1b}"), "100 (minor units, currency e\\u{1b})");
         check(money(i64::MIN, "EUR"), "-92,233,720,368,547,758.08 EUR");
         check(money(i64::MAX, "EUR"), "92,233,720,368,547,758.07 EUR");
+    }
+
+    #[test]
+    fn tokens_and_times_of_day() {
+        check(tokens(10_000), "10");
+        check(tokens(2_599), "2.5");
+        check(tokens(999), "0.9");
+        check(tokens(-5), "0");
+        check(time_of_day(1_800_000_000_000), "08:00:00");
+        check(due_at(1_800_000_000_000, 1_800_000_060_000), "08:01:00 UTC (in 1m00s)");
+        check(due_at(1_800_000_003_000, 1_800_000_000_000), "08:00:00 UTC (overdue 3s)");
+        check(lapses_at(1_800_000_003_000, 1_800_000_000_000), "08:00:00 UTC (expired 3s ago)");
+        // Stored times out of chrono's range never panic.
+        assert!(lapses_at(i64::MAX, i64::MIN).contains("(expired 106751991167d 7h ago)"));
+        assert!(due_at(i64::MIN, i64::MAX).contains("(in 106751991167d 7h)"));
     }
 
     #[test]

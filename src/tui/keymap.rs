@@ -133,7 +133,19 @@ fn detail() -> Vec<Binding> {
         }),
         bind!("Esc / Enter", "back", false, |k| matches!(k.code, KeyCode::Esc | KeyCode::Enter)
             .then_some(Action::Back)),
+        bind!("F", "follow the trace: fetched again as events arrive, shown to its end (F or j/k stops)", false, |k| {
+            ch(k, 'F').then_some(Action::ToggleFollow)
+        }),
         bind!("q", "status query on this operation", true, |k| ch(k, 'q').then_some(Action::AskQuery)),
+        bind!("a / d", "approve / deny this pending approval (its detail, from pane 3)", true, |k| {
+            if ch(k, 'a') {
+                Some(Action::AskApprove)
+            } else if ch(k, 'd') {
+                Some(Action::AskDeny)
+            } else {
+                None
+            }
+        }),
         bind!("r", "resolve this operation (unknown / needs_review)", true, |k| ch(k, 'r')
             .then_some(Action::AskResolve)),
         bind!("c", "cancel this operation (accepted / in-flight)", true, |k| ch(k, 'c').then_some(Action::AskCancel)),

@@ -152,12 +152,40 @@ const SIZES: [(u16, u16); 4] = [(80, 24), (120, 40), (140, 40), (200, 50)];
 #[test]
 fn every_pane_at_each_size() {
     let mut d = demo();
+    let scratch = tempfile::tempdir().unwrap();
+    let walk = toolgate::tui::walkthrough::Walkthrough::new(scratch.path().to_path_buf(), None);
     for (w, h) in SIZES {
-        for pane in [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown, Pane::Audit, Pane::Metrics] {
-            let app = app_on(&mut d, pane, w, h);
-            insta::assert_snapshot!(format!("pane_{}_{w}x{h}", pane.title().to_lowercase()), text(&draw(&app, w, h)));
+        for pane in Pane::ALL {
+            let mut app = app_on(&mut d, pane, w, h);
+            if pane == Pane::Walkthrough {
+                app.update(Action::Engine(walk.view()));
+                assert!(!app.walkthrough.scenarios.is_empty());
+            }
+            let screen = text(&draw(&app, w, h));
+            fits(&screen, w, h);
+            insta::assert_snapshot!(format!("pane_{}_{w}x{h}", pane.title().to_lowercase()), screen);
         }
     }
+}
+
+/// What every screen keeps at any size: the header's first line and the tabs
+/// whole, the status and key lines, and no line longer than the terminal.
+fn fits(screen: &str, w: u16, h: u16) {
+    fits_under(screen, w, h, true);
+}
+
+/// [`fits`]; `tabs: false` for a panel that covers them at this size.
+fn fits_under(screen: &str, w: u16, h: u16, tabs: bool) {
+    let lines: Vec<&str> = screen.lines().collect();
+    assert_eq!(lines.len(), usize::from(h), "{screen}");
+    assert!(lines.iter().all(|l| l.chars().count() <= usize::from(w)), "{screen}");
+    assert!(lines[0].starts_with("toolgate demo.db (working copy)  operator alice"), "{screen}");
+    let walk = if w < 100 { "6 Walk │" } else { "6 Walkthrough │" };
+    assert!(!tabs || (lines[3].contains(walk) && lines[3].contains("7 Metrics")), "the tabs are whole:\n{screen}");
+    assert!(
+        lines[usize::from(h) - 1].ends_with("? help  Q quit") || lines[usize::from(h) - 1].contains("Enter run"),
+        "{screen}"
+    );
 }
 
 #[test]
@@ -203,7 +231,115 @@ fn popups_and_detail_at_each_size() {
         let ids = d.engine.operation_ids_with_prefix(&prefix, limit).unwrap();
         app.update(Action::Engine(EngineEvent::Found { asked: prefix.clone(), prefix: Some(prefix), ids }));
         insta::assert_snapshot!(format!("popup_op_matches_{w}x{h}"), text(&draw(&app, w, h)));
+        // The command bar open, with a half-typed command.
+        let mut app = app_on(&mut d, Pane::Unknown, w, h);
+        press(&mut app, KeyCode::Char(':'));
+        type_text(&mut app, "sort sin");
+        let screen = text(&draw(&app, w, h));
+        assert!(screen.lines().last().is_some_and(|l| l.starts_with(":sort sin")), "{screen}");
+        insta::assert_snapshot!(format!("popup_command_bar_{w}x{h}"), screen);
+        // One status query, confirmed (Cancel focused).
+        let mut app = app_on(&mut d, Pane::Unknown, w, h);
+        app.update(key('q'));
+        assert_eq!(app.mode, Mode::Confirm);
+        let screen = text(&draw(&app, w, h));
+        fits(&screen, w, h);
+        insta::assert_snapshot!(format!("confirm_query_{w}x{h}"), screen);
+        // Cancel: the note, then the confirm that says what cancelling means.
+        let mut app = app_on(&mut d, Pane::Live, w, h);
+        app.update(key('c'));
+        assert_eq!(app.mode, Mode::Form);
+        type_text(&mut app, "customer withdrew");
+        press(&mut app, KeyCode::Enter);
+        assert_eq!(app.mode, Mode::Confirm);
+        let screen = text(&draw(&app, w, h));
+        fits(&screen, w, h);
+        insta::assert_snapshot!(format!("confirm_cancel_{w}x{h}"), screen);
+        // The lab panel, on the demo database.
+        let mut app = app_on(&mut d, Pane::Unknown, w, h);
+        let s = d.engine.lab_state().unwrap();
+        app.update(Action::Engine(EngineEvent::Lab(toolgate::tui::app::LabView {
+            demo: s.demo,
+            toggle: s.toggle,
+            fault_bp: s.fault_bp,
+            masked_conflicts: s.masked_conflicts,
+            agents: None,
+        })));
+        app.update(key('L'));
+        assert_eq!(app.mode, Mode::Lab);
+        let screen = text(&draw(&app, w, h));
+        // At 80×24 the panel takes the whole height, over the tabs.
+        fits_under(&screen, w, h, h > 24);
+        assert!(screen.contains("Esc: close"), "the panel's key line is whole:\n{screen}");
+        insta::assert_snapshot!(format!("popup_lab_{w}x{h}"), screen);
+        // A bulk status query under way: its gauge on the status line.
+        let mut app = app_on(&mut d, Pane::Unknown, w, h);
+        let req = app.update(key('V'));
+        app.update(Action::Engine(marked(&mut d, req)));
+        app.update(key('q'));
+        press(&mut app, KeyCode::Tab);
+        assert!(matches!(press(&mut app, KeyCode::Enter), Some(Request::Bulk { .. })));
+        app.update(Action::Engine(EngineEvent::BulkProgress { verb: "query".into(), done: 2, total: 5 }));
+        let screen = text(&draw(&app, w, h));
+        fits(&screen, w, h);
+        assert!(screen.contains("bulk query 2/5"), "{screen}");
+        insta::assert_snapshot!(format!("bulk_gauge_{w}x{h}"), screen);
     }
+}
+
+/// The line of `screen` that holds `needle`.
+fn line_of<'a>(screen: &'a str, needle: &str) -> &'a str {
+    screen.lines().find(|l| l.contains(needle)).unwrap_or_else(|| panic!("{needle:?} not on screen:\n{screen}"))
+}
+
+#[test]
+fn the_metrics_pane_shows_each_tools_budget_breaker_and_rate_limit_cooldown() {
+    let mut d = demo();
+    let screen = text(&draw(&app_on(&mut d, Pane::Metrics, 140, 40), 140, 40));
+    assert!(line_of(&screen, "budget").contains("rate-limit cooldown"), "{screen}");
+    let refund = line_of(&screen, "create_refund");
+    assert!(refund.contains(" 10/10 ") && refund.contains(" closed ") && refund.ends_with(" none"), "{screen}");
+    // The payments circuit opens (its cool-down is 5 s), the budget is spent down
+    // to 2.5 retries, and the demo's rate-limited operation waits 30 s more.
+    let c = crate::support::raw(&d.dir.path().join("demo.db"));
+    c.execute("UPDATE circuits SET state = 'open', open_until = ?1 WHERE downstream = 'payments'", [NOW + 20_000])
+        .unwrap();
+    c.execute("UPDATE retry_budgets SET tokens_milli = 2500 WHERE tool = 'create_refund'", []).unwrap();
+    let limited = c
+        .execute(
+            "UPDATE outbox SET available_at = ?1 WHERE last_code = 'RATE_LIMIT' AND state = 'pending'",
+            [NOW + 30_000],
+        )
+        .unwrap();
+    assert_eq!(limited, 1);
+    let app = app_on(&mut d, Pane::Metrics, 140, 40);
+    let screen = text(&draw(&app, 140, 40));
+    let refund = line_of(&screen, "create_refund");
+    assert!(refund.contains(" 2.5/10 ") && refund.contains("open since 08:00:15, probe 08:00:20"), "{screen}");
+    assert!(refund.contains("1 op wait until 08:00:30"), "{screen}");
+    assert!(line_of(&screen, "notify_customer").contains("closed"), "another downstream: {screen}");
+    insta::assert_snapshot!("metrics_resilience_open_140x40", screen);
+    // At 80 columns, three lines per tool say the same.
+    let app = app_on(&mut d, Pane::Metrics, 80, 24);
+    let screen = text(&draw(&app, 80, 24));
+    for fact in [
+        "create_refund  retries 2.5/10",
+        "breaker open since 08:00:15\n",
+        "           probe 08:00:20\n",
+        "rate limit 1 op wait until 08:00:30",
+    ] {
+        assert!(screen.contains(fact), "{fact}: {screen}");
+    }
+    insta::assert_snapshot!("metrics_resilience_open_80x24", screen);
+    // And the latency table's tool names are whole at 80 columns.
+    assert!(line_of(&screen, "1.2ms").starts_with("create_refund   "), "{screen}");
+    // Past the cool-down the next send is the probe; half-open, the probe is out.
+    let mut later = app.clone();
+    later.update(Action::Tick(NOW + 21_000));
+    assert!(text(&draw(&later, 80, 24)).contains("           probe due\n"));
+    c.execute("UPDATE circuits SET state = 'half_open', open_until = NULL, probe_until = ?1", [NOW + 3_000]).unwrap();
+    let screen = text(&draw(&app_on(&mut d, Pane::Metrics, 140, 40), 140, 40));
+    assert!(line_of(&screen, "create_refund").contains("half-open, probe out until 08:00:03"), "{screen}");
 }
 
 fn cell_with(b: &Buffer, needle: &str) -> (u16, u16) {
@@ -552,6 +688,20 @@ fn smoke_the_real_binary_in_a_pseudo_terminal() {
     t.resize(20, 60);
     t.wait_for("terminal too small: need 80×24, have 60×20");
     t.resize(24, 80);
+    t.wait_for("sort since ↓");
+    t.wait_for("6 Walk │ 7 Metrics");
+    // And back to 140×40: the full header labels and tab names return.
+    t.resize(40, 140);
+    t.wait_for("6 Walkthrough │ 7 Metrics");
+    let screen = t.screen();
+    let lines: Vec<&str> = screen.lines().collect();
+    assert!(lines[0].starts_with("toolgate ") && lines[0].contains("operator smoke"), "{screen}");
+    assert!(
+        lines[1].starts_with("accepted ") && lines[1].contains(" in_flight ") && lines[1].contains(" needs_review "),
+        "{screen}"
+    );
+    assert!(lines[2].starts_with("duplicate effects") && lines[2].contains("pending approvals"), "{screen}");
+    assert!(lines[3].contains("1 Live │ 2 Ledger │ 3 Approvals │ 4 Unknown │ 5 Audit │ 6 Walkthrough"), "{screen}");
     t.wait_for("sort since ↓");
     t.quit();
     // Through the CLI: each was queried once, with one audit entry each, by this operator.
@@ -1032,16 +1182,19 @@ fn help_lists_the_commands_and_scrolls() {
 }
 
 #[test]
-fn the_readme_names_every_command_and_every_normal_key() {
+fn the_readme_names_every_command_and_every_key_of_the_panes_the_detail_and_the_lab() {
     let readme = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
     for c in toolgate::tui::app::COMMANDS {
         assert!(readme.contains(&format!("`:{}", c.name)), "README lacks :{}", c.name);
     }
-    // Every single-character key of the normal keymap has a row (or a mention) in the key table.
+    // Every single-character key of the pane, detail and lab keymaps has a row
+    // (or a mention) in the key table, as the in-app help lists it.
     let table: String = readme.lines().filter(|l| l.starts_with("| ")).collect::<Vec<_>>().join("\n");
-    for (keys, _) in keymap::help_lines(Mode::Normal, false) {
-        for k in keys.split([' ', '/']).filter(|k| k.chars().count() == 1) {
-            assert!(table.contains(&format!("`{k}`")), "README's key table lacks `{k}` ({keys})");
+    for mode in [Mode::Normal, Mode::Detail, Mode::Lab] {
+        for (keys, _) in keymap::help_lines(mode, false) {
+            for k in keys.split([' ', '/']).filter(|k| k.chars().count() == 1) {
+                assert!(table.contains(&format!("`{k}`")), "README's key table lacks `{k}` ({keys}, {mode:?})");
+            }
         }
     }
 }
@@ -1136,6 +1289,91 @@ fn why_is_this_stuck_one_sentence_per_state_and_reason() {
 }
 
 #[test]
+fn enter_on_a_pending_approval_says_why_it_waits_and_what_to_press() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Approvals, 80, 24);
+    let Rows::Approvals(rows) = &app.rows else { panic!("approvals expected") };
+    let a = rows[0].clone();
+    assert!(a.operation_id.is_none(), "a pending approval has no operation yet");
+    assert_eq!(press(&mut app, KeyCode::Enter), None, "the approval is on screen already: nothing to fetch");
+    assert_eq!(app.mode, Mode::Detail);
+    let why = toolgate::tui::app::explain_approval(&a, NOW, None);
+    assert!(why.sentence.starts_with(&format!("Waiting for approval {}; it expires in ", a.id)), "{why:?}");
+    assert!(why.sentence.ends_with("UTC (a approves, d denies)."), "{why:?}");
+    let screen = text(&draw(&app, 80, 24));
+    assert!(screen.lines().nth(6).is_some_and(|l| l.trim_start().starts_with("why")), "opens with it\n{screen}");
+    insta::assert_snapshot!("why_approval_pending_80x24", screen);
+    // a and d act on the approval shown; a cancelled dialog comes back to it.
+    press(&mut app, KeyCode::Char('a'));
+    assert_eq!(app.mode, Mode::Confirm);
+    assert_eq!(app.confirm.as_ref().map(|c| c.request.clone()), Some(Request::Approve { approval_id: a.id.clone() }));
+    press(&mut app, KeyCode::Esc);
+    assert_eq!(app.mode, Mode::Detail);
+    press(&mut app, KeyCode::Char('y'));
+    assert_eq!(app.clipboard.as_deref(), Some(a.id.as_str()));
+    // Past its expiry: expired, and a new dispatch makes a new request; a and d refuse.
+    app.update(Action::Tick(a.expires_at + 5_000));
+    let screen = text(&draw(&app, 80, 24));
+    assert!(screen.contains("expired 5s ago") && screen.contains("next dispatch of the same call"), "{screen}");
+    insta::assert_snapshot!("why_approval_expired_80x24", screen);
+    press(&mut app, KeyCode::Char('a'));
+    assert_eq!(app.mode, Mode::Detail, "no dialog for an expired request");
+    assert!(app.status.as_ref().is_some_and(|(s, err)| *err && s.contains("expired")), "{:?}", app.status);
+    press(&mut app, KeyCode::Esc);
+    assert!(app.mode == Mode::Normal && app.approval.is_none());
+    // An operator who may not decide it is told why, in the detail.
+    let mut bob = app_on(&mut d, Pane::Approvals, 80, 24);
+    bob.operator = "mallory".into();
+    press(&mut bob, KeyCode::Enter);
+    let screen = text(&draw(&bob, 80, 24));
+    assert!(screen.contains("You cannot decide it: mallory is not on"), "{screen}");
+}
+
+#[test]
+fn the_detail_shows_absolute_times_beside_countdowns_and_nothing_counts_below_zero() {
+    let mut d = demo();
+    let accepted = detail_in(&mut d, "accepted", None);
+    let tall = |detail: toolgate::engine::OperationDetail| {
+        let mut app = App::new("demo.db (working copy)", "alice", false, false, NOW);
+        app.size = (140, 50);
+        app.mode = Mode::Detail;
+        app.detail = Some(Box::new(detail));
+        text(&draw(&app, 140, 50))
+    };
+    // Pending, due in 12 s, deadline in a minute.
+    let mut waits = accepted.clone();
+    waits.outbox.as_mut().unwrap().available_at = NOW + 12_000;
+    waits.operation.deadline_at = NOW + 60_000;
+    let screen = tall(waits);
+    assert!(screen.contains("deadline        2027-01-15T08:01:00.000Z (in 1m00s)"), "{screen}");
+    assert!(screen.contains("next retry      2027-01-15T08:00:12.000Z (in 12s)"), "{screen}");
+    // The demo's own: the retry was due 33 s ago and the deadline passed 1m16s ago.
+    let screen = tall(accepted.clone());
+    assert!(screen.contains("(overdue 33s)") && screen.contains("(overdue 1m16s)"), "{screen}");
+    // A lease held, then lapsed.
+    let mut leased = accepted;
+    leased.operation.state = toolgate::store::OpState::InFlight;
+    let ob = leased.outbox.as_mut().unwrap();
+    ob.state = toolgate::store::OutboxState::Leased;
+    ob.lease_owner = Some("w-2".into());
+    ob.lease_until = Some(NOW + 25_000);
+    let screen = tall(leased.clone());
+    assert!(screen.contains("lease until     2027-01-15T08:00:25.000Z (in 25s), worker w-2"), "{screen}");
+    leased.outbox.as_mut().unwrap().lease_until = Some(NOW - 4_000);
+    let screen = tall(leased);
+    assert!(screen.contains("lease until     2027-01-15T07:59:56.000Z (expired 4s ago), worker w-2"), "{screen}");
+    // No screen counts below zero anywhere.
+    for pane in [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown] {
+        let mut app = app_on(&mut d, pane, 140, 40);
+        app.update(Action::Tick(NOW + 3_600_000));
+        let screen = text(&draw(&app, 140, 40));
+        let negative = screen.as_bytes().windows(3).any(|w| w[0] == b' ' && w[1] == b'-' && w[2].is_ascii_digit());
+        assert!(!negative, "{pane:?}: a negative countdown:\n{screen}");
+        assert!(pane != Pane::Live || screen.contains("overdue 1h00m"), "{screen}");
+    }
+}
+
+#[test]
 fn keys_in_the_detail_view_act_on_its_operation_and_come_back_to_it() {
     let mut d = demo();
     let mut app = app_on(&mut d, Pane::Ledger, 80, 24);
@@ -1178,6 +1416,51 @@ fn keys_in_the_detail_view_act_on_its_operation_and_come_back_to_it() {
     app.read_only = true;
     let k = KeyEvent::new(KeyCode::Char('q'), KeyModifiers::NONE);
     assert!(matches!(keymap::lookup(Mode::Detail, &k, true), Some(Action::ReadOnly(_))));
+}
+
+#[test]
+fn big_f_follows_the_detail_and_a_new_trace_event_appears_at_its_end() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    let target = detail_in(&mut d, "unknown", Some("not_found"));
+    let id = target.operation.id.clone();
+    app.update(Action::Engine(EngineEvent::Found {
+        asked: id.clone(),
+        prefix: Some(id.clone()),
+        ids: vec![id.clone()],
+    }));
+    app.update(Action::Engine(EngineEvent::Detail(Box::new(target))));
+    assert_eq!(app.mode, Mode::Detail);
+    // Not following: a page brings nothing for the detail.
+    assert_eq!(app.update(Action::Engine(page(&mut d, Pane::Unknown, app.visible_rows()))), None);
+    assert_eq!(press(&mut app, KeyCode::Char('F')), Some(Request::Detail(id.clone())), "F fetches it at once");
+    assert!(app.follow);
+    assert!(app.status.as_ref().is_some_and(|(s, err)| !err && s.starts_with("following ")), "{:?}", app.status);
+    // Another process changes the ledger: a status query writes a trace event
+    // (at the manual clock's 08:00:00). The engine thread's next page asks for the detail again.
+    d.engine.operator_query(&id, "alice").unwrap();
+    let req = app.update(Action::Engine(page(&mut d, Pane::Unknown, app.visible_rows())));
+    assert_eq!(req, Some(Request::Detail(id.clone())));
+    let detail = d.engine.operation_detail(&id).unwrap().unwrap();
+    assert_eq!(detail.trace.last().map(|e| e.step.as_str()), Some("query"));
+    app.update(Action::Engine(EngineEvent::Detail(Box::new(detail))));
+    let screen = text(&draw(&app, 80, 24));
+    assert!(screen.contains("08:00:00.000 query"), "the new event, at the end, is in view:\n{screen}");
+    assert!(screen.contains("[following]"), "{screen}");
+    // Without following, the same detail opens at its top, where the new event is not.
+    let mut top = app.clone();
+    top.follow = false;
+    assert!(!text(&draw(&top, 80, 24)).contains("08:00:00.000 query"));
+    // j/k scroll again, and stop following; F starts again, Esc leaves and stops.
+    press(&mut app, KeyCode::Char('k'));
+    assert!(!app.follow);
+    assert_eq!(app.status, Some(("stopped following".into(), false)));
+    assert_eq!(app.update(Action::Engine(page(&mut d, Pane::Unknown, app.visible_rows()))), None);
+    assert_eq!(press(&mut app, KeyCode::Char('F')), Some(Request::Detail(id.clone())));
+    press(&mut app, KeyCode::Esc);
+    assert!(!app.follow && app.mode == Mode::Normal);
+    // The key is in the detail view's help (generated from the keymap).
+    assert!(keymap::help_lines(Mode::Detail, false).iter().any(|(k, h)| *k == "F" && h.contains("follow")));
 }
 
 #[test]
@@ -1590,12 +1873,23 @@ fn bulk_deny_resolve_and_cancel_ask_for_one_shared_note_and_skip_what_does_not_a
     let req = app.update(key('V'));
     app.update(Action::Engine(marked(&mut d, req)));
     assert_eq!(app.marks.len(), 2);
+    // Each approval row shows what it pays, as the single dialog does.
+    let money = |c: &toolgate::tui::app::Confirm| {
+        c.evidence.iter().any(|e| e.contains("apr_3960bc4aa496beee9b88a832") && e.ends_with(" 1,200.00 EUR"))
+    };
+    app.update(key('a'));
+    let c = app.confirm.clone().unwrap();
+    assert_eq!(c.title, "Bulk approve: 1 approval");
+    assert!(money(&c), "{:?}", c.evidence);
+    insta::assert_snapshot!("confirm_bulk_approve_140x40", text(&draw(&app, 140, 40)));
+    press(&mut app, KeyCode::Esc);
     app.update(key('d'));
     assert_eq!(app.mode, Mode::Form);
     type_text(&mut app, "duplicate request");
     press(&mut app, KeyCode::Enter);
     let c = app.confirm.clone().unwrap();
     assert_eq!(c.title, "Bulk deny: 1 approval");
+    assert!(money(&c), "{:?}", c.evidence);
     assert!(c.evidence.iter().any(|e| e.contains("alice may not approve for globex")), "{:?}", c.evidence);
     let Request::Bulk { action, targets } = c.request.clone() else { panic!() };
     let done = toolgate::tui::backend::run_bulk(&mut d.engine, "alice", &action, &targets, &|_| true);
@@ -1725,6 +2019,15 @@ fn filter_expressions_select_the_same_rows_on_both_backends(backend: crate::supp
             Box::new(|o| o.tenant == "acme" && matches!(o.state.as_str(), "unknown" | "needs_review")),
         ),
         ("needs:review", Box::new(|o| o.state == "needs_review")),
+        (
+            "tenant:acme state:outcome_unknown tool:create_refund age:>1m needs:review",
+            Box::new(move |o| {
+                o.tenant == "acme"
+                    && o.tool == "create_refund"
+                    && since(o) <= NOW - 60_000
+                    && matches!(o.state.as_str(), "unknown" | "needs_review")
+            }),
+        ),
         ("tool:create_refund age:>2m", Box::new(move |o| o.tool == "create_refund" && since(o) <= NOW - 120_000)),
         ("age:<2m", Box::new(move |o| since(o) > NOW - 120_000)),
         ("needs:query state:unknown", Box::new(|o| o.state == "unknown" && o.last_query_at.is_none())),

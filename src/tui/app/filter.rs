@@ -81,6 +81,11 @@ fn once(slot: &mut Option<String>, field: &str, value: &str) -> Result<(), Strin
 pub fn parse(text: &str) -> Result<Filter, String> {
     let mut f = Filter::default();
     let mut age_set = false;
+    let mut state_set = false;
+    // needs:review adds needs_review to the states, after the parse: the states
+    // are alternatives, so `state:outcome_unknown needs:review` is the whole
+    // triage queue (unknown or needing review), in either order.
+    let mut needs_review = false;
     for term in text.split_whitespace() {
         let Some((field, value)) = term.split_once(':') else {
             f.words.push(term.to_string());
@@ -98,7 +103,7 @@ pub fn parse(text: &str) -> Result<Filter, String> {
             "actor" => once(&mut f.actor, "actor", value)?,
             "action" => once(&mut f.action, "action", value)?,
             "state" => {
-                if !f.states.is_empty() {
+                if std::mem::replace(&mut state_set, true) {
                     return Err("state: is given twice (list several as state:unknown,needs_review)".into());
                 }
                 for s in value.split(',').filter(|s| !s.is_empty()) {
@@ -125,12 +130,7 @@ pub fn parse(text: &str) -> Result<Filter, String> {
                 }
             }
             "needs" => match value.to_ascii_lowercase().as_str() {
-                "review" => {
-                    if !f.states.is_empty() {
-                        return Err("needs:review is state:needs_review; give one of them".into());
-                    }
-                    f.states.push("needs_review".into());
-                }
+                "review" => needs_review = true,
                 "query" => f.never_queried = true,
                 other => {
                     return Err(format!(
@@ -141,6 +141,9 @@ pub fn parse(text: &str) -> Result<Filter, String> {
             },
             _ => return Err(format!("{}: no such field ({})", short(term, 30), FIELDS.join(" "))),
         }
+    }
+    if needs_review && !f.states.iter().any(|s| s == "needs_review") {
+        f.states.push("needs_review".into());
     }
     Ok(f)
 }
@@ -207,7 +210,21 @@ mod tests {
         check("tenant:", &Err("tenant: needs a value"));
         check("tenant:a tenant:b", &Err("tenant: is given twice"));
         check("needs:coffee", &Err("needs:coffee is not understood"));
-        check("state:unknown needs:review", &Err("give one of them"));
+        // The issue's own example: unknown or needing review, whatever the order.
+        let triage = Filter {
+            tenant: Some("acme".into()),
+            states: vec!["unknown".into(), "needs_review".into()],
+            tool: Some("create_refund".into()),
+            older_than_ms: Some(300_000),
+            ..Filter::default()
+        };
+        check("tenant:acme state:outcome_unknown tool:create_refund age:>5m needs:review", &Ok(triage.clone()));
+        check("needs:review tenant:acme tool:create_refund age:>5m state:outcome_unknown", &Ok(triage));
+        check(
+            "state:needs_review needs:review",
+            &Ok(Filter { states: vec!["needs_review".into()], ..Filter::default() }),
+        );
+        check("state:unknown needs:review state:failed", &Err("state: is given twice"));
         check("age:99999999999999999d", &Err("is not a duration"));
     }
 

@@ -44,6 +44,8 @@ pub struct Mark {
     pub subject: String,
     /// Approval expiry.
     pub expires_at: Option<i64>,
+    /// An approval's amount as money, from its bound, digest-checked request.
+    pub money: Option<String>,
 }
 
 impl Mark {
@@ -58,6 +60,7 @@ impl Mark {
             tenant: o.tenant.clone(),
             subject: o.subject.clone(),
             expires_at: None,
+            money: None,
         }
     }
 
@@ -72,6 +75,7 @@ impl Mark {
             tenant: o.tenant.clone(),
             subject: o.subject.clone(),
             expires_at: None,
+            money: None,
         }
     }
 
@@ -86,6 +90,7 @@ impl Mark {
             tenant: a.tenant.clone(),
             subject: a.subject.clone(),
             expires_at: Some(a.expires_at),
+            money: crate::tui::format::approval_money(a),
         }
     }
 }
@@ -368,7 +373,12 @@ fn bulk_confirm(plan: &BulkPlan, action: BulkAction, operator: &str) -> Confirm 
         "one call and one audit entry each; a refusal does not stop the rest".to_string(),
     ];
     for m in plan.targets.iter().take(SHOWN) {
-        evidence.push(format!("  {:<28} {:<16} {}", short(&m.id, 28), short(&m.tool, 16), short(&m.state, 12)));
+        // An approval shows what it pays, as the single dialog does.
+        let last = match m.kind {
+            MarkKind::Approval => m.money.clone().unwrap_or_else(|| "- (no amount)".into()),
+            MarkKind::Operation => short(&m.state, 12),
+        };
+        evidence.push(format!("  {:<28} {:<16} {last}", short(&m.id, 28), short(&m.tool, 16)));
     }
     if n > SHOWN {
         evidence.push(format!("  … and {} more", n - SHOWN));

@@ -6,7 +6,7 @@
 
 use crate::engine::clock::rfc3339;
 use crate::engine::OperationDetail;
-use crate::store::OperationRow;
+use crate::store::{ApprovalRow, OperationRow};
 use crate::tui::format::{human_ms, short};
 
 /// What the detail view says about a stuck operation.
@@ -131,6 +131,34 @@ pub fn explain(d: &OperationDetail, now: i64) -> Option<Why> {
         }
         _ => why,
     })
+}
+
+/// A pending approval (no operation exists until it is approved) at `now`:
+/// what it waits for, until when, and the keys; `refusal` is why this operator
+/// may not decide it, when that is so.
+pub fn explain_approval(a: &ApprovalRow, now: i64, refusal: Option<&str>) -> Why {
+    let id = short(&a.id, 32);
+    // Expiry is exclusive: at expires_at the request can no longer be decided.
+    if now >= a.expires_at {
+        return Why {
+            sentence: format!(
+                "Approval {id} expired {} ago, at {}: it can no longer be approved or denied.",
+                human_ms(now.saturating_sub(a.expires_at)),
+                clock(a.expires_at)
+            ),
+            next: "Nothing to decide: the agent's next dispatch of the same call makes a new request.".into(),
+        };
+    }
+    let sentence = format!(
+        "Waiting for approval {id}; it expires in {}, at {} (a approves, d denies).",
+        human_ms(a.expires_at.saturating_sub(now)),
+        clock(a.expires_at)
+    );
+    let next = match refusal {
+        Some(why) => format!("You cannot decide it: {why}."),
+        None => "Press a to approve (the call then runs once), d to deny with a note; the evidence is below.".into(),
+    };
+    Why { sentence, next }
 }
 
 /// An accepted or in-flight operation: what its outbox row waits for.

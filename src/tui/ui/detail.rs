@@ -9,10 +9,50 @@ use ratatui::Frame;
 use super::Theme;
 use crate::engine::clock::rfc3339;
 use crate::tui::app::App;
-use crate::tui::format::human_ms;
+use crate::tui::format::{due_in, human_ms, lapses_in};
+
+/// `why` and `next` wrapped under their labels, so the label column stays clear.
+fn why_lines(why: crate::tui::app::Why, width: u16, t: Theme) -> Vec<Line<'static>> {
+    let room = usize::from(width.saturating_sub(9)).max(20);
+    let mut lines = Vec::new();
+    for (label, text, style) in [("why", why.sentence, t.warn()), ("next", why.next, t.accent())] {
+        for (i, part) in super::lab::wrap(&text, room).into_iter().enumerate() {
+            let label = if i == 0 { label } else { "" };
+            lines.push(Line::from(vec![Span::styled(format!("  {label:<6}"), style), Span::raw(part)]));
+        }
+    }
+    lines
+}
+
+/// The detail of a pending approval: why it waits, then what an approver sees.
+fn render_approval(app: &App, a: &crate::store::ApprovalRow, frame: &mut Frame, area: Rect, t: Theme) {
+    let block =
+        Block::default().borders(Borders::TOP).title(Span::styled(" Pending approval (Esc: back) ", t.accent()));
+    let state = if app.now_ms >= a.expires_at { "expired" } else { "pending" };
+    let mut lines = vec![Line::from(vec![
+        Span::styled(format!("  {}  ", a.id), t.accent()),
+        Span::styled(state, if state == "expired" { t.bad() } else { t.warn() }),
+    ])];
+    let refusal = app.may_decide(a).err();
+    lines.extend(why_lines(crate::tui::app::explain_approval(a, app.now_ms, refusal.as_deref()), area.width, t));
+    lines.extend(app.approval_evidence(a).into_iter().map(|e| Line::from(format!("  {e}"))));
+    lines.push(Line::from(format!(
+        "  requested   {} ({} ago)",
+        rfc3339(a.created_at),
+        human_ms(app.now_ms.saturating_sub(a.created_at))
+    )));
+    frame.render_widget(
+        Paragraph::new(super::escaped(lines)).block(block).wrap(Wrap { trim: false }).scroll((app.detail_scroll, 0)),
+        area,
+    );
+}
 
 /// Draws the detail view.
 pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+    if let Some(a) = &app.approval {
+        render_approval(app, a, frame, area, t);
+        return;
+    }
     let block =
         Block::default().borders(Borders::TOP).title(Span::styled(" Operation detail (Esc: back) ", t.accent()));
     let Some(d) = &app.detail else {
@@ -29,13 +69,7 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     // Not terminal: why it is where it is, and the next safe step, first.
     // Wrapped under their label, so the label column stays clear.
     if let Some(why) = crate::tui::app::explain(d, app.now_ms) {
-        let room = usize::from(area.width.saturating_sub(9)).max(20);
-        for (label, text, style) in [("why", why.sentence, t.warn()), ("next", why.next, t.accent())] {
-            for (i, part) in super::lab::wrap(&text, room).into_iter().enumerate() {
-                let label = if i == 0 { label } else { "" };
-                lines.push(Line::from(vec![Span::styled(format!("  {label:<6}"), style), Span::raw(part)]));
-            }
-        }
+        lines.extend(why_lines(why, area.width, t));
     }
     lines.extend([
         kv(
@@ -45,6 +79,15 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         kv("scope", format!("{} / {} / key#{}", o.tenant, o.subject, crate::display::digest(&o.key_sha256, 16))),
         kv("call", format!("{} {} {} {}", o.call_provider, o.call_api_family, o.call_response_id, o.call_id)),
         kv("created", format!("{} ({} ago)", rfc3339(o.created_at), human_ms(app.now_ms.saturating_sub(o.created_at)))),
+        // While it can still run, the deadline counts down (or says by how much it passed).
+        kv(
+            "deadline",
+            if matches!(o.state.as_str(), "accepted" | "in_flight") {
+                format!("{} ({})", rfc3339(o.deadline_at), due_in(app.now_ms, o.deadline_at))
+            } else {
+                rfc3339(o.deadline_at)
+            },
+        ),
         kv("code", o.code.clone().unwrap_or_else(|| "-".into())),
         Line::from(Span::styled("  bindings", t.accent())),
         kv("request_sha256", o.request_sha256.clone()),
@@ -91,6 +134,22 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 ob.last_code.as_deref().unwrap_or("-")
             ),
         ));
+        match (ob.state.as_str(), ob.lease_until) {
+            ("leased", Some(until)) => lines.push(kv(
+                "lease until",
+                format!(
+                    "{} ({}), worker {}",
+                    rfc3339(until),
+                    lapses_in(app.now_ms, until),
+                    ob.lease_owner.as_deref().unwrap_or("?")
+                ),
+            )),
+            ("pending", _) => lines.push(kv(
+                "next retry",
+                format!("{} ({})", rfc3339(ob.available_at), due_in(app.now_ms, ob.available_at)),
+            )),
+            _ => {}
+        }
     }
     lines.push(Line::from(Span::styled("  attempts", t.accent())));
     for a in &d.attempts {
@@ -126,8 +185,14 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             )));
         }
     }
-    frame.render_widget(
-        Paragraph::new(super::escaped(lines)).block(block).wrap(Wrap { trim: false }).scroll((app.detail_scroll, 0)),
-        area,
-    );
+    let paragraph = Paragraph::new(super::escaped(lines)).wrap(Wrap { trim: false });
+    // Following: the end (the newest trace events) stays in view.
+    let scroll = if app.follow {
+        let inner = block.inner(area);
+        let total = u16::try_from(paragraph.line_count(inner.width)).unwrap_or(u16::MAX);
+        total.saturating_sub(inner.height)
+    } else {
+        app.detail_scroll
+    };
+    frame.render_widget(paragraph.block(block).scroll((scroll, 0)), area);
 }

@@ -107,13 +107,16 @@ pub fn render(app: &App, frame: &mut Frame, t: Theme) {
         ]));
     }
     let keys = if app.read_only {
-        " j/k: choose · Esc: close · read-only: switching is disabled"
+        "j/k: choose · Esc: close · read-only: switching is disabled"
     } else if lab.demo {
-        " j/k: choose · Enter: switch it off · o: every defense on · f: fault rate · Esc: close"
+        "j/k: choose · Enter: switch it off · o: every defense on · f: fault rate · Esc: close"
     } else {
-        " j/k: read about each · f: fault rate · Esc: close"
+        "j/k: read about each · f: fault rate · Esc: close"
     };
-    lines.push(Line::from(Span::styled(keys, t.dim())));
+    // Wrapped inside the border: at 80 columns the line does not fit whole.
+    for part in wrap(keys, usize::from(width.saturating_sub(3))) {
+        lines.push(Line::from(Span::styled(format!(" {part}"), t.dim())));
+    }
     let area = centered(frame.area(), width, lines.len() as u16 + 2);
     frame.render_widget(Clear, area);
     frame.render_widget(

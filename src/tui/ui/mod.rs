@@ -227,11 +227,15 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return;
     }
     let hints: &[(&str, &str, bool)] = match (app.mode, app.pane) {
+        (Mode::Detail, _) if app.approval.is_some() => {
+            &[("Esc", "back", false), ("a", "approve", true), ("d", "deny", true), ("y", "copy id", false)]
+        }
         (Mode::Detail, _) => &[
             ("Esc", "back", false),
             ("j/k", "scroll", false),
             ("q", "query", true),
             ("r", "resolve", true),
+            ("F", if app.follow { "stop following" } else { "follow" }, false),
             ("y", "copy id", false),
         ],
         (Mode::Filter, _) => &[("Enter", "apply", false), ("Esc", "cancel", false)],
@@ -279,6 +283,9 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return;
     }
     let mut line = Vec::new();
+    if app.follow && app.mode == Mode::Detail {
+        line.push(Span::styled("[following] ", t.accent()));
+    }
     if !app.marks.is_empty() {
         line.push(Span::styled(format!("[{} marked] ", app.marks.len()), t.warn().add_modifier(Modifier::BOLD)));
     }

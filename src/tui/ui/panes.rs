@@ -25,6 +25,55 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     }
 }
 
+/// Columns needed by the kept ones, with the spacing between them.
+fn need(widths: &[Constraint], keep: &[bool]) -> u16 {
+    let cols: Vec<u16> = widths
+        .iter()
+        .zip(keep)
+        .filter(|(_, k)| **k)
+        .map(|(c, _)| match c {
+            Constraint::Length(n) | Constraint::Min(n) => *n,
+            _ => 1,
+        })
+        .collect();
+    cols.iter().sum::<u16>() + cols.len().saturating_sub(1) as u16
+}
+
+/// Which columns are shown at `width`: columns drop in `drop_first` order until the rest fit.
+fn kept(widths: &[Constraint], width: u16, drop_first: &[usize]) -> Vec<bool> {
+    let mut keep = vec![true; widths.len()];
+    for &i in drop_first {
+        if need(widths, &keep) <= width {
+            break;
+        }
+        if let Some(k) = keep.get_mut(i) {
+            *k = false;
+        }
+    }
+    keep
+}
+
+/// Ids in full: `op_` or `apr_` and 24 hex digits.
+const ID_FULL: u16 = 28;
+/// Ids at their narrowest (`op_0123456789…`).
+const ID_NARROW: u16 = 16;
+
+/// Widens the id column `col` (16 wide) into the room the kept columns leave,
+/// up to a whole id; from 140 columns ids are whole, and the pane's
+/// lowest-priority columns give way for them. Returns its width.
+fn widen_id(widths: &mut [Constraint], width: u16, drop_first: &[usize], col: usize) -> usize {
+    let w = if width >= 140 {
+        ID_FULL
+    } else {
+        let keep = kept(widths, width, drop_first);
+        ID_NARROW + width.saturating_sub(need(widths, &keep)).min(ID_FULL - ID_NARROW)
+    };
+    if let Some(c) = widths.get_mut(col) {
+        *c = Constraint::Length(w);
+    }
+    usize::from(w)
+}
+
 /// A pane's table. When the columns do not fit `width`, the columns named in
 /// `drop_first` are left out, in that order, until they do: an 80-column
 /// terminal shows fewer columns with whole headers rather than every column cut.
@@ -39,27 +88,7 @@ fn table<'a>(
     drop_first: &[usize],
     t: Theme,
 ) -> (Table<'a>, TableState) {
-    let need = |keep: &[bool]| -> u16 {
-        let cols: Vec<u16> = widths
-            .iter()
-            .zip(keep)
-            .filter(|(_, k)| **k)
-            .map(|(c, _)| match c {
-                Constraint::Length(n) | Constraint::Min(n) => *n,
-                _ => 1,
-            })
-            .collect();
-        cols.iter().sum::<u16>() + cols.len().saturating_sub(1) as u16
-    };
-    let mut keep = vec![true; widths.len()];
-    for &i in drop_first {
-        if need(&keep) <= width {
-            break;
-        }
-        if let Some(k) = keep.get_mut(i) {
-            *k = false;
-        }
-    }
+    let keep = kept(&widths, width, drop_first);
     let pick = |v: Vec<Cell<'a>>| -> Row<'a> {
         Row::new(v.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(c, _)| c).collect::<Vec<_>>())
     };
@@ -96,12 +125,15 @@ fn table<'a>(
     (table, state)
 }
 
-/// An id cell (16 columns): a marked row's id starts with `*`.
-fn id_cell<'a>(app: &App, id: &str, t: Theme) -> Cell<'a> {
+/// An id cell `w` columns wide (`…` when cut): a marked row's id starts with `*`.
+fn id_cell<'a>(app: &App, id: &str, w: usize, t: Theme) -> Cell<'a> {
     if app.marks.is_empty() || !app.is_marked(id) {
-        Cell::from(short(id, 16))
+        Cell::from(short(id, w))
     } else {
-        Cell::from(Span::styled(format!("*{}", short(id, 15)), t.warn().add_modifier(ratatui::style::Modifier::BOLD)))
+        Cell::from(Span::styled(
+            format!("*{}", short(id, w.saturating_sub(1))),
+            t.warn().add_modifier(ratatui::style::Modifier::BOLD),
+        ))
     }
 }
 
@@ -125,6 +157,21 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return loading(app, frame, area, "Live operations", t);
     };
     let now = app.now_ms;
+    let mut widths = vec![
+        Constraint::Length(16),
+        Constraint::Length(14),
+        // accepted / in_flight.
+        Constraint::Length(10),
+        Constraint::Length(7),
+        // "expired", "12m03s".
+        Constraint::Length(7),
+        // "overdue 12m03s" whole; at 80 columns the kept ones fit exactly.
+        Constraint::Length(14),
+        Constraint::Length(22),
+        Constraint::Length(14),
+        Constraint::Length(14),
+    ];
+    let id_w = widen_id(&mut widths, area.width, &[7, 6, 3], 0);
     let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|r| {
@@ -139,9 +186,9 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 "-".into()
             };
             vec![
-                id_cell(app, &r.operation_id, t),
-                Cell::from(short(&r.tool, 15)),
-                Cell::from(Span::styled(short(&r.state, 12), t.state(&r.state))),
+                id_cell(app, &r.operation_id, id_w, t),
+                Cell::from(short(&r.tool, 14)),
+                Cell::from(Span::styled(short(&r.state, 10), t.state(&r.state))),
                 Cell::from(format!("{}/{}", r.attempt, r.max_attempts)),
                 lease,
                 Cell::from(next),
@@ -156,17 +203,7 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         &format!("Live operations: in-flight and waiting attempts ({})", rows.len()),
         vec!["operation", "tool", "state", "attempt", "lease", "next retry", "last code", "worker", "deadline"],
         body,
-        vec![
-            Constraint::Length(16),
-            Constraint::Length(15),
-            Constraint::Length(12),
-            Constraint::Length(7),
-            Constraint::Length(8),
-            Constraint::Length(10),
-            Constraint::Length(22),
-            Constraint::Length(14),
-            Constraint::Length(9),
-        ],
+        widths,
         area.width,
         &[7, 6, 3],
         t,
@@ -182,41 +219,51 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return loading(app, frame, area, "Idempotency ledger", t);
     };
     let now = app.now_ms;
-    let body: Vec<Vec<Cell>> =
-        rows.iter()
-            .map(|o| {
-                vec![
-                    id_cell(app, &o.id, t),
-                    Cell::from(format!("{}/{}", short(&o.tenant, 8), short(&o.subject, 11))),
-                    Cell::from(short(&o.tool, 15)),
-                    Cell::from(crate::display::digest(&o.key_sha256, 8)),
-                    Cell::from(crate::display::digest(&o.request_sha256, 8)),
-                    Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state.as_str()))),
-                    Cell::from(short(o.receipt_id.as_deref().or(o.code.as_deref()).unwrap_or("-"), 22)),
-                    // Retention runs from the moment an operation settled; until then it is kept.
-                    Cell::from(o.terminal_at.map_or_else(
-                        || "-".to_string(),
-                        |_| crate::display::countdown(o.expires_at.saturating_sub(now)),
-                    )),
-                ]
-            })
-            .collect();
+    let mut widths = vec![
+        Constraint::Length(16),
+        // The header "scope tenant/subject" whole (20).
+        Constraint::Length(20),
+        Constraint::Length(15),
+        Constraint::Length(8),
+        Constraint::Length(8),
+        Constraint::Length(12),
+        Constraint::Length(22),
+        Constraint::Length(8),
+    ];
+    let id_w = widen_id(&mut widths, area.width, &[3, 1, 4], 0);
+    let body: Vec<Vec<Cell>> = rows
+        .iter()
+        .map(|o| {
+            vec![
+                id_cell(app, &o.id, id_w, t),
+                Cell::from(format!("{}/{}", short(&o.tenant, 8), short(&o.subject, 11))),
+                Cell::from(short(&o.tool, 15)),
+                Cell::from(crate::display::digest(&o.key_sha256, 8)),
+                Cell::from(crate::display::digest(&o.request_sha256, 8)),
+                Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state.as_str()))),
+                Cell::from(short(o.receipt_id.as_deref().or(o.code.as_deref()).unwrap_or("-"), 22)),
+                // Retention runs from the moment an operation settled; until then it is kept.
+                Cell::from(o.terminal_at.map_or_else(
+                    || "-".to_string(),
+                    // Past it, the row waits for the purge.
+                    |_| {
+                        let left = o.expires_at.saturating_sub(now);
+                        if left <= 0 {
+                            "expired".to_string()
+                        } else {
+                            human_ms(left)
+                        }
+                    },
+                )),
+            ]
+        })
+        .collect();
     let (tb, mut st) = table(
         app,
         "Idempotency ledger",
         vec!["operation", "scope tenant/subject", "tool", "key#", "digest", "state", "result ref / code", "kept for"],
         body,
-        vec![
-            Constraint::Length(16),
-            // The header "scope tenant/subject" whole (20).
-            Constraint::Length(20),
-            Constraint::Length(15),
-            Constraint::Length(8),
-            Constraint::Length(8),
-            Constraint::Length(12),
-            Constraint::Length(22),
-            Constraint::Length(8),
-        ],
+        widths,
         area.width,
         &[3, 1, 4],
         t,
@@ -232,6 +279,16 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return loading(app, frame, area, "Pending approvals", t);
     };
     let now = app.now_ms;
+    let mut widths = vec![
+        Constraint::Length(16),
+        Constraint::Length(15),
+        Constraint::Length(8),
+        Constraint::Length(12),
+        Constraint::Length(16),
+        Constraint::Length(8),
+        Constraint::Length(10),
+    ];
+    let id_w = widen_id(&mut widths, area.width, &[5, 3], 0);
     let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|a| {
@@ -239,7 +296,7 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             let exp_style = if left < 60_000 { t.bad() } else { Style::default() };
             let exp = if left <= 0 { "expired".to_string() } else { human_ms(left) };
             vec![
-                id_cell(app, &a.id, t),
+                id_cell(app, &a.id, id_w, t),
                 Cell::from(short(&a.tool, 15)),
                 Cell::from(short(&a.tenant, 8)),
                 Cell::from(short(&a.subject, 12)),
@@ -266,15 +323,7 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         },
         vec!["approval", "tool", "tenant", "requester", "amount", "digest", "expires in"],
         body,
-        vec![
-            Constraint::Length(16),
-            Constraint::Length(15),
-            Constraint::Length(8),
-            Constraint::Length(12),
-            Constraint::Length(16),
-            Constraint::Length(8),
-            Constraint::Length(10),
-        ],
+        widths,
         area.width,
         &[5, 3],
         t,
@@ -290,6 +339,17 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return loading(app, frame, area, "Outcome unknown", t);
     };
     let now = app.now_ms;
+    let mut widths = vec![
+        Constraint::Length(16),
+        Constraint::Length(15),
+        Constraint::Length(12),
+        Constraint::Length(7),
+        Constraint::Length(26),
+        Constraint::Length(18),
+        Constraint::Length(14),
+        Constraint::Min(20),
+    ];
+    let id_w = widen_id(&mut widths, area.width, &[6, 5, 7, 1], 0);
     let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|o| {
@@ -298,7 +358,7 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 _ => "never queried".into(),
             };
             vec![
-                id_cell(app, &o.id, t),
+                id_cell(app, &o.id, id_w, t),
                 Cell::from(short(&o.tool, 15)),
                 Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state.as_str()))),
                 // Since it entered this state: a query that changes nothing does not reset it.
@@ -316,16 +376,7 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         &format!("Outcome unknown: leaves only by a status query or a human decision ({})", rows.len()),
         vec!["operation", "tool", "state", "since", "why", "code", "status_ref", "last query"],
         body,
-        vec![
-            Constraint::Length(16),
-            Constraint::Length(15),
-            Constraint::Length(12),
-            Constraint::Length(7),
-            Constraint::Length(26),
-            Constraint::Length(18),
-            Constraint::Length(14),
-            Constraint::Min(20),
-        ],
+        widths,
         area.width,
         &[6, 5, 7, 1],
         t,
@@ -340,6 +391,18 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let Rows::Audit(rows) = &app.rows else {
         return loading(app, frame, area, "Operator log", t);
     };
+    let mut widths = vec![
+        Constraint::Length(5),
+        Constraint::Length(16),
+        Constraint::Length(16),
+        Constraint::Length(8),
+        Constraint::Length(8),
+        Constraint::Length(16),
+        Constraint::Min(20),
+    ];
+    let id_w = widen_id(&mut widths, area.width, &[0, 4], 5);
+    // Actors are ids too (a provider subject, `pr_…`).
+    let actor_w = widen_id(&mut widths, area.width, &[0, 4], 2);
     let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|r| {
@@ -347,10 +410,10 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             vec![
                 Cell::from(r.seq.to_string()),
                 Cell::from(when(r.at, app.now_ms)),
-                Cell::from(short(&r.actor, 16)),
+                Cell::from(short(&r.actor, actor_w)),
                 Cell::from(short(&r.action, 8)),
                 Cell::from(Span::styled(short(&r.result, 8), res)),
-                Cell::from(short(r.operation_id.as_deref().or(r.approval_id.as_deref()).unwrap_or("-"), 16)),
+                Cell::from(short(r.operation_id.as_deref().or(r.approval_id.as_deref()).unwrap_or("-"), id_w)),
                 Cell::from(short(&r.reason, 40)),
             ]
         })
@@ -360,15 +423,7 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         "Operator log (append-only)",
         vec!["#", "time (UTC)", "actor", "action", "result", "target", "reason"],
         body,
-        vec![
-            Constraint::Length(5),
-            Constraint::Length(16),
-            Constraint::Length(16),
-            Constraint::Length(8),
-            Constraint::Length(8),
-            Constraint::Length(16),
-            Constraint::Min(20),
-        ],
+        widths,
         area.width,
         &[0, 4],
         t,
@@ -414,8 +469,11 @@ fn walkthrough(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     } else {
         lines.push(Line::from(Span::styled(" finished: [ ] for another scenario", t.dim())));
     }
-    let [top, rest] = ratatui::layout::Layout::vertical([Constraint::Length(3), Constraint::Min(1)]).areas(area);
-    frame.render_widget(Paragraph::new(lines).wrap(Wrap { trim: false }), top);
+    // The crash note wraps at 80 columns: the top grows so the key hint stays.
+    let top_text = Paragraph::new(lines).wrap(Wrap { trim: false });
+    let top_h = u16::try_from(top_text.line_count(area.width)).unwrap_or(3).clamp(3, 6);
+    let [top, rest] = ratatui::layout::Layout::vertical([Constraint::Length(top_h), Constraint::Min(1)]).areas(area);
+    frame.render_widget(top_text, top);
     let body: Vec<Row> = w
         .steps
         .iter()
