@@ -308,7 +308,7 @@ fn a_2xx_that_breaks_the_output_contract_goes_to_human_review() {
     for (key, fault) in [("http-bad-000001", "malformed_response"), ("http-bad-000002", "echo_credential(tok_x)")] {
         let env = dispatch_with(&mut e, &refund(key, 100), fault);
         assert_eq!(env.code(), Some(Code::OutputContractViolation), "{fault}: {env:?}");
-        assert_eq!(state(&mut e), "unknown", "{fault}");
+        assert_eq!(state_of(&mut e, &env), "unknown", "{fault}");
     }
 }
 
@@ -664,4 +664,44 @@ fn an_attempt_with_almost_no_time_left_is_not_sent_at_all() {
     r.timeout_ms = 40;
     assert_eq!(ds.execute("dk-no-time-0001", &r).unwrap(), Reply::ConnectTimeout);
     assert_eq!(fx.server.effects(), 0);
+}
+
+/// The operation's row, its attempts and its trace.
+fn detail(e: &mut Engine) -> toolgate::engine::OperationDetail {
+    let id = e.list_operations(None, 1).unwrap()[0].id.clone();
+    e.operation_detail(&id).unwrap().unwrap()
+}
+
+/// The state of the operation an envelope is about (several operations can
+/// share one instant of the manual clock, so "the newest" would be ambiguous).
+fn state_of(e: &mut Engine, env: &toolgate::engine::envelope::Envelope) -> String {
+    let id = env.protected_audit.operation_id.clone().unwrap();
+    e.operation_detail(&id).unwrap().unwrap().operation.state.to_string()
+}
+
+#[test]
+fn a_422_key_reused_with_another_payload_ends_as_status_conflict_in_needs_review() {
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    // Five 503s: provably not sent, the operation waits as accepted under its downstream key.
+    let env = dispatch_with(&mut e, &refund("http-422-000001", 1500), &["unavailable"; 5].join(","));
+    assert_eq!(env.code(), Some(Code::ToolUnavailable), "{env:?}");
+    let d = detail(&mut e);
+    assert_eq!(d.operation.state.to_string(), "accepted");
+    // Meanwhile the provider committed another request under that very key.
+    let mut ds = adapter_for(&fx.catalog, "create_refund");
+    assert!(matches!(ds.execute(&d.operation.downstream_key, &request("ffff")).unwrap(), Reply::Committed(_)));
+    // The retry is due: the engine sends again under the same key and the provider answers 422.
+    fx.clock.advance(60_000);
+    let again = e.dispatch(&refund("http-422-000001", 1500)).unwrap();
+    assert_eq!(again.code(), Some(Code::StatusConflict), "{again:?}");
+    let d = detail(&mut e);
+    assert_eq!(d.operation.state.to_string(), "needs_review");
+    let last = d.attempts.last().unwrap();
+    assert_eq!(last.outcome, Some(toolgate::store::AttemptOutcome::Unknown));
+    // Never re-sent: a retry answers the conflict from the ledger.
+    let third = e.dispatch(&refund("http-422-000001", 1500)).unwrap();
+    assert_eq!(third.code(), Some(Code::StatusConflict), "{third:?}");
+    assert_eq!(detail(&mut e).attempts.len(), d.attempts.len());
+    assert_eq!(fx.server.effects(), 1, "only the other request's effect");
 }
