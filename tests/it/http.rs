@@ -88,6 +88,16 @@ impl Drop for ProviderServer {
 /// timeout (so a lost reply costs the test one second), optionally with a
 /// secret header read from a file.
 pub fn write_catalog(dir: &Path, base_url: &str, secret_file: Option<&Path>) -> PathBuf {
+    let secrets = secret_file.map(|f| serde_json::json!([{"header": "Authorization", "file": f, "prefix": "Bearer "}]));
+    write_catalog_with(dir, base_url, &|http| {
+        if let Some(s) = &secrets {
+            http.insert("secret_headers".into(), s.clone());
+        }
+    })
+}
+
+/// [`write_catalog`] with a change to each tool's `downstream.http` section.
+pub fn write_catalog_with(dir: &Path, base_url: &str, edit: &dyn Fn(&mut serde_json::Map<String, Value>)) -> PathBuf {
     let out = dir.join("catalog");
     std::fs::create_dir_all(&out).unwrap();
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog-http");
@@ -96,12 +106,7 @@ pub fn write_catalog(dir: &Path, base_url: &str, secret_file: Option<&Path>) -> 
         if let Some(http) = v["downstream"].get_mut("http").and_then(Value::as_object_mut) {
             http.remove("base_url_env");
             http.insert("base_url".into(), Value::String(base_url.into()));
-            if let Some(f) = secret_file {
-                http.insert(
-                    "secret_headers".into(),
-                    serde_json::json!([{"header": "Authorization", "file": f, "prefix": "Bearer "}]),
-                );
-            }
+            edit(http);
             v["retry"]["attempt_timeout_ms"] = Value::from(1000);
         }
         std::fs::write(out.join(name), serde_json::to_string_pretty(&v).unwrap()).unwrap();
@@ -127,6 +132,18 @@ impl HttpFixture {
         let dir = tempfile::tempdir().unwrap();
         let server = ProviderServer::start(dir.path(), server_args);
         let catalog = write_catalog(dir.path(), &server.url(), secret_file);
+        Self::finish(dir, server, catalog)
+    }
+
+    /// With a change to each tool's `downstream.http` section.
+    pub fn with_http(edit: &dyn Fn(&mut serde_json::Map<String, Value>)) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let server = ProviderServer::start(dir.path(), &[]);
+        let catalog = write_catalog_with(dir.path(), &server.url(), edit);
+        Self::finish(dir, server, catalog)
+    }
+
+    fn finish(dir: TempDir, server: ProviderServer, catalog: PathBuf) -> Self {
         let ledger = dir.path().join("ledger.db");
         let clock = ManualClock::new(T0);
         let fx = Self { dir, server, catalog, ledger, clock };
@@ -679,6 +696,14 @@ fn state_of(e: &mut Engine, env: &toolgate::engine::envelope::Envelope) -> Strin
     e.operation_detail(&id).unwrap().unwrap().operation.state.to_string()
 }
 
+/// Every attempt was refused before anything was sent.
+fn all_proven_not_received(d: &toolgate::engine::OperationDetail) -> bool {
+    !d.attempts.is_empty()
+        && d.attempts
+            .iter()
+            .all(|a| a.outcome == Some(toolgate::store::AttemptOutcome::Refused) && a.proven_not_received())
+}
+
 #[test]
 fn a_422_key_reused_with_another_payload_ends_as_status_conflict_in_needs_review() {
     let fx = HttpFixture::new();
@@ -704,4 +729,111 @@ fn a_422_key_reused_with_another_payload_ends_as_status_conflict_in_needs_review
     assert_eq!(third.code(), Some(Code::StatusConflict), "{third:?}");
     assert_eq!(detail(&mut e).attempts.len(), d.attempts.len());
     assert_eq!(fx.server.effects(), 1, "only the other request's effect");
+}
+
+#[test]
+fn a_5xx_that_the_catalog_says_means_not_committed_is_tool_unavailable_and_stays_accepted() {
+    // `server_error`: a 500 with nothing committed.
+    let faults = ["server_error"; 5].join(",");
+    let fx = HttpFixture::with_http(&|http| {
+        http.insert("server_error_means_not_committed".into(), Value::Bool(true));
+    });
+    let mut e = fx.engine();
+    let env = dispatch_with(&mut e, &refund("http-5xx-nc-0001", 1500), &faults);
+    assert_eq!(env.code(), Some(Code::ToolUnavailable), "{env:?}");
+    assert!(env.model_result.error.as_ref().unwrap().retryable, "{env:?}");
+    let d = detail(&mut e);
+    assert_eq!(d.operation.state.to_string(), "accepted");
+    assert!(all_proven_not_received(&d), "{:?}", d.attempts);
+    assert_eq!(d.attempts.len(), 5, "retried up to the attempt cap");
+    assert_eq!(fx.server.effects(), 0);
+    // It runs again when retried, and then succeeds once.
+    fx.clock.advance(60_000);
+    let ok = e.dispatch(&refund("http-5xx-nc-0001", 1500)).unwrap();
+    assert_eq!(ok.model_result.status, Status::Succeeded, "{ok:?}");
+    assert_eq!(fx.server.effects(), 1);
+
+    // Control: the same 500 without that statement may have committed.
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    let env = dispatch_with(&mut e, &refund("http-5xx-nc-0002", 1500), &faults);
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown), "{env:?}");
+    assert_eq!(state(&mut e), "unknown");
+    assert_eq!(detail(&mut e).attempts.len(), 1, "never re-sent");
+}
+
+#[test]
+fn a_503_with_retry_after_is_tool_unavailable_with_retry_after_ms() {
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    let mut req = refund("http-503-ra-0001", 1500);
+    req.deadline_ms = Some(1_500);
+    let env = dispatch_with(&mut e, &req, "unavailable(3000)");
+    assert_eq!(env.code(), Some(Code::ToolUnavailable), "{env:?}");
+    assert_eq!(env.model_result.error.as_ref().unwrap().retry_after_ms, Some(3000), "Retry-After: 3 (seconds)");
+    let d = detail(&mut e);
+    assert_eq!(d.operation.state.to_string(), "accepted");
+    assert!(all_proven_not_received(&d), "{:?}", d.attempts);
+    assert_eq!(fx.server.effects(), 0);
+}
+
+#[test]
+fn a_retry_after_given_as_an_http_date_is_honoured() {
+    // The provider writes Retry-After as an IMF-fixdate 30 s ahead (rounded up
+    // to the second); the wait the caller is told is what is left of it.
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    for (key, fault, code) in [
+        ("http-date-503-01", "unavailable(30000,date)", Code::ToolUnavailable),
+        ("http-date-429-01", "rate_limit(30000,date)", Code::RateLimit),
+    ] {
+        let mut req = refund(key, 1500);
+        req.deadline_ms = Some(1_500);
+        let env = dispatch_with(&mut e, &req, fault);
+        assert_eq!(env.code(), Some(code), "{fault}: {env:?}");
+        let ms = env.model_result.error.as_ref().unwrap().retry_after_ms.unwrap();
+        // Seconds of slack for a slow machine; a date that was not understood
+        // would leave only the engine's own backoff (at most 5 s in this catalog).
+        assert!((20_000..=31_000).contains(&ms), "{fault}: retry_after_ms {ms}");
+        assert_eq!(state_of(&mut e, &env), "accepted", "{fault}");
+    }
+    assert_eq!(fx.server.effects(), 0);
+}
+
+#[test]
+fn a_receipt_that_trickles_in_slower_than_the_attempt_timeout_is_unknown_and_a_query_finds_it() {
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    // Control: a body that trickles in within the attempt timeout is read whole.
+    let ok = dispatch_with(&mut e, &refund("http-slowbody-01", 100), "slow_body(150)");
+    assert_eq!(ok.model_result.status, Status::Succeeded, "{ok:?}");
+    // The 200 arrives at once; the receipt takes 20 s, the attempt timeout is 1 s.
+    let started = std::time::Instant::now();
+    let env = dispatch_with(&mut e, &refund("http-slowbody-02", 200), "slow_body(20000)");
+    assert!(started.elapsed() < std::time::Duration::from_secs(15), "the worker did not wait for the whole body");
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown), "{env:?}");
+    assert_eq!(state_of(&mut e, &env), "unknown");
+    assert_eq!(fx.server.effects(), 2);
+    let q = e.query_operation_status(&query_req(&env, "q-slowbody")).unwrap();
+    assert_eq!(q.model_result.status, Status::Succeeded, "{q:?}");
+    assert_eq!(fx.server.duplicates(), 0);
+}
+
+#[test]
+fn an_oversize_receipt_is_not_read_past_the_limit_and_goes_to_review() {
+    let fx = HttpFixture::new();
+    let mut e = fx.engine();
+    // Control: padded with whitespace but under the catalog's 64 KiB limit, it is a receipt.
+    let ok = dispatch_with(&mut e, &refund("http-hugebody-01", 100), "huge_body(60000)");
+    assert_eq!(ok.model_result.status, Status::Succeeded, "{ok:?}");
+    // 64 MiB: the adapter stops at the limit.
+    let started = std::time::Instant::now();
+    let env = dispatch_with(&mut e, &refund("http-hugebody-02", 200), "huge_body(67108864)");
+    assert!(started.elapsed() < std::time::Duration::from_secs(30), "did not hang");
+    assert_eq!(env.code(), Some(Code::OutputContractViolation), "{env:?}");
+    assert_eq!(state_of(&mut e, &env), "unknown");
+    assert_eq!(fx.server.effects(), 2);
+    // The provider's lookup carries the ordinary receipt: a query settles it.
+    let q = e.query_operation_status(&query_req(&env, "q-hugebody")).unwrap();
+    assert_eq!(q.model_result.status, Status::Succeeded, "{q:?}");
 }
