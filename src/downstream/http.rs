@@ -461,6 +461,29 @@ mod tests {
     }
 
     #[test]
+    fn only_a_failure_before_the_send_counts_as_not_received() {
+        // A name that does not resolve is classified here, not over the
+        // network: the test machines' resolvers are not on loopback, and a
+        // test may reach nothing else. The connect timeout and the refused
+        // connection are also shown over loopback in tests/it/http.rs.
+        use std::io::{Error as IoError, ErrorKind};
+        let unavailable = Some(Reply::Unavailable { retry_after_ms: None });
+        let check = |e: ureq::Error, expect: &Option<Reply>| assert_eq!(&not_received(&e), expect, "{e:?}");
+        check(ureq::Error::HostNotFound, &unavailable);
+        check(ureq::Error::Timeout(ureq::Timeout::Resolve), &Some(Reply::ConnectTimeout));
+        check(ureq::Error::Timeout(ureq::Timeout::Connect), &Some(Reply::ConnectTimeout));
+        check(ureq::Error::ConnectionFailed, &unavailable);
+        check(ureq::Error::Io(IoError::from(ErrorKind::ConnectionRefused)), &unavailable);
+        // Anything later may have reached the server: not "not received".
+        for t in [ureq::Timeout::Global, ureq::Timeout::SendBody, ureq::Timeout::RecvResponse, ureq::Timeout::RecvBody]
+        {
+            check(ureq::Error::Timeout(t), &None);
+        }
+        check(ureq::Error::Io(IoError::from(ErrorKind::ConnectionReset)), &None);
+        check(ureq::Error::Io(IoError::from(ErrorKind::UnexpectedEof)), &None);
+    }
+
+    #[test]
     fn keys_are_encoded_as_one_path_segment() {
         assert_eq!(encode_segment("dk2_ab/../x y"), "dk2_ab%2F..%2Fx%20y");
     }

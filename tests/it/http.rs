@@ -800,6 +800,71 @@ fn a_retry_after_given_as_an_http_date_is_honoured() {
     assert_eq!(fx.server.effects(), 0);
 }
 
+/// A loopback listener whose accept queue is full and never drained: a new
+/// connect gets no answer at all (Linux drops the SYN), as behind a
+/// black-holing firewall. Returns the runtime that owns the socket, the
+/// listener, the connections that fill its queue and its address.
+fn a_listener_that_never_accepts(
+) -> (tokio::runtime::Runtime, tokio::net::TcpListener, Vec<std::net::TcpStream>, std::net::SocketAddr) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let _guard = rt.enter();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(0).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut fillers = Vec::new();
+    for _ in 0..64 {
+        match std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_millis(300)) {
+            Ok(s) => fillers.push(s),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return (rt, listener, fillers, addr),
+            Err(e) => panic!("filling the accept queue: {e}"),
+        }
+    }
+    panic!("the accept queue never filled: connects to a full queue are not dropped on this system");
+}
+
+#[test]
+fn a_connect_that_times_out_is_timeout_before_execute_and_nothing_arrives() {
+    let (rt, listener, fillers, addr) = a_listener_that_never_accepts();
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = write_catalog(dir.path(), &format!("http://{addr}"), None);
+    let ledger = dir.path().join("ledger.db");
+    let clock = ManualClock::new(T0);
+    let opts = || EngineOptions {
+        clock: Arc::new(clock.clone()),
+        toolset: toolgate::tools::load_toolset(Some(&catalog)).unwrap(),
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::create(&ledger, opts()).unwrap();
+    e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
+    let started = std::time::Instant::now();
+    let env = e.dispatch(&refund("http-cto-000001", 1500)).unwrap();
+    assert!(started.elapsed() < std::time::Duration::from_secs(30), "the connect timeout ended each attempt");
+    assert_eq!(env.code(), Some(Code::TimeoutBeforeExecute), "{env:?}");
+    assert!(env.model_result.error.as_ref().unwrap().retryable);
+    let d = detail(&mut e);
+    assert_eq!(d.operation.state.to_string(), "accepted", "nothing was sent, so it may run again");
+    assert!(all_proven_not_received(&d), "{:?}", d.attempts);
+    // The proof on the server's side: the only connections that ever got
+    // through are the ones that filled the queue, and none carries a request.
+    let accepted = rt.block_on(async {
+        let mut n = 0;
+        while let Ok(Ok((mut s, _))) =
+            tokio::time::timeout(std::time::Duration::from_millis(200), listener.accept()).await
+        {
+            let mut buf = [0u8; 64];
+            let read = tokio::time::timeout(std::time::Duration::from_millis(100), async {
+                tokio::io::AsyncReadExt::read(&mut s, &mut buf).await
+            })
+            .await;
+            assert!(!matches!(read, Ok(Ok(k)) if k > 0), "a request arrived: {:?}", String::from_utf8_lossy(&buf));
+            n += 1;
+        }
+        n
+    });
+    assert_eq!(accepted, fillers.len());
+}
+
 #[test]
 fn a_receipt_that_trickles_in_slower_than_the_attempt_timeout_is_unknown_and_a_query_finds_it() {
     let fx = HttpFixture::new();
