@@ -415,14 +415,20 @@ impl Downstream for HttpDownstream {
         })
     }
 
-    fn lookup(&mut self, key: &str) -> Result<Lookup, DownstreamError> {
+    fn lookup(&mut self, key: &str, timeout_ms: u64) -> Result<Lookup, DownstreamError> {
+        if timeout_ms < MIN_ATTEMPT_MS {
+            return Ok(Lookup::Unavailable);
+        }
         let url = self.url(&self.cfg.lookup.path, key);
+        // The whole lookup, body included, within the caller's bound; the
+        // connect within it, as for a call.
+        let connect = self.cfg.connect_timeout_ms.min(timeout_ms - CONNECT_MARGIN_MS);
         let mut builder = self
             .agent
             .get(&url)
             .config()
-            .timeout_global(Some(Duration::from_millis(self.cfg.connect_timeout_ms.saturating_mul(5).max(5_000))))
-            .timeout_connect(Some(Duration::from_millis(self.cfg.connect_timeout_ms)))
+            .timeout_global(Some(Duration::from_millis(timeout_ms)))
+            .timeout_connect(Some(Duration::from_millis(connect)))
             .build();
         for (h, v) in &self.secrets {
             builder = builder.header(h, v);

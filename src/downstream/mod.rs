@@ -320,7 +320,7 @@ impl Downstream for Simulated {
         })
     }
 
-    fn lookup(&mut self, key: &str) -> Result<Lookup, DownstreamError> {
+    fn lookup(&mut self, key: &str, _timeout_ms: u64) -> Result<Lookup, DownstreamError> {
         let now = self.clock.now_ms();
         let provider = self.kind.as_str();
         let found = self.store.read(|tx| tx.provider_effect_by_key(provider, key))?;

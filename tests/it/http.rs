@@ -386,13 +386,14 @@ fn lookups_answer_found_not_found_and_unavailable() {
     let fx = HttpFixture::new();
     let mut ds = adapter_for(&fx.catalog, "create_refund");
     let Reply::Committed(r) = ds.execute("dk-lookup-0001", &request("cccc")).unwrap() else { panic!() };
-    match ds.lookup("dk-lookup-0001").unwrap() {
+    match ds.lookup("dk-lookup-0001", 2_000).unwrap() {
         Lookup::Found(found) => assert_eq!(found.receipt_id, r.receipt_id),
         other => panic!("{other:?}"),
     }
-    assert_eq!(ds.lookup("dk-nothing-here").unwrap(), Lookup::NotFound);
+    assert_eq!(ds.lookup("dk-nothing-here", 2_000).unwrap(), Lookup::NotFound);
+    assert_eq!(ds.lookup("dk-lookup-0001", 40).unwrap(), Lookup::Unavailable, "no time to ask: not asked");
     drop(fx.server);
-    assert_eq!(ds.lookup("dk-lookup-0001").unwrap(), Lookup::Unavailable);
+    assert_eq!(ds.lookup("dk-lookup-0001", 2_000).unwrap(), Lookup::Unavailable);
 }
 
 /// A one-shot loopback listener that records the raw request and answers 503.
@@ -863,6 +864,135 @@ fn a_connect_that_times_out_is_timeout_before_execute_and_nothing_arrives() {
         n
     });
     assert_eq!(accepted, fillers.len());
+}
+
+/// What a scripted loopback server does with one connection, in order.
+#[derive(Clone, Copy)]
+enum Then {
+    /// Reads the request, then closes the connection with no reply.
+    Close,
+    /// Reads the request and answers this status with an empty body.
+    Status(u16),
+    /// Reads the request and never answers (until the server is dropped).
+    Hold,
+}
+
+/// A loopback server that treats each connection as its script says and
+/// records each request line. Held connections are let go on drop.
+struct Scripted {
+    url: String,
+    seen: Arc<Mutex<Vec<String>>>,
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Scripted {
+    fn start(script: Vec<Then>) -> Self {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let log = seen.clone();
+        let thread = std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for then in script {
+                let Ok((mut s, _)) = l.accept() else { return };
+                s.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+                let head = read_request(&mut s);
+                log.lock().unwrap().push(head.lines().next().unwrap_or_default().to_string());
+                match then {
+                    Then::Close => drop(s),
+                    Then::Status(code) => {
+                        let _ = write!(s, "HTTP/1.1 {code} X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                    }
+                    Then::Hold => held.push(s),
+                }
+            }
+            // Held connections stay open until the test is done with them.
+            let _ = stopped.recv_timeout(std::time::Duration::from_secs(120));
+            drop(held);
+        });
+        Self { url, seen, stop: Some(stop), thread: Some(thread) }
+    }
+
+    fn seen(&self) -> Vec<String> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Scripted {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Reads a request's head and its body (by content-length).
+fn read_request(s: &mut std::net::TcpStream) -> String {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return String::from_utf8_lossy(&got).into_owned(),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    };
+    let head = String::from_utf8_lossy(&got[..head_end]).into_owned();
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0)))
+        .unwrap_or(0);
+    while got.len() < head_end + len {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    head
+}
+
+#[test]
+fn a_lookup_that_answers_5xx_or_times_out_is_unavailable_and_the_operation_stays_unknown() {
+    // The call is read and the connection closed with no reply; the first
+    // lookup gets a 500, the second no answer at all.
+    let server = Scripted::start(vec![Then::Close, Then::Status(500), Then::Hold]);
+    let dir = tempfile::tempdir().unwrap();
+    // A long connect timeout: before lookups were bounded by the tool's
+    // attempt timeout (1 s here), this one would have waited 50 s.
+    let catalog = write_catalog_with(dir.path(), &server.url, &|http| {
+        http.insert("connect_timeout_ms".into(), Value::from(10_000));
+    });
+    let ledger = dir.path().join("ledger.db");
+    let clock = ManualClock::new(T0);
+    let opts = || EngineOptions {
+        clock: Arc::new(clock.clone()),
+        toolset: toolgate::tools::load_toolset(Some(&catalog)).unwrap(),
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::create(&ledger, opts()).unwrap();
+    e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
+    let env = e.dispatch(&refund("http-lookup-5xx-1", 1500)).unwrap();
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown), "{env:?}");
+    for (n, what) in [(1, "a 500"), (2, "no answer")] {
+        let started = std::time::Instant::now();
+        let q = e.query_operation_status(&query_req(&env, &format!("q-lookup-{n}"))).unwrap();
+        assert!(started.elapsed() < std::time::Duration::from_secs(30), "{what}: the lookup did not hang");
+        assert_eq!(q.code(), Some(Code::OutcomeUnknown), "{what}: {q:?}");
+        let d = detail(&mut e);
+        assert_eq!(d.operation.state.to_string(), "unknown", "{what}");
+        assert_eq!(d.operation.last_query_result.as_deref(), Some("unavailable"), "{what}");
+        let asked = d.audit.iter().filter(|a| a.action == "query" && a.evidence.contains("unavailable")).count();
+        assert_eq!(asked, n, "{what}: each lookup is in the operator log");
+    }
+    let seen = server.seen();
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert!(seen[0].starts_with("POST /v1/payments/calls"), "{seen:?}");
+    assert!(seen[1..].iter().all(|l| l.starts_with("GET /v1/payments/calls/dk")), "{seen:?}");
 }
 
 #[test]
