@@ -617,26 +617,60 @@ fn a_new_revision_in_the_catalog_changes_new_digests_and_never_replays_the_old_r
 }
 
 #[test]
-fn the_load_generator_against_a_served_provider_reports_no_duplicate_and_no_silently_wrong_result() {
-    // Random faults (5%) travel to the provider as headers; the referee counts
-    // the effects in the provider's own database.
-    let fx = HttpFixture::new();
-    let out = Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
-        .arg("--db")
-        .arg(&fx.ledger)
-        .arg("--catalog")
-        .arg(&fx.catalog)
-        .args(["load", "--agents", "3", "--ops", "60", "--fault-rate", "5%", "--seed", "3", "--json", "--provider-db"])
-        .arg(&fx.server.db)
-        .output()
-        .unwrap();
+fn the_load_generator_with_the_shipped_http_catalog_reports_no_duplicate_and_no_silently_wrong_result() {
+    // The shipped assets/catalog-http as it is (its base URL from
+    // TOOLGATE_PROVIDER_URL, its own 5 s attempt timeout), against a served
+    // provider. Random faults (10%) travel to the provider as headers; the
+    // referee counts the effects in the provider's own database.
+    let dir = tempfile::tempdir().unwrap();
+    let server = ProviderServer::start(dir.path(), &[]);
+    let ledger = dir.path().join("ledger.db");
+    let catalog = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog-http");
+    let toolgate = |args: &[&str]| {
+        Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
+            .arg("--db")
+            .arg(&ledger)
+            .arg("--catalog")
+            .arg(&catalog)
+            .args(args)
+            .env("TOOLGATE_PROVIDER_URL", server.url())
+            .output()
+            .unwrap()
+    };
+    let init = toolgate(&["init"]);
+    assert_eq!(init.status.code(), Some(0), "{}", String::from_utf8_lossy(&init.stderr));
+    let db = server.db.to_string_lossy().into_owned();
+    let out = toolgate(&[
+        "load",
+        "--agents",
+        "3",
+        "--ops",
+        "60",
+        "--fault-rate",
+        "10%",
+        "--seed",
+        "3",
+        "--json",
+        "--provider-db",
+        &db,
+    ]);
     let report: Value =
         serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
     assert_eq!(out.status.code(), Some(0), "{report}");
     assert_eq!(report["duplicates"], 0, "{report}");
     assert_eq!(report["silently_wrong"], 0, "{report}");
     assert!(report["effects"].as_i64().unwrap() > 0, "{report}");
-    assert_eq!(report["effects"].as_i64().unwrap(), fx.server.effects(), "counted at the provider: {report}");
+    assert_eq!(report["effects"].as_i64().unwrap(), server.effects(), "counted at the provider: {report}");
+    assert_eq!(server.duplicates(), 0);
+    // The faults did reach the provider: some calls were refused and retried,
+    // or lost their reply.
+    let trace = toolgate(&["trace", "--format", "jsonl"]);
+    let trace = String::from_utf8_lossy(&trace.stdout);
+    let faulted = trace
+        .lines()
+        .filter(|l| l.contains(r#""reason":"retry_scheduled""#) || l.contains(r#""reason":"parked_unknown""#))
+        .count();
+    assert!(faulted > 0, "no call met a fault: {report}");
 }
 
 /// The scenarios with `create_refund` and `notify_customer` behind a served
