@@ -116,7 +116,8 @@ pub fn write_catalog_with(dir: &Path, base_url: &str, edit: &dyn Fn(&mut serde_j
 
 /// A ledger with the demo world whose tools run behind a served provider.
 pub struct HttpFixture {
-    pub dir: TempDir,
+    /// Kept for the fixture's lifetime: the directory goes on drop.
+    _dir: TempDir,
     pub server: ProviderServer,
     pub catalog: PathBuf,
     pub ledger: PathBuf,
@@ -146,7 +147,7 @@ impl HttpFixture {
     fn finish(dir: TempDir, server: ProviderServer, catalog: PathBuf) -> Self {
         let ledger = dir.path().join("ledger.db");
         let clock = ManualClock::new(T0);
-        let fx = Self { dir, server, catalog, ledger, clock };
+        let fx = Self { _dir: dir, server, catalog, ledger, clock };
         let mut e = Engine::create(&fx.ledger, fx.opts()).unwrap();
         e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
         fx
@@ -418,41 +419,47 @@ fn capture_one_request() -> (String, std::thread::JoinHandle<String>) {
     (url, h)
 }
 
+/// The environment variable the secret-header test reads its second secret from.
+const SECRET_ENV: &str = "TOOLGATE_TEST_PROVIDER_API_KEY";
+
+/// Both secret sources on every tool: `Authorization` from a file and
+/// `X-Api-Key` from [`SECRET_ENV`].
+fn both_secret_sources(file: &Path) -> impl Fn(&mut serde_json::Map<String, Value>) + '_ {
+    move |http| {
+        http.insert(
+            "secret_headers".into(),
+            serde_json::json!([
+                {"header": "Authorization", "file": file, "prefix": "Bearer "},
+                {"header": "X-Api-Key", "env": SECRET_ENV}
+            ]),
+        );
+    }
+}
+
 #[test]
-fn a_secret_header_is_sent_and_never_stored_traced_or_logged() {
-    const SECRET: &str = "sk_live_canary_5f1d3c9e";
+fn secret_headers_from_a_file_and_the_environment_are_sent_and_never_stored_traced_or_logged() {
+    const FILE_SECRET: &str = "sk_live_canary_5f1d3c9e";
+    const ENV_SECRET: &str = "ak_live_canary_env_93b0e7d2";
     let dir = tempfile::tempdir().unwrap();
     let secret_file = dir.path().join("provider.token");
-    std::fs::write(&secret_file, format!("{SECRET}\n")).unwrap();
-    // On the wire: the captured request carries it.
-    let (url, captured) = capture_one_request();
-    let catalog = write_catalog(dir.path(), &url, Some(&secret_file));
-    let mut ds = adapter_for(&catalog, "create_refund");
-    assert_eq!(ds.execute("dk-secret-0001", &request("dddd")).unwrap(), Reply::Unavailable { retry_after_ms: None });
-    let head = captured.join().unwrap();
-    assert!(head.contains(&format!("authorization: Bearer {SECRET}")), "{head}");
-    assert!(head.contains("idempotency-key: dk-secret-0001"), "{head}");
-    assert!(!std::fs::read_to_string(catalog.join("create_refund.json")).unwrap().contains(SECRET));
-
-    // Through the whole CLI against a served provider: not in the ledger, its
-    // trace export, its log, or any output.
-    let fx = HttpFixture::with(&[], Some(&secret_file));
-    let log = fx.dir.path().join("toolgate.log");
-    let run = |args: &[&str]| {
+    std::fs::write(&secret_file, format!("{FILE_SECRET}\n")).unwrap();
+    // Every child gets the variable; this process never sets it.
+    let toolgate = |db: &Path, catalog: &Path, log: &Path, args: &[&str]| {
         let out = Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
             .arg("--db")
-            .arg(&fx.ledger)
+            .arg(db)
             .arg("--catalog")
-            .arg(&fx.catalog)
+            .arg(catalog)
             .args(args)
-            .env("TOOLGATE_LOG", &log)
+            .env(SECRET_ENV, ENV_SECRET)
+            .env("TOOLGATE_LOG", log)
+            .env_remove("TOOLGATE_LOG_LEVEL")
             .output()
             .unwrap();
         format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
     };
-    let mut seen = String::new();
-    for fault in ["ok", "echo_header(x)", "drop_after_commit"] {
-        seen += &run(&[
+    let dispatch = |key: &str, fault: &str| -> Vec<String> {
+        [
             "dispatch",
             "--tenant",
             "acme",
@@ -461,23 +468,127 @@ fn a_secret_header_is_sent_and_never_stored_traced_or_logged() {
             "--tool",
             "create_refund",
             "--key",
-            &format!("canary-{fault}-key"),
+            key,
             "--fault",
             fault,
             "--args",
             r#"{"order_ref":"ord_1001","amount_minor":10,"currency":"EUR","reason":"other"}"#,
-        ]);
+        ]
+        .iter()
+        .map(|s| (*s).to_string())
+        .collect()
+    };
+    fn strs(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
     }
-    seen += &run(&["trace", "--format", "jsonl"]);
-    assert!(seen.contains("succeeded"), "{seen}");
-    assert!(!seen.contains(SECRET));
-    let mut files = vec![fx.ledger.clone(), log, fx.server.db.clone()];
-    files.extend(["db-wal", "db-shm"].iter().map(|x| fx.ledger.with_extension(x)));
-    for f in files {
-        if let Ok(bytes) = std::fs::read(&f) {
-            assert!(!String::from_utf8_lossy(&bytes).contains(SECRET), "{} holds the secret", f.display());
+
+    // On the wire: the captured request carries both, and the catalog neither.
+    let (url, captured) = capture_one_request();
+    let wire = tempfile::tempdir().unwrap();
+    let catalog = write_catalog_with(wire.path(), &url, &both_secret_sources(&secret_file));
+    let (db, log) = (wire.path().join("l.db"), wire.path().join("l.log"));
+    toolgate(&db, &catalog, &log, &["init"]);
+    let seen = toolgate(&db, &catalog, &log, &strs(&dispatch("dk-secret-wire-1", "ok")));
+    let head = captured.join().unwrap();
+    assert!(head.contains(&format!("authorization: Bearer {FILE_SECRET}")), "{head}");
+    assert!(head.contains(&format!("x-api-key: {ENV_SECRET}")), "{head}");
+    assert!(head.contains("idempotency-key: dk"), "{head}");
+    assert!(seen.contains("TOOL_UNAVAILABLE"), "{seen}");
+    for f in ["create_refund.json", "notify_customer.json"] {
+        let text = std::fs::read_to_string(catalog.join(f)).unwrap();
+        assert!(!text.contains(FILE_SECRET) && !text.contains(ENV_SECRET), "{f}");
+    }
+
+    // Through the whole CLI against a served provider: in no table, trace
+    // export, metric, operator log, log file or output.
+    // (Set up through the CLI too: this process does not have the variable.)
+    let home = tempfile::tempdir().unwrap();
+    let server = ProviderServer::start(home.path(), &[]);
+    let catalog = write_catalog_with(home.path(), &server.url(), &both_secret_sources(&secret_file));
+    let (ledger, log) = (home.path().join("ledger.db"), home.path().join("toolgate.log"));
+    let run = |args: &[&str]| toolgate(&ledger, &catalog, &log, args);
+    let mut outputs: Vec<(String, String)> = vec![("init".into(), run(&["init"]))];
+    for (key, fault) in [("canary-ok-key-01", "ok"), ("canary-echo-key-1", "echo_header(x)")] {
+        outputs.push((format!("dispatch {fault}"), run(&strs(&dispatch(key, fault)))));
+    }
+    // A lost reply, settled by a status query: a lookup that carries the secrets too.
+    let mut lost = dispatch("canary-drop-key-1", "drop_after_commit");
+    lost.push("--json".into());
+    let lost = run(&strs(&lost));
+    outputs.push(("dispatch drop_after_commit".into(), lost.clone()));
+    let env: Value = serde_json::Deserializer::from_str(&lost)
+        .into_iter()
+        .next()
+        .and_then(Result::ok)
+        .unwrap_or_else(|| panic!("{lost}"));
+    let query = run(&[
+        "query",
+        "--tenant",
+        "acme",
+        "--subject",
+        "agent_ana",
+        "--status-ref",
+        env["protected_audit"]["downstream"]["status_ref"].as_str().unwrap(),
+        "--expect-sha256",
+        env["protected_audit"]["binding"]["request_sha256"].as_str().unwrap(),
+        "--json",
+    ]);
+    outputs.push(("query".into(), query));
+    let list = run(&["ops", "list", "--json"]);
+    let list: Value = serde_json::from_str(&list).unwrap_or_else(|_| panic!("{list}"));
+    let ops: Vec<String> =
+        list["operations"].as_array().unwrap().iter().map(|o| o["id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(ops.len(), 3, "{ops:?}");
+    for op in &ops {
+        outputs.push((format!("ops show {op}"), run(&["ops", "show", op])));
+        outputs.push((format!("ops show {op} --json"), run(&["ops", "show", op, "--json"])));
+    }
+    for args in [
+        &["trace", "--format", "jsonl"][..],
+        &["trace"],
+        &["metrics"],
+        &["metrics", "--format", "json"],
+        &["audit", "--log", "--json"],
+        &["audit"],
+        &["ops", "list"],
+        &["counts"],
+    ] {
+        outputs.push((args.join(" "), run(args)));
+    }
+    outputs.push(("log".into(), std::fs::read_to_string(&log).unwrap()));
+    for (what, text) in &outputs {
+        for secret in [FILE_SECRET, ENV_SECRET] {
+            assert!(!text.contains(secret), "{what} leaks a secret:\n{text}");
         }
     }
+    for db in [&ledger, &server.db] {
+        let cells = crate::observability::every_cell(db);
+        let leaks: Vec<&String> =
+            cells.iter().filter(|(_, v)| v.contains(FILE_SECRET) || v.contains(ENV_SECRET)).map(|(c, _)| c).collect();
+        assert!(leaks.is_empty(), "{}: a secret is stored in {leaks:?}", db.display());
+    }
+    let mut files = vec![log.clone()];
+    for db in [&ledger, &server.db] {
+        files.extend(["db", "db-wal", "db-shm", "db.log"].iter().map(|x| db.with_extension(x)));
+    }
+    for f in files {
+        if let Ok(bytes) = std::fs::read(&f) {
+            let text = String::from_utf8_lossy(&bytes);
+            assert!(!text.contains(FILE_SECRET) && !text.contains(ENV_SECRET), "{} holds a secret", f.display());
+        }
+    }
+    // Controls: the scans saw real content.
+    let text = |w: &str| &outputs.iter().find(|(what, _)| what == w).unwrap().1;
+    assert!(text("init").contains("initialized"), "{}", text("init"));
+    assert!(text("dispatch ok").contains("succeeded"), "{}", text("dispatch ok"));
+    assert!(text("dispatch drop_after_commit").contains("OUTCOME_UNKNOWN"), "{}", text("dispatch drop_after_commit"));
+    assert!(text("query").contains("receipt_reconciled"), "{}", text("query"));
+    assert!(ops.iter().all(|op| text("trace --format jsonl").contains(op.as_str())));
+    assert!(text("log").contains("answered"), "the CLI's dispatches are in the log");
+    assert!(crate::observability::every_cell(&ledger)
+        .iter()
+        .any(|(c, v)| c == "operations.request_json" && v.contains("ord_1001")));
+    assert!(crate::observability::every_cell(&server.db).iter().any(|(c, _)| c.starts_with("provider_effects.")));
 }
 
 #[test]
