@@ -39,7 +39,7 @@ impl ProviderServer {
     pub fn start(dir: &Path, extra: &[&str]) -> Self {
         let db = dir.join("provider.db");
         let mut child = Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
-            .args(["provider", "serve", "--listen", "127.0.0.1:0", "--provider-db"])
+            .args(["provider", "serve", "--listen", "127.0.0.1:0", "--db"])
             .arg(&db)
             .args(extra)
             .stdout(Stdio::piped())
@@ -617,6 +617,38 @@ fn the_provider_server_refuses_a_public_address_unless_told() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("error[NOT_LOOPBACK]"));
+}
+
+#[test]
+fn provider_serve_takes_its_database_as_db_and_still_as_provider_db() {
+    // `--db` (the documented name) is what every other test's server uses;
+    // `--provider-db` is kept for scripts written against earlier versions.
+    let dir = tempfile::tempdir().unwrap();
+    let serve = |args: &[&str]| {
+        Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
+            .args(["provider", "serve", "--listen", "0.0.0.0:0"])
+            .args(args)
+            .env_remove("TOOLGATE_DB")
+            .output()
+            .unwrap()
+    };
+    let (a, b) = (dir.path().join("a.db"), dir.path().join("b.db"));
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    for (args, code) in [
+        // Both names reach the address check: the database was accepted.
+        (vec!["--db", a], "NOT_LOOPBACK"),
+        (vec!["--provider-db", a], "NOT_LOOPBACK"),
+        (vec!["--db", a, "--provider-db", a], "NOT_LOOPBACK"),
+        (vec!["--db", a, "--provider-db", b], "USAGE"),
+        (vec![], "DB_REQUIRED"),
+        (vec!["--db", "postgres://u@127.0.0.1/p"], "USAGE"),
+    ] {
+        let out = serve(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(&format!("error[{code}]")), "{args:?}: {err}");
+    }
+    assert!(!dir.path().join("b.db").exists());
 }
 
 #[test]
