@@ -280,10 +280,23 @@ pub fn retry_after_ms(value: Option<&str>, now: std::time::SystemTime) -> Option
     if let Ok(secs) = v.parse::<u64>() {
         return Some(secs.saturating_mul(1000).min(MAX_RETRY_AFTER_MS));
     }
-    let at = chrono::DateTime::parse_from_rfc2822(v).ok()?;
+    let at = http_date(v)?;
     let now = chrono::DateTime::<chrono::Utc>::from(now);
-    let ms = (at.with_timezone(&chrono::Utc) - now).num_milliseconds().max(0) as u64;
+    let ms = (at - now).num_milliseconds().max(0) as u64;
     Some(ms.min(MAX_RETRY_AFTER_MS))
+}
+
+/// An HTTP date: IMF-fixdate, or one of the two obsolete forms a recipient
+/// must still accept (RFC 9110 §5.6.7): RFC 850 (`Sunday, 06-Nov-94 08:49:37
+/// GMT`, a two-digit year read as 1969-2068) and asctime (`Sun Nov  6 08:49:37 1994`).
+fn http_date(v: &str) -> Option<chrono::DateTime<chrono::Utc>> {
+    if let Ok(at) = chrono::DateTime::parse_from_rfc2822(v) {
+        return Some(at.with_timezone(&chrono::Utc));
+    }
+    ["%A, %d-%b-%y %H:%M:%S GMT", "%a %b %e %H:%M:%S %Y"]
+        .iter()
+        .find_map(|f| chrono::NaiveDateTime::parse_from_str(v, f).ok())
+        .map(|n| n.and_utc())
 }
 
 /// Whether a failed call provably never reached the server (nothing was sent).
@@ -460,6 +473,11 @@ mod tests {
         let now = std::time::UNIX_EPOCH + Duration::from_secs(1_445_412_480); // Wed, 21 Oct 2015 07:28:00 GMT
         assert_eq!(retry_after_ms(Some("2"), now), Some(2_000));
         assert_eq!(retry_after_ms(Some("Wed, 21 Oct 2015 07:28:05 GMT"), now), Some(5_000));
+        assert_eq!(retry_after_ms(Some("Wednesday, 21-Oct-15 07:28:07 GMT"), now), Some(7_000), "RFC 850");
+        assert_eq!(retry_after_ms(Some("Wed Oct 21 07:28:09 2015"), now), Some(9_000), "asctime");
+        assert_eq!(retry_after_ms(Some("Thu Oct  1 07:28:09 2015"), now), Some(0), "asctime, one-digit day, past");
+        assert_eq!(retry_after_ms(Some("Wed, 21 Oct 2015 07:28:05"), now), None, "no zone");
+        assert_eq!(retry_after_ms(Some("Wed Oct  1 07:28:09 2015"), now), None, "1 Oct 2015 was a Thursday");
         assert_eq!(retry_after_ms(Some("Wed, 21 Oct 2015 07:27:00 GMT"), now), Some(0));
         assert_eq!(retry_after_ms(Some("99999999999"), now), Some(MAX_RETRY_AFTER_MS));
         assert_eq!(retry_after_ms(Some("soon"), now), None);
