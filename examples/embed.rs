@@ -85,7 +85,7 @@ impl Downstream for InvoicingApi {
         Ok(Reply::Committed(receipt))
     }
 
-    fn lookup(&mut self, key: &str) -> Result<Lookup, DownstreamError> {
+    fn lookup(&mut self, key: &str, _timeout_ms: u64) -> Result<Lookup, DownstreamError> {
         let api = self.0.lock().expect("api lock");
         Ok(api.invoices.get(key).cloned().map_or(Lookup::NotFound, Lookup::Found))
     }

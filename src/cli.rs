@@ -65,14 +65,16 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum ProviderCommand {
     /// Serve the simulated providers over HTTP (loopback only unless --public)
-    /// until Ctrl-C or SIGTERM; prints `listening on ADDR` once bound.
+    /// until Ctrl-C or SIGTERM; prints `listening on ADDR` once bound. The
+    /// provider's own database (a SQLite file, created when missing) is
+    /// `--db PATH`.
     Serve {
         /// Address to listen on (port 0: any free port).
         #[arg(long, default_value = "127.0.0.1:8081")]
         listen: std::net::SocketAddr,
-        /// The provider's own database (created when missing).
+        /// The same as `--db` (the name earlier versions took).
         #[arg(long = "provider-db", value_name = "PATH")]
-        provider_db: PathBuf,
+        provider_db: Option<PathBuf>,
         /// Allow a non-loopback address.
         #[arg(long)]
         public: bool,
@@ -876,6 +878,25 @@ fn print_json(v: &impl serde::Serialize) {
     outln!("{}", serde_json::to_string_pretty(v).unwrap_or_else(|_| "null".into()));
 }
 
+/// The database of `provider serve`: `--db PATH` (also `$TOOLGATE_DB`), or
+/// `--provider-db PATH`; both only when they agree. A SQLite file: the
+/// simulated providers keep no tables on PostgreSQL.
+fn provider_serve_db<'a>(db: Option<&'a Path>, provider_db: Option<&'a Path>) -> Result<&'a Path, CliError> {
+    let path = match (db, provider_db) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(CliError::new("USAGE", "--db and --provider-db name two databases: give one"));
+        }
+        (Some(p), _) | (None, Some(p)) => p,
+        (None, None) => {
+            return Err(CliError::new("DB_REQUIRED", "provider serve needs the provider's database: --db PATH"));
+        }
+    };
+    if Location::is_postgres(path) {
+        return Err(CliError::new("USAGE", "the simulated providers keep their tables in a SQLite file: --db PATH"));
+    }
+    Ok(path)
+}
+
 fn run(cli: &Cli) -> Result<i32, CliError> {
     let Some(command) = &cli.command else {
         return console(cli, 0);
@@ -1163,6 +1184,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 }
                 None => crate::downstream::FaultPlan::none(),
             };
+            let provider_db = provider_serve_db(cli.db.as_deref(), provider_db.as_deref())?;
             crate::telemetry::logging::init_for_db(provider_db);
             let opts = crate::downstream::serve::ServeOptions { listen: *listen, public: *public, faults };
             crate::downstream::serve::serve(provider_db, opts, |addr| {

@@ -280,10 +280,23 @@ pub fn retry_after_ms(value: Option<&str>, now: std::time::SystemTime) -> Option
     if let Ok(secs) = v.parse::<u64>() {
         return Some(secs.saturating_mul(1000).min(MAX_RETRY_AFTER_MS));
     }
-    let at = chrono::DateTime::parse_from_rfc2822(v).ok()?;
+    let at = http_date(v)?;
     let now = chrono::DateTime::<chrono::Utc>::from(now);
-    let ms = (at.with_timezone(&chrono::Utc) - now).num_milliseconds().max(0) as u64;
+    let ms = (at - now).num_milliseconds().max(0) as u64;
     Some(ms.min(MAX_RETRY_AFTER_MS))
+}
+
+/// An HTTP date: IMF-fixdate, or one of the two obsolete forms a recipient
+/// must still accept (RFC 9110 §5.6.7): RFC 850 (`Sunday, 06-Nov-94 08:49:37
+/// GMT`, a two-digit year read as 1969-2068) and asctime (`Sun Nov  6 08:49:37 1994`).
+fn http_date(v: &str) -> Option<chrono::DateTime<chrono::Utc>> {
+    if let Ok(at) = chrono::DateTime::parse_from_rfc2822(v) {
+        return Some(at.with_timezone(&chrono::Utc));
+    }
+    ["%A, %d-%b-%y %H:%M:%S GMT", "%a %b %e %H:%M:%S %Y"]
+        .iter()
+        .find_map(|f| chrono::NaiveDateTime::parse_from_str(v, f).ok())
+        .map(|n| n.and_utc())
 }
 
 /// Whether a failed call provably never reached the server (nothing was sent).
@@ -415,14 +428,20 @@ impl Downstream for HttpDownstream {
         })
     }
 
-    fn lookup(&mut self, key: &str) -> Result<Lookup, DownstreamError> {
+    fn lookup(&mut self, key: &str, timeout_ms: u64) -> Result<Lookup, DownstreamError> {
+        if timeout_ms < MIN_ATTEMPT_MS {
+            return Ok(Lookup::Unavailable);
+        }
         let url = self.url(&self.cfg.lookup.path, key);
+        // The whole lookup, body included, within the caller's bound; the
+        // connect within it, as for a call.
+        let connect = self.cfg.connect_timeout_ms.min(timeout_ms - CONNECT_MARGIN_MS);
         let mut builder = self
             .agent
             .get(&url)
             .config()
-            .timeout_global(Some(Duration::from_millis(self.cfg.connect_timeout_ms.saturating_mul(5).max(5_000))))
-            .timeout_connect(Some(Duration::from_millis(self.cfg.connect_timeout_ms)))
+            .timeout_global(Some(Duration::from_millis(timeout_ms)))
+            .timeout_connect(Some(Duration::from_millis(connect)))
             .build();
         for (h, v) in &self.secrets {
             builder = builder.header(h, v);
@@ -454,10 +473,38 @@ mod tests {
         let now = std::time::UNIX_EPOCH + Duration::from_secs(1_445_412_480); // Wed, 21 Oct 2015 07:28:00 GMT
         assert_eq!(retry_after_ms(Some("2"), now), Some(2_000));
         assert_eq!(retry_after_ms(Some("Wed, 21 Oct 2015 07:28:05 GMT"), now), Some(5_000));
+        assert_eq!(retry_after_ms(Some("Wednesday, 21-Oct-15 07:28:07 GMT"), now), Some(7_000), "RFC 850");
+        assert_eq!(retry_after_ms(Some("Wed Oct 21 07:28:09 2015"), now), Some(9_000), "asctime");
+        assert_eq!(retry_after_ms(Some("Thu Oct  1 07:28:09 2015"), now), Some(0), "asctime, one-digit day, past");
+        assert_eq!(retry_after_ms(Some("Wed, 21 Oct 2015 07:28:05"), now), None, "no zone");
+        assert_eq!(retry_after_ms(Some("Wed Oct  1 07:28:09 2015"), now), None, "1 Oct 2015 was a Thursday");
         assert_eq!(retry_after_ms(Some("Wed, 21 Oct 2015 07:27:00 GMT"), now), Some(0));
         assert_eq!(retry_after_ms(Some("99999999999"), now), Some(MAX_RETRY_AFTER_MS));
         assert_eq!(retry_after_ms(Some("soon"), now), None);
         assert_eq!(retry_after_ms(None, now), None);
+    }
+
+    #[test]
+    fn only_a_failure_before_the_send_counts_as_not_received() {
+        // A name that does not resolve is classified here, not over the
+        // network: the test machines' resolvers are not on loopback, and a
+        // test may reach nothing else. The connect timeout and the refused
+        // connection are also shown over loopback in tests/it/http.rs.
+        use std::io::{Error as IoError, ErrorKind};
+        let unavailable = Some(Reply::Unavailable { retry_after_ms: None });
+        let check = |e: ureq::Error, expect: &Option<Reply>| assert_eq!(&not_received(&e), expect, "{e:?}");
+        check(ureq::Error::HostNotFound, &unavailable);
+        check(ureq::Error::Timeout(ureq::Timeout::Resolve), &Some(Reply::ConnectTimeout));
+        check(ureq::Error::Timeout(ureq::Timeout::Connect), &Some(Reply::ConnectTimeout));
+        check(ureq::Error::ConnectionFailed, &unavailable);
+        check(ureq::Error::Io(IoError::from(ErrorKind::ConnectionRefused)), &unavailable);
+        // Anything later may have reached the server: not "not received".
+        for t in [ureq::Timeout::Global, ureq::Timeout::SendBody, ureq::Timeout::RecvResponse, ureq::Timeout::RecvBody]
+        {
+            check(ureq::Error::Timeout(t), &None);
+        }
+        check(ureq::Error::Io(IoError::from(ErrorKind::ConnectionReset)), &None);
+        check(ureq::Error::Io(IoError::from(ErrorKind::UnexpectedEof)), &None);
     }
 
     #[test]

@@ -257,8 +257,8 @@ impl Downstream for Simulated {
                 }
                 Err(reason) => Reply::Rejected { reason },
             },
-            Fault::RateLimit(ms) => Reply::RateLimited { retry_after_ms: ms },
-            Fault::Unavailable => Reply::Unavailable { retry_after_ms: None },
+            Fault::RateLimit(ra) => Reply::RateLimited { retry_after_ms: ra.ms },
+            Fault::Unavailable(ra) => Reply::Unavailable { retry_after_ms: ra.map(|r| r.ms) },
             Fault::ConnectTimeout => Reply::ConnectTimeout,
             Fault::TimeoutBeforeCommit => Reply::TimedOut,
             Fault::TimeoutAfterCommit => {
@@ -290,6 +290,28 @@ impl Downstream for Simulated {
                 let _ = self.commit(key, req, 0, false)?;
                 Reply::ServerError
             }
+            // In process there is no configuration that says a 5xx means "not
+            // committed": a server error is one that may have committed.
+            Fault::ServerError => Reply::ServerError,
+            Fault::SlowBody(ms) if ms > req.timeout_ms => {
+                // Committed; the caller stops reading the receipt at its timeout.
+                let _ = self.commit(key, req, 0, false)?;
+                self.clock.sleep_ms(req.timeout_ms);
+                Reply::TimedOut
+            }
+            Fault::SlowBody(ms) => {
+                let committed = self.commit(key, req, 0, false)?;
+                self.clock.sleep_ms(ms);
+                match committed {
+                    Ok(r) => Reply::Committed(r),
+                    Err(reason) => Reply::Rejected { reason },
+                }
+            }
+            Fault::HugeBody(_) => {
+                // Committed; the receipt is larger than the caller reads.
+                let _ = self.commit(key, req, 0, false)?;
+                Reply::Malformed
+            }
             Fault::CrashAfterCommit => {
                 let _ = self.commit(key, req, 0, false)?;
                 // A real crash: no unwinding, no destructors, no result persisted.
@@ -298,7 +320,7 @@ impl Downstream for Simulated {
         })
     }
 
-    fn lookup(&mut self, key: &str) -> Result<Lookup, DownstreamError> {
+    fn lookup(&mut self, key: &str, _timeout_ms: u64) -> Result<Lookup, DownstreamError> {
         let now = self.clock.now_ms();
         let provider = self.kind.as_str();
         let found = self.store.read(|tx| tx.provider_effect_by_key(provider, key))?;

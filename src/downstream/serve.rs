@@ -14,8 +14,13 @@
 //!
 //! What each fault does on the wire: `ok` 200; `latency(ms)` waits, then
 //! commits and replies; `reject(code)` 400; `rate_limit(ms)` 429 with
-//! Retry-After; `unavailable` and `connect_timeout` 503 (a refused connection
-//! is shown by a closed port instead); `in_progress(ms)` 409 with Retry-After;
+//! Retry-After in seconds (`rate_limit(ms,date)`: as an HTTP date);
+//! `unavailable` and `connect_timeout` 503 (a refused connection is shown by
+//! a closed port instead), `unavailable(ms)` / `unavailable(ms,date)` 503 with
+//! Retry-After; `server_error` 500 with nothing committed; `in_progress(ms)`
+//! 409 with Retry-After; `slow_body(ms)` commits and answers 200 at once, its
+//! body trickling in over `ms`; `huge_body(bytes)` commits and answers 200
+//! with a receipt padded to that many bytes;
 //! `timeout_before_commit` holds the request and drops it uncommitted;
 //! `timeout_after_commit` commits, holds, then drops; `drop_after_commit`,
 //! `receipt_delay(ms)`, `mismatch_after_commit` and `panic_after_commit` commit
@@ -25,19 +30,24 @@
 //! Loopback only unless `--public`.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::{Bytes, Incoming};
+use hyper::body::{Bytes, Frame, Incoming};
 use hyper::{Request, Response, StatusCode};
 use serde_json::{json, Value};
 
 use super::{Downstream, DownstreamRequest, Fault, FaultPlan, Lookup, Receipt, SimKind, Simulated};
 use crate::engine::canonical::{canonical_string, parse_strict, sha256_hex};
 use crate::engine::clock::SystemClock;
+use crate::engine::faults::RetryAfter;
 use crate::engine::ids::Ids;
 use crate::store::{OpenOptions, ProviderStore, Sync};
 
@@ -212,10 +222,14 @@ async fn shutdown_signal() {
     }
 }
 
-type Reply = Response<Full<Bytes>>;
+type Reply = Response<UnsyncBoxBody<Bytes, Infallible>>;
 
 fn reply(status: StatusCode, body: &Value) -> Reply {
-    let mut r = Response::new(Full::new(Bytes::from(canonical_string(body))));
+    json_reply(status, Full::new(Bytes::from(canonical_string(body))).boxed_unsync())
+}
+
+fn json_reply(status: StatusCode, body: UnsyncBoxBody<Bytes, Infallible>) -> Reply {
+    let mut r = Response::new(body);
     *r.status_mut() = status;
     r.headers_mut().insert("content-type", hyper::header::HeaderValue::from_static("application/json"));
     r
@@ -225,11 +239,88 @@ fn error(status: StatusCode, code: &str) -> Reply {
     reply(status, &json!({"error": code}))
 }
 
-fn with_retry_after(mut r: Reply, ms: u64) -> Reply {
-    if let Ok(v) = hyper::header::HeaderValue::from_str(&ms.div_ceil(1000).to_string()) {
+/// Retry-After as delta-seconds (rounded up), or as the IMF-fixdate at least
+/// that far ahead (RFC 9110 §10.2.3, §5.6.7).
+fn with_retry_after(mut r: Reply, ra: RetryAfter) -> Reply {
+    let text = if ra.http_date {
+        let at = chrono::Utc::now() + chrono::Duration::milliseconds(i64::try_from(ra.ms).unwrap_or(i64::MAX));
+        // The date has whole seconds: round up, so the wait is never shorter than asked.
+        let at = at + chrono::Duration::milliseconds(999);
+        at.format("%a, %d %b %Y %H:%M:%S GMT").to_string()
+    } else {
+        ra.ms.div_ceil(1000).to_string()
+    };
+    if let Ok(v) = hyper::header::HeaderValue::from_str(&text) {
         r.headers_mut().insert("retry-after", v);
     }
     r
+}
+
+/// A reply body sent in pieces with a pause before each one after the first:
+/// a receipt that trickles in, or one padded with JSON whitespace to any size,
+/// without holding it in memory.
+struct Paced {
+    head: Option<Bytes>,
+    /// Bytes of padding (spaces) still to send after `head`.
+    padding: u64,
+    /// The rest of the receipt, sent `piece` bytes at a time.
+    tail: Bytes,
+    piece: usize,
+    pause: Duration,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Paced {
+    /// `body` one byte at a time, spread over `ms`.
+    fn trickle(body: Bytes, ms: u64) -> Self {
+        let n = body.len().max(1) as u64;
+        let pause = Duration::from_micros(ms.saturating_mul(1000) / n);
+        Self { head: None, padding: 0, tail: body, piece: 1, pause, sleep: None }
+    }
+
+    /// `body` with spaces after its first byte (`{`) up to `size` bytes, sent at once.
+    fn padded(body: &Bytes, size: u64) -> Self {
+        let padding = size.saturating_sub(body.len() as u64);
+        Self {
+            head: Some(body.slice(..1)),
+            padding,
+            tail: body.slice(1..),
+            piece: 64 * 1024,
+            pause: Duration::ZERO,
+            sleep: None,
+        }
+    }
+}
+
+impl hyper::body::Body for Paced {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if let Some(sleep) = self.sleep.as_mut() {
+            if sleep.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            self.sleep = None;
+        }
+        let piece = self.piece;
+        let next = if let Some(h) = self.head.take() {
+            h
+        } else if self.padding > 0 {
+            let n = self.padding.min(piece as u64);
+            self.padding -= n;
+            Bytes::from(vec![b' '; usize::try_from(n).unwrap_or(piece)])
+        } else if self.tail.is_empty() {
+            return Poll::Ready(None);
+        } else {
+            let n = piece.min(self.tail.len());
+            self.tail.split_to(n)
+        };
+        if !self.pause.is_zero() {
+            self.sleep = Some(Box::pin(tokio::time::sleep(self.pause)));
+        }
+        Poll::Ready(Some(Ok(Frame::data(next))))
+    }
 }
 
 fn receipt_json(r: &Receipt) -> Value {
@@ -286,7 +377,8 @@ async fn lookup(state: &Arc<State>, kind: SimKind, key: &str) -> Reply {
     let key = key.to_string();
     let found = tokio::task::spawn_blocking(move || {
         let mut p = state.provider(kind).lock().map_err(|_| ())?;
-        p.lookup(&key).map_err(|_| ())
+        // The in-process provider answers from its tables at once.
+        p.lookup(&key, u64::MAX).map_err(|_| ())
     })
     .await;
     match found {
@@ -384,9 +476,25 @@ async fn run(
             committed(commit(&state, kind, &key, &dreq, 0, false).await)
         }
         Fault::Reject(code) => error(StatusCode::BAD_REQUEST, &code),
-        Fault::RateLimit(ms) => with_retry_after(error(StatusCode::TOO_MANY_REQUESTS, "rate_limited"), ms),
-        Fault::Unavailable | Fault::ConnectTimeout => error(StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
-        Fault::InProgress(ms) => with_retry_after(error(StatusCode::CONFLICT, "in_progress"), ms),
+        Fault::RateLimit(ra) => with_retry_after(error(StatusCode::TOO_MANY_REQUESTS, "rate_limited"), ra),
+        Fault::Unavailable(Some(ra)) => with_retry_after(error(StatusCode::SERVICE_UNAVAILABLE, "unavailable"), ra),
+        Fault::Unavailable(None) | Fault::ConnectTimeout => error(StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+        Fault::ServerError => error(StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        Fault::InProgress(ms) => with_retry_after(error(StatusCode::CONFLICT, "in_progress"), RetryAfter::seconds(ms)),
+        Fault::SlowBody(ms) => match commit(&state, kind, &key, &dreq, 0, false).await {
+            Some(Ok(rc)) => {
+                let body = Bytes::from(canonical_string(&receipt_json(&rc)));
+                json_reply(StatusCode::OK, Paced::trickle(body, ms).boxed_unsync())
+            }
+            other => committed(other),
+        },
+        Fault::HugeBody(size) => match commit(&state, kind, &key, &dreq, 0, false).await {
+            Some(Ok(rc)) => {
+                let body = Bytes::from(canonical_string(&receipt_json(&rc)));
+                json_reply(StatusCode::OK, Paced::padded(&body, size).boxed_unsync())
+            }
+            other => committed(other),
+        },
         Fault::TimeoutBeforeCommit => {
             tokio::time::sleep(HOLD).await;
             drop_connection().await
@@ -414,9 +522,7 @@ async fn run(
         }
         Fault::MalformedResponse => {
             let _ = commit(&state, kind, &key, &dreq, 0, false).await;
-            let mut r = Response::new(Full::new(Bytes::from_static(b"{\"receipt_id\": ")));
-            r.headers_mut().insert("content-type", hyper::header::HeaderValue::from_static("application/json"));
-            r
+            json_reply(StatusCode::OK, Full::new(Bytes::from_static(b"{\"receipt_id\": ")).boxed_unsync())
         }
         Fault::EchoCredential { value, in_result } => match commit(&state, kind, &key, &dreq, 0, false).await {
             Some(Ok(mut rc)) => {

@@ -10,6 +10,33 @@ use rand::{Rng, SeedableRng};
 pub const MAX_WAIT_MS: u64 = 3_600_000;
 /// The longest receipt delay a fault may ask for: one week.
 pub const MAX_RECEIPT_DELAY_MS: u64 = 7 * 24 * 3_600_000;
+/// The largest reply body a fault may ask for: 64 MiB.
+pub const MAX_HUGE_BODY_BYTES: u64 = 64 * 1024 * 1024;
+
+/// The Retry-After a fault asks a provider to send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryAfter {
+    /// How long from now, in milliseconds.
+    pub ms: u64,
+    /// Written as an HTTP date (IMF-fixdate, RFC 9110 §5.6.7) that far ahead
+    /// instead of as delta-seconds; only a provider served over HTTP writes it.
+    pub http_date: bool,
+}
+
+impl RetryAfter {
+    /// Delta-seconds.
+    pub fn seconds(ms: u64) -> Self {
+        Self { ms, http_date: false }
+    }
+
+    fn spec(self) -> String {
+        if self.http_date {
+            format!("{},date", self.ms)
+        } else {
+            self.ms.to_string()
+        }
+    }
+}
 
 /// One injected behaviour of a downstream call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,10 +47,10 @@ pub enum Fault {
     Latency(u64),
     /// Definitive refusal, no effect.
     Reject(String),
-    /// 429 with Retry-After (ms), no effect.
-    RateLimit(u64),
-    /// 503 before accepting, no effect.
-    Unavailable,
+    /// 429 with Retry-After, no effect.
+    RateLimit(RetryAfter),
+    /// 503 before accepting (with Retry-After when given), no effect.
+    Unavailable(Option<RetryAfter>),
     /// The connection never opened, no effect.
     ConnectTimeout,
     /// Received, never committed, no reply.
@@ -47,6 +74,15 @@ pub enum Fault {
     InProgress(u64),
     /// Committed, then a 500: a server error after the request was sent.
     ServerErrorAfterCommit,
+    /// A 500 and nothing committed (what a provider whose 5xx means "not
+    /// committed" does).
+    ServerError,
+    /// Committed, and the receipt arrives slowly: over HTTP the 200 comes at
+    /// once and its body trickles in over this many ms.
+    SlowBody(u64),
+    /// Committed, and the receipt is this many bytes long (padded with JSON
+    /// whitespace): larger than the caller reads.
+    HugeBody(u64),
     /// A misbehaving provider (redaction tests): commits, and its reply echoes a
     /// credential in an `authorization` header and, when `in_result`, in an
     /// undeclared result field too. Its own records stay clean.
@@ -60,7 +96,7 @@ pub enum Fault {
 
 /// A fault spec that could not be parsed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("bad fault spec {0:?}: expected e.g. ok, latency(ms), reject(code), rate_limit(ms), unavailable, connect_timeout, timeout_before_commit, timeout_after_commit, receipt_delay(ms), mismatch_after_commit, malformed_response, panic_after_commit, crash_after_commit, drop_after_commit, in_progress(ms), server_error_after_commit, or random(rate,seed=N)")]
+#[error("bad fault spec {0:?}: expected e.g. ok, latency(ms), reject(code), rate_limit(ms[,date]), unavailable, unavailable(ms[,date]), connect_timeout, timeout_before_commit, timeout_after_commit, receipt_delay(ms), mismatch_after_commit, malformed_response, panic_after_commit, crash_after_commit, drop_after_commit, in_progress(ms), server_error_after_commit, server_error, slow_body(ms), huge_body(bytes), or random(rate,seed=N)")]
 pub struct FaultParseError(pub String);
 
 impl Fault {
@@ -71,8 +107,9 @@ impl Fault {
             Fault::Ok => "ok".into(),
             Fault::Latency(ms) => format!("latency({ms})"),
             Fault::Reject(code) => format!("reject({code})"),
-            Fault::RateLimit(ms) => format!("rate_limit({ms})"),
-            Fault::Unavailable => "unavailable".into(),
+            Fault::RateLimit(ra) => format!("rate_limit({})", ra.spec()),
+            Fault::Unavailable(None) => "unavailable".into(),
+            Fault::Unavailable(Some(ra)) => format!("unavailable({})", ra.spec()),
             Fault::ConnectTimeout => "connect_timeout".into(),
             Fault::TimeoutBeforeCommit => "timeout_before_commit".into(),
             Fault::TimeoutAfterCommit => "timeout_after_commit".into(),
@@ -84,6 +121,9 @@ impl Fault {
             Fault::DropAfterCommit => "drop_after_commit".into(),
             Fault::InProgress(ms) => format!("in_progress({ms})"),
             Fault::ServerErrorAfterCommit => "server_error_after_commit".into(),
+            Fault::ServerError => "server_error".into(),
+            Fault::SlowBody(ms) => format!("slow_body({ms})"),
+            Fault::HugeBody(bytes) => format!("huge_body({bytes})"),
             Fault::EchoCredential { value, in_result: false } => format!("echo_header({value})"),
             Fault::EchoCredential { value, in_result: true } => format!("echo_credential({value})"),
         }
@@ -105,12 +145,24 @@ impl Fault {
             arg.and_then(|a| a.trim().parse::<u64>().ok()).filter(|n| *n <= max).ok_or_else(bad)
         };
         let num = || num_max(MAX_RECEIPT_DELAY_MS);
+        // `ms` or `ms,date`: a Retry-After as delta-seconds or as an HTTP date.
+        let retry_after = || -> Result<RetryAfter, FaultParseError> {
+            let a = arg.ok_or_else(bad)?;
+            let (ms, http_date) = match a.split_once(',') {
+                Some((ms, form)) if form.trim() == "date" => (ms, true),
+                Some(_) => return Err(bad()),
+                None => (a, false),
+            };
+            let ms = ms.trim().parse::<u64>().ok().filter(|n| *n <= MAX_WAIT_MS).ok_or_else(bad)?;
+            Ok(RetryAfter { ms, http_date })
+        };
         let f = match (name, arg) {
             ("ok", None) => Fault::Ok,
             ("latency", Some(_)) => Fault::Latency(num_max(MAX_WAIT_MS)?),
             ("reject", Some(code)) if !code.is_empty() && code.len() <= 64 => Fault::Reject(code.to_string()),
-            ("rate_limit", Some(_)) => Fault::RateLimit(num_max(MAX_WAIT_MS)?),
-            ("unavailable", None) => Fault::Unavailable,
+            ("rate_limit", Some(_)) => Fault::RateLimit(retry_after()?),
+            ("unavailable", None) => Fault::Unavailable(None),
+            ("unavailable", Some(_)) => Fault::Unavailable(Some(retry_after()?)),
             ("connect_timeout", None) => Fault::ConnectTimeout,
             ("timeout_before_commit", None) => Fault::TimeoutBeforeCommit,
             ("timeout_after_commit", None) => Fault::TimeoutAfterCommit,
@@ -122,6 +174,9 @@ impl Fault {
             ("drop_after_commit", None) => Fault::DropAfterCommit,
             ("in_progress", Some(_)) => Fault::InProgress(num_max(MAX_WAIT_MS)?),
             ("server_error_after_commit", None) => Fault::ServerErrorAfterCommit,
+            ("server_error", None) => Fault::ServerError,
+            ("slow_body", Some(_)) => Fault::SlowBody(num_max(MAX_WAIT_MS)?),
+            ("huge_body", Some(_)) => Fault::HugeBody(num_max(MAX_HUGE_BODY_BYTES)?),
             ("echo_header", Some(v)) if !v.is_empty() && v.len() <= 128 => {
                 Fault::EchoCredential { value: v.to_string(), in_result: false }
             }
@@ -132,6 +187,26 @@ impl Fault {
         };
         Ok(f)
     }
+}
+
+/// Splits a script at the commas between faults, not those inside a fault's
+/// parentheses (`unavailable(3000,date),ok` is two faults).
+fn split_top_level(spec: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let (mut depth, mut start) = (0usize, 0usize);
+    for (i, c) in spec.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            ',' if depth == 0 => {
+                out.push(&spec[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(&spec[start..]);
+    out
 }
 
 /// The faults the next calls will meet.
@@ -175,7 +250,7 @@ impl FaultPlan {
                 _ => Err(FaultParseError(spec.chars().take(64).collect())),
             };
         }
-        let faults = spec.split(',').map(Fault::parse).collect::<Result<Vec<_>, _>>()?;
+        let faults = split_top_level(spec).into_iter().map(Fault::parse).collect::<Result<Vec<_>, _>>()?;
         Ok(Self::script(faults))
     }
 
@@ -188,8 +263,8 @@ impl FaultPlan {
             if rng.gen_bool(*rate) {
                 // Mostly transient faults, some lost replies: what a flaky provider does.
                 return match rng.gen_range(0..6) {
-                    0 => Fault::RateLimit(rng.gen_range(50..500)),
-                    1 => Fault::Unavailable,
+                    0 => Fault::RateLimit(RetryAfter::seconds(rng.gen_range(50..500))),
+                    1 => Fault::Unavailable(None),
                     2 => Fault::ConnectTimeout,
                     3 => Fault::TimeoutAfterCommit,
                     4 => Fault::TimeoutBeforeCommit,
@@ -219,7 +294,10 @@ mod tests {
             "latency(5)",
             "reject(card_declined)",
             "rate_limit(2000)",
+            "rate_limit(2000,date)",
             "unavailable",
+            "unavailable(3000)",
+            "unavailable(3000,date)",
             "connect_timeout",
             "timeout_before_commit",
             "timeout_after_commit",
@@ -231,6 +309,9 @@ mod tests {
             "drop_after_commit",
             "in_progress(9)",
             "server_error_after_commit",
+            "server_error",
+            "slow_body(1500)",
+            "huge_body(1048576)",
             "echo_header(t)",
             "echo_credential(t)",
         ] {
@@ -241,7 +322,22 @@ mod tests {
     #[test]
     fn parses_scripts() {
         check("ok", Ok(vec![Fault::Ok, Fault::Ok]));
-        check("rate_limit(2000),ok", Ok(vec![Fault::RateLimit(2000), Fault::Ok]));
+        check("rate_limit(2000),ok", Ok(vec![Fault::RateLimit(RetryAfter::seconds(2000)), Fault::Ok]));
+        check("unavailable", Ok(vec![Fault::Unavailable(None)]));
+        check("unavailable(3000)", Ok(vec![Fault::Unavailable(Some(RetryAfter::seconds(3000)))]));
+        check("unavailable(3000,date)", Ok(vec![Fault::Unavailable(Some(RetryAfter { ms: 3000, http_date: true }))]));
+        check(
+            "rate_limit(2000,date),unavailable(5,date),ok",
+            Ok(vec![
+                Fault::RateLimit(RetryAfter { ms: 2000, http_date: true }),
+                Fault::Unavailable(Some(RetryAfter { ms: 5, http_date: true })),
+                Fault::Ok,
+            ]),
+        );
+        check("unavailable(3000,soon)", Err(()));
+        check("unavailable(3000,date,date)", Err(()));
+        check("rate_limit(,date)", Err(()));
+        check("huge_body(67108865)", Err(()));
         check("receipt_delay(5000)", Ok(vec![Fault::ReceiptDelay(5000)]));
         check("reject(card_declined)", Ok(vec![Fault::Reject("card_declined".into())]));
         check("crash_after_commit", Ok(vec![Fault::CrashAfterCommit]));

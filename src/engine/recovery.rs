@@ -322,7 +322,11 @@ impl Engine {
         let Some(contract) = contracts.get(&op.tool) else {
             return Err(EngineError::invalid("UNKNOWN_TOOL", "operation names a tool not in the catalog"));
         };
-        let lookup = self.downstream(&contract.downstream.name)?.lookup(&op.downstream_key)?;
+        // A status query carries no deadline of its own: the lookup is bounded
+        // like one attempt of the tool.
+        let lookup = self
+            .downstream(&contract.downstream.name)?
+            .lookup(&op.downstream_key, contract.retry.attempt_timeout_ms)?;
         let actor = q.operator.clone().unwrap_or_else(|| pref.clone());
         let out = self.store.write(|tx| -> Result<Envelope, EngineError> {
             let Some(mut cur) = tx.operation(&op.id)? else {
@@ -646,7 +650,8 @@ impl Engine {
         let contracts = self.contracts.clone();
         let Some(contract) = contracts.get(&op.tool) else { return Ok(None) };
         let claimed = r.evidence.as_deref().map(str::trim).filter(|e| !e.is_empty());
-        Ok(Some(match self.downstream(&contract.downstream.name)?.lookup(&op.downstream_key)? {
+        let timeout_ms = contract.retry.attempt_timeout_ms;
+        Ok(Some(match self.downstream(&contract.downstream.name)?.lookup(&op.downstream_key, timeout_ms)? {
             Lookup::Found(receipt) => {
                 let seen =
                     json!({"lookup": "found", "receipt_id": receipt.receipt_id, "request_id": receipt.request_id});
@@ -907,7 +912,7 @@ impl Engine {
                 continue;
             }
             let Some(contract) = contracts.get(&tool) else { continue };
-            match self.downstream(&contract.downstream.name)?.lookup(&key)? {
+            match self.downstream(&contract.downstream.name)?.lookup(&key, contract.retry.attempt_timeout_ms)? {
                 Lookup::Found(r) if r.receipt_id == receipt => {}
                 Lookup::Found(r) => out.push(AuditFinding {
                     check: "downstream".into(),

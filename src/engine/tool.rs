@@ -219,8 +219,10 @@ pub struct EffectCounts {
 pub trait Downstream: Send {
     /// Executes a request under a downstream key.
     fn execute(&mut self, downstream_key: &str, req: &DownstreamRequest) -> Result<Reply, DownstreamError>;
-    /// Looks up what happened under a downstream key.
-    fn lookup(&mut self, downstream_key: &str) -> Result<Lookup, DownstreamError>;
+    /// Looks up what happened under a downstream key, waiting at most
+    /// `timeout_ms` for the answer (the tool's attempt timeout: a lookup is
+    /// bounded like a call; past it the lookup is [`Lookup::Unavailable`]).
+    fn lookup(&mut self, downstream_key: &str, timeout_ms: u64) -> Result<Lookup, DownstreamError>;
     /// The effects this provider committed, for a referee (the console's
     /// duplicate counter, the lab, `counts`): only a provider that can count
     /// them from its own records answers (the simulated ones). The engine never

@@ -748,6 +748,15 @@ impl ScenarioRun {
             }
             Action::AdvanceClock { ms } => {
                 self.clock.manual().advance(*ms);
+                if let Some(h) = &self.http {
+                    // A served provider keeps real time. The scenario's time
+                    // passes for it too: its receipts become visible as much
+                    // earlier (all a lookup compares with its clock), so a
+                    // `receipt_delay` ends on the scenario's clock as in process.
+                    let mut provider =
+                        ProviderStore::open(&h.provider_db, OpenOptions { create: false, sync: Sync::Normal })?;
+                    provider.write(|tx| tx.shift_visibility(*ms))?;
+                }
                 Ok(Exec { sees: Some(format!("clock moves {}", fmt_offset(*ms))), ..Exec::default() })
             }
             Action::Restart => {

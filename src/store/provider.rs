@@ -8,7 +8,7 @@
 //! sit in the ledger's database when the providers run in the engine's
 //! process (one file, or one PostgreSQL database: a demo or a test is one
 //! thing to copy), and in a database of their own under `toolgate provider
-//! serve --provider-db`. A SQLite ledger made before the providers had a
+//! serve --db`. A SQLite ledger made before the providers had a
 //! store of their own holds the same tables from its migrations 0001 and
 //! 0003; the SQLite migration here is written to find and keep them.
 
@@ -113,6 +113,14 @@ impl ProviderTx<'_> {
                 e.committed_at,
                 e.visible_at
             ])?;
+        Ok(())
+    }
+
+    /// Moves every effect's visibility `ms` earlier: what the passing of `ms`
+    /// looks like to a lookup, for a provider whose clock cannot be moved (a
+    /// served provider keeps real time; a scenario's clock is manual).
+    pub fn shift_visibility(&self, ms: i64) -> R<()> {
+        self.conn.prepare_cached("UPDATE provider_effects SET visible_at = visible_at - ?1")?.execute(params![ms])?;
         Ok(())
     }
 

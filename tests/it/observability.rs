@@ -71,7 +71,7 @@ fn approval_id(env: &Envelope) -> String {
 }
 
 /// Every value of every row of every table, as text (blobs lossily).
-fn every_cell(path: &Path) -> Vec<(String, String)> {
+pub(crate) fn every_cell(path: &Path) -> Vec<(String, String)> {
     let c = raw(path);
     let tables: Vec<String> = c
         .prepare("SELECT name FROM sqlite_schema WHERE type = 'table' ORDER BY name")
