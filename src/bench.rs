@@ -110,6 +110,21 @@ pub struct ModeReport {
     pub ratios: Ratios,
     /// The contention check.
     pub contention: Contention,
+    /// Commits that waited for the disk (SQLite: fsynced; PostgreSQL:
+    /// `synchronous_commit` on), per call, ledger and provider together.
+    pub synced_commits: SyncedCommits,
+}
+
+/// Synced commits per call of a single-threaded phase, and in the distinct
+/// contention phase (where group commit shares them).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct SyncedCommits {
+    /// Per fresh dispatch.
+    pub per_fresh: f64,
+    /// Per replay.
+    pub per_replay: f64,
+    /// Per call of the 8-thread distinct phase.
+    pub per_distinct_call: f64,
 }
 
 /// One measured phase.
@@ -508,6 +523,7 @@ fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan, http: boo
     let (mut hf, mut hr) = (Samples::default(), Samples::default());
     let (mut http_fresh_ratios, mut http_replay_ratios) = (Vec::new(), Vec::new());
     let mut http_settled: Vec<String> = Vec::new();
+    let (mut fresh_synced, mut fresh_calls, mut replay_synced, mut replay_calls) = (0u64, 0usize, 0u64, 0usize);
 
     let (mut bw, mut fd, mut bl, mut br, mut rp, mut qy) = (
         Samples::default(),
@@ -528,6 +544,8 @@ fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan, http: boo
             bare_written += 1;
             Ok(())
         })?;
+        let synced_before = engine.store.synced_commits();
+        let fresh_before = fd.us.len();
         let fresh_rate = timed(&mut fd, plan, |i| {
             let key = format!("bench-fresh-{round:02}-{i:08}");
             let env = engine.dispatch(&refund(0, key.clone()))?;
@@ -541,6 +559,8 @@ fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan, http: boo
             Ok(())
         })?;
         write_ratios.push(fresh_rate / bare_rate);
+        fresh_synced += engine.store.synced_commits() - synced_before;
+        fresh_calls += fd.us.len() - fresh_before;
         let written = bare_written.max(1);
         let lookup_rate = timed(&mut bl, plan, |i| {
             let n = i as u64 % written;
@@ -557,11 +577,15 @@ fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan, http: boo
                 None => Err(BenchError::Check(format!("bare replay {n} found nothing"))),
             }
         })?;
+        let synced_before = engine.store.synced_commits();
+        let replay_before = rp.us.len();
         let replay_rate = timed(&mut rp, plan, |i| {
             let key = settled[i % settled.len()].0.clone();
             let env = engine.dispatch(&refund(0, key))?;
             check(&env, Status::Succeeded, Delivery::LocalReplay, "replay")
         })?;
+        replay_synced += engine.store.synced_commits() - synced_before;
+        replay_calls += rp.us.len() - replay_before;
         replay_ratios.push(replay_rate / lookup_rate);
         bare_replay_ratios.push(replay_rate / bare_replay_rate);
         if let Some(server) = &server {
@@ -590,7 +614,12 @@ fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan, http: boo
     }
     drop(engine);
     drop(server);
-    let (shared, distinct, contention) = contention(&path, sync, plan)?;
+    let (shared, distinct, contention, per_distinct_call) = contention(&path, sync, plan)?;
+    let synced_commits = SyncedCommits {
+        per_fresh: fresh_synced as f64 / fresh_calls.max(1) as f64,
+        per_replay: replay_synced as f64 / replay_calls.max(1) as f64,
+        per_distinct_call,
+    };
     let ratios = Ratios {
         fresh_over_bare: ratio(write_ratios),
         replay_over_lookup: ratio(replay_ratios),
@@ -611,7 +640,7 @@ fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan, http: boo
         phases.extend([hf.phase("http_fresh"), hr.phase("http_replay")]);
     }
     phases.extend([shared, distinct]);
-    Ok(ModeReport { synchronous: name, phases, ratios, contention })
+    Ok(ModeReport { synchronous: name, phases, ratios, contention, synced_commits })
 }
 
 /// What one contention thread saw.
@@ -694,7 +723,7 @@ fn threads(
     Ok((s.phase(name), tallies))
 }
 
-fn contention(path: &Path, sync: Sync, plan: Plan) -> Result<(Phase, Phase, Contention), BenchError> {
+fn contention(path: &Path, sync: Sync, plan: Plan) -> Result<(Phase, Phase, Contention, f64), BenchError> {
     let mut probe = Engine::open(path, options(sync, "bench-probe"))?;
     let before = probe.counts()?.downstream_effects;
     // Every thread dispatches the same intents in the same order: the worst case.
@@ -708,9 +737,11 @@ fn contention(path: &Path, sync: Sync, plan: Plan) -> Result<(Phase, Phase, Cont
         check(&env, Status::Succeeded, Delivery::LocalReplay, "dispatch after the shared phase")?;
     }
     let per = plan.distinct_per_thread;
+    let synced_before = probe.store.synced_commits();
     let (distinct, dt) = threads(path, sync, "contention_distinct", |t| {
         (0..per).map(|i| (t, format!("bench-distinct-{t}-{i:04}"))).collect()
     })?;
+    let synced_per_call = (probe.store.synced_commits() - synced_before) as f64 / (THREADS * per).max(1) as f64;
     let counts = probe.counts()?;
     let c = Contention {
         threads: THREADS,
@@ -730,7 +761,7 @@ fn contention(path: &Path, sync: Sync, plan: Plan) -> Result<(Phase, Phase, Cont
             c.shared_effects, c.shared_fresh, SHARED_INTENTS, c.duplicates
         )));
     }
-    Ok((shared, distinct, c))
+    Ok((shared, distinct, c, synced_per_call))
 }
 
 /// The report as a table, for people.
@@ -767,6 +798,12 @@ pub fn table(r: &BenchReport) -> String {
             bare.min,
             bare.max,
             m.ratios.shared_over_distinct
+        );
+        let sc = m.synced_commits;
+        let _ = writeln!(
+            out,
+            "  synced commits per call: fresh {:.2}   replay {:.2}   8-thread distinct {:.2}",
+            sc.per_fresh, sc.per_replay, sc.per_distinct_call
         );
         if let (Some(f), Some(r)) = (m.ratios.http_fresh_over_fresh, m.ratios.http_replay_over_replay) {
             let _ = writeln!(

@@ -49,6 +49,11 @@ fn quick_bench_runs_and_its_checks_hold(backend: crate::support::Backend) {
         }
         if full {
             assert!(m["ratios"]["http_fresh_over_fresh"]["median"].as_f64().unwrap() > 0.0, "{}", m["ratios"]);
+            // A fresh dispatch waits for the disk at least once (its accept); a
+            // replay changes no state and never needs to.
+            let sc = &m["synced_commits"];
+            assert!(sc["per_fresh"].as_f64().unwrap() >= 1.0, "{sc}");
+            assert!(sc["per_replay"].as_f64().unwrap() < 1.0, "{sc}");
         }
         let c = &m["contention"];
         assert_eq!(c["threads"], 8);
