@@ -1,0 +1,157 @@
+//! Typed queries: The append-only operator log (hash-chained) and the integrity checks `toolgate audit` runs.
+
+use super::{params, ApprovalRow, AuditRow, Backend, TraceDamage, Tx, APPROVAL_COLS, AUDIT_COLS, AUDIT_GENESIS, R};
+
+impl Tx<'_> {
+    // ------------------------------------------------------------ audit log
+
+    /// Appends to the operator log (there is no update or delete).
+    pub fn insert_audit(&self, a: &AuditRow) -> R<()> {
+        // Link to the newest row (migration 0007): the chain `audit` verifies.
+        let last = self
+            .conn
+            .prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq DESC LIMIT 1"))?
+            .query_opt((), AuditRow::from_row)?;
+        let link = last.as_ref().map_or_else(|| AUDIT_GENESIS.to_string(), AuditRow::chain_hash);
+        let seq: i64 = self
+            .conn
+            .prepare_cached(
+                "INSERT INTO audit_log (at, action_id, actor, action, operation_id, approval_id, result, reason, evidence, chain_sha256)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10) RETURNING seq",
+            )?
+            .query_row(
+                params![a.at, a.action_id, a.actor, a.action, a.operation_id, a.approval_id, a.result, a.reason, a.evidence, link],
+                |r| r.get(0),
+            )?;
+        let mut stored = a.clone();
+        stored.seq = seq;
+        stored.chain_sha256 = Some(link);
+        self.meta_set("audit_head", &stored.chain_hash())
+    }
+
+    /// Every operator-log row, oldest first (for the chain check).
+    pub fn audit_log_ascending(&self) -> R<Vec<AuditRow>> {
+        let mut st = self.conn.prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq"))?;
+        let rows = st.query_map((), AuditRow::from_row)?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// The operator log, newest first.
+    pub fn audit_log(&self, limit: i64) -> R<Vec<AuditRow>> {
+        let mut st =
+            self.conn.prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq DESC LIMIT ?1"))?;
+        let rows = st.query_map([limit], AuditRow::from_row)?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// The applied operator-log row carrying an action id, if any.
+    pub fn audit_by_action_id(&self, action_id: &str) -> R<Option<AuditRow>> {
+        self.conn
+            .prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log WHERE action_id = ?1"))?
+            .query_opt([action_id], AuditRow::from_row)
+    }
+
+    /// The operator log rows about one operation.
+    pub fn audit_for(&self, operation_id: &str) -> R<Vec<AuditRow>> {
+        let mut st = self
+            .conn
+            .prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log WHERE operation_id = ?1 ORDER BY seq"))?;
+        let rows = st.query_map([operation_id], AuditRow::from_row)?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    // ------------------------------------------------------------ integrity
+
+    /// SQLite's own integrity and foreign-key checks; returns problems found.
+    /// On PostgreSQL the server enforces every constraint as rows are written
+    /// (there is no per-file integrity check to run): nothing to report.
+    pub fn sqlite_checks(&self) -> R<Vec<String>> {
+        let mut out = Vec::new();
+        if self.backend() == Backend::Postgres {
+            return Ok(out);
+        }
+        let mut st = self.conn.prepare("PRAGMA integrity_check")?;
+        for r in st.query_map((), |r| r.get::<String>(0))? {
+            let r = r?;
+            if r != "ok" {
+                out.push(format!("integrity_check: {r}"));
+            }
+        }
+        let mut st = self.conn.prepare("PRAGMA foreign_key_check")?;
+        for r in st.query_map((), |r| r.get::<String>(0))? {
+            out.push(format!("foreign key violation in table {}", r?));
+        }
+        Ok(out)
+    }
+
+    /// Rows whose state (or outcome) is none of the values their table allows,
+    /// as (table, row id, value): only a hand edit that bypassed the CHECK
+    /// constraints leaves one.
+    pub fn invalid_states(&self) -> R<Vec<(String, String, String)>> {
+        let mut st = self.conn.prepare(
+            "SELECT 'operations', id, state FROM operations
+               WHERE state NOT IN ('accepted', 'in_flight', 'succeeded', 'failed', 'unknown', 'needs_review', 'resolved')
+             UNION ALL SELECT 'outbox', operation_id, state FROM outbox
+               WHERE state NOT IN ('pending', 'leased', 'done', 'parked')
+             UNION ALL SELECT 'approvals', id, state FROM approvals
+               WHERE state NOT IN ('pending', 'approved', 'denied', 'expired', 'invalidated')
+             UNION ALL SELECT 'attempts', operation_id || '#' || CAST(attempt AS TEXT), outcome FROM attempts
+               WHERE outcome IS NOT NULL AND outcome NOT IN ('not_sent', 'refused', 'committed', 'rejected', 'unknown')
+             UNION ALL SELECT 'audit_log', CAST(seq AS TEXT), result FROM audit_log WHERE result NOT IN ('applied', 'refused')",
+        )?;
+        // The value as an SQL literal (the tables are STRICT / typed: always text).
+        let quote = |v: String| format!("'{}'", v.replace('\'', "''"));
+        let rows = st.query_map((), |r| Ok((r.get(0)?, r.get(1)?, quote(r.get(2)?))))?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// Operations written after keys became derived (migration 0009) that carry
+    /// a legacy-shaped (`dk_`) downstream key: a hand edit.
+    pub fn legacy_keys_after_migration(&self) -> R<Vec<String>> {
+        let mut st = self.conn.prepare(
+            "SELECT id FROM operations WHERE downstream_key NOT LIKE 'dk2!_%' ESCAPE '!'
+               AND rowid > coalesce((SELECT CAST(value AS BIGINT) FROM meta
+                                     WHERE key = 'legacy_downstream_keys_until_rowid'), 0)
+             ORDER BY id",
+        )?;
+        let rows = st.query_map((), |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// Whether a receipt row exists.
+    pub fn receipt_exists(&self, receipt_id: &str) -> R<bool> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT count(*) FROM receipts WHERE receipt_id = ?1")?
+            .query_row([receipt_id], |r| r.get::<i64>(0))?
+            > 0)
+    }
+
+    /// How many trace events name an operation.
+    pub fn trace_count_for(&self, operation_id: &str) -> R<i64> {
+        self.conn
+            .prepare_cached("SELECT count(*) FROM trace_events WHERE operation_id = ?1")?
+            .query_row([operation_id], |r| r.get(0))
+    }
+
+    /// Trace events whose fields are not valid JSON, and the gaps in the trace's
+    /// sequence (events are never deleted, so a gap is a deleted event), as
+    /// (first missing, last missing).
+    pub fn trace_damage(&self) -> R<TraceDamage> {
+        let mut st = self.conn.prepare("SELECT seq FROM trace_events WHERE json_valid(fields) = 0 ORDER BY seq")?;
+        let bad = st.query_map((), |r| r.get(0))?.collect::<Result<Vec<i64>, _>>()?;
+        let mut st = self.conn.prepare(
+            "SELECT seq + 1, next - 1 FROM (SELECT seq, lead(seq) OVER (ORDER BY seq) AS next FROM trace_events) AS t
+             WHERE next > seq + 1",
+        )?;
+        let gaps = st.query_map((), |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<Result<Vec<_>, _>>()?;
+        Ok((bad, gaps))
+    }
+
+    /// Every approval request (for the integrity audit).
+    pub fn all_approvals(&self) -> R<Vec<ApprovalRow>> {
+        let mut st = self.conn.prepare(&format!("SELECT {APPROVAL_COLS} FROM approvals ORDER BY created_at, id"))?;
+        let rows = st.query_map((), ApprovalRow::from_row)?;
+        rows.collect::<Result<_, _>>()
+    }
+}

@@ -1,0 +1,479 @@
+//! Typed queries: Operations, their outbox rows and attempts, call identities and receipts: the aggregate every dispatch, worker, reaper and status query changes.
+
+use super::{
+    params, placeholders, AttemptOutcome, AttemptRow, Backend, CallIdentityRow, CallKey, ForClaim, OpState,
+    OperationRow, OutboxRow, OutboxState, ReceiptRow, TombstoneRow, Tx, Versioned, OP_COLS, OUTBOX_COLS, R,
+    TOMBSTONE_COLS,
+};
+
+impl Tx<'_> {
+    // ------------------------------------------------------ call identities
+
+    /// A call identity's binding.
+    pub fn call_identity(&self, k: &CallKey<'_>) -> R<Option<CallIdentityRow>> {
+        self
+            .conn
+            .prepare_cached(
+                "SELECT purpose, request_sha256, key_sha256, operation_id FROM call_identities
+                 WHERE tenant = ?1 AND subject = ?2 AND provider = ?3 AND api_family = ?4 AND response_id = ?5 AND call_id = ?6",
+            )?
+            .query_opt(params![k.tenant, k.subject, k.provider, k.api_family, k.response_id, k.call_id], |r| {
+                Ok(CallIdentityRow {
+                    purpose: r.get(0)?,
+                    request_sha256: r.get(1)?,
+                    key_sha256: r.get(2)?,
+                    operation_id: r.get(3)?,
+                })
+            })
+    }
+
+    /// Binds a call identity on first use (no-op if already bound).
+    pub fn bind_call_identity(&self, k: &CallKey<'_>, row: &CallIdentityRow, now: i64) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO call_identities
+                   (tenant, subject, provider, api_family, response_id, call_id, purpose, request_sha256, key_sha256, operation_id, created_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
+                 ON CONFLICT (tenant, subject, provider, api_family, response_id, call_id)
+                 DO UPDATE SET operation_id = coalesce(call_identities.operation_id, excluded.operation_id)",
+            )?
+            .execute(params![
+                k.tenant,
+                k.subject,
+                k.provider,
+                k.api_family,
+                k.response_id,
+                k.call_id,
+                row.purpose,
+                row.request_sha256,
+                row.key_sha256,
+                row.operation_id,
+                now
+            ])?;
+        Ok(())
+    }
+
+    // ----------------------------------------------------------- operations
+
+    /// The operation for a scope.
+    pub fn operation_by_scope(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Option<OperationRow>> {
+        self.conn
+            .prepare_cached(&format!(
+                "SELECT {OP_COLS} FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4"
+            ))?
+            .query_opt([tenant, subject, tool, key], OperationRow::from_row)
+    }
+
+    /// The state of the operation for a scope (no row: `None`).
+    pub fn operation_state_by_scope(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Option<String>> {
+        self.conn
+            .prepare_cached(
+                "SELECT state FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4",
+            )?
+            .query_opt([tenant, subject, tool, key], |r| r.get(0))
+    }
+
+    /// An operation by id.
+    pub fn operation(&self, id: &str) -> R<Option<OperationRow>> {
+        self.conn
+            .prepare_cached(&format!("SELECT {OP_COLS} FROM operations WHERE id = ?1"))?
+            .query_opt([id], OperationRow::from_row)
+    }
+
+    /// An operation by status_ref.
+    pub fn operation_by_status_ref(&self, status_ref: &str) -> R<Option<OperationRow>> {
+        self.conn
+            .prepare_cached(&format!("SELECT {OP_COLS} FROM operations WHERE status_ref = ?1"))?
+            .query_opt([status_ref], OperationRow::from_row)
+    }
+
+    /// Inserts a new operation (unique scope enforced by the schema).
+    pub fn insert_operation(&self, o: &OperationRow) -> R<()> {
+        self.conn
+            .prepare_cached(&format!(
+                "INSERT INTO operations ({OP_COLS}) VALUES ({})",
+                placeholders(OperationRow::WIDTH)
+            ))?
+            .execute(o.params().as_slice())?;
+        Ok(())
+    }
+
+    /// Writes back an operation, checking and bumping its version (optimistic
+    /// fence: refused when the row changed since it was read). Returns false when
+    /// the version did not match.
+    pub fn update_operation(&self, o: &OperationRow) -> R<Versioned> {
+        let n = self
+            .conn
+            .prepare_cached(
+                "UPDATE operations SET state = ?2, code = ?3, result_json = ?4, result_sha256 = ?5,
+                   downstream_request_id = ?6, receipt_id = ?7, call_binding_sha256 = ?8, approval_id = ?9,
+                   resolution = ?10, resolution_note = ?11, resolved_by = ?12, last_query_at = ?13,
+                   last_query_result = ?14, updated_at = ?15, deadline_at = ?16, version = version + 1,
+                   -- Retention counts from the moment the operation becomes terminal.
+                   state_since = CASE WHEN state IS DISTINCT FROM ?2 THEN ?15 ELSE state_since END,
+                   terminal_at = CASE WHEN ?2 IN ('succeeded', 'failed', 'resolved')
+                                      THEN coalesce(terminal_at, ?15) END,
+                   expires_at = CASE WHEN ?2 IN ('succeeded', 'failed', 'resolved') AND terminal_at IS NULL
+                                     THEN ?15 + retention_ms ELSE expires_at END
+                 WHERE id = ?1 AND version = ?17",
+            )?
+            .execute(params![
+                o.id,
+                o.state,
+                o.code,
+                o.result_json,
+                o.result_sha256,
+                o.downstream_request_id,
+                o.receipt_id,
+                o.call_binding_sha256,
+                o.approval_id,
+                o.resolution,
+                o.resolution_note,
+                o.resolved_by,
+                o.last_query_at,
+                o.last_query_result,
+                o.updated_at,
+                o.deadline_at,
+                o.version
+            ])?;
+        Ok(if n == 1 { Versioned::Applied } else { Versioned::Stale })
+    }
+
+    /// Operations, newest first, optionally by state, keyset-paged by (updated_at, id).
+    pub fn list_operations(
+        &self,
+        state: Option<OpState>,
+        limit: i64,
+        before: Option<(i64, &str)>,
+    ) -> R<Vec<OperationRow>> {
+        let (b_at, b_id) = before.map_or((i64::MAX, ""), |(a, i)| (a, i));
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT {OP_COLS} FROM operations
+             WHERE (CAST(?1 AS TEXT) IS NULL OR state = ?1) AND (updated_at < ?2 OR (updated_at = ?2 AND id < ?3) OR ?3 = '')
+             ORDER BY updated_at DESC, id DESC LIMIT ?4"
+        ))?;
+        let rows = st.query_map(params![state, b_at, b_id, limit], OperationRow::from_row)?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// Every operation id (for the integrity audit).
+    pub fn all_operations(&self) -> R<Vec<OperationRow>> {
+        let mut st = self.conn.prepare_cached(&format!("SELECT {OP_COLS} FROM operations ORDER BY created_at, id"))?;
+        let rows = st.query_map((), OperationRow::from_row)?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// The operations under the same key string in other scopes (index
+    /// `operations_key`): a new intent looks here for its own row when a hand
+    /// edit moved that row out of its scope (tenant, subject or tool changed).
+    pub fn operations_sharing_key(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Vec<OperationRow>> {
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT {OP_COLS} FROM operations
+             WHERE idem_key = ?1 AND NOT (tenant = ?2 AND subject = ?3 AND tool = ?4) LIMIT 64"
+        ))?;
+        let rows = st.query_map(params![key, tenant, subject, tool], OperationRow::from_row)?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// Operation counts per state.
+    pub fn count_operations_by_state(&self) -> R<Vec<(String, i64)>> {
+        let mut st =
+            // Kept by triggers (migration 0003): constant time on any ledger size.
+            self.conn.prepare_cached("SELECT state, n FROM state_counts WHERE n > 0 ORDER BY state")?;
+        let rows = st.query_map((), |r| Ok((r.get(0)?, r.get(1)?)))?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// Terminal operations whose retention has passed (counted from the moment
+    /// they became terminal) and that no person acted on (no audit-log entry,
+    /// no approval): the only ones a purge may take. Oldest first, at most `limit`.
+    pub fn purgeable_operations(&self, now: i64, limit: i64) -> R<Vec<OperationRow>> {
+        let by_a_person = self.by_a_person();
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT {OP_COLS} FROM operations o
+             WHERE o.terminal_at IS NOT NULL AND o.expires_at <= ?1
+               AND o.state IN ('succeeded', 'failed', 'resolved')
+               AND o.approval_id IS NULL
+               AND NOT EXISTS (SELECT 1 FROM audit_log a WHERE a.operation_id = o.id AND {by_a_person})
+             ORDER BY o.expires_at, o.id LIMIT ?2"
+        ))?;
+        let rows = st.query_map(params![now, limit], OperationRow::from_row)?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// Terminal operations past their retention that are kept because a person
+    /// acted on them (they stay as long as their audit entries, which are never deleted).
+    pub fn count_kept_for_audit(&self, now: i64) -> R<i64> {
+        let by_a_person = self.by_a_person();
+        self.conn
+            .prepare_cached(&format!(
+                "SELECT count(*) FROM operations o
+                 WHERE o.terminal_at IS NOT NULL AND o.expires_at <= ?1
+                   AND (o.approval_id IS NOT NULL
+                        OR EXISTS (SELECT 1 FROM audit_log a WHERE a.operation_id = o.id AND {by_a_person}))"
+            ))?
+            .query_row([now], |r| r.get(0))
+    }
+
+    /// Purges one operation: writes its tombstone, then deletes its attempts,
+    /// outbox row, receipts, call-identity bindings and the row itself. Returns
+    /// false (and changes nothing) when the row is gone or no longer purgeable.
+    #[must_use = "a purge may find the row no longer purgeable"]
+    pub fn purge_operation(&self, t: &TombstoneRow) -> R<bool> {
+        let still: bool = self
+            .conn
+            .prepare_cached(
+                "SELECT count(*) FROM operations WHERE id = ?1 AND terminal_at IS NOT NULL AND expires_at <= ?2
+                   AND state IN ('succeeded', 'failed', 'resolved')",
+            )?
+            .query_row(params![t.operation_id, t.purged_at], |r| r.get::<i64>(0))?
+            == 1;
+        if !still {
+            return Ok(false);
+        }
+        self.conn
+            .prepare_cached(&format!(
+                "INSERT INTO purged_operations ({TOMBSTONE_COLS}) VALUES ({})",
+                placeholders(TombstoneRow::WIDTH)
+            ))?
+            .execute(t.params().as_slice())?;
+        for table in ["attempts", "outbox", "receipts", "call_identities"] {
+            self.conn
+                .prepare_cached(&format!("DELETE FROM {table} WHERE operation_id = ?1"))?
+                .execute([&t.operation_id])?;
+        }
+        self.conn.prepare_cached("DELETE FROM operations WHERE id = ?1")?.execute([&t.operation_id])?;
+        Ok(true)
+    }
+
+    /// The tombstone of a purged operation.
+    pub fn tombstone(&self, operation_id: &str) -> R<Option<TombstoneRow>> {
+        self.conn
+            .prepare_cached(&format!("SELECT {TOMBSTONE_COLS} FROM purged_operations WHERE operation_id = ?1"))?
+            .query_opt([operation_id], TombstoneRow::from_row)
+    }
+
+    /// The newest tombstone of a scope, if its operation was purged.
+    pub fn tombstone_by_scope(&self, scope_sha256: &str) -> R<Option<TombstoneRow>> {
+        self.conn
+            .prepare_cached(&format!(
+                "SELECT {TOMBSTONE_COLS} FROM purged_operations WHERE scope_sha256 = ?1 ORDER BY purged_at DESC LIMIT 1"
+            ))?
+            .query_opt([scope_sha256], TombstoneRow::from_row)
+    }
+
+    // --------------------------------------------------------------- outbox
+
+    /// Inserts the outbox row of a newly accepted operation.
+    pub fn insert_outbox(&self, operation_id: &str, max_attempts: i64, available_at: i64) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO outbox (operation_id, state, attempt, max_attempts, available_at) VALUES (?1, 'pending', 0, ?2, ?3)",
+            )?
+            .execute(params![operation_id, max_attempts, available_at])?;
+        Ok(())
+    }
+
+    /// An outbox row.
+    pub fn outbox(&self, operation_id: &str) -> R<Option<OutboxRow>> {
+        self.conn
+            .prepare_cached(&format!("SELECT {OUTBOX_COLS} FROM outbox WHERE operation_id = ?1"))?
+            .query_opt([operation_id], OutboxRow::from_row)
+    }
+
+    /// The outbox row a claim is about to take, locked for this transaction. On
+    /// PostgreSQL `FOR UPDATE SKIP LOCKED`: a row another host's claim holds
+    /// right now is not waited for; it reads as [`ForClaim::Busy`] and the
+    /// worker moves on (the queue pattern: claimers never queue behind each
+    /// other). On SQLite the write lock is already held: never busy.
+    pub fn outbox_for_claim(&self, operation_id: &str) -> R<ForClaim> {
+        if self.backend() == Backend::Postgres {
+            let locked = self
+                .conn
+                .prepare_cached(&format!(
+                    "SELECT {OUTBOX_COLS} FROM outbox WHERE operation_id = ?1 FOR UPDATE SKIP LOCKED"
+                ))?
+                .query_opt([operation_id], OutboxRow::from_row)?;
+            if let Some(row) = locked {
+                return Ok(ForClaim::Row(row));
+            }
+        }
+        Ok(match self.outbox(operation_id)? {
+            Some(_) if self.backend() == Backend::Postgres => ForClaim::Busy,
+            Some(row) => ForClaim::Row(row),
+            None => ForClaim::Missing,
+        })
+    }
+
+    /// Claims a pending, due outbox row with a lease; bumps the attempt. Returns the
+    /// new attempt number, or `None` when someone else holds it or it is not due.
+    #[must_use = "a claim may lose to another worker"]
+    pub fn claim(&self, operation_id: &str, owner: &str, now: i64, lease_until: i64) -> R<Option<i64>> {
+        let attempt: Option<i64> = self
+            .conn
+            .prepare_cached(
+                "UPDATE outbox SET state = 'leased', attempt = attempt + 1, lease_owner = ?2, lease_until = ?4
+                 WHERE operation_id = ?1 AND state = 'pending' AND available_at <= ?3
+                 RETURNING attempt",
+            )?
+            .query_opt(params![operation_id, owner, now, lease_until], |r| r.get(0))?;
+        if let Some(a) = attempt {
+            self.conn
+                .prepare_cached(
+                    "INSERT INTO attempts (operation_id, attempt, owner, claimed_at) VALUES (?1, ?2, ?3, ?4)",
+                )?
+                .execute(params![operation_id, a, owner, now])?;
+        }
+        Ok(attempt)
+    }
+
+    /// Whether (owner, attempt) still holds the lease: the fence for every write a
+    /// worker makes about its attempt.
+    #[must_use = "the fence decides whether the worker may write"]
+    pub fn holds_lease(&self, operation_id: &str, owner: &str, attempt: i64) -> R<bool> {
+        Ok(self
+            .conn
+            .prepare_cached(
+                "SELECT 1 FROM outbox WHERE operation_id = ?1 AND state = 'leased' AND lease_owner = ?2 AND attempt = ?3",
+            )?
+            .query_opt(params![operation_id, owner, attempt], |_| Ok(()))?
+            .is_some())
+    }
+
+    /// The sent-marker, fenced on (owner, attempt). Returns false when the fence fails.
+    #[must_use = "the fence decides whether the attempt may be sent"]
+    pub fn mark_sent(&self, operation_id: &str, owner: &str, attempt: i64, now: i64) -> R<bool> {
+        if !self.holds_lease(operation_id, owner, attempt)? {
+            return Ok(false);
+        }
+        let n = self
+            .conn
+            .prepare_cached(
+                "UPDATE attempts SET sent_at = ?3 WHERE operation_id = ?1 AND attempt = ?2 AND sent_at IS NULL AND owner = ?4",
+            )?
+            .execute(params![operation_id, attempt, now, owner])?;
+        Ok(n == 1)
+    }
+
+    /// Puts an outbox row back to pending, due at `available_at`.
+    pub fn release_outbox(&self, operation_id: &str, available_at: i64, last_code: Option<&str>) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "UPDATE outbox SET state = 'pending', lease_owner = NULL, lease_until = NULL, available_at = ?2,
+                   last_code = coalesce(?3, last_code) WHERE operation_id = ?1",
+            )?
+            .execute(params![operation_id, available_at, last_code])?;
+        Ok(())
+    }
+
+    /// Ends an outbox row: `done` (terminal) or `parked` (unknown: waits for a query or a human).
+    pub fn close_outbox(&self, operation_id: &str, state: OutboxState, last_code: Option<&str>) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "UPDATE outbox SET state = ?2, lease_owner = NULL, lease_until = NULL, last_code = coalesce(?3, last_code)
+                 WHERE operation_id = ?1",
+            )?
+            .execute(params![operation_id, state, last_code])?;
+        Ok(())
+    }
+
+    /// Records how an attempt ended.
+    pub fn finish_attempt(
+        &self,
+        operation_id: &str,
+        attempt: i64,
+        outcome: AttemptOutcome,
+        code: Option<&str>,
+        now: i64,
+    ) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "UPDATE attempts SET outcome = ?3, code = ?4, finished_at = ?5 WHERE operation_id = ?1 AND attempt = ?2",
+            )?
+            .execute(params![operation_id, attempt, outcome, code, now])?;
+        Ok(())
+    }
+
+    /// All attempts of an operation, in order.
+    pub fn attempts(&self, operation_id: &str) -> R<Vec<AttemptRow>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT operation_id, attempt, owner, claimed_at, sent_at, finished_at, outcome, code
+             FROM attempts WHERE operation_id = ?1 ORDER BY attempt",
+        )?;
+        let rows = st.query_map([operation_id], |r| {
+            Ok(AttemptRow {
+                operation_id: r.get(0)?,
+                attempt: r.get(1)?,
+                owner: r.get(2)?,
+                claimed_at: r.get(3)?,
+                sent_at: r.get(4)?,
+                finished_at: r.get(5)?,
+                outcome: r.get(6)?,
+                code: r.get(7)?,
+            })
+        })?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// Due pending outbox rows whose operation deadline has not passed.
+    pub fn ready_outbox(&self, now: i64, limit: i64) -> R<Vec<String>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT o.operation_id FROM outbox o JOIN operations p ON p.id = o.operation_id
+             WHERE o.state = 'pending' AND o.available_at <= ?1 AND p.deadline_at > ?1
+             ORDER BY o.available_at, o.operation_id LIMIT ?2",
+        )?;
+        let rows = st.query_map(params![now, limit], |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// Leases that have expired (`lease_until <= now`).
+    pub fn expired_leases(&self, now: i64) -> R<Vec<OutboxRow>> {
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT {OUTBOX_COLS} FROM outbox WHERE state = 'leased' AND lease_until <= ?1"
+        ))?;
+        let rows = st.query_map([now], OutboxRow::from_row)?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// Operations re-queued after a possibly-sent attempt (`in_flight` with a
+    /// pending outbox row) whose deadline has passed: no worker will pick them up.
+    pub fn overdue_in_flight(&self, now: i64) -> R<Vec<String>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT o.operation_id FROM outbox o JOIN operations p ON p.id = o.operation_id
+             WHERE o.state = 'pending' AND p.state = 'in_flight' AND p.deadline_at <= ?1
+             ORDER BY o.operation_id",
+        )?;
+        let rows = st.query_map([now], |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// Outbox counts per state.
+    pub fn count_outbox_by_state(&self) -> R<Vec<(String, i64)>> {
+        let mut st = self.conn.prepare_cached("SELECT state, count(*) FROM outbox GROUP BY state ORDER BY state")?;
+        let rows = st.query_map((), |r| Ok((r.get(0)?, r.get(1)?)))?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    // ------------------------------------------------------------- receipts
+
+    /// Records a receipt the ledger has seen.
+    pub fn insert_receipt(&self, r: &ReceiptRow) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO receipts (receipt_id, operation_id, request_id, body_sha256, result_sha256, source, recorded_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT (receipt_id) DO NOTHING",
+            )?
+            .execute(params![r.receipt_id, r.operation_id, r.request_id, r.body_sha256, r.result_sha256, r.source, r.recorded_at])?;
+        Ok(())
+    }
+
+    /// Receipts whose operation does not exist or does not name them.
+    pub fn orphan_receipts(&self) -> R<Vec<String>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT r.receipt_id FROM receipts r LEFT JOIN operations o ON o.id = r.operation_id
+             WHERE o.id IS NULL OR o.receipt_id IS DISTINCT FROM r.receipt_id ORDER BY r.receipt_id",
+        )?;
+        let rows = st.query_map((), |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()
+    }
+}

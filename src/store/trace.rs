@@ -1,0 +1,67 @@
+//! Typed queries: Trace events (their rollups are kept by triggers in the same transaction).
+
+use super::{params, Backend, TraceRow, Tx, R, TRACE_COLS};
+
+impl Tx<'_> {
+    // ---------------------------------------------------------------- trace
+
+    /// Appends a trace event.
+    pub fn insert_trace(&self, e: &TraceRow) -> R<()> {
+        // The trace's sequence has no gaps (a gap is a deleted event, which the
+        // audit reports). SQLite's rowid never leaves one; a PostgreSQL
+        // sequence does on every rolled-back insert, so there the number is the
+        // next one under the transaction's serializable snapshot.
+        let sql = match self.backend() {
+            Backend::Sqlite => {
+                "INSERT INTO trace_events (at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us, fields,
+                   answer, latency_us, tenant_ref, tool_version, timeout_stage, reason, latency_bucket_us)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)"
+            }
+            Backend::Postgres => {
+                "INSERT INTO trace_events (seq, at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us, fields,
+                   answer, latency_us, tenant_ref, tool_version, timeout_stage, reason, latency_bucket_us)
+                 SELECT coalesce(max(seq), 0) + 1, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17
+                 FROM trace_events"
+            }
+        };
+        self.conn.prepare_cached(sql)?.execute(params![
+            e.at,
+            e.operation_id,
+            e.step,
+            e.tool,
+            e.code,
+            e.outcome,
+            e.delivery,
+            e.attempt,
+            e.duration_us,
+            e.fields,
+            e.answer,
+            e.latency_us,
+            e.tenant_ref,
+            e.tool_version,
+            e.timeout_stage,
+            e.reason,
+            // The one rounding rule of the latency rollups (migration 0006).
+            e.latency_us.map(crate::telemetry::histogram::bucket_upper)
+        ])?;
+        Ok(())
+    }
+
+    /// The trace of one operation.
+    pub fn trace_for(&self, operation_id: &str) -> R<Vec<TraceRow>> {
+        let mut st = self
+            .conn
+            .prepare_cached(&format!("SELECT {TRACE_COLS} FROM trace_events WHERE operation_id = ?1 ORDER BY seq"))?;
+        let rows = st.query_map([operation_id], TraceRow::from_row)?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// Trace events with seq > `after`, in order.
+    pub fn trace_since(&self, after_seq: i64, since_at: i64, limit: i64) -> R<Vec<TraceRow>> {
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT {TRACE_COLS} FROM trace_events WHERE seq > ?1 AND at >= ?2 ORDER BY seq LIMIT ?3"
+        ))?;
+        let rows = st.query_map(params![after_seq, since_at, limit], TraceRow::from_row)?;
+        rows.collect::<Result<_, _>>()
+    }
+}

@@ -1,0 +1,170 @@
+//! Typed queries: World and grants (tenants, subjects, approvers, grants, the demo world's orders) and the ledger's meta rows.
+
+use super::{params, OrderRow, TenantRow, Tx, ORDER_COLS, R};
+
+impl Tx<'_> {
+    // ---------------------------------------------------------------- meta
+
+    /// A meta value.
+    pub fn meta(&self, key: &str) -> R<Option<String>> {
+        self.conn.prepare_cached("SELECT value FROM meta WHERE key = ?1")?.query_opt([key], |r| r.get(0))
+    }
+
+    /// Sets a meta value if absent; returns the stored value.
+    pub fn meta_init(&self, key: &str, value: &str) -> R<String> {
+        self.conn
+            .prepare_cached("INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO NOTHING")?
+            .execute([key, value])?;
+        Ok(self.meta(key)?.unwrap_or_default())
+    }
+
+    /// Sets a meta value.
+    pub fn meta_set(&self, key: &str, value: &str) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            )?
+            .execute([key, value])?;
+        Ok(())
+    }
+
+    // --------------------------------------------------------------- world
+
+    /// Inserts a tenant.
+    pub fn insert_tenant(&self, id: &str, threshold: i64) -> R<()> {
+        self.conn
+            .prepare_cached("INSERT INTO tenants (id, approval_threshold_minor) VALUES (?1, ?2)")?
+            .execute(params![id, threshold])?;
+        Ok(())
+    }
+
+    /// Adds an approver to a tenant's allowlist.
+    pub fn insert_approver(&self, tenant: &str, approver: &str) -> R<()> {
+        self.conn
+            .prepare_cached("INSERT INTO approvers (tenant, approver) VALUES (?1, ?2)")?
+            .execute([tenant, approver])?;
+        Ok(())
+    }
+
+    /// Inserts a subject.
+    pub fn insert_subject(&self, id: &str, tenant: &str) -> R<()> {
+        self.conn.prepare_cached("INSERT INTO subjects (id, tenant) VALUES (?1, ?2)")?.execute([id, tenant])?;
+        Ok(())
+    }
+
+    /// Grants a tool (re-granting clears `revoked_at`). Returns whether anything changed.
+    pub fn grant(&self, tenant: &str, subject: &str, tool: &str, now: i64) -> R<bool> {
+        let n = self
+            .conn
+            .prepare_cached(
+                "INSERT INTO grants (tenant, subject, tool, granted_at) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (tenant, subject, tool) DO UPDATE SET granted_at = excluded.granted_at, revoked_at = NULL
+                 WHERE grants.revoked_at IS NOT NULL",
+            )?
+            .execute(params![tenant, subject, tool, now])?;
+        Ok(n > 0)
+    }
+
+    /// Revokes a grant. Returns whether an active grant was revoked.
+    pub fn revoke(&self, tenant: &str, subject: &str, tool: &str, now: i64) -> R<bool> {
+        let n = self
+            .conn
+            .prepare_cached(
+                "UPDATE grants SET revoked_at = ?4 WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND revoked_at IS NULL",
+            )?
+            .execute(params![tenant, subject, tool, now])?;
+        Ok(n > 0)
+    }
+
+    /// Inserts an order.
+    pub fn insert_order(&self, o: &OrderRow) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO orders (order_ref, tenant, owner, currency, captured_minor, refunded_minor, status, revision)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            )?
+            .execute(params![
+                o.order_ref,
+                o.tenant,
+                o.owner,
+                o.currency,
+                o.captured_minor,
+                o.refunded_minor,
+                o.status,
+                o.revision
+            ])?;
+        Ok(())
+    }
+
+    /// The tenant a subject acts for.
+    pub fn subject_tenant(&self, subject: &str) -> R<Option<String>> {
+        self.conn.prepare_cached("SELECT tenant FROM subjects WHERE id = ?1")?.query_opt([subject], |r| r.get(0))
+    }
+
+    /// Whether an unrevoked grant exists (read now, never cached).
+    pub fn grant_active(&self, tenant: &str, subject: &str, tool: &str) -> R<bool> {
+        Ok(self
+            .conn
+            .prepare_cached(
+                "SELECT 1 FROM grants g JOIN subjects s ON s.id = g.subject AND s.tenant = g.tenant
+                 WHERE g.tenant = ?1 AND g.subject = ?2 AND g.tool = ?3 AND g.revoked_at IS NULL",
+            )?
+            .query_opt([tenant, subject, tool], |_| Ok(()))?
+            .is_some())
+    }
+
+    /// A tenant.
+    pub fn tenant(&self, id: &str) -> R<Option<TenantRow>> {
+        self.conn
+            .prepare_cached("SELECT id, approval_threshold_minor, policy_revision FROM tenants WHERE id = ?1")?
+            .query_opt([id], |r| {
+                Ok(TenantRow { id: r.get(0)?, approval_threshold_minor: r.get(1)?, policy_revision: r.get(2)? })
+            })
+    }
+
+    /// Bumps a tenant's policy revision (invalidates pending approvals).
+    pub fn bump_policy_revision(&self, tenant: &str) -> R<bool> {
+        Ok(self
+            .conn
+            .prepare_cached("UPDATE tenants SET policy_revision = policy_revision + 1 WHERE id = ?1")?
+            .execute([tenant])?
+            > 0)
+    }
+
+    /// Whether `approver` is on the tenant's allowlist.
+    pub fn is_approver(&self, tenant: &str, approver: &str) -> R<bool> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT 1 FROM approvers WHERE tenant = ?1 AND approver = ?2")?
+            .query_opt([tenant, approver], |_| Ok(()))?
+            .is_some())
+    }
+
+    /// An order.
+    pub fn order(&self, order_ref: &str) -> R<Option<OrderRow>> {
+        self.conn
+            .prepare_cached(&format!("SELECT {ORDER_COLS} FROM orders WHERE order_ref = ?1"))?
+            .query_opt([order_ref], OrderRow::from_row)
+    }
+
+    /// All orders, in order_ref order.
+    pub fn orders(&self) -> R<Vec<OrderRow>> {
+        let mut st = self.conn.prepare_cached(&format!("SELECT {ORDER_COLS} FROM orders ORDER BY order_ref"))?;
+        let rows = st.query_map((), OrderRow::from_row)?;
+        rows.collect::<Result<_, _>>()
+    }
+
+    /// Applies a committed refund to an order.
+    pub fn apply_refund(&self, order_ref: &str, amount: i64) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "UPDATE orders SET refunded_minor = CASE WHEN refunded_minor + ?2 > captured_minor THEN captured_minor
+                                           ELSE refunded_minor + ?2 END,
+                   status = CASE WHEN refunded_minor + ?2 >= captured_minor THEN 'refunded' ELSE 'partially_refunded' END,
+                   revision = revision + 1
+                 WHERE order_ref = ?1",
+            )?
+            .execute(params![order_ref, amount])?;
+        Ok(())
+    }
+}
