@@ -51,6 +51,10 @@ struct LoopConfig {
     http: bool,
     /// Where the ledger lives.
     backend: Backend,
+    /// Each run starts two processes at once, a dispatcher (calls, approvals,
+    /// status queries) and a worker (reaper and outbox), each killed at a
+    /// moment of its own: several hosts' processes on one ledger.
+    split: bool,
 }
 
 /// What a loop saw, for the report and the assertions.
@@ -76,7 +80,7 @@ fn seed() -> u64 {
 }
 
 fn crash_loop_kill_at_random_keeps_every_invariant(backend: Backend) {
-    let cfg = LoopConfig { seed: seed(), kills: soak_kills(), defense_off: false, http: false, backend };
+    let cfg = LoopConfig { seed: seed(), kills: soak_kills(), defense_off: false, http: false, backend, split: false };
     eprintln!("crash loop: seed {} kills {}", cfg.seed, cfg.kills);
     let r = crash_loop(cfg);
     eprintln!("crash loop report (seed {}): {r:#?}", cfg.seed);
@@ -92,9 +96,30 @@ fn crash_loop_kill_at_random_keeps_every_invariant(backend: Backend) {
     assert!(r.tally.effects > 0, "the loop did nothing: {r:?}");
 }
 
+/// Dispatchers and workers in separate processes at once, each SIGKILLed at
+/// random (issue 16 §3: several hosts, simulated): 0 duplicates, nothing
+/// stranded, every invariant.
+fn crash_loop_with_dispatcher_and_worker_processes_at_once(backend: Backend) {
+    let kills = soak_kills().div_ceil(2).max(2);
+    let cfg = LoopConfig { seed: seed(), kills, defense_off: false, http: false, backend, split: true };
+    eprintln!("split crash loop: seed {} runs {}", cfg.seed, cfg.kills);
+    let r = crash_loop(cfg);
+    eprintln!("split crash loop report (seed {}): {r:#?}", cfg.seed);
+    assert!(
+        r.violations.is_empty(),
+        "split crash loop broke invariants; reproduce with TOOLGATE_SEED={} TOOLGATE_SOAK={}\n{}",
+        cfg.seed,
+        soak_kills(),
+        r.violations.join("\n")
+    );
+    assert_eq!(r.tally.duplicates, 0);
+    assert!(r.killed + r.self_crashed > 0, "the loop crashed nothing: {r:?}");
+    assert!(r.tally.effects > 0, "the loop did nothing: {r:?}");
+}
+
 /// The checker is proven: with one defense off, the same loop reports duplicates.
 fn crash_loop_control_with_a_defense_off_reports_duplicates(backend: Backend) {
-    let cfg = LoopConfig { seed: seed(), kills: 6, defense_off: true, http: false, backend };
+    let cfg = LoopConfig { seed: seed(), kills: 6, defense_off: true, http: false, backend, split: false };
     let r = crash_loop(cfg);
     eprintln!("control report (seed {}): {r:#?}", cfg.seed);
     assert!(r.tally.duplicates > 0, "seed {}: the defense-off control produced no duplicate: {r:#?}", cfg.seed);
@@ -116,6 +141,7 @@ fn crash_loop_over_http_keeps_every_invariant() {
         defense_off: false,
         http: true,
         backend: Backend::Sqlite,
+        split: false,
     };
     eprintln!("crash loop over http: seed {} kills {}", cfg.seed, cfg.kills);
     let r = crash_loop(cfg);
@@ -163,7 +189,12 @@ fn engine_at(path: &Path, clock: &ManualClock, worker: &str, defense_off: bool, 
 }
 
 fn spawn_child(path: &Path, cfg: LoopConfig, run: u32, base: i64, catalog: Option<&Path>) -> Child {
+    spawn_role(path, cfg, run, base, catalog, "mixed")
+}
+
+fn spawn_role(path: &Path, cfg: LoopConfig, run: u32, base: i64, catalog: Option<&Path>, role: &str) -> Child {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.env("TOOLGATE_CRASH_ROLE", role);
     if let Some(c) = catalog {
         cmd.env(CATALOG_ENV, c);
     }
@@ -210,22 +241,37 @@ fn crash_loop(cfg: LoopConfig) -> LoopReport {
         };
         let base = latest_instant(&path) + jump;
         let delay = if cfg.defense_off { rng.gen_range(150..600) } else { rng.gen_range(20..500) };
-        let mut child = spawn_child(&path, cfg, run, base, catalog.as_deref());
-        std::thread::sleep(Duration::from_millis(delay));
-        let _ = child.kill();
-        let out = child.wait_with_output().unwrap();
-        use std::os::unix::process::ExitStatusExt;
-        match (out.status.code(), out.status.signal()) {
-            (Some(0), _) => report.finished += 1,
-            (_, Some(9)) => report.killed += 1,
-            // SIGABRT: the child's own crash_after_commit fault.
-            (_, Some(6)) => report.self_crashed += 1,
-            _ => panic!(
-                "seed {}: child run {run} failed ({}):\n{}",
-                cfg.seed,
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            ),
+        let mut children = if cfg.split {
+            // Two processes at once, each killed at a moment of its own.
+            let worker_delay = rng.gen_range(20..500);
+            vec![
+                (spawn_role(&path, cfg, 2 * run, base, catalog.as_deref(), "dispatcher"), delay),
+                (spawn_role(&path, cfg, 2 * run + 1, base, catalog.as_deref(), "worker"), worker_delay),
+            ]
+        } else {
+            vec![(spawn_child(&path, cfg, run, base, catalog.as_deref()), delay)]
+        };
+        children.sort_by_key(|(_, d)| *d);
+        let started = std::time::Instant::now();
+        for (child, d) in &mut children {
+            std::thread::sleep(Duration::from_millis(*d).saturating_sub(started.elapsed()));
+            let _ = child.kill();
+        }
+        for (child, _) in children {
+            let out = child.wait_with_output().unwrap();
+            use std::os::unix::process::ExitStatusExt;
+            match (out.status.code(), out.status.signal()) {
+                (Some(0), _) => report.finished += 1,
+                (_, Some(9)) => report.killed += 1,
+                // SIGABRT: the child's own crash_after_commit fault.
+                (_, Some(6)) => report.self_crashed += 1,
+                _ => panic!(
+                    "seed {}: child run {run} failed ({}):\n{}",
+                    cfg.seed,
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                ),
+            }
         }
     }
     recover(&path, cfg, &mut report, catalog.as_deref());
@@ -325,9 +371,25 @@ fn child_main(path: &Path, seed: u64, run: u64, kills: u64, base: i64, defense_o
     let clock = ManualClock::new(base);
     let mut e = engine_at(path, &clock, &format!("crash-run-{run}"), defense_off, catalog);
     let mut rng = StdRng::seed_from_u64(seed ^ (run + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let role = std::env::var("TOOLGATE_CRASH_ROLE").unwrap_or_default();
+    if role == "worker" {
+        // A worker process only: the reaper and the outbox, until killed.
+        loop {
+            if clock.now_ms() > base + 40 * 60_000 {
+                return;
+            }
+            e.reap().unwrap();
+            e.work(4).unwrap();
+            clock.advance(rng.gen_range(1..400));
+            std::thread::sleep(Duration::from_millis(rng.gen_range(0..5)));
+        }
+    }
+    let dispatcher_only = role == "dispatcher";
     // A restarted worker process reaps and works first.
-    e.reap().unwrap();
-    e.work(50).unwrap();
+    if !dispatcher_only {
+        e.reap().unwrap();
+        e.work(50).unwrap();
+    }
     // Intent pools grow with the loop so that every intent is retried a few times.
     let refunds = 10 * kills + 20;
     let notifies = 4 * kills + 8;
@@ -368,6 +430,7 @@ fn child_main(path: &Path, seed: u64, run: u64, kills: u64, base: i64, defense_o
                     remember(&mut seen, &req, &env);
                 }
             }
+            70..=84 if dispatcher_only => clock.advance(rng.gen_range(1..400)),
             70..=79 => {
                 e.work(4).unwrap();
             }
@@ -595,6 +658,7 @@ fn a_refused_re_send_after_a_possibly_sent_attempt_is_not_a_definitive_failure()
 }
 
 crate::on_both_backends!(
+    crash_loop_with_dispatcher_and_worker_processes_at_once,
     crash_loop_kill_at_random_keeps_every_invariant,
     crash_loop_control_with_a_defense_off_reports_duplicates
 );
