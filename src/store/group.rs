@@ -58,6 +58,10 @@ pub(crate) struct Writer {
     /// Commits that waited for the disk (group commits and FULL commits of
     /// writers alone), all time: `toolgate bench` reports them per call.
     synced: AtomicU64,
+    /// Writers take turns (always on SQLite; on PostgreSQL unless
+    /// `TOOLGATE_PG_WRITER_QUEUE=off`, for measurements: its writers then
+    /// meet only the server's own locking and serializable conflicts).
+    queue: bool,
 }
 
 /// The shared connection and its open batch.
@@ -146,7 +150,9 @@ impl Writer {
     /// The writer of a SQLite file (`group`: its FULL writers share commits)
     /// or of a PostgreSQL database (`path` `None`).
     pub(crate) fn new(path: Option<PathBuf>, group: bool) -> Self {
+        let queue = path.is_some() || std::env::var("TOOLGATE_PG_WRITER_QUEUE").map_or(true, |v| v != "off");
         Self {
+            queue,
             path: path.filter(|_| group),
             state: Mutex::new(Group::default()),
             committed: Condvar::new(),
@@ -158,6 +164,11 @@ impl Writer {
     /// Whether FULL writers of this database share commits.
     pub(crate) fn groups(&self) -> bool {
         self.path.is_some()
+    }
+
+    /// Whether writers take turns on this database in this process.
+    pub(crate) fn queues(&self) -> bool {
+        self.queue
     }
 
     /// Commits that waited for the disk, all time, in this process.

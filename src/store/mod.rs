@@ -549,7 +549,7 @@ impl Store {
             return self.writer.write(f);
         }
         let writer = Arc::clone(&self.writer);
-        let _alone = writer.alone();
+        let _alone = writer.queues().then(|| writer.alone());
         let out = match &self.conn {
             Conn::Lite(conn) => lite_transaction(conn, &self.conn, true, f),
             Conn::Pg(pg) => pg::transaction(pg, &self.conn, mode, f),
