@@ -490,7 +490,34 @@ fn a_status_query_identity_is_bound_to_its_purpose_and_its_status_ref(backend: B
     assert_eq!(again.model_result.status, Status::Succeeded);
 }
 
+/// The neutral change token the console follows (SQLite's `data_version`,
+/// PostgreSQL's WAL position): another connection's commit moves it; on
+/// SQLite a read does not (PostgreSQL's position is the whole cluster's, so
+/// any activity there may move it too: a spurious refetch, never a missed
+/// one). And `TOOLGATE_DB` names the ledger where `--db` is not given.
+fn the_change_token_moves_with_another_connections_commit(backend: Backend) {
+    let f = Fixture::on(backend);
+    let mut watcher = f.engine();
+    let mut writer = f.engine();
+    let before = watcher.data_version().unwrap();
+    let _ = writer.counts().unwrap();
+    if backend == Backend::Sqlite {
+        assert_eq!(watcher.data_version().unwrap(), before, "a read moves nothing");
+    }
+    let env = writer.dispatch(&refund("change-token-0001", 100)).unwrap();
+    assert_eq!(env.model_result.status, Status::Succeeded);
+    assert_ne!(watcher.data_version().unwrap(), before, "another connection's commit moves it");
+    let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
+        .args(["ops", "list", "--json"])
+        .env("TOOLGATE_DB", f.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(env.protected_audit.operation_id.as_deref().unwrap()));
+}
+
 crate::on_both_backends!(
+    the_change_token_moves_with_another_connections_commit,
     a_failing_outbox_insert_rolls_back_the_operation,
     eight_workers_racing_one_outbox_row_make_one_effect,
     tampered_rows_are_refused_before_any_effect,
