@@ -600,7 +600,15 @@ async fn call_tool(
 ) -> Response {
     reply(
         async move {
-            let (tenant, subject) = subject_of(&app, &headers).await?;
+            // The token's shape first, with nothing read; a malformed or
+            // missing one is refused (and traced) by the engine as everywhere.
+            // A well-formed one is looked up in the same engine job as the
+            // call (one hop to an engine thread instead of two): after the
+            // body is read (bounded), before anything else happens.
+            let authorization = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes().to_vec());
+            if !crate::engine::tokens::well_formed(authorization.as_deref()) {
+                subject_of(&app, &headers).await?;
+            }
             let tool = path_param(tool)?;
             let project = projection_param(query.as_deref())?;
             let arguments = read_body(&headers, body, false).await?;
@@ -618,9 +626,9 @@ async fn call_tool(
             };
             let call = call_identity(&headers);
             let view = project.map(|project| View { project, call_id: call.call_id.clone(), tool: tool.clone() });
-            let req = DispatchRequest {
-                tenant,
-                subject,
+            let mut req = DispatchRequest {
+                tenant: String::new(),
+                subject: String::new(),
                 tool,
                 arguments: arguments.to_vec(),
                 idempotency_key: header_text(&headers, "idempotency-key"),
@@ -629,6 +637,11 @@ async fn call_tool(
                 deadline_ms,
             };
             let answered = on_engine(&app, move |e| {
+                match e.authenticate(authorization.as_deref())? {
+                    Ok(Principal::Subject { tenant, subject, .. }) => (req.tenant, req.subject) = (tenant, subject),
+                    Ok(Principal::Operator { .. }) => return Ok(Err(refuse(status::SUBJECT_TOKEN_REQUIRED))),
+                    Err(f) => return Ok(Err(unauthorized(f))),
+                }
                 if let Some(f) = faults {
                     e.set_faults(f);
                 }
@@ -639,11 +652,12 @@ async fn call_tool(
                     (Some(Code::OutcomeUnknown), Some(id)) => e.operation_state(id)?,
                     _ => None,
                 };
-                Ok::<_, EngineError>((env, state))
+                Ok::<_, EngineError>(Ok((env, state)))
             })
             .await?;
             match answered {
-                Ok((env, state)) => Ok(envelope_reply(&env, state, view.as_ref())),
+                Ok(Ok((env, state))) => Ok(envelope_reply(&env, state, view.as_ref())),
+                Ok(Err(refused)) => Err(refused),
                 Err(e) => Err(engine_failure(&e)),
             }
         }

@@ -161,6 +161,14 @@ fn bearer(header: Option<&[u8]>) -> Result<(&str, &str), AuthFailure> {
     parse_token(token.trim()).ok_or(AuthFailure::Malformed)
 }
 
+/// Whether an `Authorization` header holds a well-formed bearer token,
+/// without looking it up: the server checks the shape before it reads a
+/// body, and leaves the lookup (and any refusal's trace event) to
+/// [`Engine::authenticate`].
+pub fn well_formed(authorization: Option<&[u8]>) -> bool {
+    bearer(authorization).is_ok()
+}
+
 impl Engine {
     /// Makes a bearer token for a subject or an operator. The token is in the
     /// answer only; the ledger keeps its public part and its secret's digest.
