@@ -203,7 +203,7 @@ pub fn serve_until(
 /// (approved calls), expired leases.
 fn work(mut engine: Engine, stop: &std::sync::mpsc::Receiver<()>) {
     loop {
-        if let Err(e) = engine.reap().and_then(|_| engine.work(64)) {
+        if let Err(e) = engine.reap().and_then(|_| engine.work_background(64)) {
             tracing::warn!(code = e.code(), "worker pass failed");
         }
         match stop.recv_timeout(WORK_INTERVAL) {

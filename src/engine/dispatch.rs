@@ -472,11 +472,28 @@ impl Engine {
 
     /// Runs every due outbox row (the worker loop's body). Returns how many ran.
     pub fn work(&mut self, limit: usize) -> Result<usize, EngineError> {
+        self.work_due(limit, 0)
+    }
+
+    /// [`Engine::work`] for a background worker beside dispatchers (`serve`,
+    /// the console, the load generator): it leaves a row alone until it has
+    /// been due for [`BACKGROUND_GRACE_MS`]. The dispatcher that accepted a
+    /// call runs it at once in the same call (and an in-call retry claims its
+    /// row the moment it falls due); a worker polling in between would take
+    /// it from under that caller, who would then be told "in flight" or
+    /// "replayed" about its own first call. Rows nobody runs (approved calls,
+    /// retries whose caller went away, rows re-queued by the reaper) are
+    /// picked up a moment later.
+    pub fn work_background(&mut self, limit: usize) -> Result<usize, EngineError> {
+        self.work_due(limit, BACKGROUND_GRACE_MS)
+    }
+
+    fn work_due(&mut self, limit: usize, grace_ms: i64) -> Result<usize, EngineError> {
         let contracts = self.contracts.clone();
         let mut ran = 0;
         while ran < limit {
             let now = self.clock.now_ms();
-            let ready = self.store.read(|tx| tx.ready_outbox(now, 16))?;
+            let ready = self.store.read(|tx| tx.ready_outbox(now, now.saturating_sub(grace_ms), 16))?;
             if ready.is_empty() {
                 break;
             }
@@ -929,6 +946,10 @@ fn approval_gate(
     env.protected_audit.approval_id = Some(approval.id);
     Ok(Some(Decision::Answer(env, ev.clone())))
 }
+
+/// How long a background worker leaves a due outbox row to the caller that
+/// is about to run it ([`Engine::work_background`]).
+pub const BACKGROUND_GRACE_MS: i64 = 1_000;
 
 /// Who waits for a run of the outbox row: for the envelope and the trace.
 struct Caller<'a> {

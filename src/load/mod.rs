@@ -758,7 +758,7 @@ fn spawn_worker(shared: &Arc<Shared>) -> Result<Option<std::thread::JoinHandle<R
                 fault_bp = Some(bp);
             }
             engine.reap()?;
-            engine.work(256)?;
+            engine.work_background(256)?;
             std::thread::sleep(Duration::from_millis(interval));
         }
         Ok(())

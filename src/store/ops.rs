@@ -415,14 +415,15 @@ impl Tx<'_> {
         rows.collect::<Result<_, _>>()
     }
 
-    /// Due pending outbox rows whose operation deadline has not passed.
-    pub fn ready_outbox(&self, now: i64, limit: i64) -> R<Vec<String>> {
+    /// Pending outbox rows due by `due_by` whose operation deadline has not
+    /// passed at `now`.
+    pub fn ready_outbox(&self, now: i64, due_by: i64, limit: i64) -> R<Vec<String>> {
         let mut st = self.conn.prepare_cached(
             "SELECT o.operation_id FROM outbox o JOIN operations p ON p.id = o.operation_id
-             WHERE o.state = 'pending' AND o.available_at <= ?1 AND p.deadline_at > ?1
+             WHERE o.state = 'pending' AND o.available_at <= ?3 AND p.deadline_at > ?1
              ORDER BY o.available_at, o.operation_id LIMIT ?2",
         )?;
-        let rows = st.query_map(params![now, limit], |r| r.get(0))?;
+        let rows = st.query_map(params![now, limit, due_by], |r| r.get(0))?;
         rows.collect::<Result<_, _>>()
     }
 
