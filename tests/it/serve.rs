@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 use crate::support::{refund_args, Backend, Fixture};
 
-fn bin() -> PathBuf {
+pub(crate) fn bin() -> PathBuf {
     assert_cmd::cargo::cargo_bin("toolgate")
 }
 
@@ -46,6 +46,13 @@ impl Server {
     /// The child's process id.
     pub(crate) fn pid(&self) -> u32 {
         self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// SIGKILL (unless it is already dead: a fault may abort it), then the exit status.
+    pub(crate) fn kill(&mut self) -> ExitStatus {
+        let mut child = self.child.take().unwrap();
+        let _ = child.kill();
+        child.wait().unwrap()
     }
 
     /// SIGTERM, then the exit status.
@@ -83,15 +90,15 @@ pub(crate) fn operator_token(db: &Path, name: &str) -> String {
 }
 
 /// One HTTP answer.
-#[derive(Debug)]
-struct Answer {
-    status: u16,
-    retry_after: Option<String>,
-    body: Value,
+#[derive(Debug, Clone)]
+pub(crate) struct Answer {
+    pub(crate) status: u16,
+    pub(crate) retry_after: Option<String>,
+    pub(crate) body: Value,
 }
 
 impl Answer {
-    fn code(&self) -> Option<&str> {
+    pub(crate) fn code(&self) -> Option<&str> {
         self.body["model_result"]["error"]["code"].as_str()
     }
     fn delivery(&self) -> &str {
@@ -120,13 +127,13 @@ impl Answer {
     }
 }
 
-struct Client {
+pub(crate) struct Client {
     agent: ureq::Agent,
     url: String,
 }
 
 impl Client {
-    fn new(server: &Server) -> Self {
+    pub(crate) fn new(server: &Server) -> Self {
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(Duration::from_secs(60)))
@@ -143,6 +150,19 @@ impl Client {
         headers: &[(&str, &str)],
         body: Option<&[u8]>,
     ) -> Answer {
+        self.try_send(method, path, token, headers, body).unwrap()
+    }
+
+    /// [`Client::send`], with a failed exchange (refused, reset, cut short) as
+    /// an error instead of a panic. Every answer that arrives must be JSON.
+    pub(crate) fn try_send(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+    ) -> Result<Answer, ureq::Error> {
         let url = format!("{}{path}", self.url);
         let auth = token.map(|t| format!("Bearer {t}"));
         let resp = if method == "GET" {
@@ -164,25 +184,37 @@ impl Client {
             }
             r.send(body.unwrap_or(b""))
         };
-        let mut resp = resp.unwrap();
+        let mut resp = resp?;
         let status = resp.status().as_u16();
         let retry_after = resp.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
-        let text = resp.body_mut().read_to_string().unwrap();
+        let text = resp.body_mut().read_to_string()?;
         let body = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON ({status}): {text}"));
-        Answer { status, retry_after, body }
+        Ok(Answer { status, retry_after, body })
     }
 
     /// `POST /v1/tools/{tool}/calls` with a JSON body and an optional key.
     fn call(&self, token: &str, tool: &str, key: Option<&str>, args: &str, extra: &[(&str, &str)]) -> Answer {
+        self.try_call(token, tool, key, args, extra).unwrap()
+    }
+
+    /// [`Client::call`], a failed exchange as an error.
+    pub(crate) fn try_call(
+        &self,
+        token: &str,
+        tool: &str,
+        key: Option<&str>,
+        args: &str,
+        extra: &[(&str, &str)],
+    ) -> Result<Answer, ureq::Error> {
         let mut h = vec![("content-type", "application/json")];
         if let Some(k) = key {
             h.push(("idempotency-key", k));
         }
         h.extend_from_slice(extra);
-        self.send("POST", &format!("/v1/tools/{tool}/calls"), Some(token), &h, Some(args.as_bytes()))
+        self.try_send("POST", &format!("/v1/tools/{tool}/calls"), Some(token), &h, Some(args.as_bytes()))
     }
 
-    fn post_json(&self, token: &str, path: &str, body: &Value) -> Answer {
+    pub(crate) fn post_json(&self, token: &str, path: &str, body: &Value) -> Answer {
         let text = body.to_string();
         self.send("POST", path, Some(token), &[("content-type", "application/json")], Some(text.as_bytes()))
     }
