@@ -34,6 +34,8 @@ use toolgate::store::Sync;
 use crate::invariants::{check, Expect, Tally};
 use crate::support::{Backend, PgDb, RawDb, T0};
 
+mod api;
+
 /// The child's entry point: a no-op unless the parent set this variable.
 const CHILD_ENV: &str = "TOOLGATE_CRASH_CHILD";
 /// The catalog of an HTTP loop's child.

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 use crate::support::{refund_args, Backend, Fixture};
 
-fn bin() -> PathBuf {
+pub(crate) fn bin() -> PathBuf {
     assert_cmd::cargo::cargo_bin("toolgate")
 }
 
@@ -46,6 +46,13 @@ impl Server {
     /// The child's process id.
     pub(crate) fn pid(&self) -> u32 {
         self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// SIGKILL (unless it is already dead: a fault may abort it), then the exit status.
+    pub(crate) fn kill(&mut self) -> ExitStatus {
+        let mut child = self.child.take().unwrap();
+        let _ = child.kill();
+        child.wait().unwrap()
     }
 
     /// SIGTERM, then the exit status.
@@ -83,15 +90,15 @@ pub(crate) fn operator_token(db: &Path, name: &str) -> String {
 }
 
 /// One HTTP answer.
-#[derive(Debug)]
-struct Answer {
-    status: u16,
-    retry_after: Option<String>,
-    body: Value,
+#[derive(Debug, Clone)]
+pub(crate) struct Answer {
+    pub(crate) status: u16,
+    pub(crate) retry_after: Option<String>,
+    pub(crate) body: Value,
 }
 
 impl Answer {
-    fn code(&self) -> Option<&str> {
+    pub(crate) fn code(&self) -> Option<&str> {
         self.body["model_result"]["error"]["code"].as_str()
     }
     fn delivery(&self) -> &str {
@@ -106,15 +113,27 @@ impl Answer {
     fn operation_id(&self) -> &str {
         self.body["protected_audit"]["operation_id"].as_str().unwrap()
     }
+    fn outcome(&self) -> &str {
+        self.body["model_result"]["execution"]["outcome"].as_str().unwrap_or("?")
+    }
+    fn approval_id(&self) -> &str {
+        self.body["protected_audit"]["approval_id"].as_str().unwrap()
+    }
+    fn retry_after_ms(&self) -> Option<u64> {
+        self.body["model_result"]["error"]["retry_after_ms"].as_u64()
+    }
+    fn refund_id(&self) -> &str {
+        self.body["model_result"]["data"]["refund_id"].as_str().unwrap()
+    }
 }
 
-struct Client {
+pub(crate) struct Client {
     agent: ureq::Agent,
     url: String,
 }
 
 impl Client {
-    fn new(server: &Server) -> Self {
+    pub(crate) fn new(server: &Server) -> Self {
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(Duration::from_secs(60)))
@@ -131,6 +150,19 @@ impl Client {
         headers: &[(&str, &str)],
         body: Option<&[u8]>,
     ) -> Answer {
+        self.try_send(method, path, token, headers, body).unwrap()
+    }
+
+    /// [`Client::send`], with a failed exchange (refused, reset, cut short) as
+    /// an error instead of a panic. Every answer that arrives must be JSON.
+    pub(crate) fn try_send(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+    ) -> Result<Answer, ureq::Error> {
         let url = format!("{}{path}", self.url);
         let auth = token.map(|t| format!("Bearer {t}"));
         let resp = if method == "GET" {
@@ -152,25 +184,37 @@ impl Client {
             }
             r.send(body.unwrap_or(b""))
         };
-        let mut resp = resp.unwrap();
+        let mut resp = resp?;
         let status = resp.status().as_u16();
         let retry_after = resp.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
-        let text = resp.body_mut().read_to_string().unwrap();
+        let text = resp.body_mut().read_to_string()?;
         let body = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON ({status}): {text}"));
-        Answer { status, retry_after, body }
+        Ok(Answer { status, retry_after, body })
     }
 
     /// `POST /v1/tools/{tool}/calls` with a JSON body and an optional key.
     fn call(&self, token: &str, tool: &str, key: Option<&str>, args: &str, extra: &[(&str, &str)]) -> Answer {
+        self.try_call(token, tool, key, args, extra).unwrap()
+    }
+
+    /// [`Client::call`], a failed exchange as an error.
+    pub(crate) fn try_call(
+        &self,
+        token: &str,
+        tool: &str,
+        key: Option<&str>,
+        args: &str,
+        extra: &[(&str, &str)],
+    ) -> Result<Answer, ureq::Error> {
         let mut h = vec![("content-type", "application/json")];
         if let Some(k) = key {
             h.push(("idempotency-key", k));
         }
         h.extend_from_slice(extra);
-        self.send("POST", &format!("/v1/tools/{tool}/calls"), Some(token), &h, Some(args.as_bytes()))
+        self.try_send("POST", &format!("/v1/tools/{tool}/calls"), Some(token), &h, Some(args.as_bytes()))
     }
 
-    fn post_json(&self, token: &str, path: &str, body: &Value) -> Answer {
+    pub(crate) fn post_json(&self, token: &str, path: &str, body: &Value) -> Answer {
         let text = body.to_string();
         self.send("POST", path, Some(token), &[("content-type", "application/json")], Some(text.as_bytes()))
     }
@@ -636,6 +680,379 @@ impl Server {
     }
 }
 
+/// Provider effects of one intent of agent_ana's (`create_refund` under `key`).
+fn effects_of(f: &Fixture, key: &str) -> i64 {
+    let intent = crate::invariants::intent("acme", "agent_ana", "create_refund", key);
+    f.query_i64(&format!("SELECT count(*) FROM provider_effects WHERE intent = '{intent}'"))
+}
+
+fn duplicates(f: &Fixture) -> i64 {
+    f.engine().counts().unwrap().side_effect_duplicates
+}
+
+/// The answers an API call may get when the server's own outbox worker
+/// claims its operation first (the race described at
+/// `two_hundred_concurrent_dispatches_each_run_exactly_once`): still in
+/// flight (409), unknown (504), or the worker's success as a replay.
+fn raced_or_fresh(a: &Answer) -> bool {
+    matches!(
+        (a.status, a.code(), a.delivery()),
+        (200, None, "fresh" | "local_replay") | (409 | 504, Some("OUTCOME_UNKNOWN"), _)
+    )
+}
+
+/// Follows an answer the way its envelope says until it settles: 409 in
+/// flight → wait Retry-After and retry the intent with the same key; 504
+/// unknown → a status query. Any other answer is returned as it is.
+fn settle(c: &Client, token: &str, key: &str, args: &str, first: Answer) -> Answer {
+    let mut a = first;
+    for _ in 0..60 {
+        match (a.status, a.code()) {
+            (409, Some("OUTCOME_UNKNOWN")) => {
+                let secs = a.retry_after.as_deref().and_then(|s| s.parse::<u64>().ok());
+                let secs = secs.unwrap_or_else(|| panic!("409 without Retry-After: {:#}", a.body));
+                std::thread::sleep(Duration::from_secs(secs.max(1)));
+                a = c.call(token, "create_refund", Some(key), args, &[]);
+            }
+            (504, Some("OUTCOME_UNKNOWN")) => {
+                let q = json!({"status_ref": a.status_ref(), "expected_request_sha256": a.request_sha256()});
+                return c.post_json(token, "/v1/status-queries", &q);
+            }
+            _ => return a,
+        }
+    }
+    a
+}
+
+/// Scenario 5 of docs/design.md §13 through the API: a refund above acme's
+/// threshold is held as an approval request (202); refusals by operators who
+/// may not decide it run nothing; a denial is final for the intent; an allowed
+/// operator's approval runs the held call once, and a replay needs no new
+/// approval. The expiry boundary itself needs the clock moved 15 minutes
+/// (`APPROVAL_TTL_MS` is fixed and the server runs on the system clock), so
+/// it is proven in-process by the scenario script (tests/it/scenarios.rs);
+/// here the API shows the expiry it will apply.
+fn scenario_5_approvals_through_the_api(backend: Backend) {
+    let f = Fixture::on(backend);
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let alice_agent = agent_token(f.path(), "acme", "alice");
+    let alice = operator_token(f.path(), "alice");
+    let bob = operator_token(f.path(), "bob");
+    let mallory = operator_token(f.path(), "mallory");
+    let server = Server::start(f.path(), &[]);
+    let c = Client::new(&server);
+    let approve = |op: &str, id: &str| c.post_json(op, &format!("/v1/approvals/{id}/approve"), &json!({}));
+    let deny = |op: &str, id: &str| c.post_json(op, &format!("/v1/approvals/{id}/deny"), &json!({"note": "voucher"}));
+    let invalid = |a: &Answer, why: &str| {
+        assert_eq!(
+            (a.status, a.code(), a.outcome()),
+            (403, Some("APPROVAL_INVALID"), "not_started"),
+            "{why}: {:#}",
+            a.body
+        );
+        assert_eq!(a.body["model_result"]["data"], Value::Null, "{why}");
+    };
+
+    // 600 EUR is above acme's 500 EUR threshold: held, nothing accepted.
+    let big = refund_args("ord_1002", 60_000);
+    let held = c.call(&ana, "create_refund", Some("refund-s5-api-1"), &big, &[]);
+    assert_eq!(
+        (held.status, held.code(), held.outcome()),
+        (202, Some("APPROVAL_REQUIRED"), "not_started"),
+        "{:#}",
+        held.body
+    );
+    let first = held.approval_id().to_string();
+    assert_eq!(f.query_i64("SELECT count(*) FROM operations"), 0);
+    // The operator's list shows it, with the 15-minute expiry the engine applies.
+    let list = c.send("GET", "/v1/approvals", Some(&alice), &[], None);
+    let row = list.body["pending"].as_array().unwrap().iter().find(|a| a["approval_id"] == first.as_str()).cloned();
+    let row = row.unwrap_or_else(|| panic!("{first} not listed: {:#}", list.body));
+    let left = row["expires_in_ms"].as_i64().unwrap();
+    // 15 minutes: the engine's fixed approval TTL.
+    assert!(left > 0 && left <= 15 * 60_000, "{row:#}");
+    assert_eq!(row["amount_minor"], 60_000);
+    // Asking again while it is pending: the same request, not a second one.
+    let again = c.call(&ana, "create_refund", Some("refund-s5-api-1"), &big, &[]);
+    assert_eq!((again.status, again.code(), again.approval_id()), (202, Some("APPROVAL_REQUIRED"), first.as_str()));
+    // An approval id that is not this call's is refused.
+    let wrong = c.call(&ana, "create_refund", Some("refund-s5-api-1"), &big, &[("toolgate-approval-id", "apr_nope")]);
+    invalid(&wrong, "a foreign approval id");
+
+    // Operators who may not decide it: not on acme's allowlist, or the requester itself.
+    invalid(&approve(&mallory, &first), "mallory is no approver");
+    let own = c.call(&alice_agent, "create_refund", Some("refund-s5-api-own"), &refund_args("ord_2002", 60_000), &[]);
+    assert_eq!((own.status, own.code()), (202, Some("APPROVAL_REQUIRED")), "{:#}", own.body);
+    invalid(&approve(&alice, own.approval_id()), "alice approving her own request");
+    assert_eq!(f.query_i64("SELECT count(*) FROM operations"), 0);
+    assert_eq!(effects(&f), 0);
+
+    // bob denies: final. The intent answers APPROVAL_INVALID with the same
+    // request (no new one is opened), and a later approval runs nothing.
+    let denied = deny(&bob, &first);
+    assert_eq!((denied.status, denied.body["applied"].as_bool()), (200, Some(true)), "{:#}", denied.body);
+    let after = c.call(&ana, "create_refund", Some("refund-s5-api-1"), &big, &[]);
+    invalid(&after, "the intent after the denial");
+    assert_eq!(after.approval_id(), first);
+    assert_eq!(after.body["model_result"]["error"]["detail"]["reason"], "denied");
+    invalid(&approve(&alice, &first), "approving a denied request");
+    assert_eq!(deny(&alice, &first).status, 409, "a decided request cannot be denied again");
+    assert_eq!(f.query_i64("SELECT count(*) FROM operations"), 0);
+    assert_eq!(effects_of(&f, "refund-s5-api-1"), 0);
+
+    // Another intent, approved by an allowed operator: the held call runs once.
+    let big2 = refund_args("ord_1002", 70_000);
+    let held2 = c.call(&ana, "create_refund", Some("refund-s5-api-2"), &big2, &[]);
+    assert_eq!((held2.status, held2.code()), (202, Some("APPROVAL_REQUIRED")));
+    assert_ne!(held2.approval_id(), first);
+    let ran = approve(&alice, held2.approval_id());
+    assert!(raced_or_fresh(&ran), "{:#}", ran.body);
+    let ran = settle(&c, &ana, "refund-s5-api-2", &big2, ran);
+    assert_eq!((ran.status, ran.code(), ran.outcome()), (200, None, "committed"), "{:#}", ran.body);
+    assert_eq!(ran.body["model_result"]["data"]["amount_minor"], 70_000);
+    let replay = c.call(&ana, "create_refund", Some("refund-s5-api-2"), &big2, &[]);
+    assert_eq!((replay.status, replay.delivery()), (200, "local_replay"), "a replay needs no new approval");
+    assert_eq!(replay.refund_id(), ran.refund_id());
+    invalid(&approve(&bob, held2.approval_id()), "approving twice");
+    assert_eq!(effects_of(&f, "refund-s5-api-2"), 1);
+
+    // bob approves alice's own request: it runs, once.
+    let theirs = approve(&bob, own.approval_id());
+    assert!(raced_or_fresh(&theirs), "{:#}", theirs.body);
+    let theirs = settle(&c, &alice_agent, "refund-s5-api-own", &refund_args("ord_2002", 60_000), theirs);
+    assert_eq!((theirs.status, theirs.code()), (200, None), "{:#}", theirs.body);
+    assert_eq!(effects(&f), 2);
+    assert_eq!(duplicates(&f), 0);
+    let ord = f.query_i64("SELECT refunded_minor FROM orders WHERE order_ref = 'ord_1002'");
+    assert_eq!(ord, 70_000, "only the approved intent refunded ord_1002");
+}
+
+/// Scenario 6 of docs/design.md §13 through the API: the grant is revoked
+/// (`toolgate revoke` on the ledger while the server runs) between a refund and
+/// its retry. The replay is POLICY_DENIED with no cached data and no
+/// status_ref, the status query is refused too, another subject holding the
+/// status_ref gets NOT_FOUND, and once the grant is back the record is intact.
+fn scenario_6_a_revoked_grant_hides_the_stored_result(backend: Backend) {
+    let f = Fixture::on(backend);
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let ben = agent_token(f.path(), "acme", "agent_ben");
+    let server = Server::start(f.path(), &[]);
+    let c = Client::new(&server);
+    let args = refund_args("ord_1001", 1000);
+    let grant = |what: &str| {
+        let out = Command::new(bin())
+            .arg("--db")
+            .arg(f.path())
+            .args([what, "--tenant", "acme", "--subject", "agent_ana", "--tool", "create_refund", "--json"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{what}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["changed"], true, "{what}: {v}");
+    };
+
+    let first = c.call(&ana, "create_refund", Some("refund-s6-api-1"), &args, &[]);
+    assert_eq!((first.status, first.delivery()), (200, "fresh"), "{:#}", first.body);
+    let query = json!({"status_ref": first.status_ref(), "expected_request_sha256": first.request_sha256()});
+
+    grant("revoke");
+    let denied = c.call(&ana, "create_refund", Some("refund-s6-api-1"), &args, &[("toolgate-call-id", "call_retry")]);
+    assert_eq!(
+        (denied.status, denied.code(), denied.outcome()),
+        (403, Some("POLICY_DENIED"), "not_started"),
+        "{:#}",
+        denied.body
+    );
+    assert_eq!(denied.body["model_result"]["data"], Value::Null, "no cached data");
+    assert_eq!(denied.body["protected_audit"]["downstream"]["status_ref"], Value::Null, "no status_ref");
+    assert!(!denied.body.to_string().contains(first.refund_id()), "the refund id leaked: {}", denied.body);
+    let q = c.post_json(&ana, "/v1/status-queries", &query);
+    assert_eq!((q.status, q.code()), (403, Some("POLICY_DENIED")), "{:#}", q.body);
+    assert_eq!(q.body["model_result"]["data"], Value::Null);
+    let op = c.send("GET", &format!("/v1/operations/{}", first.operation_id()), Some(&ana), &[], None);
+    assert_eq!((op.status, op.code()), (403, Some("POLICY_DENIED")), "{:#}", op.body);
+    assert!(!op.body.to_string().contains(first.refund_id()), "GET /v1/operations leaked the result: {:#}", op.body);
+    // A status_ref is not a bearer token: another subject learns nothing.
+    let other = c.post_json(&ben, "/v1/status-queries", &query);
+    assert_eq!((other.status, other.code()), (404, Some("NOT_FOUND")), "{:#}", other.body);
+    assert_eq!(other.body["model_result"]["data"], Value::Null);
+
+    grant("grant");
+    let back = c.call(&ana, "create_refund", Some("refund-s6-api-1"), &args, &[]);
+    assert_eq!((back.status, back.delivery()), (200, "local_replay"), "{:#}", back.body);
+    assert_eq!(back.refund_id(), first.refund_id());
+    assert_eq!(effects_of(&f, "refund-s6-api-1"), 1);
+    assert_eq!((effects(&f), duplicates(&f)), (1, 0));
+}
+
+/// Scenario 7 of docs/design.md §13 through the API, with the provider's 429
+/// asked for in `Toolgate-Fault` (a demo ledger). Within the deadline the
+/// engine waits out Retry-After and retries: one refund, two attempts. When
+/// Retry-After reaches past the caller's deadline (`Toolgate-Deadline-Ms`),
+/// the answer is HTTP 429 with Retry-After and `RATE_LIMIT` with
+/// `retry_after_ms`, nothing done; a retry before that time is told to wait,
+/// one after it runs once, and the next is a replay.
+fn scenario_7_rate_limited_through_the_api(backend: Backend) {
+    let f = Fixture::on(backend);
+    f.engine().mark_demo(crate::support::T0).unwrap();
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let server = Server::start(f.path(), &[]);
+    let c = Client::new(&server);
+    let attempts =
+        |a: &Answer| f.query_i64(&format!("SELECT count(*) FROM attempts WHERE operation_id = '{}'", a.operation_id()));
+
+    // Retry-After 1 s within the default 30 s deadline: retried inside the call.
+    let args1 = refund_args("ord_1001", 1000);
+    let within =
+        c.call(&ana, "create_refund", Some("refund-s7-api-1"), &args1, &[("toolgate-fault", "rate_limit(1000),ok")]);
+    // The retry falls due in the outbox while the call waits: the server's
+    // own worker may send it first (then the answer is the race's, settled).
+    assert!(raced_or_fresh(&within), "{:#}", within.body);
+    let within = settle(&c, &ana, "refund-s7-api-1", &args1, within);
+    assert_eq!((within.status, within.code(), within.outcome()), (200, None, "committed"), "{:#}", within.body);
+    assert_eq!(attempts(&within), 2);
+    assert_eq!(effects_of(&f, "refund-s7-api-1"), 1);
+
+    // Retry-After 5 s, deadline 2 s: the caller is told when to come back.
+    let args2 = refund_args("ord_1001", 500);
+    let deadline = ("toolgate-deadline-ms", "2000");
+    let limited = c.call(
+        &ana,
+        "create_refund",
+        Some("refund-s7-api-2"),
+        &args2,
+        &[deadline, ("toolgate-fault", "rate_limit(5000)")],
+    );
+    assert_eq!(
+        (limited.status, limited.code(), limited.outcome()),
+        (429, Some("RATE_LIMIT"), "not_started"),
+        "{:#}",
+        limited.body
+    );
+    assert_eq!(limited.body["model_result"]["error"]["retryable"], true);
+    assert_eq!(limited.retry_after_ms(), Some(5000), "{:#}", limited.body);
+    assert_eq!(limited.retry_after.as_deref(), Some("5"), "Retry-After in whole seconds, rounded up");
+    assert_eq!(effects_of(&f, "refund-s7-api-2"), 0);
+    let early = c.call(&ana, "create_refund", Some("refund-s7-api-2"), &args2, &[deadline]);
+    assert_eq!((early.status, early.code()), (429, Some("RATE_LIMIT")), "{:#}", early.body);
+    let wait = early.retry_after_ms().unwrap();
+    assert!(wait > 0 && wait <= 5000, "{wait}");
+    assert!(early.retry_after.as_deref().is_some_and(|s| s.parse::<u64>().is_ok_and(|s| (1..=5).contains(&s))));
+    assert_eq!((attempts(&early), effects_of(&f, "refund-s7-api-2")), (1, 0), "nothing was sent again");
+
+    // After Retry-After (the server's own worker leaves it: its deadline has
+    // passed, and only a new call refreshes it): runs once, then replays.
+    let mut answer = early;
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(answer.retry_after_ms().unwrap_or(0) + 50));
+        answer = c.call(&ana, "create_refund", Some("refund-s7-api-2"), &args2, &[deadline]);
+        if answer.status != 429 {
+            break;
+        }
+    }
+    assert_eq!((answer.status, answer.code(), answer.delivery()), (200, None, "fresh"), "{:#}", answer.body);
+    assert_eq!(attempts(&answer), 2);
+    let replay = c.call(&ana, "create_refund", Some("refund-s7-api-2"), &args2, &[]);
+    assert_eq!((replay.status, replay.delivery()), (200, "local_replay"));
+    assert_eq!(replay.refund_id(), answer.refund_id());
+    assert_eq!(effects_of(&f, "refund-s7-api-2"), 1);
+    assert_eq!((effects(&f), duplicates(&f)), (2, 0));
+    assert_eq!(f.query_i64("SELECT refunded_minor FROM orders WHERE order_ref = 'ord_1001'"), 1500);
+}
+
+/// 200 connections at once, each a real dispatch (issue 17 §5): 200 callers,
+/// each on its own connection, POST a create_refund of 0.01 EUR under a key
+/// of its own at the same moment. Every answer is an envelope, and each is
+/// followed the way its envelope says:
+/// - 503 `SERVER_BUSY` with Retry-After (the engine threads' queue is full,
+///   nothing was done): wait, retry with the same key;
+/// - 409 `OUTCOME_UNKNOWN` with Retry-After (in flight): wait, retry;
+/// - 504 `OUTCOME_UNKNOWN` (`query_status`): a status query.
+///
+/// The last two, and a success delivered as `local_replay` to the call that
+/// created the operation, come from one race under this load: the server's
+/// own outbox worker can claim an operation an API thread has just accepted
+/// before that thread claims it (the worker then runs it; one effect either
+/// way). They are counted, not forbidden; anything else is. In the end every
+/// caller holds a success with its own refund, every intent has exactly one
+/// effect and one succeeded operation, nothing is duplicated, the server still
+/// answers and stops cleanly, and the ledger keeps every invariant.
+fn two_hundred_concurrent_dispatches_each_run_exactly_once(backend: Backend) {
+    const CALLERS: usize = 200;
+    let f = Fixture::on(backend);
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let mut server = Server::start(f.path(), &[]);
+    let clients: Vec<Client> = (0..CALLERS).map(|_| Client::new(&server)).collect();
+    let start = std::sync::Barrier::new(CALLERS);
+    // Per caller: (SERVER_BUSY answers, answers from the worker race, the final answer).
+    let answers: Vec<(u32, u32, Answer)> = std::thread::scope(|s| {
+        let handles: Vec<_> = clients
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let (ana, start) = (&ana, &start);
+                s.spawn(move || {
+                    let key = format!("refund-c200-{i:04}");
+                    let args = refund_args("ord_1002", 1);
+                    start.wait();
+                    let (mut busy, mut raced) = (0, 0);
+                    loop {
+                        let a = c.call(ana, "create_refund", Some(&key), &args, &[]);
+                        match (a.status, a.code()) {
+                            (503, Some("SERVER_BUSY")) => {
+                                assert_eq!(a.outcome(), "not_started", "{key}: {:#}", a.body);
+                                assert_eq!(a.body["model_result"]["error"]["retryable"], true);
+                                busy += 1;
+                            }
+                            (409, Some("OUTCOME_UNKNOWN")) => raced += 1,
+                            (504, Some("OUTCOME_UNKNOWN")) => {
+                                assert_eq!(a.body["model_result"]["error"]["recovery"], "query_status");
+                                let q = json!({"status_ref": a.status_ref(), "expected_request_sha256": a.request_sha256()});
+                                return (busy, raced + 1, c.post_json(ana, "/v1/status-queries", &q));
+                            }
+                            _ => {
+                                let late = u32::from(a.delivery() != "fresh");
+                                return (busy, raced + late, a);
+                            }
+                        }
+                        let secs: u64 = a.retry_after.as_deref().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+                            panic!("{key}: {} without a Retry-After in seconds: {:#}", a.status, a.body)
+                        });
+                        assert!(busy + raced < 60, "{key}: not settled after {busy} busy, {raced} in flight");
+                        std::thread::sleep(Duration::from_secs(secs.max(1)));
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut refunds = std::collections::BTreeSet::new();
+    for (i, (_, _, a)) in answers.iter().enumerate() {
+        assert_eq!((a.status, a.code()), (200, None), "caller {i}: {:#}", a.body);
+        assert_eq!(a.body["model_result"]["data"]["amount_minor"], 1, "caller {i}");
+        assert!(refunds.insert(a.refund_id().to_string()), "caller {i} got another caller's refund");
+    }
+    let busy: u32 = answers.iter().map(|(b, _, _)| b).sum();
+    let raced: u32 = answers.iter().map(|(_, r, _)| r).sum();
+    eprintln!(
+        "{CALLERS} concurrent dispatches: {busy} SERVER_BUSY answers retried, {raced} answers from the worker race"
+    );
+    for i in [0, CALLERS / 2, CALLERS - 1] {
+        assert_eq!(effects_of(&f, &format!("refund-c200-{i:04}")), 1);
+    }
+    let n = i64::try_from(CALLERS).unwrap();
+    assert_eq!((effects(&f), duplicates(&f)), (n, 0));
+    assert_eq!(f.query_i64("SELECT count(*) FROM operations WHERE state = 'succeeded'"), n);
+    assert_eq!(f.query_i64("SELECT refunded_minor FROM orders WHERE order_ref = 'ord_1002'"), n);
+    let health = Client::new(&server).send("GET", "/healthz", None, &[], None);
+    assert_eq!(health.status, 200);
+    assert_eq!(server.terminate().code(), Some(0));
+    let (violations, tally) =
+        crate::invariants::check(f.path(), crate::invariants::Expect { settled: true, queried: false });
+    assert!(violations.is_empty(), "{violations:#?}");
+    assert_eq!(tally.effects, n);
+}
+
 /// `?project=` (SPEC §17): only the model result, as one provider's tool
 /// result for the request's call id, with the envelope's status; the
 /// protected audit never appears; a bad name or parameter is 400 before any state.
@@ -773,6 +1190,10 @@ crate::on_both_backends!(
     hostile_requests_get_stable_codes_and_change_nothing,
     sigterm_lets_the_call_in_flight_finish_and_exits_0,
     projections_render_the_model_result_only,
+    scenario_5_approvals_through_the_api,
+    scenario_6_a_revoked_grant_hides_the_stored_result,
+    scenario_7_rate_limited_through_the_api,
+    two_hundred_concurrent_dispatches_each_run_exactly_once,
 );
 
 /// `toolgate load --url A --url B` (issue 17 §5): the agents go through the
