@@ -257,6 +257,10 @@ async fn accept_loop(
                 }
             },
         };
+        // Request/response over small writes: without TCP_NODELAY a reply
+        // split in two segments waits for the client's delayed ACK (a
+        // replay measured ~4 ms at p50 instead of ~0.5 ms).
+        let _ = stream.set_nodelay(true);
         let router = router.clone();
         let mut drain = drain.clone();
         tokio::spawn(async move {
