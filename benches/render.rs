@@ -1,9 +1,14 @@
 //! The console's frame cost against ledger size: fetch the visible page (keyset,
 //! index-backed) and render it at 140×40, on ledgers of 1,000 and 1,000,000
 //! operations. The target is the million-row frame within 1.5× of the
-//! thousand-row one.
+//! thousand-row one, in every order a pane can be sorted by (issue 19 §2):
+//! each Ledger and Unknown sort column, both directions, fetched the way the
+//! console's engine thread answers the pane's request.
 //!
-//! `cargo bench --bench render` (building the 1M-row ledger takes a while once).
+//! `cargo bench --bench render` (building the 1M-row ledger takes a while once);
+//! bench names are `frame_PANE_SIZE/COLUMN_DIR`, the pane's default order marked
+//! `(default)`. A quicker run: `cargo bench --bench render -- --sample-size 10
+//! --warm-up-time 1 --measurement-time 2`.
 
 use std::path::Path;
 
@@ -11,8 +16,9 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use ratatui::backend::TestBackend;
 use ratatui::Terminal;
 use toolgate::engine::{Engine, EngineOptions};
-use toolgate::store::OpsView;
-use toolgate::tui::app::{Action, App, EngineEvent, Pane, Rows};
+use toolgate::store::Order;
+use toolgate::tui::app::{default_order, sort_columns, Action, App, Pane};
+use toolgate::tui::backend::fetch_page;
 
 /// Copies the demo working copy's operations until the ledger holds `n` rows
 /// (bench set-up only: plain SQL on a scratch file).
@@ -53,20 +59,11 @@ fn ledger(dir: &Path, n: i64) -> std::path::PathBuf {
     path
 }
 
-fn frame(engine: &mut Engine, app: &mut App, term: &mut Terminal<TestBackend>, view: OpsView, pane: Pane) {
-    let rows = Rows::Ops(
-        engine
-            .ops_page(
-                view,
-                &toolgate::store::Filter::default(),
-                toolgate::tui::app::default_order(pane),
-                None,
-                app.visible_rows(),
-            )
-            .expect("page"),
-    );
-    let header = engine.header_counts().expect("header");
-    app.update(Action::Engine(EngineEvent::Page { pane, rows, header }));
+/// One console frame: the request the pane sends for its current order, the
+/// page the engine thread answers with, and the draw.
+fn frame(engine: &mut Engine, app: &mut App, term: &mut Terminal<TestBackend>) {
+    let event = fetch_page(engine, app.fetch()).expect("a fetch request").expect("page");
+    app.update(Action::Engine(event));
     term.draw(|f| toolgate::tui::ui::render(app, f)).expect("draw");
 }
 
@@ -80,11 +77,22 @@ fn bench(c: &mut Criterion) {
         let mut app = App::new("bench", "bench", false, false, 1_800_000_000_000);
         app.size = (140, 40);
         let mut term = Terminal::new(TestBackend::new(140, 40)).expect("terminal");
-        for (pane, view) in [(Pane::Ledger, OpsView::All), (Pane::Unknown, OpsView::Unknown)] {
+        for pane in [Pane::Ledger, Pane::Unknown] {
             app.update(Action::SelectPane(pane));
-            c.bench_function(&format!("frame_{}_{label}", pane.title().to_lowercase()), |b| {
-                b.iter(|| frame(&mut engine, &mut app, &mut term, view, pane));
-            });
+            let mut group = c.benchmark_group(format!("frame_{}_{label}", pane.title().to_lowercase()));
+            for (column, name) in sort_columns(pane).into_iter().enumerate() {
+                for desc in [false, true] {
+                    let order = Order { column, desc };
+                    app.sorts.insert(pane, order);
+                    let dir = if desc { "desc" } else { "asc" };
+                    let default = if order == default_order(pane) { " (default)" } else { "" };
+                    group.bench_function(format!("{name}_{dir}{default}"), |b| {
+                        b.iter(|| frame(&mut engine, &mut app, &mut term));
+                    });
+                }
+            }
+            group.finish();
+            app.sorts.remove(&pane);
         }
     }
 }

@@ -45,7 +45,7 @@ pub use views::{
 };
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 10] = [
+const MIGRATIONS: [&str; 11] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
@@ -56,6 +56,7 @@ const MIGRATIONS: [&str; 10] = [
     include_str!("migrations/0008_state_since.sql"),
     include_str!("migrations/0009_downstream_key.sql"),
     include_str!("migrations/0010_api_tokens.sql"),
+    include_str!("migrations/0011_sort_indexes.sql"),
 ];
 
 /// The schema version this build writes.

@@ -24,7 +24,11 @@ type R<T> = Result<T, StoreError>;
 
 /// PostgreSQL migrations, in order (numbered on their own: PostgreSQL 0001 is
 /// the shape of SQLite schema 9). The version applied is meta `schema_version`.
-const MIGRATIONS: [&str; 2] = [include_str!("pg/0001_ledger.sql"), include_str!("pg/0002_api_tokens.sql")];
+const MIGRATIONS: [&str; 3] = [
+    include_str!("pg/0001_ledger.sql"),
+    include_str!("pg/0002_api_tokens.sql"),
+    include_str!("pg/0003_sort_indexes.sql"),
+];
 
 /// The PostgreSQL schema version this build writes.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;

@@ -1,7 +1,7 @@
 //! Read queries for the console's panes: keyset-paged, index-backed, only the
 //! rows that are visible.
 
-use super::sql::{params, Param};
+use super::sql::{params, Backend, Param};
 
 use super::rows::{ApprovalRow, OperationRow, APPROVAL_COLS, OP_COLS};
 use super::{StoreError, Tx};
@@ -126,8 +126,10 @@ fn text(v: &str) -> Key {
     Key::Text(v.to_string())
 }
 
-/// Sort columns of the ledger and the unknown queue. The first three are index-backed
-/// (`operations_updated`, the primary key); the others sort the rows the filter leaves.
+/// Sort columns of the ledger and the unknown queue. Every one is index-backed
+/// in both directions (`operations_updated`, the primary key, and migration
+/// 0011's `operations_*` and, for the Unknown pane, `unknown_*` indexes, whose
+/// expressions are these `expr`s exactly): keep them in step when adding one.
 pub const OPS_SORT: &[SortColumn<OperationRow>] = &[
     SortColumn { name: "updated", expr: "updated_at", int: true, key: |r| int(r.updated_at) },
     SortColumn { name: "operation", expr: "id", int: false, key: |r| text(&r.id) },
@@ -479,13 +481,27 @@ impl Tx<'_> {
     ) -> R<Vec<OperationRow>> {
         let (cond, by, bk, bt) = keyset(OPS_SORT, order, "id", false);
         let (key, tie, has) = bind(cursor, bk, bt);
-        let states = match view {
-            OpsView::All => "",
-            OpsView::Unknown => "AND state IN ('unknown', 'needs_review')",
+        // The Unknown pane reads the partial index of its sort column
+        // (`unknown_` + the column's name, migration 0011), whose WHERE is this
+        // condition word for word. Without statistics SQLite guesses that
+        // `state IN (…)` picks out a few rows, seeks them on `operations_state`
+        // and sorts them all (every unknown operation, each frame); `INDEXED BY`
+        // names the index, and fails loudly rather than slowly if it is gone.
+        // PostgreSQL has statistics and no `INDEXED BY`.
+        let (indexed, states) = match view {
+            OpsView::All => (String::new(), ""),
+            OpsView::Unknown => {
+                let name = OPS_SORT.get(order.column).unwrap_or(&OPS_SORT[0]).name;
+                let indexed = match self.backend() {
+                    Backend::Sqlite => format!(" INDEXED BY unknown_{name}"),
+                    Backend::Postgres => String::new(),
+                };
+                (indexed, "AND state IN ('unknown', 'needs_review')")
+            }
         };
         let w = filter_where(filter, &OPS_COLS, now, 5);
         let sql = format!(
-            "SELECT {OP_COLS} FROM operations
+            "SELECT {OP_COLS} FROM operations{indexed}
              WHERE {cond} {states}{}
              ORDER BY {by} LIMIT ?4",
             w.sql
@@ -625,14 +641,20 @@ impl Tx<'_> {
     /// The age anchor of the oldest unknown / needs-review operation: the time
     /// it entered that state, as the Unknown pane's "since" column reads it
     /// (a status query that changes nothing does not make it younger).
+    /// One entry of the `unknown_since` partial index (migration 0011), named on
+    /// SQLite for the reason [`Tx::ops_page`] gives: else every unknown operation is
+    /// read, each frame.
     pub fn oldest_unknown_at(&self) -> R<Option<i64>> {
-        Ok(self
-            .conn
-            .prepare_cached(
-                "SELECT min(coalesce(state_since, updated_at)) FROM operations WHERE state IN ('unknown', 'needs_review')",
-            )?
-            .query_opt((), |r| r.get(0))?
-            .flatten())
+        let sql = match self.backend() {
+            Backend::Sqlite => {
+                "SELECT min(coalesce(state_since, updated_at)) FROM operations INDEXED BY unknown_since
+                 WHERE state IN ('unknown', 'needs_review')"
+            }
+            Backend::Postgres => {
+                "SELECT min(coalesce(state_since, updated_at)) FROM operations WHERE state IN ('unknown', 'needs_review')"
+            }
+        };
+        Ok(self.conn.prepare_cached(sql)?.query_opt((), |r| r.get(0))?.flatten())
     }
 
     /// Shifts every stored time by `delta_ms` (the demo's working copy is re-based

@@ -123,6 +123,15 @@ fn rows(engine: &mut Engine, v: &View) -> Result<Rows, EngineError> {
     })
 }
 
+/// The page a [`Request::Fetch`] asks for, as the engine thread answers it
+/// (`None` for any other request): the render bench times frames through this.
+pub fn fetch_page(engine: &mut Engine, request: Request) -> Option<Result<EngineEvent, EngineError>> {
+    let Request::Fetch { pane, filter, order, cursor, limit } = request else {
+        return None;
+    };
+    Some(fetch(engine, &View { pane, filter, order, cursor, limit }))
+}
+
 fn fetch(engine: &mut Engine, v: &View) -> Result<EngineEvent, EngineError> {
     let rows = match v.pane {
         Pane::Live | Pane::Ledger | Pane::Unknown | Pane::Approvals | Pane::Audit => rows(engine, v)?,
