@@ -1,5 +1,5 @@
 //! The cost of computing every metric on a ledger whose trace holds a million
-//! events (SPEC §12: "computing metrics over 1,000,000 trace events stays
+//! events (docs/design.md §12: "computing metrics over 1,000,000 trace events stays
 //! fast"), against a plain scan of the trace for comparison.
 //!
 //! `cargo bench --bench metrics` (set-up writes the events once through the

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use crate::engine::envelope::{ModelResult, Status};
 
 /// The name a status query answers under, as a tool (`query_operation_status`
-/// in SPEC §8): what a projection that names the tool (Gemini) calls it.
+/// in docs/design.md §8): what a projection that names the tool (Gemini) calls it.
 pub const QUERY_STATUS_TOOL: &str = "query_operation_status";
 
 /// One provider's tool-result message shape.

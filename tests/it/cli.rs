@@ -239,7 +239,7 @@ fn query_names_its_call_identity_like_dispatch() {
     assert_eq!(query(&db, &env, &q)["model_result"]["status"], "succeeded");
 }
 
-/// `--project` (SPEC §17) prints only the model result as a provider's tool
+/// `--project` (docs/design.md §17) prints only the model result as a provider's tool
 /// result for `--call-id`, keeps the exit codes, and an unknown name is exit 2
 /// before anything is dispatched.
 #[test]

@@ -15,7 +15,7 @@ use toolgate::engine::Engine;
 
 use crate::support::RawDb;
 
-/// The states an operation may rest in once recovery has run (SPEC §6): nothing
+/// The states an operation may rest in once recovery has run (docs/design.md §6): nothing
 /// is left `accepted` or `in_flight`.
 pub const SETTLED: [&str; 5] = ["succeeded", "failed", "unknown", "needs_review", "resolved"];
 

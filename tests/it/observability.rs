@@ -1,4 +1,4 @@
-//! Observability (SPEC §12): redaction you can prove (a planted canary appears
+//! Observability (docs/design.md §12): redaction you can prove (a planted canary appears
 //! in no table, log or export), a trace that tells the whole story, metrics that
 //! parse and count what happened, and percentiles read from the database.
 

@@ -1,4 +1,4 @@
-//! Resilience policies (SPEC §11): backoff with full jitter, Retry-After, the
+//! Resilience policies (docs/design.md §11): backoff with full jitter, Retry-After, the
 //! per-tool retry budget, the per-downstream circuit breaker, deadlines, and
 //! cancellation before and after send (with a late reply that must not flip it).
 //! Time is a manual clock throughout; where a call must really be inside the

@@ -1,4 +1,4 @@
-//! The scenarios of SPEC §13 as data: every script passes (with a real child
+//! The scenarios of docs/design.md §13 as data: every script passes (with a real child
 //! crash, and with the console's in-process one), the runner reports a wrong
 //! expectation as FAIL with its step and field, the loader refuses bad scripts
 //! naming the step and field, and `toolgate scenario` works from the CLI.

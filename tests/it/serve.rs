@@ -1053,7 +1053,7 @@ fn two_hundred_concurrent_dispatches_each_run_exactly_once(backend: Backend) {
     assert_eq!(tally.effects, n);
 }
 
-/// `?project=` (SPEC §17): only the model result, as one provider's tool
+/// `?project=` (docs/design.md §17): only the model result, as one provider's tool
 /// result for the request's call id, with the envelope's status; the
 /// protected audit never appears; a bad name or parameter is 400 before any state.
 fn projections_render_the_model_result_only(backend: Backend) {
