@@ -623,27 +623,35 @@ fn the_provider_server_refuses_a_public_address_unless_told() {
 fn provider_serve_takes_its_database_as_db_and_still_as_provider_db() {
     // `--db` (the documented name) is what every other test's server uses;
     // `--provider-db` is kept for scripts written against earlier versions.
+    // An accepted form starts serving on loopback (and is stopped); a refused
+    // one exits 2 before it listens.
     let dir = tempfile::tempdir().unwrap();
     let serve = |args: &[&str]| {
         Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
-            .args(["provider", "serve", "--listen", "0.0.0.0:0"])
+            .args(["provider", "serve", "--listen", "127.0.0.1:0"])
             .args(args)
             .env_remove("TOOLGATE_DB")
-            .output()
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
             .unwrap()
     };
     let (a, b) = (dir.path().join("a.db"), dir.path().join("b.db"));
     let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    for args in [vec!["--db", a], vec!["--provider-db", a], vec!["--db", a, "--provider-db", a]] {
+        let mut child = serve(&args);
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(line.starts_with("listening on 127.0.0.1:"), "{args:?}: {line:?}");
+    }
     for (args, code) in [
-        // Both names reach the address check: the database was accepted.
-        (vec!["--db", a], "NOT_LOOPBACK"),
-        (vec!["--provider-db", a], "NOT_LOOPBACK"),
-        (vec!["--db", a, "--provider-db", a], "NOT_LOOPBACK"),
         (vec!["--db", a, "--provider-db", b], "USAGE"),
         (vec![], "DB_REQUIRED"),
         (vec!["--db", "postgres://u@127.0.0.1/p"], "USAGE"),
     ] {
-        let out = serve(&args);
+        let out = serve(&args).wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(&format!("error[{code}]")), "{args:?}: {err}");
