@@ -423,11 +423,10 @@ impl Ledgers {
 }
 
 /// `toolgate serve` inside the bench: its engine threads on the bench's
-/// ledger, a loopback port, stopped when dropped.
+/// ledger, a loopback port, stopped when dropped. Called the way the load
+/// generator's agents call it ([`crate::load::HttpDoor`]).
 struct HttpServer {
-    url: String,
-    token: String,
-    agent: ureq::Agent,
+    door: crate::load::HttpDoor,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -455,28 +454,14 @@ impl HttpServer {
             .recv_timeout(Duration::from_secs(60))
             .map_err(|_| BenchError::Check("the HTTP server did not start".into()))?
             .map_err(|e| BenchError::Check(format!("the HTTP server did not start: {e}")))?;
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(30)))
-            .build()
-            .into();
-        Ok(Self { url: format!("http://{addr}"), token, agent, stop: Some(stop), thread: Some(thread) })
+        let tokens = std::collections::HashMap::from([(format!("bench/{}", agent(0)), token)]);
+        let door = crate::load::HttpDoor::new(&[format!("http://{addr}")], tokens);
+        Ok(Self { door, stop: Some(stop), thread: Some(thread) })
     }
 
     /// One `create_refund` through the API; the envelope's status and delivery checked.
     fn call(&self, key: &str, delivery: Delivery) -> Result<(), BenchError> {
-        let r = refund(0, key.to_string());
-        let mut resp = self
-            .agent
-            .post(&format!("{}/v1/tools/create_refund/calls", self.url))
-            .header("authorization", &format!("Bearer {}", self.token))
-            .header("content-type", "application/json")
-            .header("idempotency-key", key)
-            .send(&r.arguments[..])
-            .map_err(|e| BenchError::Check(format!("HTTP call failed: {e}")))?;
-        let body = resp.body_mut().read_to_string().map_err(|e| BenchError::Check(format!("HTTP body: {e}")))?;
-        let env: Envelope = serde_json::from_str(&body)
-            .map_err(|_| BenchError::Check(format!("HTTP answer is no envelope: {body}")))?;
+        let env = self.door.dispatch(0, &refund(0, key.to_string()), None)?;
         check(&env, Status::Succeeded, delivery, "HTTP call")
     }
 }

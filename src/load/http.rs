@@ -24,7 +24,7 @@ use crate::engine::{DispatchRequest, Engine, EngineError, QueryRequest};
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The replicas and the run's tokens.
-pub(super) struct HttpDoor {
+pub(crate) struct HttpDoor {
     agent: ureq::Agent,
     urls: Vec<String>,
     /// `tenant/subject` → agent token; `operator` → operator token.
@@ -75,7 +75,7 @@ fn http_error(what: &str) -> EngineError {
 }
 
 impl HttpDoor {
-    pub(super) fn new(urls: &[String], tokens: HashMap<String, String>) -> Self {
+    pub(crate) fn new(urls: &[String], tokens: HashMap<String, String>) -> Self {
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(REQUEST_TIMEOUT))
@@ -140,7 +140,7 @@ impl HttpDoor {
 
     /// `POST /v1/tools/{tool}/calls` as the request's subject, with a fault
     /// for this call (demo databases) when the run has a fault rate.
-    pub(super) fn dispatch(
+    pub(crate) fn dispatch(
         &self,
         at: usize,
         r: &DispatchRequest,

@@ -29,6 +29,8 @@
 
 mod http;
 
+pub(crate) use http::HttpDoor;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
