@@ -1,4 +1,4 @@
-//! One whole call through the engine: a fresh `create_refund` (five commits,
+//! One whole call through the engine: a fresh `create_refund` (three commits,
 //! a provider that answers at once) and a replay of a settled one, at
 //! `synchronous=NORMAL` so that the engine's own cost shows rather than the
 //! disk's fsync (`toolgate bench` measures both modes against bare loops).

@@ -4,7 +4,7 @@
 //! A durable ledger is bound by how many commits the disk can make, so the
 //! numbers that matter are ratios within one run:
 //!
-//! - `bare_write` (five plain commits, [`crate::store::bench`]) against
+//! - `bare_write` (three plain commits, [`crate::store::bench`]) against
 //!   `fresh_dispatch` (the engine's whole write path: validation,
 //!   authorization, digests, ledger, outbox, lease, sent-marker, a provider that
 //!   answers at once, result persist, trace);

@@ -68,8 +68,14 @@ fn valid_key(k: &str) -> bool {
 enum Decision {
     /// Answer now.
     Answer(Envelope, TraceEvent),
-    /// Run the outbox row of this operation now.
+    /// Run the outbox row of this operation now (what `accept` decides; the
+    /// synced accept transaction goes on to claim it, see [`Decision::Sending`]).
     Execute(String),
+    /// Accepted, claimed and marked sent in the accept's own transaction:
+    /// send attempt `attempt` of `op`.
+    Sending { attempt: i64, op: Box<OperationRow> },
+    /// The claim in the accept's transaction answered (its trace event written).
+    Answered(Envelope),
     /// Found under the write lock of a relaxed transaction: this call changes
     /// state after all. Nothing was written; run `accept` again, synced.
     Synced,
@@ -213,19 +219,35 @@ impl Engine {
             defenses,
         };
         let clock = self.clock.clone();
+        let (worker, salt) = (self.worker_id.clone(), self.salt.clone());
+        let answering = Some(Answering { kind: "dispatch", started: t0 });
+        let caller = Caller { principal_ref: &principal_ref, salt: &salt, answer: answering };
+        let lease_ms = contract.retry.attempt_timeout_ms as i64 + 1_000;
         let step = |tx: &Tx<'_>, audit: ProtectedAudit, ev: TraceEvent, relaxed: bool| {
             // The decision is made now, under the write lock: a time read before
             // waiting for it could be older than what another writer just
             // committed (an operation accepted "in the future" looks not due).
             let now = clock.now_ms().max(now);
             let d = accept(tx, &AcceptCtx { now, ..ctx }, audit, ev, relaxed)?;
-            if let Decision::Answer(env, ev) = &d {
-                // The decision's trace event commits with the decision itself.
-                let mut ev = ev.clone().from_envelope(env).answering(Some(Answering { kind: "dispatch", started: t0 }));
-                ev.duration_us = Some(t0.elapsed().as_micros() as i64);
-                ev.write(tx, now)?;
+            match d {
+                Decision::Answer(env, ev) => {
+                    // The decision's trace event commits with the decision itself.
+                    let mut ev = ev.from_envelope(&env).answering(answering);
+                    ev.duration_us = Some(t0.elapsed().as_micros() as i64);
+                    ev.write(tx, now)?;
+                    Ok(Decision::Answer(env, TraceEvent::step("answered")))
+                }
+                // Accept, claim and sent-marker share one commit (one fsync):
+                // nothing lies between them that a crash could tell apart
+                // (ARCHITECTURE.md, "Which commits wait for the disk").
+                Decision::Execute(op_id) => {
+                    Ok(match claim_to_send(tx, &op_id, contract, &*domain, &worker, now, lease_ms, &caller)? {
+                        Claim::Claimed { attempt, op } => Decision::Sending { attempt, op },
+                        Claim::Answer(env) => Decision::Answered(env),
+                    })
+                }
+                d => Ok::<_, EngineError>(d),
             }
-            Ok::<_, EngineError>(d)
         };
         // A call on an intent the ledger holds and has sent (a replay, a
         // conflict, an answer about an operation in flight) changes no state: it
@@ -247,10 +269,12 @@ impl Engine {
             decision = self.store.write(|tx| step(tx, audit.clone(), ev.clone(), false))?;
         }
         match decision {
-            Decision::Answer(env, _) => Ok(env),
-            Decision::Execute(op_id) => {
-                self.run_operation(&op_id, &contracts, Some(Answering { kind: "dispatch", started: t0 }))
+            Decision::Answer(env, _) | Decision::Answered(env) => Ok(env),
+            Decision::Sending { attempt, op } => {
+                let op_id = op.id.clone();
+                self.run_operation_from(&op_id, &contracts, answering, Some((attempt, op)))
             }
+            Decision::Execute(op_id) => self.run_operation(&op_id, &contracts, answering),
             Decision::Synced => {
                 Err(EngineError::invalid("ACCEPT_RELAXED", "a synced accept asked for a synced accept"))
             }
@@ -353,57 +377,52 @@ impl Engine {
         contracts: &Contracts,
         answer: Option<Answering>,
     ) -> Result<Envelope, EngineError> {
+        self.run_operation_from(op_id, contracts, answer, None)
+    }
+
+    /// [`Engine::run_operation`], where `claimed` is an attempt already
+    /// claimed and marked sent (in the accept's transaction) to send first.
+    fn run_operation_from(
+        &mut self,
+        op_id: &str,
+        contracts: &Contracts,
+        answer: Option<Answering>,
+        mut claimed: Option<(i64, Box<OperationRow>)>,
+    ) -> Result<Envelope, EngineError> {
         let mut attempts_this_call: u32 = 0;
         let salt = self.salt.clone();
         loop {
             let t0 = Instant::now();
-            let now = self.clock.now_ms();
             let worker = self.worker_id.clone();
-            let principal = |op: &OperationRow, e: &Engine| e.principal_ref(&op.tenant, &op.subject);
-            let op0 = self.store.read(|tx| tx.operation(op_id))?;
-            let Some(op0) = op0 else {
-                return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
+            let (attempt, op) = if let Some(c) = claimed.take() {
+                c
+            } else {
+                let now = self.clock.now_ms();
+                let op0 = self.store.read(|tx| tx.operation(op_id))?;
+                let Some(op0) = op0 else {
+                    return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
+                };
+                let pref = self.principal_ref(&op0.tenant, &op0.subject);
+                let Some(contract) = contracts.get(&op0.tool) else {
+                    return Err(EngineError::invalid("UNKNOWN_TOOL", "operation names a tool not in the catalog"));
+                };
+                let lease_ms = contract.retry.attempt_timeout_ms as i64 + 1_000;
+                let caller = Caller { principal_ref: &pref, salt: &salt, answer };
+                let domain = self.domain(&op0.tool);
+                let claim = self
+                    .store
+                    .write(|tx| claim_to_send(tx, op_id, contract, &*domain, &worker, now, lease_ms, &caller))?;
+                match claim {
+                    Claim::Answer(env) => return Ok(env),
+                    Claim::Claimed { attempt, op } => (attempt, op),
+                }
             };
-            let pref = principal(&op0, self);
-            let Some(contract) = contracts.get(&op0.tool) else {
+            let now = self.clock.now_ms();
+            let pref = self.principal_ref(&op.tenant, &op.subject);
+            let Some(contract) = contracts.get(&op.tool) else {
                 return Err(EngineError::invalid("UNKNOWN_TOOL", "operation names a tool not in the catalog"));
             };
-            let lease_ms = contract.retry.attempt_timeout_ms as i64 + 1_000;
-            let caller = Caller { principal_ref: &pref, salt: &salt, answer };
-            let domain = self.domain(&op0.tool);
-            let claim = self.store.write(|tx| claim(tx, op_id, contract, &*domain, &worker, now, lease_ms, &caller))?;
-            let (attempt, op) = match claim {
-                Claim::Answer(env) => return Ok(env),
-                Claim::Claimed { attempt, op } => (attempt, op),
-            };
-            failpoint::hit("after_claim");
-            let sent = self.store.write(|tx| -> Result<bool, StoreError> {
-                let ok = tx.mark_sent(op_id, &worker, attempt, now)?;
-                if ok {
-                    let mut ev = TraceEvent::of_operation("sent", &op, &salt, now);
-                    ev.attempt = Some(attempt);
-                    ev.worker = Some(worker.clone());
-                    ev.write(tx, now)?;
-                }
-                Ok(ok)
-            })?;
-            if !sent {
-                // Our lease was taken over before we sent anything: nothing left here.
-                return self.store.write(|tx| -> Result<Envelope, EngineError> {
-                    let cur = tx.operation(op_id)?;
-                    let env = cur.as_ref().map_or_else(
-                        || error_envelope(Code::OutcomeUnknown, ProtectedAudit::default()),
-                        |o| op_envelope(o, Delivery::Fresh, pref.clone(), None),
-                    );
-                    let mut ev =
-                        TraceEvent::of_operation("send_aborted", cur.as_ref().unwrap_or(op.as_ref()), &salt, now);
-                    ev.attempt = Some(attempt);
-                    ev.worker = Some(worker.clone());
-                    ev.note = Some("lease taken over before the send: nothing was sent by this worker".into());
-                    ev.because("lease_lost").from_envelope(&env).answering(answer).write(tx, now)?;
-                    Ok(env)
-                });
-            }
+            let domain = self.domain(&op.tool);
             failpoint::hit("after_sent");
             let args: Value = args_of(&op.request_json);
             let defenses = self.defenses()?;
@@ -956,6 +975,38 @@ struct Caller<'a> {
     principal_ref: &'a str,
     salt: &'a str,
     answer: Option<Answering>,
+}
+
+/// [`claim`], then, in the same transaction, the sent-marker: the commit
+/// that returns from here is the last one before the send. A crash before it
+/// leaves the row unclaimed (provably unsent); after it, the attempt is
+/// possibly received, exactly as a separate sent-marker commit would leave it.
+#[allow(clippy::too_many_arguments)]
+fn claim_to_send(
+    tx: &Tx<'_>,
+    op_id: &str,
+    contract: &Contract,
+    domain: &dyn ToolDomain,
+    worker: &str,
+    now: i64,
+    lease_ms: i64,
+    caller: &Caller<'_>,
+) -> Result<Claim, EngineError> {
+    let claimed = claim(tx, op_id, contract, domain, worker, now, lease_ms, caller)?;
+    let Claim::Claimed { attempt, op } = claimed else {
+        return Ok(claimed);
+    };
+    failpoint::hit("after_claim");
+    if !tx.mark_sent(op_id, worker, attempt, now)? {
+        // The lease was taken in this very transaction: unreachable unless the
+        // store is broken; nothing of this transaction commits.
+        return Err(EngineError::invalid("SENT_MARKER_LOST", "the lease claimed in this transaction is not held"));
+    }
+    let mut ev = TraceEvent::of_operation("sent", &op, caller.salt, now);
+    ev.attempt = Some(attempt);
+    ev.worker = Some(worker.to_string());
+    ev.write(tx, now)?;
+    Ok(Claim::Claimed { attempt, op })
 }
 
 /// Claims the outbox row and re-checks authorization, business state and

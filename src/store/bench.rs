@@ -9,15 +9,16 @@
 //! It stores the engine's own texts (request, result, trace fields), so rows
 //! have the same size.
 //!
-//! One fresh write dispatch is five commits (see `engine::dispatch`), and the
-//! bare write makes the same five, with the same rows, on two connections like
-//! the engine's (the ledger's and the provider's):
+//! One fresh write dispatch is three commits (see `engine::dispatch` and
+//! ARCHITECTURE.md, "Which commits wait for the disk"), and the bare write
+//! makes the same three, with the same rows, on two connections like the
+//! engine's (the ledger's and the provider's):
 //!
-//! 1. accept: operation + outbox + call identity + trace event;
-//! 2. claim: outbox lease + attempt + operation `in_flight` + trace event;
-//! 3. sent-marker: attempt `sent_at` + trace event;
-//! 4. the provider's own commit of the effect (its connection);
-//! 5. persist: receipt + order + attempt + outbox + operation result + two trace events.
+//! 1. accept, claim and sent-marker: operation + outbox + call identity +
+//!    trace event; outbox lease + attempt + operation `in_flight` + trace
+//!    event; attempt `sent_at` + trace event;
+//! 2. the provider's own commit of the effect (its connection);
+//! 3. persist: receipt + order + attempt + outbox + operation result + two trace events.
 //!
 //! A bare replay is the same lookup plus the one commit a replay cannot skip:
 //! its answer recorded (call identity + trace event), not waiting for the disk.
@@ -111,7 +112,7 @@ impl BareLedger {
         Ok(Self { ledger, provider, payload })
     }
 
-    /// One fresh write, `n` never used before: the five commits of a dispatch.
+    /// One fresh write, `n` never used before: the three commits of a dispatch.
     pub fn write_one(&mut self, n: u64, now: i64) -> R<()> {
         let id = op_id(n);
         let key = idem_key(n);
@@ -164,10 +165,8 @@ impl BareLedger {
                     id,
                     now
                 ])?;
-            trace(tx, &id, "accepted", field(0), false, now)
-        })?;
-        // 2. claim
-        self.ledger.write(|tx| -> R<()> {
+            trace(tx, &id, "accepted", field(0), false, now)?;
+            // the claim, in the same commit
             let attempt: i64 = tx
                 .conn
                 .prepare_cached(
@@ -185,10 +184,8 @@ impl BareLedger {
                     "UPDATE operations SET state = 'in_flight', updated_at = ?2, version = version + 1 WHERE id = ?1",
                 )?
                 .execute(params![id, now])?;
-            trace(tx, &id, "claimed", field(1), false, now)
-        })?;
-        // 3. sent-marker
-        self.ledger.write(|tx| -> R<()> {
+            trace(tx, &id, "claimed", field(1), false, now)?;
+            // the sent-marker, in the same commit
             tx.conn
                 .prepare_cached(
                     "UPDATE attempts SET sent_at = ?2 WHERE operation_id = ?1 AND attempt = 1 AND sent_at IS NULL",
@@ -196,7 +193,7 @@ impl BareLedger {
                 .execute(params![id, now])?;
             trace(tx, &id, "sent", field(2), false, now)
         })?;
-        // 4. the provider's commit, on its own connection
+        // 2. the provider's commit, on its own connection
         self.provider.write(|tx| -> R<()> {
             tx.conn
                 .prepare_cached(
@@ -214,7 +211,7 @@ impl BareLedger {
                 ])?;
             Ok(())
         })?;
-        // 5. persist
+        // 3. persist
         self.ledger.write(|tx| -> R<()> {
             tx.conn
                 .prepare_cached(

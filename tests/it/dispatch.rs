@@ -284,6 +284,10 @@ fn tampered_rows_are_refused_before_any_effect(backend: Backend) {
         let fx = Fixture::on(backend);
         let mut e = fx.engine();
         e.dispatch(&refund("refund-tamper-1", 100)).unwrap();
+        // A replay first: the row this engine verified is remembered, and the
+        // tamper below must still be found.
+        let replay = e.dispatch(&refund("refund-tamper-1", 100)).unwrap();
+        assert_eq!(replay.model_result.execution.delivery, Delivery::LocalReplay, "{what}");
         fx.exec(sql, &[]);
         let env = e.dispatch(&refund("refund-tamper-1", 100)).unwrap();
         // A damaged row is the ledger's fault, never the caller's: STATUS_CONFLICT,

@@ -1,0 +1,102 @@
+//! A fixed number of fresh dispatches, replays or bare-loop writes, nothing
+//! else: the workload to run under a profiler when working on the hot path.
+//!
+//! ```text
+//! cargo build --release --example hotpath
+//! valgrind --tool=callgrind --toggle-collect='*Engine*dispatch*' \
+//!     target/release/examples/hotpath fresh 200
+//! valgrind --tool=callgrind --toggle-collect='*BareLedger*write_one*' \
+//!     target/release/examples/hotpath bare_write 200
+//! ```
+//!
+//! Modes: `fresh N`, `replay N`, `bare_write N`, `bare_replay N`; the ledger is
+//! at `synchronous=NORMAL` (the engine's CPU, not the disk). Instruction
+//! counts per call are the collected total over N (the set-up is outside the
+//! toggled function).
+
+use std::process::ExitCode;
+
+use toolgate::engine::envelope::Delivery;
+use toolgate::engine::world::{World, DEMO_WORLD};
+use toolgate::engine::{DispatchRequest, Engine, EngineOptions};
+use toolgate::store::bench::{BareLedger, BarePayload};
+use toolgate::store::{StoreError, Sync};
+
+fn refund(key: String) -> DispatchRequest {
+    DispatchRequest {
+        tenant: "acme".into(),
+        subject: "agent_ana".into(),
+        tool: "create_refund".into(),
+        arguments: br#"{"order_ref":"ord_1002","amount_minor":1,"currency":"EUR","reason":"damaged"}"#.to_vec(),
+        idempotency_key: Some(key),
+        ..DispatchRequest::default()
+    }
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let (Some(mode), Some(n)) = (args.get(1), args.get(2).and_then(|n| n.parse::<u64>().ok())) else {
+        eprintln!("usage: hotpath fresh|replay|bare_write|bare_replay N");
+        return ExitCode::from(2);
+    };
+    match run(mode, n) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("hotpath: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(mode: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
+    let dir = tempfile::tempdir()?;
+    let mut engine = Engine::create(
+        &dir.path().join("ledger.db"),
+        EngineOptions { sync: Sync::Normal, ..EngineOptions::default() },
+    )?;
+    let mut world = World::parse(DEMO_WORLD.as_bytes())?;
+    for o in &mut world.orders {
+        o.captured_minor = 1_000_000_000_000;
+    }
+    engine.load_world(&world)?;
+    let settled = engine.dispatch(&refund("hotpath-settled-0001".into()))?;
+    let op_id = settled.protected_audit.operation_id.clone().unwrap_or_default();
+    match mode {
+        "fresh" => {
+            for i in 0..n {
+                let env = engine.dispatch(&refund(format!("hotpath-fresh-{i:012}")))?;
+                assert_eq!(env.model_result.execution.delivery, Delivery::Fresh);
+            }
+        }
+        "replay" => {
+            for _ in 0..n {
+                let env = engine.dispatch(&refund("hotpath-settled-0001".into()))?;
+                assert_eq!(env.model_result.execution.delivery, Delivery::LocalReplay);
+            }
+        }
+        "bare_write" | "bare_replay" => {
+            let (op, trace) =
+                engine.read(|tx| -> Result<_, StoreError> { Ok((tx.operation(&op_id)?, tx.trace_for(&op_id)?)) })?;
+            let op = op.ok_or("the settled operation is not in the ledger")?;
+            let payload = BarePayload {
+                request_json: op.request_json.clone(),
+                result_json: op.result_json.clone().unwrap_or_default(),
+                trace_fields: trace.into_iter().map(|t| t.fields).collect(),
+            };
+            let mut bare = BareLedger::create(&dir.path().join("bare.db"), Sync::Normal, payload)?;
+            let now = 1_700_000_000_000;
+            if mode == "bare_write" {
+                for i in 0..n {
+                    bare.write_one(i, now)?;
+                }
+            } else {
+                bare.write_one(0, now)?;
+                for i in 0..n {
+                    bare.replay_one(0, i, now)?.ok_or("the bare replay found nothing")?;
+                }
+            }
+        }
+        other => return Err(format!("unknown mode {other}").into()),
+    }
+    Ok(())
+}
