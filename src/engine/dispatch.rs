@@ -689,8 +689,6 @@ fn accept(
         }
         bind_call(tx, &ck, c, Some(&op.id))?;
         ev.status_ref = Some(op.status_ref.clone());
-        let outbox = tx.outbox(&op.id)?;
-        let last_code = outbox.as_ref().and_then(|o| o.last_code.clone());
         match op.state {
             OpState::Succeeded | OpState::Failed => {
                 ev.note = Some("replay".into());
@@ -711,6 +709,8 @@ fn accept(
             _ => {}
         }
         // Not terminal. Only an operation whose every attempt is proven not sent may run again.
+        let outbox = tx.outbox(&op.id)?;
+        let last_code = outbox.as_ref().and_then(|o| o.last_code.clone());
         let attempts = tx.attempts(&op.id)?;
         let proven_unsent = attempts.iter().all(crate::store::AttemptRow::proven_not_received);
         let pending = outbox.as_ref().is_some_and(|o| o.state == OutboxState::Pending);

@@ -395,8 +395,8 @@ impl Store {
                 return Err(StoreError::Open(format!("could not enable WAL (journal_mode={mode})")));
             }
             conn.execute_batch(match opts.sync {
-                Sync::Full => "PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;",
-                Sync::Normal => "PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON;",
+                Sync::Full => "PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON; PRAGMA temp_store=MEMORY;",
+                Sync::Normal => "PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON; PRAGMA temp_store=MEMORY;",
             })?;
         }
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
@@ -449,8 +449,8 @@ impl Store {
             return Err(StoreError::Open(format!("could not enable WAL (journal_mode={mode})")));
         }
         conn.execute_batch(match sync {
-            Sync::Full => "PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;",
-            Sync::Normal => "PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON;",
+            Sync::Full => "PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON; PRAGMA temp_store=MEMORY;",
+            Sync::Normal => "PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON; PRAGMA temp_store=MEMORY;",
         })?;
         // Room for every statement the engine, the console's views and the
         // metrics prepare (about a hundred): none is evicted and re-prepared.
