@@ -534,13 +534,25 @@ fn header_text(headers: &HeaderMap, name: &str) -> Option<String> {
 
 /// The call identity from the `Toolgate-*` headers; each part absent is fresh.
 fn call_identity(headers: &HeaderMap) -> CallIdentity {
-    let fresh = crate::engine::fresh_call_identity();
-    CallIdentity {
-        provider: header_text(headers, "toolgate-provider").unwrap_or_else(|| "http".into()),
-        api_family: header_text(headers, "toolgate-api-family").unwrap_or(fresh.api_family),
-        response_id: header_text(headers, "toolgate-response-id").unwrap_or(fresh.response_id),
-        call_id: header_text(headers, "toolgate-call-id").unwrap_or(fresh.call_id),
-        adapter_revision: header_text(headers, "toolgate-adapter-revision").unwrap_or(fresh.adapter_revision),
+    let part = |name| header_text(headers, name);
+    let provider = part("toolgate-provider").unwrap_or_else(|| "http".into());
+    let parts = ["toolgate-api-family", "toolgate-response-id", "toolgate-call-id", "toolgate-adapter-revision"];
+    match parts.map(part) {
+        // Fresh parts cost two seedings from OS entropy (a tenth of the
+        // runtime's work per request): drawn only when a part is missing.
+        [Some(api_family), Some(response_id), Some(call_id), Some(adapter_revision)] => {
+            CallIdentity { provider, api_family, response_id, call_id, adapter_revision }
+        }
+        [api_family, response_id, call_id, adapter_revision] => {
+            let fresh = crate::engine::fresh_call_identity();
+            CallIdentity {
+                provider,
+                api_family: api_family.unwrap_or(fresh.api_family),
+                response_id: response_id.unwrap_or(fresh.response_id),
+                call_id: call_id.unwrap_or(fresh.call_id),
+                adapter_revision: adapter_revision.unwrap_or(fresh.adapter_revision),
+            }
+        }
     }
 }
 
