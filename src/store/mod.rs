@@ -541,7 +541,7 @@ impl Store {
         if mode == Mode::Read {
             return match &self.conn {
                 Conn::Lite(conn) => lite_transaction(conn, &self.conn, false, f),
-                Conn::Pg(pg) => pg::transaction(pg, &self.conn, mode, f),
+                Conn::Pg(pg) => pg::transaction(pg, &self.conn, mode, &self.writer, f),
             };
         }
         // A FULL write on SQLite joins the batch of the writers queued with it.
@@ -553,7 +553,7 @@ impl Store {
         let _alone = writer.queues().then(|| writer.alone());
         let out = match &self.conn {
             Conn::Lite(conn) => lite_transaction(conn, &self.conn, true, f),
-            Conn::Pg(pg) => pg::transaction(pg, &self.conn, mode, f),
+            Conn::Pg(pg) => pg::transaction(pg, &self.conn, mode, &writer, f),
         };
         if synced && out.is_ok() {
             writer.count_synced();
@@ -566,6 +566,13 @@ impl Store {
     /// time: `toolgate bench` reports them per call.
     pub fn synced_commits(&self) -> u64 {
         self.writer.synced_commits()
+    }
+
+    /// Write transactions this process ran again on this database after a
+    /// serialization failure, deadlock or unique violation (PostgreSQL; 0 on
+    /// SQLite), all time: `toolgate bench` reports them per call.
+    pub fn write_retries(&self) -> u64 {
+        self.writer.retries()
     }
 
     /// Folds the write-ahead log into the main file (SQLite; PostgreSQL

@@ -17,6 +17,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::group::Writer;
 use super::sql::{pg_error, Conn, Failed, PgConn};
 use super::{Mode, StoreError, Sync, Tx, BEGIN_RETRY_BUDGET};
 
@@ -168,6 +169,7 @@ pub(crate) fn transaction<T, E: From<StoreError>>(
     pg: &PgConn,
     neutral: &Conn,
     mode: Mode,
+    writer: &Writer,
     mut f: impl FnMut(&Tx<'_>) -> Result<T, E>,
 ) -> Result<T, E> {
     let begin = match mode {
@@ -219,6 +221,7 @@ pub(crate) fn transaction<T, E: From<StoreError>>(
         if !retry || started.elapsed() >= BEGIN_RETRY_BUDGET {
             return Err(StoreError::Conflict.into());
         }
+        writer.count_retry();
         // Full jitter, growing with the tries, at most ~50 ms.
         let cap = 1u64 << tries.min(6);
         std::thread::sleep(Duration::from_micros(500 + rand::random::<u64>() % (cap * 800)));
