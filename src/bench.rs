@@ -15,7 +15,9 @@
 //! - `query`: explicit status queries of settled operations;
 //! - `contention`: 8 threads, each with its own [`Engine`], on 100 shared
 //!   intents (exactly-once checked: effects, duplicates, busy errors) against 8
-//!   threads on distinct intents.
+//!   threads on distinct intents, reported over one thread's `fresh_dispatch`;
+//!   on PostgreSQL with the write transactions run again per call
+//!   (serialization failures: what concurrent writers cost each other).
 //!
 //! - with `--http`, `http_fresh` and `http_replay`: the same calls through
 //!   `toolgate serve`'s HTTP API (a server in this process on a loopback

@@ -451,13 +451,14 @@ fn a_schema_3_ledger_keeps_its_counts_through_the_slot_migration() {
     let slot0: i64 =
         c.query_one("SELECT CAST(sum(events) AS BIGINT) FROM metric_totals WHERE slot = 0", &[]).unwrap().get(0);
     assert_eq!(slot0, 5, "the old totals are slot 0's");
-    let before = e.read(|tx| tx.metric_totals()).unwrap();
-    assert_eq!(before.iter().map(|m| m.events).sum::<i64>(), 5);
+    let events_read = |e: &mut Engine| {
+        e.read(|tx| tx.metric_totals().map(|rows| rows.iter().map(|m| m.events).sum::<i64>())).unwrap()
+    };
+    assert_eq!(events_read(&mut e), 5);
     let env = crate::support::dispatch_with(&mut e, &crate::support::refund("pg-migrated-0001", 10), "ok");
     assert_eq!(env.model_result.status, Status::Succeeded);
     let events: i64 = c.query_one("SELECT count(*) FROM trace_events", &[]).unwrap().get(0);
-    let after = e.read(|tx| tx.metric_totals()).unwrap();
-    assert_eq!(after.iter().map(|m| m.events).sum::<i64>(), events);
+    assert_eq!(events_read(&mut e), events);
     let first_new: i64 = c.query_one("SELECT min(seq) FROM trace_events WHERE slot IS NOT NULL", &[]).unwrap().get(0);
     assert_eq!(first_new, 6, "the trace goes on after the last old event");
     assert_eq!(e.counts().unwrap().operations.get("succeeded"), Some(&1));
