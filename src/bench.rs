@@ -15,7 +15,9 @@
 //! - `query`: explicit status queries of settled operations;
 //! - `contention`: 8 threads, each with its own [`Engine`], on 100 shared
 //!   intents (exactly-once checked: effects, duplicates, busy errors) against 8
-//!   threads on distinct intents.
+//!   threads on distinct intents, reported over one thread's `fresh_dispatch`;
+//!   on PostgreSQL with the write transactions run again per call
+//!   (serialization failures: what concurrent writers cost each other).
 //!
 //! - with `--http`, `http_fresh` and `http_replay`: the same calls through
 //!   `toolgate serve`'s HTTP API (a server in this process on a loopback
@@ -168,6 +170,9 @@ pub struct Ratios {
     pub replay_over_bare_replay: Ratio,
     /// Calls/s of 8 threads on shared intents over 8 threads on distinct ones.
     pub shared_over_distinct: f64,
+    /// Calls/s of 8 threads on distinct intents over one thread's
+    /// `fresh_dispatch` (pooled over the rounds): what concurrent writers gain.
+    pub distinct_over_fresh: f64,
     /// `http_fresh` ops/s over `fresh_dispatch` ops/s (with `--http`).
     pub http_fresh_over_fresh: Option<Ratio>,
     /// `http_replay` ops/s over `replay` ops/s (with `--http`).
@@ -197,6 +202,11 @@ pub struct Contention {
     pub duplicates: i64,
     /// SQLite busy / locked errors that reached a caller (must be 0).
     pub busy_errors: usize,
+    /// Write transactions run again after a serialization failure, deadlock
+    /// or unique violation (PostgreSQL), per call of the shared phase.
+    pub shared_retries_per_call: f64,
+    /// The same, per call of the distinct phase.
+    pub distinct_retries_per_call: f64,
 }
 
 /// The world of the bench database: one tenant with a threshold no refund
@@ -605,17 +615,20 @@ fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan, http: boo
         per_replay: replay_synced as f64 / replay_calls.max(1) as f64,
         per_distinct_call,
     };
-    let ratios = Ratios {
+    let mut ratios = Ratios {
         fresh_over_bare: ratio(write_ratios),
         replay_over_lookup: ratio(replay_ratios),
         replay_over_bare_replay: ratio(bare_replay_ratios),
         shared_over_distinct: shared.ops_per_s / distinct.ops_per_s.max(1e-9),
+        distinct_over_fresh: 0.0,
         http_fresh_over_fresh: http.then(|| ratio(http_fresh_ratios)),
         http_replay_over_replay: http.then(|| ratio(http_replay_ratios)),
     };
+    let fresh = fd.phase("fresh_dispatch");
+    ratios.distinct_over_fresh = distinct.ops_per_s / fresh.ops_per_s.max(1e-9);
     let mut phases = vec![
         bw.phase("bare_write"),
-        fd.phase("fresh_dispatch"),
+        fresh,
         bl.phase("bare_lookup"),
         br.phase("bare_replay"),
         rp.phase("replay"),
@@ -713,8 +726,10 @@ fn contention(path: &Path, sync: Sync, plan: Plan) -> Result<(Phase, Phase, Cont
     let before = probe.counts()?.downstream_effects;
     // Every thread dispatches the same intents in the same order: the worst case.
     let shared_key = |i: usize| format!("bench-shared-{i:04}");
+    let retries_before = probe.store.write_retries();
     let (shared, st) =
         threads(path, sync, "contention_shared", |_| (0..SHARED_INTENTS).map(|i| (0, shared_key(i))).collect())?;
+    let shared_retries = probe.store.write_retries() - retries_before;
     let mid = probe.counts()?.downstream_effects;
     // Every intent settled exactly once: a later dispatch of each replays.
     for i in 0..SHARED_INTENTS {
@@ -723,10 +738,12 @@ fn contention(path: &Path, sync: Sync, plan: Plan) -> Result<(Phase, Phase, Cont
     }
     let per = plan.distinct_per_thread;
     let synced_before = probe.store.synced_commits();
+    let retries_before = probe.store.write_retries();
     let (distinct, dt) = threads(path, sync, "contention_distinct", |t| {
         (0..per).map(|i| (t, format!("bench-distinct-{t}-{i:04}"))).collect()
     })?;
     let synced_per_call = (probe.store.synced_commits() - synced_before) as f64 / (THREADS * per).max(1) as f64;
+    let distinct_retries = probe.store.write_retries() - retries_before;
     let counts = probe.counts()?;
     let c = Contention {
         threads: THREADS,
@@ -739,6 +756,8 @@ fn contention(path: &Path, sync: Sync, plan: Plan) -> Result<(Phase, Phase, Cont
         distinct_effects: counts.downstream_effects - mid,
         duplicates: counts.side_effect_duplicates,
         busy_errors: st.iter().chain(dt.iter()).map(|t| t.busy).sum(),
+        shared_retries_per_call: shared_retries as f64 / (THREADS * SHARED_INTENTS).max(1) as f64,
+        distinct_retries_per_call: distinct_retries as f64 / (THREADS * per).max(1) as f64,
     };
     if c.shared_effects != SHARED_INTENTS as i64 || c.duplicates != 0 || c.shared_fresh != SHARED_INTENTS {
         return Err(BenchError::Check(format!(
@@ -772,7 +791,7 @@ pub fn table(r: &BenchReport) -> String {
         let _ = writeln!(
             out,
             "  fresh/bare {:.3} [{:.3}–{:.3}]   replay/lookup {:.3} [{:.3}–{:.3}]   replay/bare_replay {:.3} \
-             [{:.3}–{:.3}]   shared/distinct {:.2}",
+             [{:.3}–{:.3}]   shared/distinct {:.2}   8-thread distinct/fresh {:.2}",
             fresh.median,
             fresh.min,
             fresh.max,
@@ -782,7 +801,8 @@ pub fn table(r: &BenchReport) -> String {
             bare.median,
             bare.min,
             bare.max,
-            m.ratios.shared_over_distinct
+            m.ratios.shared_over_distinct,
+            m.ratios.distinct_over_fresh
         );
         let sc = m.synced_commits;
         let _ = writeln!(
@@ -801,7 +821,7 @@ pub fn table(r: &BenchReport) -> String {
         let _ = writeln!(
             out,
             "  contention: {} threads; {} shared intents → {} effects ({} fresh, {} replayed, {} in flight elsewhere); \
-             {} distinct → {} effects; {} duplicates, {} busy errors",
+             {} distinct → {} effects; {} duplicates, {} busy errors; write retries per call: shared {:.2}, distinct {:.2}",
             c.threads,
             c.shared_intents,
             c.shared_effects,
@@ -811,7 +831,9 @@ pub fn table(r: &BenchReport) -> String {
             c.distinct_intents,
             c.distinct_effects,
             c.duplicates,
-            c.busy_errors
+            c.busy_errors,
+            c.shared_retries_per_call,
+            c.distinct_retries_per_call
         );
     }
     out

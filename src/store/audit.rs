@@ -137,13 +137,39 @@ impl Tx<'_> {
     /// Trace events whose fields are not valid JSON, and the gaps in the trace's
     /// sequence (events are never deleted, so a gap is a deleted event), as
     /// (first missing, last missing).
+    ///
+    /// SQLite's `seq` is gapless. PostgreSQL's leaves a gap for each rolled-back
+    /// insert, so there the gapless number is `slot_seq` within each writer's
+    /// slot (migration pg/0004): a number missing there, or past the last one
+    /// present while `trace_slots` counted further, is a deleted event, reported
+    /// as the range of `seq` it lay in. Events from before that migration have
+    /// no slot and keep the gapless `seq`.
     pub fn trace_damage(&self) -> R<TraceDamage> {
         let mut st = self.conn.prepare("SELECT seq FROM trace_events WHERE json_valid(fields) = 0 ORDER BY seq")?;
         let bad = st.query_map((), |r| r.get(0))?.collect::<Result<Vec<i64>, _>>()?;
-        let mut st = self.conn.prepare(
-            "SELECT seq + 1, next - 1 FROM (SELECT seq, lead(seq) OVER (ORDER BY seq) AS next FROM trace_events) AS t
-             WHERE next > seq + 1",
-        )?;
+        let mut st = self.conn.prepare(match self.backend() {
+            Backend::Sqlite => {
+                "SELECT seq + 1, next - 1 FROM (SELECT seq, lead(seq) OVER (ORDER BY seq) AS next FROM trace_events) AS t
+                 WHERE next > seq + 1"
+            }
+            Backend::Postgres => {
+                "SELECT seq + 1, next - 1
+                   FROM (SELECT seq, lead(seq) OVER (ORDER BY seq) AS next FROM trace_events WHERE slot IS NULL) AS t
+                  WHERE next > seq + 1
+                 UNION ALL
+                 SELECT coalesce(prev_seq, 0) + 1, seq - 1
+                   FROM (SELECT seq, slot_seq, lag(seq) OVER w AS prev_seq, lag(slot_seq) OVER w AS prev_slot_seq
+                           FROM trace_events WHERE slot IS NOT NULL WINDOW w AS (PARTITION BY slot ORDER BY slot_seq)) AS t
+                  WHERE slot_seq > coalesce(prev_slot_seq, 0) + 1
+                 UNION ALL
+                 SELECT coalesce(max(e.seq), 0) + 1,
+                        coalesce(pg_sequence_last_value(pg_get_serial_sequence('trace_events', 'seq')::regclass),
+                                 (SELECT max(seq) FROM trace_events))
+                   FROM trace_slots s LEFT JOIN trace_events e ON e.slot = s.slot
+                  GROUP BY s.slot, s.last HAVING s.last > coalesce(max(e.slot_seq), 0)
+                 ORDER BY 1"
+            }
+        })?;
         let gaps = st.query_map((), |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<Result<Vec<_>, _>>()?;
         Ok((bad, gaps))
     }

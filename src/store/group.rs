@@ -58,6 +58,10 @@ pub(crate) struct Writer {
     /// Commits that waited for the disk (group commits and FULL commits of
     /// writers alone), all time: `toolgate bench` reports them per call.
     synced: AtomicU64,
+    /// PostgreSQL write transactions run again after a serialization failure,
+    /// deadlock or unique violation (`pg::transaction`), all time:
+    /// `toolgate bench` reports them per call of the contention phases.
+    retries: AtomicU64,
     /// Writers take turns (always on SQLite; on PostgreSQL unless
     /// `TOOLGATE_PG_WRITER_QUEUE=off`, for measurements: its writers then
     /// meet only the server's own locking and serializable conflicts).
@@ -158,6 +162,7 @@ impl Writer {
             committed: Condvar::new(),
             arrivals: AtomicUsize::new(0),
             synced: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
         }
     }
 
@@ -174,6 +179,16 @@ impl Writer {
     /// Commits that waited for the disk, all time, in this process.
     pub(crate) fn synced_commits(&self) -> u64 {
         self.synced.load(Ordering::Relaxed)
+    }
+
+    /// Write transactions run again (PostgreSQL), all time, in this process.
+    pub(crate) fn retries(&self) -> u64 {
+        self.retries.load(Ordering::Relaxed)
+    }
+
+    /// Counts one write transaction run again.
+    pub(crate) fn count_retry(&self) {
+        self.retries.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a FULL commit made outside a batch.

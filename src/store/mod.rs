@@ -541,7 +541,7 @@ impl Store {
         if mode == Mode::Read {
             return match &self.conn {
                 Conn::Lite(conn) => lite_transaction(conn, &self.conn, false, f),
-                Conn::Pg(pg) => pg::transaction(pg, &self.conn, mode, f),
+                Conn::Pg(pg) => pg::transaction(pg, &self.conn, mode, &self.writer, f),
             };
         }
         // A FULL write on SQLite joins the batch of the writers queued with it.
@@ -553,7 +553,7 @@ impl Store {
         let _alone = writer.queues().then(|| writer.alone());
         let out = match &self.conn {
             Conn::Lite(conn) => lite_transaction(conn, &self.conn, true, f),
-            Conn::Pg(pg) => pg::transaction(pg, &self.conn, mode, f),
+            Conn::Pg(pg) => pg::transaction(pg, &self.conn, mode, &writer, f),
         };
         if synced && out.is_ok() {
             writer.count_synced();
@@ -566,6 +566,13 @@ impl Store {
     /// time: `toolgate bench` reports them per call.
     pub fn synced_commits(&self) -> u64 {
         self.writer.synced_commits()
+    }
+
+    /// Write transactions this process ran again on this database after a
+    /// serialization failure, deadlock or unique violation (PostgreSQL; 0 on
+    /// SQLite), all time: `toolgate bench` reports them per call.
+    pub fn write_retries(&self) -> u64 {
+        self.writer.retries()
     }
 
     /// Folds the write-ahead log into the main file (SQLite; PostgreSQL
@@ -754,16 +761,22 @@ impl Tx<'_> {
 //
 // Metrics read the rollups that the `trace_events_rollup` trigger (migration
 // 0002) keeps in the same transaction as each trace insert, plus a few small
-// reads of the ledger's own state. Nothing here scans the whole trace.
+// reads of the ledger's own state. Nothing here scans the whole trace. On
+// PostgreSQL each series is split into slots (migration pg/0004, so that
+// concurrent writers never update one row); every read adds them up, which on
+// SQLite's one row per series reads the same.
 
-const METRIC_DIMS: &str =
-    "answer, step, tool, tenant_ref, tool_version, code, outcome, delivery, timeout_stage, reason, events, latency_sum_us";
+const METRIC_SERIES: &str =
+    "answer, step, tool, tenant_ref, tool_version, code, outcome, delivery, timeout_stage, reason";
+const METRIC_SUMS: &str = "CAST(sum(events) AS BIGINT), CAST(sum(latency_sum_us) AS BIGINT)";
+const LATENCY_SERIES: &str = "answer, tool, tenant_ref, tool_version, bucket_us";
 
 impl Tx<'_> {
     /// All-time event counts, one row per series.
     pub fn metric_totals(&self) -> R<Vec<MetricRow>> {
-        let mut st =
-            self.conn.prepare_cached(&format!("SELECT CAST(NULL AS BIGINT), {METRIC_DIMS} FROM metric_totals"))?;
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT CAST(NULL AS BIGINT), {METRIC_SERIES}, {METRIC_SUMS} FROM metric_totals GROUP BY {METRIC_SERIES}"
+        ))?;
         let rows = st.query_map((), MetricRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }
@@ -771,7 +784,8 @@ impl Tx<'_> {
     /// Per-minute event counts for minutes in `[from_minute, to_minute)`.
     pub fn metric_minutes(&self, from_minute: i64, to_minute: i64) -> R<Vec<MetricRow>> {
         let mut st = self.conn.prepare_cached(&format!(
-            "SELECT minute, {METRIC_DIMS} FROM metric_minutes WHERE minute >= ?1 AND minute < ?2 ORDER BY minute"
+            "SELECT minute, {METRIC_SERIES}, {METRIC_SUMS} FROM metric_minutes WHERE minute >= ?1 AND minute < ?2
+             GROUP BY minute, {METRIC_SERIES} ORDER BY minute"
         ))?;
         let rows = st.query_map(params![from_minute, to_minute], MetricRow::from_row)?;
         rows.collect::<Result<_, _>>()
@@ -779,19 +793,20 @@ impl Tx<'_> {
 
     /// The all-time latency histogram of answered calls.
     pub fn latency_totals(&self) -> R<Vec<LatencyRow>> {
-        let mut st = self.conn.prepare_cached(
-            "SELECT CAST(NULL AS BIGINT), answer, tool, tenant_ref, tool_version, bucket_us, count FROM latency_totals",
-        )?;
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT CAST(NULL AS BIGINT), {LATENCY_SERIES}, CAST(sum(count) AS BIGINT) FROM latency_totals
+             GROUP BY {LATENCY_SERIES}"
+        ))?;
         let rows = st.query_map((), LatencyRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }
 
     /// The latency histogram of calls answered in minutes `[from_minute, to_minute)`.
     pub fn latency_minutes(&self, from_minute: i64, to_minute: i64) -> R<Vec<LatencyRow>> {
-        let mut st = self.conn.prepare_cached(
-            "SELECT minute, answer, tool, tenant_ref, tool_version, bucket_us, count FROM latency_minutes
-             WHERE minute >= ?1 AND minute < ?2",
-        )?;
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT minute, {LATENCY_SERIES}, CAST(sum(count) AS BIGINT) FROM latency_minutes
+             WHERE minute >= ?1 AND minute < ?2 GROUP BY minute, {LATENCY_SERIES}"
+        ))?;
         let rows = st.query_map(params![from_minute, to_minute], LatencyRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }

@@ -177,9 +177,12 @@ impl Tx<'_> {
 
     /// Operation counts per state.
     pub fn count_operations_by_state(&self) -> R<Vec<(String, i64)>> {
-        let mut st =
-            // Kept by triggers (migration 0003): constant time on any ledger size.
-            self.conn.prepare_cached("SELECT state, n FROM state_counts WHERE n > 0 ORDER BY state")?;
+        // Kept by triggers (migration 0003): constant time on any ledger size.
+        // Summed over PostgreSQL's slots (pg/0004), where one slot's count of
+        // a state may be negative; SQLite has one row per state.
+        let mut st = self.conn.prepare_cached(
+            "SELECT state, CAST(sum(n) AS BIGINT) FROM state_counts GROUP BY state HAVING sum(n) > 0 ORDER BY state",
+        )?;
         let rows = st.query_map((), |r| Ok((r.get(0)?, r.get(1)?)))?;
         rows.collect::<Result<_, _>>()
     }

@@ -17,6 +17,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::group::Writer;
 use super::sql::{pg_error, Conn, Failed, PgConn};
 use super::{Mode, StoreError, Sync, Tx, BEGIN_RETRY_BUDGET};
 
@@ -24,10 +25,11 @@ type R<T> = Result<T, StoreError>;
 
 /// PostgreSQL migrations, in order (numbered on their own: PostgreSQL 0001 is
 /// the shape of SQLite schema 9). The version applied is meta `schema_version`.
-const MIGRATIONS: [&str; 3] = [
+const MIGRATIONS: [&str; 4] = [
     include_str!("pg/0001_ledger.sql"),
     include_str!("pg/0002_api_tokens.sql"),
     include_str!("pg/0003_sort_indexes.sql"),
+    include_str!("pg/0004_rollup_slots.sql"),
 ];
 
 /// The PostgreSQL schema version this build writes.
@@ -38,6 +40,25 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Lock key that serializes migrations of one database across processes.
 const MIGRATION_LOCK: i64 = 0x746f_6f6c_6761_7465; // "toolgate"
+
+/// Takes this session's slot (migration `pg/0004`): the first of 0..63 no
+/// other session of the database holds, as a session advisory lock on
+/// (`0x74676c74` "tglt", slot) that the server drops with the connection,
+/// and sets it as `toolgate.slot`, which the triggers read to choose the rows
+/// of the counters, rollups and trace sequence this connection writes. Two
+/// writing connections, whatever their host, never share a slot (while there
+/// are at most 64), so their transactions never update one counter row. With
+/// every slot taken, the triggers fall back to the backend pid modulo 64
+/// (`toolgate_slot()`). Needs no schema: it is part of the session settings,
+/// restored on a reconnect.
+const SLOT_CLAIM: &str = "DO $$ BEGIN
+    FOR s IN 0..63 LOOP
+        IF pg_try_advisory_lock(1952935028, s) THEN
+            PERFORM set_config('toolgate.slot', s::text, false);
+            RETURN;
+        END IF;
+    END LOOP;
+END $$;";
 
 /// Connects, checks the ledger's schema, and migrates it unless `read_only`.
 pub(crate) fn open(url: &str, sync: Sync, read_only: bool) -> R<Conn> {
@@ -78,6 +99,8 @@ pub(crate) fn connect(url: &str, sync: Sync, read_only: bool) -> R<PgConn> {
     }
     if read_only {
         session.push_str("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY;");
+    } else {
+        session.push_str(SLOT_CLAIM);
     }
     client.batch_execute(&session).map_err(|e| pg_error(&e))?;
     Ok(PgConn::new(client, config, session))
@@ -168,6 +191,7 @@ pub(crate) fn transaction<T, E: From<StoreError>>(
     pg: &PgConn,
     neutral: &Conn,
     mode: Mode,
+    writer: &Writer,
     mut f: impl FnMut(&Tx<'_>) -> Result<T, E>,
 ) -> Result<T, E> {
     let begin = match mode {
@@ -219,6 +243,7 @@ pub(crate) fn transaction<T, E: From<StoreError>>(
         if !retry || started.elapsed() >= BEGIN_RETRY_BUDGET {
             return Err(StoreError::Conflict.into());
         }
+        writer.count_retry();
         // Full jitter, growing with the tries, at most ~50 ms.
         let cap = 1u64 << tries.min(6);
         std::thread::sleep(Duration::from_micros(500 + rand::random::<u64>() % (cap * 800)));

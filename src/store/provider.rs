@@ -22,7 +22,8 @@ type R<T> = Result<T, StoreError>;
 
 /// The providers' migrations, per backend, in order.
 const SQLITE_MIGRATIONS: [&str; 1] = [include_str!("provider/sqlite_0001_effects.sql")];
-const PG_MIGRATIONS: [&str; 1] = [include_str!("provider/pg_0001_effects.sql")];
+const PG_MIGRATIONS: [&str; 2] =
+    [include_str!("provider/pg_0001_effects.sql"), include_str!("provider/pg_0002_effect_slots.sql")];
 
 /// Lock key that serializes the providers' migrations across processes (PostgreSQL).
 const MIGRATION_LOCK: i64 = 0x7072_6f76_6964_6572; // "provider"
@@ -126,7 +127,10 @@ impl ProviderTx<'_> {
 
     /// Total committed provider effects.
     pub fn count_effects(&self) -> R<i64> {
-        self.conn.prepare_cached("SELECT effects FROM effect_totals WHERE id = 1")?.query_row((), |r| r.get(0))
+        // Summed over slots (PostgreSQL's provider migration 0002; SQLite has one row).
+        self.conn
+            .prepare_cached("SELECT CAST(coalesce(sum(effects), 0) AS BIGINT) FROM effect_totals WHERE id = 1")?
+            .query_row((), |r| r.get(0))
     }
 
     /// Effects committed for one business intent.
@@ -138,7 +142,9 @@ impl ProviderTx<'_> {
 
     /// Intents with more than one committed effect (must be 0 outside lab mode).
     pub fn side_effect_duplicates(&self) -> R<i64> {
-        self.conn.prepare_cached("SELECT duplicates FROM effect_totals WHERE id = 1")?.query_row((), |r| r.get(0))
+        self.conn
+            .prepare_cached("SELECT CAST(coalesce(sum(duplicates), 0) AS BIGINT) FROM effect_totals WHERE id = 1")?
+            .query_row((), |r| r.get(0))
     }
 }
 

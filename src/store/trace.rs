@@ -1,29 +1,22 @@
 //! Typed queries: Trace events (their rollups are kept by triggers in the same transaction).
 
-use super::{params, Backend, TraceRow, Tx, R, TRACE_COLS};
+use super::{params, TraceRow, Tx, R, TRACE_COLS};
 
 impl Tx<'_> {
     // ---------------------------------------------------------------- trace
 
     /// Appends a trace event.
     pub fn insert_trace(&self, e: &TraceRow) -> R<()> {
-        // The trace's sequence has no gaps (a gap is a deleted event, which the
-        // audit reports). SQLite's rowid never leaves one; a PostgreSQL
-        // sequence does on every rolled-back insert, so there the number is the
-        // next one under the transaction's serializable snapshot.
-        let sql = match self.backend() {
-            Backend::Sqlite => {
-                "INSERT INTO trace_events (at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us, fields,
-                   answer, latency_us, tenant_ref, tool_version, timeout_stage, reason, latency_bucket_us)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)"
-            }
-            Backend::Postgres => {
-                "INSERT INTO trace_events (seq, at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us, fields,
-                   answer, latency_us, tenant_ref, tool_version, timeout_stage, reason, latency_bucket_us)
-                 SELECT coalesce(max(seq), 0) + 1, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17
-                 FROM trace_events"
-            }
-        };
+        // The trace's order is `seq`: SQLite's rowid, and on PostgreSQL the
+        // column's sequence, which leaves a gap for every rolled-back insert.
+        // What proves that no event was deleted is a gapless number: `seq`
+        // itself on SQLite, which never leaves one; on PostgreSQL a number
+        // per writer's slot that the insert's trigger takes (migration
+        // pg/0004), so that concurrent writers do not all read and write the
+        // one "next number" (see `Tx::trace_damage`).
+        let sql = "INSERT INTO trace_events (at, operation_id, step, tool, code, outcome, delivery, attempt, duration_us, fields,
+                     answer, latency_us, tenant_ref, tool_version, timeout_stage, reason, latency_bucket_us)
+                   VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)";
         self.conn.prepare_cached(sql)?.execute(params![
             e.at,
             e.operation_id,
