@@ -24,7 +24,7 @@ mod states;
 mod tokens;
 mod views;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, Instant};
@@ -45,7 +45,7 @@ pub use views::{
 };
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 11] = [
+const MIGRATIONS: [&str; 12] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
@@ -57,6 +57,7 @@ const MIGRATIONS: [&str; 11] = [
     include_str!("migrations/0009_downstream_key.sql"),
     include_str!("migrations/0010_api_tokens.sql"),
     include_str!("migrations/0011_sort_indexes.sql"),
+    include_str!("migrations/0012_folded_rollups.sql"),
 ];
 
 /// The schema version this build writes.
@@ -759,23 +760,159 @@ impl Tx<'_> {
 
 // ---------------------------------------------------------- observability
 //
-// Metrics read the rollups that the `trace_events_rollup` trigger (migration
-// 0002) keeps in the same transaction as each trace insert, plus a few small
-// reads of the ledger's own state. Nothing here scans the whole trace. On
-// PostgreSQL each series is split into slots (migration pg/0004, so that
-// concurrent writers never update one row); every read adds them up, which on
-// SQLite's one row per series reads the same.
+// Metrics read the trace rollups plus a few small reads of the ledger's own
+// state. Nothing here scans the whole trace. On SQLite the rollups are folded
+// in batches (migration 0012, `Tx::fold_rollups`) and every read adds the
+// unfolded tail (at most `FOLD_EVERY` events, read by rowid range) to them; on
+// PostgreSQL a trigger keeps them in the transaction of each trace insert,
+// each series split into slots (migration pg/0004, so that concurrent writers
+// never update one row), and every read adds the slots up, which on SQLite's
+// one row per series reads the same.
 
 const METRIC_SERIES: &str =
     "answer, step, tool, tenant_ref, tool_version, code, outcome, delivery, timeout_stage, reason";
 const METRIC_SUMS: &str = "CAST(sum(events) AS BIGINT), CAST(sum(latency_sum_us) AS BIGINT)";
 const LATENCY_SERIES: &str = "answer, tool, tenant_ref, tool_version, bucket_us";
 
+/// SQLite folds the trace into the rollups when an event's `seq` is a
+/// multiple of this: the unfolded tail never holds more events than this
+/// (plus those of the transaction that is folding).
+pub const FOLD_EVERY: i64 = 256;
+
+/// The rollup rule of migrations 0002 and 0006 (absent dimensions are ''),
+/// one row per trace event with `?1 < seq <= ?2`, in the rollups' columns.
+const METRIC_EVENTS: &str = "SELECT at / 60000 AS minute, coalesce(answer, '') AS answer, step,
+        coalesce(tool, '') AS tool, coalesce(tenant_ref, '') AS tenant_ref, coalesce(tool_version, '') AS tool_version,
+        coalesce(code, '') AS code, coalesce(outcome, '') AS outcome, coalesce(delivery, '') AS delivery,
+        coalesce(timeout_stage, '') AS timeout_stage, coalesce(reason, '') AS reason,
+        1 AS events, coalesce(latency_us, 0) AS latency_sum_us
+    FROM trace_events WHERE seq > ?1 AND seq <= ?2";
+/// METRIC_EVENTS with what the latency histograms need: the bucket and
+/// whether the event answers a call.
+const METRIC_EVENTS_WITH_BUCKET: &str = "SELECT at / 60000 AS minute, coalesce(answer, '') AS answer, step,
+        coalesce(tool, '') AS tool, coalesce(tenant_ref, '') AS tenant_ref, coalesce(tool_version, '') AS tool_version,
+        coalesce(code, '') AS code, coalesce(outcome, '') AS outcome, coalesce(delivery, '') AS delivery,
+        coalesce(timeout_stage, '') AS timeout_stage, coalesce(reason, '') AS reason,
+        1 AS events, coalesce(latency_us, 0) AS latency_sum_us, latency_bucket_us, answer IS NOT NULL AS has_answer
+    FROM trace_events WHERE seq > ?1 AND seq <= ?2";
+/// The same for the latency histograms: answered events with a latency.
+const LATENCY_EVENTS: &str = "SELECT at / 60000 AS minute, answer, coalesce(tool, '') AS tool,
+        coalesce(tenant_ref, '') AS tenant_ref, coalesce(tool_version, '') AS tool_version,
+        latency_bucket_us AS bucket_us, 1 AS count
+    FROM trace_events WHERE seq > ?1 AND seq <= ?2 AND answer IS NOT NULL AND latency_bucket_us IS NOT NULL";
+
 impl Tx<'_> {
+    /// The rows of a rollup table as readers must see them: on SQLite the
+    /// table plus the unfolded tail of the trace (`events` is METRIC_EVENTS or
+    /// LATENCY_EVENTS, `cols` the columns to take); on PostgreSQL the table.
+    fn rollup_rows(&self, table: &str, events: &str, cols: &str) -> String {
+        match self.backend() {
+            Backend::Postgres => table.to_string(),
+            Backend::Sqlite => {
+                let tail = events.replace("?1", "(SELECT folded_seq FROM rollup_mark)").replace("?2", "9223372036854775807");
+                format!("(SELECT {cols} FROM {table} UNION ALL SELECT {cols} FROM ({tail}))")
+            }
+        }
+    }
+
+    /// Folds the trace events past the fold mark into the rollups and moves the
+    /// mark (SQLite; PostgreSQL's trigger keeps its rollups current). Runs in
+    /// the caller's write transaction, so the events and their counts commit
+    /// or roll back together; folding twice counts nothing twice.
+    ///
+    /// The tail is read once and counted here, then each series is upserted
+    /// once: an SQL `GROUP BY` over ten text columns per rollup table cost
+    /// about ten times as much (callgrind; ARCHITECTURE.md).
+    pub fn fold_rollups(&self) -> R<()> {
+        if self.backend() != Backend::Sqlite {
+            return Ok(());
+        }
+        let (from, to): (i64, i64) = self
+            .conn
+            .prepare_cached("SELECT folded_seq, (SELECT coalesce(max(seq), 0) FROM trace_events) FROM rollup_mark")?
+            .query_row((), |r| Ok((r.get(0)?, r.get(1)?)))?;
+        if to <= from {
+            return Ok(());
+        }
+        type Series = (String, String, String, String, String, String, String, String, String, String);
+        type Bucket = (String, String, String, String, i64);
+        let mut minutes: BTreeMap<(i64, Series), (i64, i64)> = BTreeMap::new();
+        let mut buckets: BTreeMap<(i64, Bucket), i64> = BTreeMap::new();
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT minute, answer, step, tool, tenant_ref, tool_version, code, outcome, delivery, timeout_stage, reason,
+                    events, latency_sum_us, e.latency_bucket_us, e.has_answer
+             FROM ({METRIC_EVENTS_WITH_BUCKET}) e"
+        ))?;
+        for row in st.query_map(params![from, to], |r| {
+            let m = MetricRow::from_row(r)?;
+            Ok((m, r.get::<Option<i64>>(13)?, r.get::<i64>(14)? != 0))
+        })? {
+            let (m, bucket, has_answer) = row?;
+            let minute = m.minute.unwrap_or_default();
+            if let (true, Some(b)) = (has_answer, bucket) {
+                let key = (m.answer.clone(), m.tool.clone(), m.tenant_ref.clone(), m.tool_version.clone(), b);
+                *buckets.entry((minute, key)).or_default() += 1;
+            }
+            let series = (
+                m.answer, m.step, m.tool, m.tenant_ref, m.tool_version, m.code, m.outcome, m.delivery, m.timeout_stage,
+                m.reason,
+            );
+            let sums = minutes.entry((minute, series)).or_default();
+            sums.0 += m.events;
+            sums.1 += m.latency_sum_us;
+        }
+        drop(st);
+        let mut totals: BTreeMap<&Series, (i64, i64)> = BTreeMap::new();
+        for ((minute, s), (events, latency)) in &minutes {
+            self.conn
+                .prepare_cached(&format!(
+                    "INSERT INTO metric_minutes (minute, {METRIC_SERIES}, events, latency_sum_us)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
+                     ON CONFLICT DO UPDATE SET events = events + excluded.events,
+                         latency_sum_us = latency_sum_us + excluded.latency_sum_us"
+                ))?
+                .execute(params![minute, s.0, s.1, s.2, s.3, s.4, s.5, s.6, s.7, s.8, s.9, events, latency])?;
+            let t = totals.entry(s).or_default();
+            t.0 += events;
+            t.1 += latency;
+        }
+        for (s, (events, latency)) in totals {
+            self.conn
+                .prepare_cached(&format!(
+                    "INSERT INTO metric_totals ({METRIC_SERIES}, events, latency_sum_us)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)
+                     ON CONFLICT DO UPDATE SET events = events + excluded.events,
+                         latency_sum_us = latency_sum_us + excluded.latency_sum_us"
+                ))?
+                .execute(params![s.0, s.1, s.2, s.3, s.4, s.5, s.6, s.7, s.8, s.9, events, latency])?;
+        }
+        let mut bucket_totals: BTreeMap<&Bucket, i64> = BTreeMap::new();
+        for ((minute, b), count) in &buckets {
+            self.conn
+                .prepare_cached(&format!(
+                    "INSERT INTO latency_minutes (minute, {LATENCY_SERIES}, count) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+                     ON CONFLICT DO UPDATE SET count = count + excluded.count"
+                ))?
+                .execute(params![minute, b.0, b.1, b.2, b.3, b.4, count])?;
+            *bucket_totals.entry(b).or_default() += count;
+        }
+        for (b, count) in bucket_totals {
+            self.conn
+                .prepare_cached(&format!(
+                    "INSERT INTO latency_totals ({LATENCY_SERIES}, count) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                     ON CONFLICT DO UPDATE SET count = count + excluded.count"
+                ))?
+                .execute(params![b.0, b.1, b.2, b.3, b.4, count])?;
+        }
+        self.conn.prepare_cached("UPDATE rollup_mark SET folded_seq = ?1")?.execute([to])?;
+        Ok(())
+    }
+
     /// All-time event counts, one row per series.
     pub fn metric_totals(&self) -> R<Vec<MetricRow>> {
+        let rows = self.rollup_rows("metric_totals", METRIC_EVENTS, &format!("{METRIC_SERIES}, events, latency_sum_us"));
         let mut st = self.conn.prepare_cached(&format!(
-            "SELECT CAST(NULL AS BIGINT), {METRIC_SERIES}, {METRIC_SUMS} FROM metric_totals GROUP BY {METRIC_SERIES}"
+            "SELECT CAST(NULL AS BIGINT), {METRIC_SERIES}, {METRIC_SUMS} FROM {rows} r GROUP BY {METRIC_SERIES}"
         ))?;
         let rows = st.query_map((), MetricRow::from_row)?;
         rows.collect::<Result<_, _>>()
@@ -783,8 +920,13 @@ impl Tx<'_> {
 
     /// Per-minute event counts for minutes in `[from_minute, to_minute)`.
     pub fn metric_minutes(&self, from_minute: i64, to_minute: i64) -> R<Vec<MetricRow>> {
+        let rows = self.rollup_rows(
+            "metric_minutes",
+            METRIC_EVENTS,
+            &format!("minute, {METRIC_SERIES}, events, latency_sum_us"),
+        );
         let mut st = self.conn.prepare_cached(&format!(
-            "SELECT minute, {METRIC_SERIES}, {METRIC_SUMS} FROM metric_minutes WHERE minute >= ?1 AND minute < ?2
+            "SELECT minute, {METRIC_SERIES}, {METRIC_SUMS} FROM {rows} r WHERE minute >= ?1 AND minute < ?2
              GROUP BY minute, {METRIC_SERIES} ORDER BY minute"
         ))?;
         let rows = st.query_map(params![from_minute, to_minute], MetricRow::from_row)?;
@@ -793,8 +935,9 @@ impl Tx<'_> {
 
     /// The all-time latency histogram of answered calls.
     pub fn latency_totals(&self) -> R<Vec<LatencyRow>> {
+        let rows = self.rollup_rows("latency_totals", LATENCY_EVENTS, &format!("{LATENCY_SERIES}, count"));
         let mut st = self.conn.prepare_cached(&format!(
-            "SELECT CAST(NULL AS BIGINT), {LATENCY_SERIES}, CAST(sum(count) AS BIGINT) FROM latency_totals
+            "SELECT CAST(NULL AS BIGINT), {LATENCY_SERIES}, CAST(sum(count) AS BIGINT) FROM {rows} r
              GROUP BY {LATENCY_SERIES}"
         ))?;
         let rows = st.query_map((), LatencyRow::from_row)?;
@@ -803,12 +946,22 @@ impl Tx<'_> {
 
     /// The latency histogram of calls answered in minutes `[from_minute, to_minute)`.
     pub fn latency_minutes(&self, from_minute: i64, to_minute: i64) -> R<Vec<LatencyRow>> {
+        let rows = self.rollup_rows("latency_minutes", LATENCY_EVENTS, &format!("minute, {LATENCY_SERIES}, count"));
         let mut st = self.conn.prepare_cached(&format!(
-            "SELECT minute, {LATENCY_SERIES}, CAST(sum(count) AS BIGINT) FROM latency_minutes
+            "SELECT minute, {LATENCY_SERIES}, CAST(sum(count) AS BIGINT) FROM {rows} r
              WHERE minute >= ?1 AND minute < ?2 GROUP BY minute, {LATENCY_SERIES}"
         ))?;
         let rows = st.query_map(params![from_minute, to_minute], LatencyRow::from_row)?;
         rows.collect::<Result<_, _>>()
+    }
+
+    /// How many trace events, all time, carry this decision reason (read from
+    /// the rollups and the unfolded tail, never the whole trace).
+    pub fn trace_reason_total(&self, reason: &str) -> R<i64> {
+        let rows = self.rollup_rows("metric_totals", METRIC_EVENTS, "reason, events");
+        self.conn
+            .prepare_cached(&format!("SELECT CAST(coalesce(sum(events), 0) AS BIGINT) FROM {rows} r WHERE reason = ?1"))?
+            .query_row([reason], |r| r.get(0))
     }
 
     /// Non-terminal operations per state, tool, tenant and contract revisions,

@@ -230,14 +230,3 @@ impl Tx<'_> {
     }
 }
 
-impl Tx<'_> {
-    // ------------------------------------------------------------------ lab
-
-    /// How many trace events, all time, carry this decision reason (read from
-    /// the rollups, never the trace itself).
-    pub fn trace_reason_total(&self, reason: &str) -> R<i64> {
-        self.conn
-            .prepare_cached("SELECT CAST(coalesce(sum(events), 0) AS BIGINT) FROM metric_totals WHERE reason = ?1")?
-            .query_row([reason], |r| r.get(0))
-    }
-}

@@ -189,6 +189,15 @@ impl Conn {
         }
     }
 
+    /// SQLite: the rowid of the row this connection inserted last; `None` on
+    /// PostgreSQL.
+    pub(crate) fn last_insert_rowid(&self) -> Option<i64> {
+        match self {
+            Conn::Lite(c) => Some(c.last_insert_rowid()),
+            Conn::Pg(_) => None,
+        }
+    }
+
     /// A prepared statement, cached per connection.
     pub(crate) fn prepare_cached(&self, sql: &str) -> R<Stmt<'_>> {
         match self {

@@ -1,4 +1,4 @@
-//! Typed queries: Trace events (their rollups are kept by triggers in the same transaction).
+//! Typed queries: Trace events (their rollups: folded in batches on SQLite, kept by triggers on PostgreSQL).
 
 use super::{params, TraceRow, Tx, R, TRACE_COLS};
 
@@ -37,6 +37,12 @@ impl Tx<'_> {
             // The one rounding rule of the latency rollups (migration 0006).
             e.latency_us.map(crate::telemetry::histogram::bucket_upper)
         ])?;
+        // SQLite folds the rollups every FOLD_EVERY events (migration 0012):
+        // `seq` is the rowid, gapless, so exactly one insert in FOLD_EVERY
+        // folds (again, if its transaction rolled back and the number is reused).
+        if self.conn.last_insert_rowid().is_some_and(|seq| seq % super::FOLD_EVERY == 0) {
+            self.fold_rollups()?;
+        }
         Ok(())
     }
 

@@ -660,6 +660,9 @@ impl Tx<'_> {
     /// Shifts every stored time by `delta_ms` (the demo's working copy is re-based
     /// to now so countdowns are live).
     pub fn rebase_times(&self, delta_ms: i64) -> R<()> {
+        // The tail's minutes come from the events' times: fold it first, so
+        // that every counted event moves with the rollups by whole minutes.
+        self.fold_rollups()?;
         let cols: [(&str, &[&str]); 10] = [
             ("grants", &["granted_at", "revoked_at"]),
             (

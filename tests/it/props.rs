@@ -526,3 +526,102 @@ proptest! {
         }
     }
 }
+
+// ------------------------------------------------------------ folded rollups
+
+/// One batch of trace events written in one transaction: (events as (series
+/// pick, latency, minute offset), commit or roll back).
+type Batch = (Vec<(u8, Option<i64>, i64)>, bool);
+
+fn fold_event(pick: u8, latency_us: Option<i64>, minute: i64) -> toolgate::store::TraceRow {
+    let some = |s: &str, on: u8| (pick & on != 0).then(|| s.to_string());
+    toolgate::store::TraceRow {
+        seq: 0,
+        at: T0 + minute * 60_000 + i64::from(pick),
+        operation_id: None,
+        step: ["accept", "send", "persist", "replay"][usize::from(pick % 4)].into(),
+        tool: some("create_refund", 4),
+        code: some("TIMEOUT", 8),
+        outcome: some("ok", 16),
+        delivery: some("fresh", 32),
+        attempt: None,
+        duration_us: None,
+        fields: "{}".into(),
+        answer: some("dispatch", 64),
+        latency_us,
+        tenant_ref: some("tr_1", 128),
+        tool_version: Some("1.1.1".into()),
+        timeout_stage: None,
+        reason: (pick % 3 == 0).then(|| "replay".to_string()),
+    }
+}
+
+proptest! {
+    #![proptest_config(cases(12))]
+
+    /// However the trace events fall into transactions, folds and rollbacks
+    /// (SQLite folds the rollups every `FOLD_EVERY` events, migration 0012),
+    /// every rollup reader sees exactly what a scan of the whole trace counts.
+    #[test]
+    fn folded_rollups_read_exactly_what_the_trace_holds(
+        batches in prop::collection::vec(
+            (prop::collection::vec((any::<u8>(), prop::option::of(0i64..5_000_000), 0i64..4), 1..200), prop::bool::weighted(0.8)),
+            1..8,
+        ),
+    ) {
+        let batches: Vec<Batch> = batches;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fold.db");
+        let mut store = Store::open(&path, OpenOptions { create: true, sync: Sync::Normal }).unwrap();
+        for (events, commit) in &batches {
+            let r = store.write(|tx| -> Result<(), toolgate::store::StoreError> {
+                for (pick, lat, minute) in events {
+                    tx.insert_trace(&fold_event(*pick, *lat, *minute))?;
+                }
+                if *commit { Ok(()) } else { Err(toolgate::store::StoreError::Other("roll back".into())) }
+            });
+            prop_assert_eq!(r.is_ok(), *commit);
+        }
+        let (totals, minutes, latency) = store
+            .read(|tx| -> Result<_, toolgate::store::StoreError> {
+                Ok((tx.metric_totals()?, tx.metric_minutes(i64::MIN, i64::MAX)?, tx.latency_totals()?))
+            })
+            .unwrap();
+        // The same counts, straight from the trace.
+        let c = crate::support::raw(&path);
+        let scan = |sql: &str| -> BTreeMap<String, i64> {
+            let mut st = c.prepare(sql).unwrap();
+            st.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect()
+        };
+        let key = "coalesce(answer,'')||'|'||step||'|'||coalesce(tool,'')||'|'||coalesce(tenant_ref,'')||'|'||coalesce(code,'')||'|'||coalesce(outcome,'')||'|'||coalesce(delivery,'')||'|'||coalesce(reason,'')";
+        let want_totals = scan(&format!("SELECT {key}, count(*) * 1000000000 + sum(coalesce(latency_us, 0)) FROM trace_events GROUP BY 1"));
+        let want_minutes = scan(&format!("SELECT (at / 60000) || '|' || {key}, count(*) FROM trace_events GROUP BY 1"));
+        let want_latency = scan("SELECT answer || '|' || coalesce(tool,'') || '|' || coalesce(tenant_ref,'') || '|' || latency_bucket_us, count(*) FROM trace_events
+                                 WHERE answer IS NOT NULL AND latency_bucket_us IS NOT NULL GROUP BY 1");
+        let k = |m: &toolgate::store::MetricRow| {
+            format!("{}|{}|{}|{}|{}|{}|{}|{}", m.answer, m.step, m.tool, m.tenant_ref, m.code, m.outcome, m.delivery, m.reason)
+        };
+        let got_totals: BTreeMap<String, i64> =
+            totals.iter().map(|m| (k(m), m.events * 1_000_000_000 + m.latency_sum_us)).collect();
+        let got_minutes: BTreeMap<String, i64> =
+            minutes.iter().map(|m| (format!("{}|{}", m.minute.unwrap(), k(m)), m.events)).collect();
+        let got_latency: BTreeMap<String, i64> =
+            latency.iter().map(|l| (format!("{}|{}|{}|{}", l.answer, l.tool, l.tenant_ref, l.bucket_us), l.count)).collect();
+        prop_assert_eq!(got_totals, want_totals);
+        prop_assert_eq!(got_minutes, want_minutes);
+        prop_assert_eq!(got_latency, want_latency);
+        // A fold runs right after the insert whose seq is a multiple of
+        // FOLD_EVERY, so the mark sits on one, and the unfolded tail is
+        // shorter than one batch.
+        let (folded, last): (i64, i64) = c
+            .query_row("SELECT folded_seq, (SELECT coalesce(max(seq), 0) FROM trace_events) FROM rollup_mark", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .unwrap();
+        prop_assert_eq!(folded % toolgate::store::FOLD_EVERY, 0);
+        prop_assert!((0..toolgate::store::FOLD_EVERY).contains(&(last - folded)), "folded {} last {}", folded, last);
+    }
+}
