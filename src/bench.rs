@@ -454,6 +454,7 @@ impl HttpServer {
                 toolset: crate::tools::demo_toolset(),
                 sync,
                 worker: false,
+                clock: Arc::new(crate::engine::clock::SystemClock),
             };
             let failed = ready.clone();
             if let Err(e) = crate::api::serve_until(&db, &opts, |a| drop(ready.send(Ok(a))), Some(stopped)) {

@@ -1914,6 +1914,7 @@ fn serve_command(cli: &Cli, a: &ServeArgs) -> Result<i32, CliError> {
         toolset: opts.toolset,
         sync: opts.sync,
         worker: true,
+        clock: opts.clock,
     };
     crate::api::serve(path, &serve, |addr| {
         outln!("listening on http://{addr}");

@@ -85,6 +85,8 @@ pub struct ServeOptions {
     /// Run the in-process outbox worker and reaper (a bench that measures
     /// calls alone turns it off: it would claim the bench's own operations).
     pub worker: bool,
+    /// The engines' clock: the system's, or the global `--now` fixed instant.
+    pub clock: Arc<dyn crate::engine::clock::Clock>,
 }
 
 /// Why the server could not start.
@@ -155,6 +157,7 @@ pub fn serve_until(
         worker_id: format!("serve-{pid}-{role}"),
         toolset: opts.toolset.clone(),
         sync: opts.sync,
+        clock: opts.clock.clone(),
         ..EngineOptions::default()
     };
     // Every engine is opened here, on a plain thread, before any runtime exists.

@@ -774,6 +774,11 @@ const METRIC_SERIES: &str =
 const METRIC_SUMS: &str = "CAST(sum(events) AS BIGINT), CAST(sum(latency_sum_us) AS BIGINT)";
 const LATENCY_SERIES: &str = "answer, tool, tenant_ref, tool_version, bucket_us";
 
+/// A metric series' dimensions (METRIC_SERIES), as a fold counts them.
+type Series = (String, String, String, String, String, String, String, String, String, String);
+/// A latency bucket's dimensions (LATENCY_SERIES).
+type Bucket = (String, String, String, String, i64);
+
 /// SQLite folds the trace into the rollups when an event's `seq` is a
 /// multiple of this: the unfolded tail never holds more events than this
 /// (plus those of the transaction that is folding).
@@ -809,7 +814,8 @@ impl Tx<'_> {
         match self.backend() {
             Backend::Postgres => table.to_string(),
             Backend::Sqlite => {
-                let tail = events.replace("?1", "(SELECT folded_seq FROM rollup_mark)").replace("?2", "9223372036854775807");
+                let tail =
+                    events.replace("?1", "(SELECT folded_seq FROM rollup_mark)").replace("?2", "9223372036854775807");
                 format!("(SELECT {cols} FROM {table} UNION ALL SELECT {cols} FROM ({tail}))")
             }
         }
@@ -834,8 +840,6 @@ impl Tx<'_> {
         if to <= from {
             return Ok(());
         }
-        type Series = (String, String, String, String, String, String, String, String, String, String);
-        type Bucket = (String, String, String, String, i64);
         let mut minutes: BTreeMap<(i64, Series), (i64, i64)> = BTreeMap::new();
         let mut buckets: BTreeMap<(i64, Bucket), i64> = BTreeMap::new();
         let mut st = self.conn.prepare_cached(&format!(
@@ -854,7 +858,15 @@ impl Tx<'_> {
                 *buckets.entry((minute, key)).or_default() += 1;
             }
             let series = (
-                m.answer, m.step, m.tool, m.tenant_ref, m.tool_version, m.code, m.outcome, m.delivery, m.timeout_stage,
+                m.answer,
+                m.step,
+                m.tool,
+                m.tenant_ref,
+                m.tool_version,
+                m.code,
+                m.outcome,
+                m.delivery,
+                m.timeout_stage,
                 m.reason,
             );
             let sums = minutes.entry((minute, series)).or_default();
@@ -910,7 +922,8 @@ impl Tx<'_> {
 
     /// All-time event counts, one row per series.
     pub fn metric_totals(&self) -> R<Vec<MetricRow>> {
-        let rows = self.rollup_rows("metric_totals", METRIC_EVENTS, &format!("{METRIC_SERIES}, events, latency_sum_us"));
+        let rows =
+            self.rollup_rows("metric_totals", METRIC_EVENTS, &format!("{METRIC_SERIES}, events, latency_sum_us"));
         let mut st = self.conn.prepare_cached(&format!(
             "SELECT CAST(NULL AS BIGINT), {METRIC_SERIES}, {METRIC_SUMS} FROM {rows} r GROUP BY {METRIC_SERIES}"
         ))?;
@@ -960,7 +973,9 @@ impl Tx<'_> {
     pub fn trace_reason_total(&self, reason: &str) -> R<i64> {
         let rows = self.rollup_rows("metric_totals", METRIC_EVENTS, "reason, events");
         self.conn
-            .prepare_cached(&format!("SELECT CAST(coalesce(sum(events), 0) AS BIGINT) FROM {rows} r WHERE reason = ?1"))?
+            .prepare_cached(&format!(
+                "SELECT CAST(coalesce(sum(events), 0) AS BIGINT) FROM {rows} r WHERE reason = ?1"
+            ))?
             .query_row([reason], |r| r.get(0))
     }
 

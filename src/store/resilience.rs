@@ -229,4 +229,3 @@ impl Tx<'_> {
         rows.collect::<Result<_, _>>()
     }
 }
-

@@ -552,7 +552,7 @@ fn fold_event(pick: u8, latency_us: Option<i64>, minute: i64) -> toolgate::store
         tenant_ref: some("tr_1", 128),
         tool_version: Some("1.1.1".into()),
         timeout_stage: None,
-        reason: (pick % 3 == 0).then(|| "replay".to_string()),
+        reason: pick.is_multiple_of(3).then(|| "replay".to_string()),
     }
 }
 

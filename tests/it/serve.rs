@@ -728,10 +728,7 @@ fn settle(c: &Client, token: &str, key: &str, args: &str, first: Answer) -> Answ
 /// threshold is held as an approval request (202); refusals by operators who
 /// may not decide it run nothing; a denial is final for the intent; an allowed
 /// operator's approval runs the held call once, and a replay needs no new
-/// approval. The expiry boundary itself needs the clock moved 15 minutes
-/// (`APPROVAL_TTL_MS` is fixed and the server runs on the system clock), so
-/// it is proven in-process by the scenario script (tests/it/scenarios.rs);
-/// here the API shows the expiry it will apply.
+/// approval. The expiry boundary itself is the next test.
 fn scenario_5_approvals_through_the_api(backend: Backend) {
     let f = Fixture::on(backend);
     let ana = agent_token(f.path(), "acme", "agent_ana");
@@ -825,6 +822,62 @@ fn scenario_5_approvals_through_the_api(backend: Backend) {
     assert_eq!(duplicates(&f), 0);
     let ord = f.query_i64("SELECT refunded_minor FROM orders WHERE order_ref = 'ord_1002'");
     assert_eq!(ord, 70_000, "only the approved intent refunded ord_1002");
+}
+
+/// Scenario 5's expiry boundary through the API. Each step runs in a new
+/// `serve` process on the same ledger whose clock is fixed with the global
+/// `--now`: two refunds are held at T; at T + 15 min − 1 ms an approval runs
+/// its call once; at exactly T + 15 min (expiry is exclusive) the other is
+/// APPROVAL_INVALID, runs nothing, and the same intent opens a new request.
+fn an_approval_expires_exactly_at_its_boundary_over_http(backend: Backend) {
+    let f = Fixture::on(backend);
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let alice = operator_token(f.path(), "alice");
+    let (key1, key2) = ("refund-expiry-api-1", "refund-expiry-api-2");
+    let (big1, big2) = (refund_args("ord_1002", 60_000), refund_args("ord_1002", 70_000));
+    let at = |now: &str| Server::start(f.path(), &["--now", now]);
+
+    let mut server = at("2031-03-01T12:00:00Z");
+    let c = Client::new(&server);
+    let held1 = c.call(&ana, "create_refund", Some(key1), &big1, &[]);
+    let held2 = c.call(&ana, "create_refund", Some(key2), &big2, &[]);
+    for h in [&held1, &held2] {
+        assert_eq!((h.status, h.code()), (202, Some("APPROVAL_REQUIRED")), "{:#}", h.body);
+    }
+    let (first, second) = (held1.approval_id().to_string(), held2.approval_id().to_string());
+    let list = c.send("GET", "/v1/approvals", Some(&alice), &[], None);
+    let row = list.body["pending"].as_array().unwrap().iter().find(|a| a["approval_id"] == first.as_str()).cloned();
+    assert_eq!(row.unwrap()["expires_in_ms"], 15 * 60_000, "{:#}", list.body);
+    assert!(server.terminate().success());
+
+    // One millisecond before the expiry: the approval holds and the call runs once.
+    let mut server = at("2031-03-01T12:14:59.999Z");
+    let c = Client::new(&server);
+    let list = c.send("GET", "/v1/approvals", Some(&alice), &[], None);
+    let row = list.body["pending"].as_array().unwrap().iter().find(|a| a["approval_id"] == first.as_str()).cloned();
+    assert_eq!(row.unwrap()["expires_in_ms"], 1, "{:#}", list.body);
+    let ran = c.post_json(&alice, &format!("/v1/approvals/{first}/approve"), &json!({}));
+    assert!(raced_or_fresh(&ran), "{:#}", ran.body);
+    let ran = settle(&c, &ana, key1, &big1, ran);
+    assert_eq!((ran.status, ran.code(), ran.outcome()), (200, None, "committed"), "{:#}", ran.body);
+    assert!(server.terminate().success());
+
+    // At exactly the expiry instant: refused, nothing runs, and asking again
+    // opens a new request instead of reviving the expired one.
+    let server = at("2031-03-01T12:15:00Z");
+    let c = Client::new(&server);
+    let late = c.post_json(&alice, &format!("/v1/approvals/{second}/approve"), &json!({}));
+    assert_eq!(
+        (late.status, late.code(), late.outcome()),
+        (403, Some("APPROVAL_INVALID"), "not_started"),
+        "{:#}",
+        late.body
+    );
+    let again = c.call(&ana, "create_refund", Some(key2), &big2, &[]);
+    assert_eq!((again.status, again.code()), (202, Some("APPROVAL_REQUIRED")), "{:#}", again.body);
+    assert_ne!(again.approval_id(), second, "an expired request is never revived");
+    assert_eq!((effects_of(&f, key1), effects_of(&f, key2)), (1, 0));
+    assert_eq!(duplicates(&f), 0);
 }
 
 /// Scenario 6 of docs/design.md §13 through the API: the grant is revoked
@@ -1232,3 +1285,4 @@ fn the_load_generator_through_two_serve_replicas(backend: Backend) {
 }
 
 crate::on_both_backends!(the_load_generator_through_two_serve_replicas);
+crate::on_both_backends!(an_approval_expires_exactly_at_its_boundary_over_http);
