@@ -788,6 +788,7 @@ fn accept(
     // 5. Accept: operation + outbox + call binding, all or nothing.
     let op = new_operation(c, None);
     tx.insert_operation(&op)?;
+    super::operation::remember_built(&op);
     tx.insert_outbox(&op.id, i64::from(c.contract.retry.max_attempts), c.now)?;
     bind_call(tx, &ck, c, Some(&op.id))?;
     failpoint::hit("inside_accept");

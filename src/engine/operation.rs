@@ -133,6 +133,16 @@ pub(crate) fn verify_row(op: &OperationRow) -> Result<(), &'static str> {
     Ok(())
 }
 
+/// Remembers a row this engine has just built and inserted (an accept), so
+/// that reading it back in the same transaction (the claim that follows)
+/// needs no second verification: nothing else can write it before that
+/// transaction commits. Only rows built here, never rows read from storage;
+/// debug builds (the tests) still verify it, so a construction bug is caught.
+pub(crate) fn remember_built(op: &OperationRow) {
+    debug_assert_eq!(verify_row_afresh(op), Ok(()), "the engine built a row that fails its own integrity check");
+    VERIFIED.with(|v| v.borrow_mut()[verified_slot(&op.id)] = Some(op.clone()));
+}
+
 /// Every check of [`verify_row`], never remembered.
 pub(crate) fn verify_row_afresh(op: &OperationRow) -> Result<(), &'static str> {
     let parse_canonical =
