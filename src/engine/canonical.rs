@@ -265,6 +265,101 @@ fn write_canonical(value: &Value, out: &mut String) {
     }
 }
 
+/// Writes one JSON object in RFC 8785 form member by member, for hot paths
+/// that know their members and would otherwise build a `Value` tree only to
+/// canonicalize it. The caller gives the members in canonical key order
+/// (checked in debug builds); absent optional members are left out, as
+/// `skip_serializing_if` leaves them out of the tree. Callers test their
+/// output equal to `canonical_string(&to_value(..))`.
+pub(crate) struct ObjectWriter<'a> {
+    out: &'a mut String,
+    last: Option<&'static str>,
+}
+
+impl<'a> ObjectWriter<'a> {
+    /// Opens an object.
+    pub(crate) fn new(out: &'a mut String) -> Self {
+        out.push('{');
+        Self { out, last: None }
+    }
+
+    fn key(&mut self, k: &'static str) -> &mut String {
+        debug_assert!(
+            self.last.is_none_or(|l| utf16_order(l, k) == std::cmp::Ordering::Less),
+            "member {k} written out of canonical order"
+        );
+        if self.last.is_some() {
+            self.out.push(',');
+        }
+        self.last = Some(k);
+        write_canonical_str(k, self.out);
+        self.out.push(':');
+        self.out
+    }
+
+    /// A string member, if present.
+    pub(crate) fn str(&mut self, k: &'static str, v: Option<&str>) {
+        if let Some(v) = v {
+            let out = self.key(k);
+            write_canonical_str(v, out);
+        }
+    }
+
+    /// An integer member, if present.
+    pub(crate) fn int(&mut self, k: &'static str, v: Option<i64>) {
+        if let Some(v) = v {
+            let out = self.key(k);
+            write_canonical(&Value::from(v), out);
+        }
+    }
+
+    /// An unsigned integer member, if present.
+    pub(crate) fn uint(&mut self, k: &'static str, v: Option<u64>) {
+        if let Some(v) = v {
+            let out = self.key(k);
+            write_canonical(&Value::from(v), out);
+        }
+    }
+
+    /// A boolean member, if present.
+    pub(crate) fn bool(&mut self, k: &'static str, v: Option<bool>) {
+        if let Some(v) = v {
+            self.key(k).push_str(if v { "true" } else { "false" });
+        }
+    }
+
+    /// An array of strings, left out when empty.
+    pub(crate) fn strs(&mut self, k: &'static str, v: &[&str]) {
+        if v.is_empty() {
+            return;
+        }
+        let out = self.key(k);
+        out.push('[');
+        for (i, s) in v.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            write_canonical_str(s, out);
+        }
+        out.push(']');
+    }
+
+    /// A nested object, written by `f`, if `present`.
+    pub(crate) fn object(&mut self, k: &'static str, present: bool, f: impl FnOnce(&mut ObjectWriter<'_>)) {
+        if present {
+            let out = self.key(k);
+            let mut inner = ObjectWriter::new(out);
+            f(&mut inner);
+            inner.end();
+        }
+    }
+
+    /// Closes the object.
+    pub(crate) fn end(self) {
+        self.out.push('}');
+    }
+}
+
 /// RFC 8785 member order: by UTF-16 code units (byte order agrees for ASCII).
 fn utf16_order(a: &str, b: &str) -> std::cmp::Ordering {
     if a.is_ascii() && b.is_ascii() {

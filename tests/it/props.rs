@@ -625,3 +625,66 @@ proptest! {
         prop_assert!((0..toolgate::store::FOLD_EVERY).contains(&(last - folded)), "folded {} last {}", folded, last);
     }
 }
+
+// ------------------------------------------------------------- trace fields
+
+fn opt_text() -> impl Strategy<Value = Option<String>> {
+    prop::option::of(prop_oneof![any::<String>(), "[ -~]{0,12}", Just("\u{1f}\"\\\u{7f}é😀".to_string())])
+}
+
+prop_compose! {
+    fn arb_trace_event()(
+        texts in prop::collection::vec(opt_text(), 15),
+        ints in prop::collection::vec(prop::option::of(any::<i64>()), 2),
+        retry in prop::option::of(any::<u64>()),
+        committed in prop::option::of(any::<bool>()),
+        call in prop::option::of(prop::collection::vec(any::<String>(), 5)),
+        revisions in prop::option::of((any::<i64>(), any::<i64>(), any::<i64>())),
+        checks in prop::sample::subsequence(vec!["authorization", "business_rules", "approval", "schema", "\u{0}odd"], 0..5),
+    ) -> toolgate::engine::trace::TraceEvent {
+        let t = |i: usize| texts[i].clone();
+        toolgate::engine::trace::TraceEvent {
+            call: call.map(|c| toolgate::engine::canonical::CallIdentity {
+                provider: c[0].clone(),
+                api_family: c[1].clone(),
+                response_id: c[2].clone(),
+                call_id: c[3].clone(),
+                adapter_revision: c[4].clone(),
+            }),
+            revisions: revisions.map(|(input, output, effect)| toolgate::engine::canonical::Revisions { input, output, effect }),
+            subject_ref: t(0),
+            key_sha256: t(1),
+            request_sha256: t(2),
+            arguments_sha256: t(3),
+            data_classification: t(4),
+            checks,
+            approval_id: t(5),
+            policy_revision: ints[0],
+            deadline_left_ms: ints[1],
+            recovery: t(6),
+            downstream_request_id: t(7),
+            receipt_id: t(8),
+            status_ref: t(9),
+            result_sha256: t(10),
+            call_binding_sha256: t(11),
+            downstream_committed: committed,
+            retry_after_ms: retry,
+            worker: t(12),
+            note: t(13),
+            tenant_ref: t(14),
+            ..toolgate::engine::trace::TraceEvent::default()
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(cases(256))]
+
+    /// The trace's `fields`, written member by member, are exactly the
+    /// canonical form of the event's serialized tree.
+    #[test]
+    fn trace_fields_written_by_hand_are_the_canonical_tree(ev in arb_trace_event()) {
+        let tree = canonical_string(&serde_json::to_value(&ev).unwrap());
+        prop_assert_eq!(ev.fields_json(), tree);
+    }
+}
