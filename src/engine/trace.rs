@@ -151,8 +151,27 @@ impl Answering {
 /// A salted hash of one identifier (`tenant_…`, `subject_…`): stable within one
 /// database, unlinkable across databases.
 pub(crate) fn salted(salt: &str, kind: &str, value: &str) -> String {
-    let h = sha256_hex(format!("{salt}\0{kind}\0{value}").as_bytes());
-    format!("{kind}_{}", &h[..16])
+    // Every event of an operation salts the same tenant and subject again: a
+    // small per-thread memo (cleared when it fills) answers the repeats.
+    const MEMO: usize = 1024;
+    thread_local! {
+        static SALTED: std::cell::RefCell<std::collections::HashMap<String, String>> =
+            std::cell::RefCell::new(std::collections::HashMap::new());
+    }
+    let input = format!("{salt}\0{kind}\0{value}");
+    if let Some(hit) = SALTED.with(|m| m.borrow().get(&input).cloned()) {
+        return hit;
+    }
+    let h = sha256_hex(input.as_bytes());
+    let out = format!("{kind}_{}", &h[..16]);
+    SALTED.with(|m| {
+        let mut m = m.borrow_mut();
+        if m.len() >= MEMO {
+            m.clear();
+        }
+        m.insert(input, out.clone());
+    });
+    out
 }
 
 impl TraceEvent {

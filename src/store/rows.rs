@@ -50,7 +50,17 @@ macro_rules! row {
 
 /// `?1, ?2, …, ?n`: the placeholders of an insert of `n` columns.
 pub(crate) fn placeholders(n: usize) -> String {
-    (1..=n).map(|i| format!("?{i}")).collect::<Vec<_>>().join(", ")
+    use std::fmt::Write as _;
+    // One buffer, not a string per parameter: an insert builds its SQL text
+    // before the statement cache can answer for it.
+    let mut s = String::with_capacity(n * 5);
+    for i in 1..=n {
+        if i > 1 {
+            s.push_str(", ");
+        }
+        let _ = write!(s, "?{i}");
+    }
+    s
 }
 
 /// A tenant.
