@@ -2082,3 +2082,54 @@ crate::on_both_backends!(
     every_sort_column_pages_by_keyset_in_both_directions,
     filter_expressions_select_the_same_rows_on_both_backends
 );
+
+/// Issue 17's proof: a call an agent makes through `toolgate serve` (another
+/// process, over a real socket) appears in a console on the same ledger
+/// without a key press: the new operation in the Ledger pane, and the
+/// header's count of succeeded operations one higher.
+#[cfg(unix)]
+#[test]
+fn a_call_through_serve_appears_live_in_the_console() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tempfile::tempdir().unwrap();
+    let db = toolgate::demo::working_copy(dir.path(), chrono::Utc::now().timestamp_millis()).unwrap();
+    let token = crate::serve::agent_token(&db, "acme", "agent_ana");
+    let server = crate::serve::Server::start(&db, &[]);
+    let args = ["--db".as_ref(), db.as_os_str(), "--operator".as_ref(), "live".as_ref()];
+    let mut t = Pty::spawn(&args, config.path());
+    t.keys(b"2");
+    t.wait_for("result ref / code");
+    let succeeded = |screen: &str| -> i64 {
+        let line = screen.lines().find(|l| l.starts_with("accepted ")).unwrap_or_default();
+        let mut words = line.split_whitespace();
+        while let Some(w) = words.next() {
+            if w == "succeeded" {
+                return words.next().and_then(|n| n.parse().ok()).unwrap_or(-1);
+            }
+        }
+        -1
+    };
+    let before = succeeded(&t.screen());
+    assert!(before >= 0, "{}", t.screen());
+
+    let c = crate::serve::Client::new(&server);
+    let a = c
+        .try_call(
+            &token,
+            "create_refund",
+            Some("refund-live-console-1"),
+            &crate::support::refund_args("ord_1002", 100),
+            &[],
+        )
+        .unwrap();
+    assert_eq!(a.status, 200, "{:#}", a.body);
+    let op = a.body["protected_audit"]["operation_id"].as_str().unwrap().to_string();
+    // Ids are cut to fit the column: its first 20 characters are enough.
+    t.wait_for(&op[..20]);
+    let start = std::time::Instant::now();
+    while succeeded(&t.screen()) != before + 1 {
+        assert!(start.elapsed() < std::time::Duration::from_secs(20), "count never moved:\n{}", t.screen());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    t.quit();
+}
