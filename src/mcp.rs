@@ -201,7 +201,7 @@ fn mcp_tool(c: &Contract) -> Tool {
 }
 
 const KEY_DESCRIPTION: &str =
-    "Idempotency key: generate it once per business intent (for example one per refund you mean to make; \
+    "Idempotency key: generate it once per business intent (for example one per action you mean to take; \
      8 to 255 characters) and send the same key on every retry of that intent. The same key with the same arguments \
      returns the first result and never repeats the effect; the same key with other arguments is \
      IDEMPOTENCY_CONFLICT. A new key is a new intent.";
