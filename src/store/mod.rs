@@ -784,40 +784,32 @@ type Bucket = (String, String, String, String, i64);
 /// (plus those of the transaction that is folding).
 pub const FOLD_EVERY: i64 = 256;
 
-/// The rollup rule of migrations 0002 and 0006 (absent dimensions are ''),
-/// one row per trace event with `?1 < seq <= ?2`, in the rollups' columns.
-const METRIC_EVENTS: &str = "SELECT at / 60000 AS minute, coalesce(answer, '') AS answer, step,
+/// The rollup rule of migrations 0002 and 0006, one row per trace event,
+/// in the rollups' columns (absent dimensions are ''), plus the latency
+/// bucket and whether the event answers a call (the latency histograms count
+/// those with a bucket). A caller appends its `WHERE` on `seq`.
+const TRACE_AS_ROLLUP: &str = "SELECT at / 60000 AS minute, coalesce(answer, '') AS answer, step,
         coalesce(tool, '') AS tool, coalesce(tenant_ref, '') AS tenant_ref, coalesce(tool_version, '') AS tool_version,
         coalesce(code, '') AS code, coalesce(outcome, '') AS outcome, coalesce(delivery, '') AS delivery,
         coalesce(timeout_stage, '') AS timeout_stage, coalesce(reason, '') AS reason,
-        1 AS events, coalesce(latency_us, 0) AS latency_sum_us
-    FROM trace_events WHERE seq > ?1 AND seq <= ?2";
-/// METRIC_EVENTS with what the latency histograms need: the bucket and
-/// whether the event answers a call.
-const METRIC_EVENTS_WITH_BUCKET: &str = "SELECT at / 60000 AS minute, coalesce(answer, '') AS answer, step,
-        coalesce(tool, '') AS tool, coalesce(tenant_ref, '') AS tenant_ref, coalesce(tool_version, '') AS tool_version,
-        coalesce(code, '') AS code, coalesce(outcome, '') AS outcome, coalesce(delivery, '') AS delivery,
-        coalesce(timeout_stage, '') AS timeout_stage, coalesce(reason, '') AS reason,
-        1 AS events, coalesce(latency_us, 0) AS latency_sum_us, latency_bucket_us, answer IS NOT NULL AS has_answer
-    FROM trace_events WHERE seq > ?1 AND seq <= ?2";
-/// The same for the latency histograms: answered events with a latency.
-const LATENCY_EVENTS: &str = "SELECT at / 60000 AS minute, answer, coalesce(tool, '') AS tool,
-        coalesce(tenant_ref, '') AS tenant_ref, coalesce(tool_version, '') AS tool_version,
-        latency_bucket_us AS bucket_us, 1 AS count
-    FROM trace_events WHERE seq > ?1 AND seq <= ?2 AND answer IS NOT NULL AND latency_bucket_us IS NOT NULL";
+        1 AS events, coalesce(latency_us, 0) AS latency_sum_us,
+        latency_bucket_us AS bucket_us, 1 AS count, answer IS NOT NULL AS answered
+    FROM trace_events";
+/// Of TRACE_AS_ROLLUP's rows, those the latency histograms count.
+const LATENCY_COUNTED: &str = "answered AND bucket_us IS NOT NULL";
 
 impl Tx<'_> {
     /// The rows of a rollup table as readers must see them: on SQLite the
-    /// table plus the unfolded tail of the trace (`events` is METRIC_EVENTS or
-    /// LATENCY_EVENTS, `cols` the columns to take); on PostgreSQL the table.
-    fn rollup_rows(&self, table: &str, events: &str, cols: &str) -> String {
+    /// table plus the unfolded tail of the trace (`cols` are the columns to
+    /// take, `counted` which tail rows the table counts); on PostgreSQL the
+    /// table.
+    fn rollup_rows(&self, table: &str, cols: &str, counted: &str) -> String {
         match self.backend() {
             Backend::Postgres => table.to_string(),
-            Backend::Sqlite => {
-                let tail =
-                    events.replace("?1", "(SELECT folded_seq FROM rollup_mark)").replace("?2", "9223372036854775807");
-                format!("(SELECT {cols} FROM {table} UNION ALL SELECT {cols} FROM ({tail}))")
-            }
+            Backend::Sqlite => format!(
+                "(SELECT {cols} FROM {table} UNION ALL SELECT {cols} FROM
+                  ({TRACE_AS_ROLLUP} WHERE seq > (SELECT folded_seq FROM rollup_mark)) WHERE {counted})"
+            ),
         }
     }
 
@@ -843,9 +835,8 @@ impl Tx<'_> {
         let mut minutes: BTreeMap<(i64, Series), (i64, i64)> = BTreeMap::new();
         let mut buckets: BTreeMap<(i64, Bucket), i64> = BTreeMap::new();
         let mut st = self.conn.prepare_cached(&format!(
-            "SELECT minute, answer, step, tool, tenant_ref, tool_version, code, outcome, delivery, timeout_stage, reason,
-                    events, latency_sum_us, e.latency_bucket_us, e.has_answer
-             FROM ({METRIC_EVENTS_WITH_BUCKET}) e"
+            "SELECT minute, {METRIC_SERIES}, events, latency_sum_us, bucket_us, answered
+             FROM ({TRACE_AS_ROLLUP} WHERE seq > ?1 AND seq <= ?2)"
         ))?;
         for row in st.query_map(params![from, to], |r| {
             let m = MetricRow::from_row(r)?;
@@ -874,47 +865,49 @@ impl Tx<'_> {
             sums.1 += m.latency_sum_us;
         }
         drop(st);
+        let upsert_minute = format!(
+            "INSERT INTO metric_minutes (minute, {METRIC_SERIES}, events, latency_sum_us)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
+             ON CONFLICT DO UPDATE SET events = events + excluded.events,
+                 latency_sum_us = latency_sum_us + excluded.latency_sum_us"
+        );
         let mut totals: BTreeMap<&Series, (i64, i64)> = BTreeMap::new();
         for ((minute, s), (events, latency)) in &minutes {
             self.conn
-                .prepare_cached(&format!(
-                    "INSERT INTO metric_minutes (minute, {METRIC_SERIES}, events, latency_sum_us)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
-                     ON CONFLICT DO UPDATE SET events = events + excluded.events,
-                         latency_sum_us = latency_sum_us + excluded.latency_sum_us"
-                ))?
+                .prepare_cached(&upsert_minute)?
                 .execute(params![minute, s.0, s.1, s.2, s.3, s.4, s.5, s.6, s.7, s.8, s.9, events, latency])?;
             let t = totals.entry(s).or_default();
             t.0 += events;
             t.1 += latency;
         }
+        let upsert_total = format!(
+            "INSERT INTO metric_totals ({METRIC_SERIES}, events, latency_sum_us)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)
+             ON CONFLICT DO UPDATE SET events = events + excluded.events,
+                 latency_sum_us = latency_sum_us + excluded.latency_sum_us"
+        );
         for (s, (events, latency)) in totals {
             self.conn
-                .prepare_cached(&format!(
-                    "INSERT INTO metric_totals ({METRIC_SERIES}, events, latency_sum_us)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)
-                     ON CONFLICT DO UPDATE SET events = events + excluded.events,
-                         latency_sum_us = latency_sum_us + excluded.latency_sum_us"
-                ))?
+                .prepare_cached(&upsert_total)?
                 .execute(params![s.0, s.1, s.2, s.3, s.4, s.5, s.6, s.7, s.8, s.9, events, latency])?;
         }
+        let upsert_bucket_minute = format!(
+            "INSERT INTO latency_minutes (minute, {LATENCY_SERIES}, count) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+             ON CONFLICT DO UPDATE SET count = count + excluded.count"
+        );
         let mut bucket_totals: BTreeMap<&Bucket, i64> = BTreeMap::new();
         for ((minute, b), count) in &buckets {
             self.conn
-                .prepare_cached(&format!(
-                    "INSERT INTO latency_minutes (minute, {LATENCY_SERIES}, count) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
-                     ON CONFLICT DO UPDATE SET count = count + excluded.count"
-                ))?
+                .prepare_cached(&upsert_bucket_minute)?
                 .execute(params![minute, b.0, b.1, b.2, b.3, b.4, count])?;
             *bucket_totals.entry(b).or_default() += count;
         }
+        let upsert_bucket_total = format!(
+            "INSERT INTO latency_totals ({LATENCY_SERIES}, count) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+             ON CONFLICT DO UPDATE SET count = count + excluded.count"
+        );
         for (b, count) in bucket_totals {
-            self.conn
-                .prepare_cached(&format!(
-                    "INSERT INTO latency_totals ({LATENCY_SERIES}, count) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
-                     ON CONFLICT DO UPDATE SET count = count + excluded.count"
-                ))?
-                .execute(params![b.0, b.1, b.2, b.3, b.4, count])?;
+            self.conn.prepare_cached(&upsert_bucket_total)?.execute(params![b.0, b.1, b.2, b.3, b.4, count])?;
         }
         self.conn.prepare_cached("UPDATE rollup_mark SET folded_seq = ?1")?.execute([to])?;
         Ok(())
@@ -922,8 +915,7 @@ impl Tx<'_> {
 
     /// All-time event counts, one row per series.
     pub fn metric_totals(&self) -> R<Vec<MetricRow>> {
-        let rows =
-            self.rollup_rows("metric_totals", METRIC_EVENTS, &format!("{METRIC_SERIES}, events, latency_sum_us"));
+        let rows = self.rollup_rows("metric_totals", &format!("{METRIC_SERIES}, events, latency_sum_us"), "true");
         let mut st = self.conn.prepare_cached(&format!(
             "SELECT CAST(NULL AS BIGINT), {METRIC_SERIES}, {METRIC_SUMS} FROM {rows} r GROUP BY {METRIC_SERIES}"
         ))?;
@@ -933,11 +925,8 @@ impl Tx<'_> {
 
     /// Per-minute event counts for minutes in `[from_minute, to_minute)`.
     pub fn metric_minutes(&self, from_minute: i64, to_minute: i64) -> R<Vec<MetricRow>> {
-        let rows = self.rollup_rows(
-            "metric_minutes",
-            METRIC_EVENTS,
-            &format!("minute, {METRIC_SERIES}, events, latency_sum_us"),
-        );
+        let rows =
+            self.rollup_rows("metric_minutes", &format!("minute, {METRIC_SERIES}, events, latency_sum_us"), "true");
         let mut st = self.conn.prepare_cached(&format!(
             "SELECT minute, {METRIC_SERIES}, {METRIC_SUMS} FROM {rows} r WHERE minute >= ?1 AND minute < ?2
              GROUP BY minute, {METRIC_SERIES} ORDER BY minute"
@@ -948,7 +937,7 @@ impl Tx<'_> {
 
     /// The all-time latency histogram of answered calls.
     pub fn latency_totals(&self) -> R<Vec<LatencyRow>> {
-        let rows = self.rollup_rows("latency_totals", LATENCY_EVENTS, &format!("{LATENCY_SERIES}, count"));
+        let rows = self.rollup_rows("latency_totals", &format!("{LATENCY_SERIES}, count"), LATENCY_COUNTED);
         let mut st = self.conn.prepare_cached(&format!(
             "SELECT CAST(NULL AS BIGINT), {LATENCY_SERIES}, CAST(sum(count) AS BIGINT) FROM {rows} r
              GROUP BY {LATENCY_SERIES}"
@@ -959,7 +948,7 @@ impl Tx<'_> {
 
     /// The latency histogram of calls answered in minutes `[from_minute, to_minute)`.
     pub fn latency_minutes(&self, from_minute: i64, to_minute: i64) -> R<Vec<LatencyRow>> {
-        let rows = self.rollup_rows("latency_minutes", LATENCY_EVENTS, &format!("minute, {LATENCY_SERIES}, count"));
+        let rows = self.rollup_rows("latency_minutes", &format!("minute, {LATENCY_SERIES}, count"), LATENCY_COUNTED);
         let mut st = self.conn.prepare_cached(&format!(
             "SELECT minute, {LATENCY_SERIES}, CAST(sum(count) AS BIGINT) FROM {rows} r
              WHERE minute >= ?1 AND minute < ?2 GROUP BY minute, {LATENCY_SERIES}"
@@ -971,7 +960,7 @@ impl Tx<'_> {
     /// How many trace events, all time, carry this decision reason (read from
     /// the rollups and the unfolded tail, never the whole trace).
     pub fn trace_reason_total(&self, reason: &str) -> R<i64> {
-        let rows = self.rollup_rows("metric_totals", METRIC_EVENTS, "reason, events");
+        let rows = self.rollup_rows("metric_totals", "reason, events", "true");
         self.conn
             .prepare_cached(&format!(
                 "SELECT CAST(coalesce(sum(events), 0) AS BIGINT) FROM {rows} r WHERE reason = ?1"
