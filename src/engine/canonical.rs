@@ -344,12 +344,12 @@ impl<'a> ObjectWriter<'a> {
         out.push(']');
     }
 
-    /// A nested object, written by `f`, if `present`.
-    pub(crate) fn object(&mut self, k: &'static str, present: bool, f: impl FnOnce(&mut ObjectWriter<'_>)) {
-        if present {
+    /// A nested object, if present, its members written by `f`.
+    pub(crate) fn object<T>(&mut self, k: &'static str, v: Option<T>, f: impl FnOnce(&mut ObjectWriter<'_>, T)) {
+        if let Some(v) = v {
             let out = self.key(k);
             let mut inner = ObjectWriter::new(out);
-            f(&mut inner);
+            f(&mut inner, v);
             inner.end();
         }
     }

@@ -323,14 +323,12 @@ impl TraceEvent {
         let mut o = ObjectWriter::new(&mut out);
         o.str("approval_id", self.approval_id.as_deref());
         o.str("arguments_sha256", self.arguments_sha256.as_deref());
-        o.object("call", self.call.is_some(), |c| {
-            if let Some(call) = &self.call {
-                c.str("adapter_revision", Some(&call.adapter_revision));
-                c.str("api_family", Some(&call.api_family));
-                c.str("call_id", Some(&call.call_id));
-                c.str("provider", Some(&call.provider));
-                c.str("response_id", Some(&call.response_id));
-            }
+        o.object("call", self.call.as_ref(), |c, call| {
+            c.str("adapter_revision", Some(&call.adapter_revision));
+            c.str("api_family", Some(&call.api_family));
+            c.str("call_id", Some(&call.call_id));
+            c.str("provider", Some(&call.provider));
+            c.str("response_id", Some(&call.response_id));
         });
         o.str("call_binding_sha256", self.call_binding_sha256.as_deref());
         o.strs("checks_passed", &self.checks);
@@ -346,12 +344,10 @@ impl TraceEvent {
         o.str("request_sha256", self.request_sha256.as_deref());
         o.str("result_sha256", self.result_sha256.as_deref());
         o.uint("retry_after_ms", self.retry_after_ms);
-        o.object("revisions", self.revisions.is_some(), |r| {
-            if let Some(rev) = self.revisions {
-                r.int("effect", Some(rev.effect));
-                r.int("input", Some(rev.input));
-                r.int("output", Some(rev.output));
-            }
+        o.object("revisions", self.revisions, |r, rev| {
+            r.int("effect", Some(rev.effect));
+            r.int("input", Some(rev.input));
+            r.int("output", Some(rev.output));
         });
         o.str("status_ref", self.status_ref.as_deref());
         o.str("subject_ref", self.subject_ref.as_deref());
