@@ -610,8 +610,11 @@ fn a_missing_secret_or_base_url_is_a_setup_error_naming_the_variable_not_a_value
 #[test]
 fn the_provider_server_refuses_a_public_address_unless_told() {
     let dir = tempfile::tempdir().unwrap();
+    // A non-loopback address no interface here holds (TEST-NET-1, RFC 5737):
+    // were the refusal ever lost, binding it fails instead of listening
+    // beyond this machine.
     let out = Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
-        .args(["provider", "serve", "--listen", "0.0.0.0:0", "--provider-db"])
+        .args(["provider", "serve", "--listen", "192.0.2.1:0", "--provider-db"])
         .arg(dir.path().join("p.db"))
         .output()
         .unwrap();

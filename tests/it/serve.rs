@@ -1286,3 +1286,16 @@ fn the_load_generator_through_two_serve_replicas(backend: Backend) {
 
 crate::on_both_backends!(the_load_generator_through_two_serve_replicas);
 crate::on_both_backends!(an_approval_expires_exactly_at_its_boundary_over_http);
+
+/// `serve` listens on loopback unless told `--public`: a wider address is
+/// refused before anything binds (TEST-NET-1, which no interface here holds,
+/// so a lost refusal could not listen beyond this machine either).
+#[test]
+fn serve_refuses_a_non_loopback_address_unless_told() {
+    let f = Fixture::new();
+    let out =
+        Command::new(bin()).arg("--db").arg(f.path()).args(["serve", "--listen", "192.0.2.1:0"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("error[NOT_LOOPBACK]") && err.contains("--public"), "{err}");
+}
