@@ -7,8 +7,10 @@
 //! valgrind --tool=callgrind target/release/examples/hotpath fresh 1500
 //! ```
 //!
-//! Modes: `fresh N`, `replay N`, `bare_write N`, `bare_replay N`; the ledger is
-//! at `synchronous=NORMAL` (the engine's CPU, not the disk). Instructions per
+//! Modes: `fresh N`, `replay N` (one settled intent), `replay_many N` (cycling
+//! over 2,000, like `toolgate bench`), `bare_write N`, `bare_replay N`; the ledger is
+//! at `synchronous=NORMAL` (the engine's CPU, not the disk), or at `FULL` with
+//! `HOTPATH_SYNC=full` (the replay's read-then-relaxed-write path). Instructions per
 //! call are the difference of two whole-process totals divided by the
 //! difference in N: the set-up cancels out, and so does nothing of the calls'
 //! own work. (`--toggle-collect` on `*Engine*dispatch*` undercounts: every
@@ -21,6 +23,9 @@ use toolgate::engine::world::{World, DEMO_WORLD};
 use toolgate::engine::{DispatchRequest, Engine, EngineOptions};
 use toolgate::store::bench::{BareLedger, BarePayload};
 use toolgate::store::{StoreError, Sync};
+
+/// Settled intents `replay_many` cycles over.
+const REPLAY_MANY: usize = 2_000;
 
 fn refund(key: String) -> DispatchRequest {
     DispatchRequest {
@@ -36,7 +41,7 @@ fn refund(key: String) -> DispatchRequest {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let (Some(mode), Some(n)) = (args.get(1), args.get(2).and_then(|n| n.parse::<u64>().ok())) else {
-        eprintln!("usage: hotpath fresh|replay|bare_write|bare_replay N");
+        eprintln!("usage: hotpath fresh|replay|replay_many|bare_write|bare_replay N");
         return ExitCode::from(2);
     };
     match run(mode, n) {
@@ -50,10 +55,12 @@ fn main() -> ExitCode {
 
 fn run(mode: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
-    let mut engine = Engine::create(
-        &dir.path().join("ledger.db"),
-        EngineOptions { sync: Sync::Normal, ..EngineOptions::default() },
-    )?;
+    let sync = if std::env::var("HOTPATH_SYNC").is_ok_and(|v| v.eq_ignore_ascii_case("full")) {
+        Sync::Full
+    } else {
+        Sync::Normal
+    };
+    let mut engine = Engine::create(&dir.path().join("ledger.db"), EngineOptions { sync, ..EngineOptions::default() })?;
     let mut world = World::parse(DEMO_WORLD.as_bytes())?;
     for o in &mut world.orders {
         o.captured_minor = 1_000_000_000_000;
@@ -74,6 +81,18 @@ fn run(mode: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
                 assert_eq!(env.model_result.execution.delivery, Delivery::LocalReplay);
             }
         }
+        "replay_many" => {
+            // Replays cycling over many settled intents, as `toolgate bench`
+            // does: no row is the one the previous call read.
+            let settled: Vec<String> = (0..REPLAY_MANY).map(|i| format!("hotpath-many-{i:012}")).collect();
+            for key in &settled {
+                engine.dispatch(&refund(key.clone()))?;
+            }
+            for i in 0..n as usize {
+                let env = engine.dispatch(&refund(settled[i % settled.len()].clone()))?;
+                assert_eq!(env.model_result.execution.delivery, Delivery::LocalReplay);
+            }
+        }
         "bare_write" | "bare_replay" => {
             let (op, trace) =
                 engine.read(|tx| -> Result<_, StoreError> { Ok((tx.operation(&op_id)?, tx.trace_for(&op_id)?)) })?;
@@ -83,7 +102,7 @@ fn run(mode: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
                 result_json: op.result_json.clone().unwrap_or_default(),
                 trace_fields: trace.into_iter().map(|t| t.fields).collect(),
             };
-            let mut bare = BareLedger::create(&dir.path().join("bare.db"), Sync::Normal, payload)?;
+            let mut bare = BareLedger::create(&dir.path().join("bare.db"), sync, payload)?;
             let now = 1_700_000_000_000;
             if mode == "bare_write" {
                 for i in 0..n {

@@ -434,7 +434,7 @@ async fn execute(state: Arc<State>, kill: Arc<tokio::sync::Notify>, kind: SimKin
         (Some(k), _) if !k.is_empty() && k.len() <= 255 => k,
         (None, true) => return error(StatusCode::BAD_REQUEST, "idempotency_key_missing"),
         // Notifications ignores keys: every call is its own message.
-        _ => Ids::default().id("nokey"),
+        _ => Ids::unseeded_id("nokey"),
     };
     let dreq = DownstreamRequest {
         intent: intent.unwrap_or_else(|| digest.clone()),

@@ -71,6 +71,10 @@ enum Decision {
     /// Run the outbox row of this operation now (what `accept` decides; the
     /// synced accept transaction goes on to claim it, see [`Decision::Sending`]).
     Execute(String),
+    /// A new operation this transaction inserted, after authorizing the call
+    /// and checking its business rules: the claim in the same transaction
+    /// reads nothing of it back and checks none of that again.
+    Accepted(Box<OperationRow>),
     /// Accepted, claimed and marked sent in the accept's own transaction:
     /// send attempt `attempt` of `op`.
     Sending { attempt: i64, op: Box<OperationRow> },
@@ -241,10 +245,20 @@ impl Engine {
                 // nothing lies between them that a crash could tell apart
                 // (ARCHITECTURE.md, "Which commits wait for the disk").
                 Decision::Execute(op_id) => {
-                    Ok(match claim_to_send(tx, &op_id, contract, &*domain, &worker, now, lease_ms, &caller)? {
+                    Ok(match claim_to_send(tx, &op_id, None, contract, &*domain, &worker, now, lease_ms, &caller)? {
                         Claim::Claimed { attempt, op } => Decision::Sending { attempt, op },
                         Claim::Answer(env) => Decision::Answered(env),
                     })
+                }
+                Decision::Accepted(op) => {
+                    let op_id = op.id.clone();
+                    Ok(
+                        match claim_to_send(tx, &op_id, Some(*op), contract, &*domain, &worker, now, lease_ms, &caller)?
+                        {
+                            Claim::Claimed { attempt, op } => Decision::Sending { attempt, op },
+                            Claim::Answer(env) => Decision::Answered(env),
+                        },
+                    )
                 }
                 d => Ok::<_, EngineError>(d),
             }
@@ -275,6 +289,7 @@ impl Engine {
                 self.run_operation_from(&op_id, &contracts, answering, Some((attempt, op)))
             }
             Decision::Execute(op_id) => self.run_operation(&op_id, &contracts, answering),
+            Decision::Accepted(op) => self.run_operation(&op.id, &contracts, answering),
             Decision::Synced => {
                 Err(EngineError::invalid("ACCEPT_RELAXED", "a synced accept asked for a synced accept"))
             }
@@ -411,7 +426,7 @@ impl Engine {
                 let domain = self.domain(&op0.tool);
                 let claim = self
                     .store
-                    .write(|tx| claim_to_send(tx, op_id, contract, &*domain, &worker, now, lease_ms, &caller))?;
+                    .write(|tx| claim_to_send(tx, op_id, None, contract, &*domain, &worker, now, lease_ms, &caller))?;
                 match claim {
                     Claim::Answer(env) => return Ok(env),
                     Claim::Claimed { attempt, op } => (attempt, op),
@@ -804,7 +819,7 @@ fn accept(
     ev.status_ref = Some(op.status_ref.clone());
     ev.deadline_left_ms = Some(c.deadline_ms as i64);
     ev.write(tx, c.now)?;
-    Ok(Decision::Execute(op.id))
+    Ok(Decision::Accepted(Box::new(op)))
 }
 
 fn bind_call(tx: &Tx<'_>, ck: &CallKey<'_>, c: &AcceptCtx<'_>, op: Option<&str>) -> Result<(), StoreError> {
@@ -986,6 +1001,7 @@ struct Caller<'a> {
 fn claim_to_send(
     tx: &Tx<'_>,
     op_id: &str,
+    accepted: Option<OperationRow>,
     contract: &Contract,
     domain: &dyn ToolDomain,
     worker: &str,
@@ -993,7 +1009,7 @@ fn claim_to_send(
     lease_ms: i64,
     caller: &Caller<'_>,
 ) -> Result<Claim, EngineError> {
-    let claimed = claim(tx, op_id, contract, domain, worker, now, lease_ms, caller)?;
+    let claimed = claim(tx, op_id, accepted, contract, domain, worker, now, lease_ms, caller)?;
     let Claim::Claimed { attempt, op } = claimed else {
         return Ok(claimed);
     };
@@ -1011,11 +1027,15 @@ fn claim_to_send(
 }
 
 /// Claims the outbox row and re-checks authorization, business state and
-/// contract revision before anything is sent.
+/// contract revision before anything is sent. `accepted`: the row the same
+/// transaction has just inserted after those very checks
+/// ([`Decision::Accepted`]); nothing can have changed since (the transaction
+/// holds the write lock), so it is neither read back nor checked again.
 #[allow(clippy::too_many_arguments)]
 fn claim(
     tx: &Tx<'_>,
     op_id: &str,
+    accepted: Option<OperationRow>,
     contract: &Contract,
     domain: &dyn ToolDomain,
     worker: &str,
@@ -1024,7 +1044,11 @@ fn claim(
     caller: &Caller<'_>,
 ) -> Result<Claim, EngineError> {
     let pref = caller.principal_ref;
-    let Some(mut op) = tx.operation(op_id)? else {
+    let checked = accepted.is_some();
+    let Some(mut op) = (match accepted {
+        Some(op) => Some(op),
+        None => tx.operation(op_id)?,
+    }) else {
         return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
     };
     let mut ev = TraceEvent::of_operation("claimed", &op, caller.salt, now);
@@ -1121,14 +1145,21 @@ fn claim(
     }
     ev.attempt = Some(attempt);
     ev.reason = Some(if attempt > 1 { "retry" } else { "first_attempt" });
-    // Re-check: authorization, business state and contract revision, read now.
-    let args: Value = args_of(&op.request_json);
+    // Re-check: authorization, business state and contract revision, read now
+    // (unless this transaction made those checks itself).
+    let args: Option<Value> = (!checked).then(|| args_of(&op.request_json));
     let mut failed: Option<(Code, &'static str)> = None;
-    if let Some(code) = authorize(tx, domain, &op.tenant, &op.subject, &op.tool, &args)? {
+    if let Some(code) = match &args {
+        Some(args) => authorize(tx, domain, &op.tenant, &op.subject, &op.tool, args)?,
+        None => None,
+    } {
         failed = Some((code, "authorization"));
     } else if revisions_of(&op) != contract.revisions {
         failed = Some((Code::BusinessRuleViolation, "contract_revision_changed"));
-    } else if let Some(rule) = business_rules(tx, domain, &op.tenant, &op.subject, &op.tool, &args)? {
+    } else if let Some(rule) = match &args {
+        Some(args) => business_rules(tx, domain, &op.tenant, &op.subject, &op.tool, args)?,
+        None => None,
+    } {
         failed = Some((Code::BusinessRuleViolation, rule));
     }
     if let Some((code, why)) = failed {
@@ -1278,6 +1309,8 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             tx.close_outbox(op_id, OutboxState::Done, None)?;
             tx.update_operation(&op)?.or_stale()?;
             op.version += 1;
+            // The replays that follow read this row back: built here, it is verified.
+            super::operation::remember_built(&op);
             let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), None);
             ev.reason = Some("committed");
             ev.write(tx, c.now)?;

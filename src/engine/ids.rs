@@ -47,6 +47,16 @@ impl Ids {
         format!("{prefix}_{}", hex::encode(self.bytes::<N>()))
     }
 
+    /// `prefix_` + 24 hex digits from this thread's OS-seeded generator
+    /// (`rand::thread_rng`, a ChaCha generator reseeded from the OS): an
+    /// unpredictable one-off id without seeding a generator per call (two
+    /// `getrandom` system calls per dispatch, before).
+    pub fn unseeded_id(prefix: &str) -> String {
+        let mut b = [0u8; 12];
+        rand::thread_rng().fill_bytes(&mut b);
+        format!("{prefix}_{}", hex::encode(b))
+    }
+
     /// Uniform in `0..=max`.
     pub fn up_to(&self, max: u64) -> u64 {
         self.0.lock().map_or(0, |mut r| r.gen_range(0..=max))

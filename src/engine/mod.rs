@@ -486,8 +486,8 @@ pub fn fresh_call_identity() -> CallIdentity {
     CallIdentity {
         provider: "cli".to_string(),
         api_family: "toolgate".to_string(),
-        response_id: ids::Ids::default().id("resp"),
-        call_id: ids::Ids::default().id("call"),
+        response_id: ids::Ids::unseeded_id("resp"),
+        call_id: ids::Ids::unseeded_id("call"),
         adapter_revision: "1".to_string(),
     }
 }

@@ -31,20 +31,7 @@ pub(crate) fn args_of(request_json: &str) -> Value {
 
 /// The call binding of an operation row as it stands.
 pub(crate) fn binding_of(op: &OperationRow) -> String {
-    let call = call_of(op);
-    call_binding_sha256(&BindingInput {
-        tenant: &op.tenant,
-        subject: &op.subject,
-        call: &call,
-        operation_id: &op.id,
-        idempotency_key: &op.idem_key,
-        revisions: revisions_of(op),
-        request_sha256: &op.request_sha256,
-        result_sha256: op.result_sha256.as_deref(),
-        downstream_request_id: op.downstream_request_id.as_deref(),
-        receipt_id: op.receipt_id.as_deref(),
-        status_ref: &op.status_ref,
-    })
+    Checked::of(op).binding()
 }
 
 pub(crate) fn revisions_of(op: &OperationRow) -> Revisions {
@@ -104,15 +91,121 @@ pub(crate) fn call_of(op: &OperationRow) -> CallIdentity {
     }
 }
 
-/// Rows this thread has verified, by a hash of their id: [`verify_row`] is a
-/// pure function of the row, so a row equal in every column to one that
-/// verified needs no second parse, canonicalization and digest (a replay
-/// reads the same row each time). The comparison is of the whole row, so a
-/// row changed in any column, tampered or not, is verified again.
-const VERIFIED_SLOTS: usize = 256;
+/// The columns of an operation row that [`verify_row_afresh`] reads, and
+/// nothing else: the checks are written against this view, so they are a
+/// pure function of these columns by construction, and [`Checked::digest`]
+/// (a SHA-256 over exactly these columns) decides whether a row is one this
+/// thread has verified before. Columns that only move with the row's life
+/// (version, timestamps, code, approval, resolution) are not checked, so a
+/// new state of an intact row stays verified.
+struct Checked<'a> {
+    id: &'a str,
+    state: &'a str,
+    tenant: &'a str,
+    subject: &'a str,
+    tool: &'a str,
+    idem_key: &'a str,
+    key_sha256: &'a str,
+    request_sha256: &'a str,
+    request_json: &'a str,
+    revisions: [i64; 3],
+    status_ref: &'a str,
+    downstream_key: &'a str,
+    result_json: Option<&'a str>,
+    result_sha256: Option<&'a str>,
+    downstream_request_id: Option<&'a str>,
+    receipt_id: Option<&'a str>,
+    call_binding_sha256: &'a str,
+    call: [&'a str; 5],
+}
+
+impl<'a> Checked<'a> {
+    fn of(op: &'a OperationRow) -> Self {
+        Checked {
+            id: &op.id,
+            state: op.state.as_str(),
+            tenant: &op.tenant,
+            subject: &op.subject,
+            tool: &op.tool,
+            idem_key: &op.idem_key,
+            key_sha256: &op.key_sha256,
+            request_sha256: &op.request_sha256,
+            request_json: &op.request_json,
+            revisions: [op.input_rev, op.output_rev, op.effect_rev],
+            status_ref: &op.status_ref,
+            downstream_key: &op.downstream_key,
+            result_json: op.result_json.as_deref(),
+            result_sha256: op.result_sha256.as_deref(),
+            downstream_request_id: op.downstream_request_id.as_deref(),
+            receipt_id: op.receipt_id.as_deref(),
+            call_binding_sha256: &op.call_binding_sha256,
+            call: [&op.call_provider, &op.call_api_family, &op.call_response_id, &op.call_id, &op.adapter_revision],
+        }
+    }
+
+    /// The call binding these columns recompute to.
+    fn binding(&self) -> String {
+        let [provider, api_family, response_id, call_id, adapter_revision] = self.call.map(str::to_string);
+        let call = CallIdentity { provider, api_family, response_id, call_id, adapter_revision };
+        let [input, output, effect] = self.revisions;
+        call_binding_sha256(&BindingInput {
+            tenant: self.tenant,
+            subject: self.subject,
+            call: &call,
+            operation_id: self.id,
+            idempotency_key: self.idem_key,
+            revisions: Revisions { input, output, effect },
+            request_sha256: self.request_sha256,
+            result_sha256: self.result_sha256,
+            downstream_request_id: self.downstream_request_id,
+            receipt_id: self.receipt_id,
+            status_ref: self.status_ref,
+        })
+    }
+
+    /// SHA-256 over every column of the view, each length-prefixed (an
+    /// absent one marked apart from an empty one): equal digests, equal views.
+    fn digest(&self) -> [u8; 32] {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        let mut text = |t: Option<&str>| match t {
+            Some(t) => {
+                h.update([1]);
+                h.update((t.len() as u64).to_le_bytes());
+                h.update(t.as_bytes());
+            }
+            None => h.update([0]),
+        };
+        for t in [self.id, self.state, self.tenant, self.subject, self.tool, self.idem_key, self.key_sha256] {
+            text(Some(t));
+        }
+        for t in [self.request_sha256, self.request_json, self.status_ref, self.downstream_key] {
+            text(Some(t));
+        }
+        for t in [self.result_json, self.result_sha256, self.downstream_request_id, self.receipt_id] {
+            text(t);
+        }
+        text(Some(self.call_binding_sha256));
+        for t in self.call {
+            text(Some(t));
+        }
+        for r in self.revisions {
+            h.update(r.to_le_bytes());
+        }
+        h.finalize().into()
+    }
+}
+
+/// Rows this thread has verified (or built itself), one slot per hash of the
+/// operation id, holding the [`Checked::digest`] of the row that verified: a
+/// row whose checked columns are unchanged needs no second parse,
+/// canonicalization and digests (a replay reads the same row again, usually
+/// soon). Any change to a checked column, tampered or not, misses and is
+/// verified again. 4,096 slots of 32 bytes: 128 KiB per engine thread.
+const VERIFIED_SLOTS: usize = 4096;
 
 thread_local! {
-    static VERIFIED: std::cell::RefCell<Vec<Option<OperationRow>>> =
+    static VERIFIED: std::cell::RefCell<Vec<Option<[u8; 32]>>> =
         std::cell::RefCell::new(vec![None; VERIFIED_SLOTS]);
 }
 
@@ -124,36 +217,43 @@ fn verified_slot(id: &str) -> usize {
 }
 
 pub(crate) fn verify_row(op: &OperationRow) -> Result<(), &'static str> {
+    let checked = Checked::of(op);
+    let digest = checked.digest();
     let slot = verified_slot(&op.id);
-    if VERIFIED.with(|v| v.borrow()[slot].as_ref() == Some(op)) {
+    if VERIFIED.with(|v| v.borrow()[slot] == Some(digest)) {
         return Ok(());
     }
-    verify_row_afresh(op)?;
-    VERIFIED.with(|v| v.borrow_mut()[slot] = Some(op.clone()));
+    verify_checked(&checked)?;
+    VERIFIED.with(|v| v.borrow_mut()[slot] = Some(digest));
     Ok(())
 }
 
-/// Remembers a row this engine has just built and inserted (an accept), so
-/// that reading it back in the same transaction (the claim that follows)
-/// needs no second verification: nothing else can write it before that
-/// transaction commits. Only rows built here, never rows read from storage;
-/// debug builds (the tests) still verify it, so a construction bug is caught.
+/// Remembers a row this engine has just built and written (an accept, a
+/// persisted result), so that reading it back (the claim in the same
+/// transaction, the replays that follow) needs no second verification; a
+/// later change of a checked column by anyone else misses. Only rows built
+/// here, never rows read from storage; debug builds (the tests) still verify
+/// it, so a construction bug is caught.
 pub(crate) fn remember_built(op: &OperationRow) {
     debug_assert_eq!(verify_row_afresh(op), Ok(()), "the engine built a row that fails its own integrity check");
-    VERIFIED.with(|v| v.borrow_mut()[verified_slot(&op.id)] = Some(op.clone()));
+    let digest = Checked::of(op).digest();
+    VERIFIED.with(|v| v.borrow_mut()[verified_slot(&op.id)] = Some(digest));
 }
 
 /// Every check of [`verify_row`], never remembered.
 pub(crate) fn verify_row_afresh(op: &OperationRow) -> Result<(), &'static str> {
+    verify_checked(&Checked::of(op))
+}
+
+/// The checks, on the checked columns alone.
+fn verify_checked(op: &Checked<'_>) -> Result<(), &'static str> {
     let parse_canonical =
         |text: &str| parse_strict(text.as_bytes(), usize::MAX, 256).ok().filter(|v| canonical_string(v) == text);
-    if !matches!(
-        op.state.as_str(),
-        "accepted" | "in_flight" | "succeeded" | "failed" | "unknown" | "needs_review" | "resolved"
-    ) {
+    if !matches!(op.state, "accepted" | "in_flight" | "succeeded" | "failed" | "unknown" | "needs_review" | "resolved")
+    {
         return Err("state is not a ledger state");
     }
-    let Some(request) = parse_canonical(&op.request_json) else {
+    let Some(request) = parse_canonical(op.request_json) else {
         return Err("request_json is not canonical");
     };
     if sha256_hex(op.request_json.as_bytes()) != op.request_sha256 {
@@ -162,31 +262,25 @@ pub(crate) fn verify_row_afresh(op: &OperationRow) -> Result<(), &'static str> {
     // Every column that restates the bound request must agree with it: the
     // scope columns decide which row a replay finds, the revisions which
     // contract it is checked against.
-    check_restated(
-        &request,
-        [&op.tenant, &op.subject, &op.tool],
-        [op.input_rev, op.output_rev, op.effect_rev],
-        &op.idem_key,
-        &op.key_sha256,
-    )?;
-    match (&op.result_json, &op.result_sha256) {
+    check_restated(&request, [op.tenant, op.subject, op.tool], op.revisions, op.idem_key, op.key_sha256)?;
+    match (op.result_json, op.result_sha256) {
         (Some(r), Some(h)) => {
             if parse_canonical(r).is_none() {
                 return Err("result_json is not canonical");
             }
-            if &sha256_hex(r.as_bytes()) != h {
+            if sha256_hex(r.as_bytes()) != h {
                 return Err("result_sha256 does not recompute");
             }
         }
         (None, None) => {}
         _ => return Err("result and result digest disagree"),
     }
-    if binding_of(op) != op.call_binding_sha256 {
+    if op.binding() != op.call_binding_sha256 {
         return Err("call_binding_sha256 does not recompute");
     }
     // A derived key must recompute; a key of another shape is only valid on a
     // row written before keys were derived (the audit checks which rows those are).
-    if !op.downstream_key.starts_with("dk_") && op.downstream_key != downstream_key_of(&op.id, &op.status_ref) {
+    if !op.downstream_key.starts_with("dk_") && op.downstream_key != downstream_key_of(op.id, op.status_ref) {
         return Err("downstream_key does not recompute");
     }
     Ok(())
@@ -434,4 +528,114 @@ pub(crate) fn apply_business_effect(tx: &Tx<'_>, domain: &dyn ToolDomain, op: &O
     let args = args_of(&op.request_json);
     let result = op.result_json.as_deref().and_then(|r| serde_json::from_str(r).ok()).unwrap_or(Value::Null);
     domain.apply(tx, &ToolCall { tenant: &op.tenant, subject: &op.subject, tool: &op.tool, arguments: &args }, &result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row() -> OperationRow {
+        OperationRow {
+            id: "op_1".into(),
+            tenant: "acme".into(),
+            subject: "agent_ana".into(),
+            tool: "create_refund".into(),
+            idem_key: "key-0001".into(),
+            key_sha256: "k".into(),
+            request_sha256: "r".into(),
+            request_json: "{}".into(),
+            input_rev: 1,
+            output_rev: 1,
+            effect_rev: 1,
+            effect: "write".into(),
+            state: OpState::Succeeded,
+            version: 3,
+            status_ref: "sr".into(),
+            downstream_key: "dk".into(),
+            code: None,
+            result_json: Some("{}".into()),
+            result_sha256: Some("h".into()),
+            downstream_request_id: Some("dreq".into()),
+            receipt_id: Some("rcpt".into()),
+            call_binding_sha256: "b".into(),
+            call_provider: "openai".into(),
+            call_api_family: "responses".into(),
+            call_response_id: "resp".into(),
+            call_id: "call".into(),
+            adapter_revision: "1".into(),
+            approval_id: None,
+            resolution: None,
+            resolution_note: None,
+            resolved_by: None,
+            last_query_at: None,
+            last_query_result: None,
+            created_at: 1,
+            updated_at: 2,
+            deadline_at: 3,
+            expires_at: 4,
+            retention_ms: 5,
+            terminal_at: Some(2),
+            state_since: Some(2),
+        }
+    }
+
+    /// The memo of verified rows is keyed on this digest: a change to any
+    /// column the checks read must miss it, and a change to a column they do
+    /// not read (the row's life: version, times, code) must not.
+    #[test]
+    fn the_verified_digest_covers_every_checked_column_and_only_those() {
+        type Edit = fn(&mut OperationRow);
+        let checked: Vec<(&str, Edit)> = vec![
+            ("id", |o| o.id.push('x')),
+            ("state", |o| o.state = OpState::Failed),
+            ("tenant", |o| o.tenant.push('x')),
+            ("subject", |o| o.subject.push('x')),
+            ("tool", |o| o.tool.push('x')),
+            ("idem_key", |o| o.idem_key.push('x')),
+            ("key_sha256", |o| o.key_sha256.push('x')),
+            ("request_sha256", |o| o.request_sha256.push('x')),
+            ("request_json", |o| o.request_json.push(' ')),
+            ("input_rev", |o| o.input_rev += 1),
+            ("output_rev", |o| o.output_rev += 1),
+            ("effect_rev", |o| o.effect_rev += 1),
+            ("status_ref", |o| o.status_ref.push('x')),
+            ("downstream_key", |o| o.downstream_key.push('x')),
+            ("result_json", |o| o.result_json = None),
+            ("result_json moved", |o| o.result_json = Some("{} ".into())),
+            ("result_sha256", |o| o.result_sha256 = Some(String::new())),
+            ("downstream_request_id", |o| o.downstream_request_id = None),
+            ("receipt_id", |o| o.receipt_id = Some("rcpt2".into())),
+            ("call_binding_sha256", |o| o.call_binding_sha256.push('x')),
+            ("call_provider", |o| o.call_provider.push('x')),
+            ("call_api_family", |o| o.call_api_family.push('x')),
+            ("call_response_id", |o| o.call_response_id.push('x')),
+            ("call_id", |o| o.call_id.push('x')),
+            ("adapter_revision", |o| o.adapter_revision.push('x')),
+            // Text moved from one column to its neighbour: the lengths tell.
+            ("tenant|subject boundary", |o| {
+                o.tenant.push('a');
+                o.subject.remove(0);
+            }),
+        ];
+        let base = Checked::of(&row()).digest();
+        for (what, edit) in checked {
+            let mut o = row();
+            edit(&mut o);
+            assert_ne!(Checked::of(&o).digest(), base, "{what}: a checked column changed but the digest did not");
+        }
+        let unchecked: Vec<(&str, Edit)> = vec![
+            ("version", |o| o.version += 1),
+            ("code", |o| o.code = Some("X".into())),
+            ("updated_at", |o| o.updated_at += 1),
+            ("deadline_at", |o| o.deadline_at += 1),
+            ("approval_id", |o| o.approval_id = Some("ap".into())),
+            ("last_query_at", |o| o.last_query_at = Some(9)),
+            ("terminal_at", |o| o.terminal_at = None),
+        ];
+        for (what, edit) in unchecked {
+            let mut o = row();
+            edit(&mut o);
+            assert_eq!(Checked::of(&o).digest(), base, "{what}: not a checked column, yet the digest moved");
+        }
+    }
 }
