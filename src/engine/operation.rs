@@ -228,10 +228,11 @@ pub(crate) fn verify_row(op: &OperationRow) -> Result<(), &'static str> {
     Ok(())
 }
 
-/// Remembers a row this engine has just built and written (an accept, a
-/// persisted result), so that reading it back (the claim in the same
-/// transaction, the replays that follow) needs no second verification; a
-/// later change of a checked column by anyone else misses. Only rows built
+/// Remembers a row this engine has just built and written (a persisted
+/// result), so that reading it back (the replays that follow) needs no
+/// second verification; a later change of a checked column by anyone else
+/// misses. (The claim in an accept's own transaction does not read the new
+/// row back at all: `Decision::Accepted` in `dispatch`.) Only rows built
 /// here, never rows read from storage; debug builds (the tests) still verify
 /// it, so a construction bug is caught.
 pub(crate) fn remember_built(op: &OperationRow) {
