@@ -70,11 +70,10 @@ enum Decision {
     Answer(Envelope, TraceEvent),
     /// Run the outbox row of this operation now (what `accept` decides; the
     /// synced accept transaction goes on to claim it, see [`Decision::Sending`]).
-    Execute(String),
-    /// A new operation this transaction inserted, after authorizing the call
-    /// and checking its business rules: the claim in the same transaction
-    /// reads nothing of it back and checks none of that again.
-    Accepted(Box<OperationRow>),
+    /// `built`: the new row this very transaction inserted after authorizing
+    /// the call and checking its business rules; the claim reads nothing of
+    /// it back and checks none of that again.
+    Execute { op_id: String, built: Option<Box<OperationRow>> },
     /// Accepted, claimed and marked sent in the accept's own transaction:
     /// send attempt `attempt` of `op`.
     Sending { attempt: i64, op: Box<OperationRow> },
@@ -244,21 +243,12 @@ impl Engine {
                 // Accept, claim and sent-marker share one commit (one fsync):
                 // nothing lies between them that a crash could tell apart
                 // (ARCHITECTURE.md, "Which commits wait for the disk").
-                Decision::Execute(op_id) => {
-                    Ok(match claim_to_send(tx, &op_id, None, contract, &*domain, &worker, now, lease_ms, &caller)? {
+                Decision::Execute { op_id, built } => {
+                    let built = built.map(|op| *op);
+                    Ok(match claim_to_send(tx, &op_id, built, contract, &*domain, &worker, now, lease_ms, &caller)? {
                         Claim::Claimed { attempt, op } => Decision::Sending { attempt, op },
                         Claim::Answer(env) => Decision::Answered(env),
                     })
-                }
-                Decision::Accepted(op) => {
-                    let op_id = op.id.clone();
-                    Ok(
-                        match claim_to_send(tx, &op_id, Some(*op), contract, &*domain, &worker, now, lease_ms, &caller)?
-                        {
-                            Claim::Claimed { attempt, op } => Decision::Sending { attempt, op },
-                            Claim::Answer(env) => Decision::Answered(env),
-                        },
-                    )
                 }
                 d => Ok::<_, EngineError>(d),
             }
@@ -288,8 +278,7 @@ impl Engine {
                 let op_id = op.id.clone();
                 self.run_operation_from(&op_id, &contracts, answering, Some((attempt, op)))
             }
-            Decision::Execute(op_id) => self.run_operation(&op_id, &contracts, answering),
-            Decision::Accepted(op) => self.run_operation(&op.id, &contracts, answering),
+            Decision::Execute { op_id, .. } => self.run_operation(&op_id, &contracts, answering),
             Decision::Synced => {
                 Err(EngineError::invalid("ACCEPT_RELAXED", "a synced accept asked for a synced accept"))
             }
@@ -741,7 +730,7 @@ fn accept(
                 ev.reason = Some("proven_unsent_execute");
                 ev.deadline_left_ms = Some(c.deadline_ms as i64);
                 ev.write(tx, c.now)?;
-                return Ok(Decision::Execute(op.id));
+                return Ok(Decision::Execute { op_id: op.id, built: None });
             }
             ev.note = Some("proven not sent, retry time not reached".into());
             ev.reason = Some("proven_unsent_not_due");
@@ -818,7 +807,7 @@ fn accept(
     ev.status_ref = Some(op.status_ref.clone());
     ev.deadline_left_ms = Some(c.deadline_ms as i64);
     ev.write(tx, c.now)?;
-    Ok(Decision::Accepted(Box::new(op)))
+    Ok(Decision::Execute { op_id: op.id.clone(), built: Some(Box::new(op)) })
 }
 
 fn bind_call(tx: &Tx<'_>, ck: &CallKey<'_>, c: &AcceptCtx<'_>, op: Option<&str>) -> Result<(), StoreError> {
@@ -1000,7 +989,7 @@ struct Caller<'a> {
 fn claim_to_send(
     tx: &Tx<'_>,
     op_id: &str,
-    accepted: Option<OperationRow>,
+    built: Option<OperationRow>,
     contract: &Contract,
     domain: &dyn ToolDomain,
     worker: &str,
@@ -1008,7 +997,7 @@ fn claim_to_send(
     lease_ms: i64,
     caller: &Caller<'_>,
 ) -> Result<Claim, EngineError> {
-    let claimed = claim(tx, op_id, accepted, contract, domain, worker, now, lease_ms, caller)?;
+    let claimed = claim(tx, op_id, built, contract, domain, worker, now, lease_ms, caller)?;
     let Claim::Claimed { attempt, op } = claimed else {
         return Ok(claimed);
     };
@@ -1026,15 +1015,15 @@ fn claim_to_send(
 }
 
 /// Claims the outbox row and re-checks authorization, business state and
-/// contract revision before anything is sent. `accepted`: the row the same
+/// contract revision before anything is sent. `built`: the row the same
 /// transaction has just inserted after those very checks
-/// ([`Decision::Accepted`]); nothing can have changed since (the transaction
+/// ([`Decision::Execute`]); nothing can have changed since (the transaction
 /// holds the write lock), so it is neither read back nor checked again.
 #[allow(clippy::too_many_arguments)]
 fn claim(
     tx: &Tx<'_>,
     op_id: &str,
-    accepted: Option<OperationRow>,
+    built: Option<OperationRow>,
     contract: &Contract,
     domain: &dyn ToolDomain,
     worker: &str,
@@ -1043,8 +1032,8 @@ fn claim(
     caller: &Caller<'_>,
 ) -> Result<Claim, EngineError> {
     let pref = caller.principal_ref;
-    let checked = accepted.is_some();
-    let Some(mut op) = (match accepted {
+    let built_here = built.is_some();
+    let Some(mut op) = (match built {
         Some(op) => Some(op),
         None => tx.operation(op_id)?,
     }) else {
@@ -1097,8 +1086,13 @@ fn claim(
     }
     // A row this transaction built is not read from storage: nothing to
     // verify (debug builds, the tests, verify it all the same).
-    debug_assert_eq!(checked.then(|| super::operation::verify_row_afresh(&op)), checked.then_some(Ok(())));
-    if let Err(why) = if checked { Ok(()) } else { verify_row(&op) } {
+    let verified = if built_here {
+        debug_assert_eq!(super::operation::verify_row_afresh(&op), Ok(()));
+        Ok(())
+    } else {
+        verify_row(&op)
+    };
+    if let Err(why) = verified {
         let env = with_detail(
             error_envelope(
                 Code::StatusConflict,
@@ -1149,19 +1143,16 @@ fn claim(
     ev.reason = Some(if attempt > 1 { "retry" } else { "first_attempt" });
     // Re-check: authorization, business state and contract revision, read now
     // (unless this transaction made those checks itself).
-    let args: Option<Value> = (!checked).then(|| args_of(&op.request_json));
+    let args: Option<Value> = (!built_here).then(|| args_of(&op.request_json));
+    let (tenant, subject, tool) = (&op.tenant, &op.subject, &op.tool);
     let mut failed: Option<(Code, &'static str)> = None;
-    if let Some(code) = match &args {
-        Some(args) => authorize(tx, domain, &op.tenant, &op.subject, &op.tool, args)?,
-        None => None,
-    } {
+    if let Some(code) = args.as_ref().map(|a| authorize(tx, domain, tenant, subject, tool, a)).transpose()?.flatten() {
         failed = Some((code, "authorization"));
     } else if revisions_of(&op) != contract.revisions {
         failed = Some((Code::BusinessRuleViolation, "contract_revision_changed"));
-    } else if let Some(rule) = match &args {
-        Some(args) => business_rules(tx, domain, &op.tenant, &op.subject, &op.tool, args)?,
-        None => None,
-    } {
+    } else if let Some(rule) =
+        args.as_ref().map(|a| business_rules(tx, domain, tenant, subject, tool, a)).transpose()?.flatten()
+    {
         failed = Some((Code::BusinessRuleViolation, rule));
     }
     if let Some((code, why)) = failed {

@@ -232,7 +232,7 @@ pub(crate) fn verify_row(op: &OperationRow) -> Result<(), &'static str> {
 /// result), so that reading it back (the replays that follow) needs no
 /// second verification; a later change of a checked column by anyone else
 /// misses. (The claim in an accept's own transaction does not read the new
-/// row back at all: `Decision::Accepted` in `dispatch`.) Only rows built
+/// row back at all: `Decision::Execute` with its built row, in `dispatch`.) Only rows built
 /// here, never rows read from storage; debug builds (the tests) still verify
 /// it, so a construction bug is caught.
 pub(crate) fn remember_built(op: &OperationRow) {
