@@ -7,7 +7,11 @@
 //! loop is the floor, what SQLite and the disk need to persist the same rows,
 //! and the rollups and counters the engine's triggers keep are engine cost.
 //! It stores the engine's own texts (request, result, trace fields), so rows
-//! have the same size.
+//! have the same size, and the same lifecycle columns (`state_since` on every
+//! state change; `terminal_at` and the retention deadline `expires_at` when
+//! the operation succeeds), which the console and the retention reaper need.
+//! The keys callers and providers choose are scattered like real ones; the
+//! bare loop's own operation ids are sequential (see `op_id`).
 //!
 //! One fresh write dispatch is three commits (see `engine::dispatch` and
 //! ARCHITECTURE.md, "Which commits wait for the disk"), and the bare write
@@ -60,12 +64,52 @@ const ORDER: &str = "ord_bare";
 /// Stands for every SHA-256 column: 64 hex digits, like the real ones.
 const DIGEST: &str = "5e0c7a1d9b3f42e8a6c1d0b9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e0f9";
 
+/// The bare loop's own ids are sequential: an engine may choose them so, and
+/// then new rows land at the right edge of every index over the id (the
+/// engine's are random, for operators to tell them apart: that cost is the
+/// engine's).
 fn op_id(n: u64) -> String {
     format!("op_bare{n:017}")
 }
 
+/// The keys others choose (the caller's idempotency key and call id, the
+/// provider's request and receipt ids, the digest-derived downstream key and
+/// status handle) are scattered as real ones are: sequential keys would put
+/// every new entry on the same index page and understate the floor. A
+/// bijection of `n` per kind (splitmix64's finalizer), so lookups by `n` work.
+fn scatter(n: u64, kind: u64) -> u64 {
+    let mut z = n ^ kind.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 fn idem_key(n: u64) -> String {
-    format!("bench-bare-{n:016}")
+    format!("bench-bare-{:016x}", scatter(n, 1))
+}
+
+fn status_ref(n: u64) -> String {
+    format!("sr1_bare{:056x}", scatter(n, 2))
+}
+
+fn downstream_key(n: u64) -> String {
+    format!("dk_bare{:025x}", scatter(n, 3))
+}
+
+fn response_id(n: u64) -> String {
+    format!("resp_bare{:023x}", scatter(n, 4))
+}
+
+fn call_id(n: u64) -> String {
+    format!("call_bare{:023x}", scatter(n, 5))
+}
+
+fn request_id(n: u64) -> String {
+    format!("dreq_bare{:016x}", scatter(n, 6))
+}
+
+fn receipt_id(n: u64) -> String {
+    format!("rcpt_bare{:016x}", scatter(n, 7))
 }
 
 impl BareLedger {
@@ -126,9 +170,10 @@ impl BareLedger {
                     "INSERT INTO operations (id, tenant, subject, tool, idem_key, key_sha256, request_sha256,
                        request_json, input_rev, output_rev, effect_rev, effect, state, version, status_ref,
                        downstream_key, call_binding_sha256, call_provider, call_api_family, call_response_id,
-                       call_id, adapter_revision, created_at, updated_at, deadline_at, expires_at)
+                       call_id, adapter_revision, created_at, updated_at, deadline_at, expires_at, retention_ms, state_since)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6, ?7, 1, 1, 1, 'write', 'accepted', 1, ?8, ?9, ?6,
-                       'openai', 'responses', ?10, ?11, '1', ?12, ?12, CAST(?12 AS BIGINT) + 30000, CAST(?12 AS BIGINT) + 2592000000)",
+                       'openai', 'responses', ?10, ?11, '1', ?12, ?12, CAST(?12 AS BIGINT) + 30000,
+                       CAST(?12 AS BIGINT) + 2592000000, 2592000000, ?12)",
                 )?
                 .execute(params![
                     id,
@@ -138,10 +183,10 @@ impl BareLedger {
                     key,
                     DIGEST,
                     p.request_json,
-                    format!("sr1_bare{n:056}"),
-                    format!("dk_bare{n:025}"),
-                    format!("resp_bare{n:023}"),
-                    format!("call_bare{n:023}"),
+                    status_ref(n),
+                    downstream_key(n),
+                    response_id(n),
+                    call_id(n),
                     now
                 ])?;
             tx.conn
@@ -159,8 +204,8 @@ impl BareLedger {
                 .execute(params![
                     TENANT,
                     SUBJECT,
-                    format!("resp_bare{n:023}"),
-                    format!("call_bare{n:023}"),
+                    response_id(n),
+                    call_id(n),
                     DIGEST,
                     id,
                     now
@@ -181,7 +226,8 @@ impl BareLedger {
                 .execute(params![id, attempt, owner, now])?;
             tx.conn
                 .prepare_cached(
-                    "UPDATE operations SET state = 'in_flight', updated_at = ?2, version = version + 1 WHERE id = ?1",
+                    "UPDATE operations SET state = 'in_flight', updated_at = ?2, state_since = ?2, version = version + 1
+                     WHERE id = ?1",
                 )?
                 .execute(params![id, now])?;
             trace(tx, &id, "claimed", field(1), false, now)?;
@@ -201,14 +247,7 @@ impl BareLedger {
                        receipt_id, result_json, committed_at, visible_at)
                      VALUES ('payments', ?1, ?2, ?2, ?3, ?4, ?5, ?6, ?6)",
                 )?
-                .execute(params![
-                    format!("dk_bare{n:025}"),
-                    DIGEST,
-                    format!("dreq_bare{n:07}"),
-                    format!("rcpt_bare{n:07}"),
-                    p.result_json,
-                    now
-                ])?;
+                .execute(params![downstream_key(n), DIGEST, request_id(n), receipt_id(n), p.result_json, now])?;
             Ok(())
         })?;
         // 3. persist
@@ -218,7 +257,7 @@ impl BareLedger {
                     "INSERT INTO receipts (receipt_id, operation_id, request_id, body_sha256, result_sha256, source,
                        recorded_at) VALUES (?1, ?2, ?3, ?4, ?4, 'reply', ?5)",
                 )?
-                .execute(params![format!("rcpt_bare{n:07}"), id, format!("dreq_bare{n:07}"), DIGEST, now])?;
+                .execute(params![receipt_id(n), id, request_id(n), DIGEST, now])?;
             tx.conn
                 .prepare_cached(
                     "UPDATE orders SET refunded_minor = refunded_minor + 1, status = 'partially_refunded',
@@ -239,14 +278,15 @@ impl BareLedger {
                 .prepare_cached(
                     "UPDATE operations SET state = 'succeeded', result_json = ?2, result_sha256 = ?3,
                        downstream_request_id = ?4, receipt_id = ?5, call_binding_sha256 = ?3, updated_at = ?6,
+                       state_since = ?6, terminal_at = ?6, expires_at = CAST(?6 AS BIGINT) + retention_ms,
                        version = version + 1 WHERE id = ?1",
                 )?
                 .execute(params![
                     id,
                     p.result_json,
                     DIGEST,
-                    format!("dreq_bare{n:07}"),
-                    format!("rcpt_bare{n:07}"),
+                    request_id(n),
+                    receipt_id(n),
                     now
                 ])?;
             trace(tx, &id, "downstream_reply", field(3), false, now)?;
@@ -292,8 +332,8 @@ impl BareLedger {
                     .execute(params![
                         TENANT,
                         SUBJECT,
-                        format!("resp_replay{call:021}"),
-                        format!("call_replay{call:021}"),
+                        format!("resp_replay{:021x}", scatter(call, 8)),
+                        format!("call_replay{:021x}", scatter(call, 9)),
                         DIGEST,
                         op.id,
                         now
