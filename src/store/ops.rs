@@ -108,8 +108,13 @@ impl Tx<'_> {
     /// to the same value, and a dozen indexes cover this table. So the row's
     /// writable columns are read first (a primary-key lookup in the same
     /// transaction) and compared; the store keeps `state_since`, `terminal_at`
-    /// and `expires_at` from them.
+    /// and `expires_at` from them. PostgreSQL compares the values itself (an
+    /// unchanged indexed column does not prevent a HOT update) and the read
+    /// would be one more round trip, so there one statement sets them all.
     pub fn update_operation(&self, o: &OperationRow) -> R<Versioned> {
+        if self.conn.backend() == Backend::Postgres {
+            return self.update_operation_whole(o);
+        }
         let Some(cur) = self
             .conn
             .prepare_cached(
@@ -171,6 +176,31 @@ impl Tx<'_> {
         }
         sql.push_str(" WHERE id = ?1 AND version = ?2");
         let n = self.conn.prepare_cached(&sql)?.execute(values.as_slice())?;
+        Ok(if n == 1 { Versioned::Applied } else { Versioned::Stale })
+    }
+
+    /// [`Tx::update_operation`] as one statement that sets every writable
+    /// column, the lifecycle ones derived in SQL (PostgreSQL's form).
+    fn update_operation_whole(&self, o: &OperationRow) -> R<Versioned> {
+        let n = self.conn.prepare_cached(UPDATE_WHOLE)?.execute(params![
+            o.id,
+            o.state,
+            o.code,
+            o.result_json,
+            o.result_sha256,
+            o.downstream_request_id,
+            o.receipt_id,
+            o.call_binding_sha256,
+            o.approval_id,
+            o.resolution,
+            o.resolution_note,
+            o.resolved_by,
+            o.last_query_at,
+            o.last_query_result,
+            o.updated_at,
+            o.deadline_at,
+            o.version
+        ])?;
         Ok(if n == 1 { Versioned::Applied } else { Versioned::Stale })
     }
 
@@ -517,6 +547,18 @@ impl Tx<'_> {
     }
 }
 
+/// Every writable column of an operation, version-checked; retention counts
+/// from the moment the operation first becomes terminal.
+const UPDATE_WHOLE: &str = "UPDATE operations SET state = ?2, code = ?3, result_json = ?4, result_sha256 = ?5,
+       downstream_request_id = ?6, receipt_id = ?7, call_binding_sha256 = ?8, approval_id = ?9,
+       resolution = ?10, resolution_note = ?11, resolved_by = ?12, last_query_at = ?13,
+       last_query_result = ?14, updated_at = ?15, deadline_at = ?16, version = version + 1,
+       state_since = CASE WHEN state IS DISTINCT FROM ?2 THEN ?15 ELSE state_since END,
+       terminal_at = CASE WHEN ?2 IN ('succeeded', 'failed', 'resolved') THEN coalesce(terminal_at, ?15) END,
+       expires_at = CASE WHEN ?2 IN ('succeeded', 'failed', 'resolved') AND terminal_at IS NULL
+                         THEN ?15 + retention_ms ELSE expires_at END
+     WHERE id = ?1 AND version = ?17";
+
 /// The columns [`Tx::update_operation`] may change, as stored, and what it
 /// derives the lifecycle columns from.
 struct Writable {
@@ -573,20 +615,7 @@ impl Writable {
 mod tests {
     use proptest::prelude::*;
 
-    use super::super::{OpState, OpenOptions, OperationRow, Store, StoreError, Sync, Versioned};
-    use super::params;
-
-    /// The statement `update_operation` ran before it set only the changed
-    /// columns: every writable column, the lifecycle ones derived in SQL.
-    const FULL_UPDATE: &str = "UPDATE operations SET state = ?2, code = ?3, result_json = ?4, result_sha256 = ?5,
-           downstream_request_id = ?6, receipt_id = ?7, call_binding_sha256 = ?8, approval_id = ?9,
-           resolution = ?10, resolution_note = ?11, resolved_by = ?12, last_query_at = ?13,
-           last_query_result = ?14, updated_at = ?15, deadline_at = ?16, version = version + 1,
-           state_since = CASE WHEN state IS DISTINCT FROM ?2 THEN ?15 ELSE state_since END,
-           terminal_at = CASE WHEN ?2 IN ('succeeded', 'failed', 'resolved') THEN coalesce(terminal_at, ?15) END,
-           expires_at = CASE WHEN ?2 IN ('succeeded', 'failed', 'resolved') AND terminal_at IS NULL
-                             THEN ?15 + retention_ms ELSE expires_at END
-         WHERE id = ?1 AND version = ?17";
+    use super::super::{OpState, OpenOptions, OperationRow, Store, StoreError, Sync};
 
     const STATES: [OpState; 7] = [
         OpState::Accepted,
@@ -716,9 +745,10 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
-        /// Setting only the changed columns leaves every row exactly as the
-        /// full statement did, lifecycle columns included, and a stale
-        /// version changes nothing in either.
+        /// Setting only the changed columns (SQLite's form) leaves every row
+        /// exactly as the one statement that sets them all (PostgreSQL's, and
+        /// SQLite's before), lifecycle columns included, and a stale version
+        /// changes nothing in either.
         #[test]
         fn writing_only_changed_columns_matches_the_full_update(changes in proptest::collection::vec(change(), 1..12)) {
             let dir = tempfile::tempdir().unwrap();
@@ -730,20 +760,16 @@ mod tests {
                 tx.insert_operation(&row("b"))
             }).unwrap();
             for c in &changes {
-                let (new, full) = store.write(|tx| -> Result<_, StoreError> {
+                let (new, whole) = store.write(|tx| -> Result<_, StoreError> {
                     let mut a = tx.operation("a")?.unwrap();
                     let mut b = tx.operation("b")?.unwrap();
                     apply(&mut a, c);
                     apply(&mut b, c);
                     let new = tx.update_operation(&a)?;
-                    let n = tx.conn.prepare_cached(FULL_UPDATE)?.execute(params![
-                        b.id, b.state, b.code, b.result_json, b.result_sha256, b.downstream_request_id,
-                        b.receipt_id, b.call_binding_sha256, b.approval_id, b.resolution, b.resolution_note,
-                        b.resolved_by, b.last_query_at, b.last_query_result, b.updated_at, b.deadline_at, b.version
-                    ])?;
-                    Ok((new, if n == 1 { Versioned::Applied } else { Versioned::Stale }))
+                    let whole = tx.update_operation_whole(&b)?;
+                    Ok((new, whole))
                 }).unwrap();
-                prop_assert_eq!(new.is_stale(), full.is_stale());
+                prop_assert_eq!(new.is_stale(), whole.is_stale());
                 prop_assert_eq!(new.is_stale(), c.stale);
                 let (a, b) = store.read(|tx| -> Result<_, StoreError> {
                     Ok((tx.operation("a")?.unwrap(), tx.operation("b")?.unwrap()))
