@@ -1,5 +1,7 @@
 //! Typed queries: Operations, their outbox rows and attempts, call identities and receipts: the aggregate every dispatch, worker, reaper and status query changes.
 
+use std::fmt::Write as _;
+
 use super::sql::{Param, Row};
 use super::{
     params, placeholders, AttemptOutcome, AttemptRow, Backend, CallIdentityRow, CallKey, ForClaim, OpState,
@@ -107,10 +109,11 @@ impl Tx<'_> {
     /// rewrites the entry of every index over a column it is told to set, even
     /// to the same value, and a dozen indexes cover this table. So the row's
     /// writable columns are read first (a primary-key lookup in the same
-    /// transaction) and compared; the store keeps `state_since`, `terminal_at`
-    /// and `expires_at` from them. PostgreSQL compares the values itself (an
-    /// unchanged indexed column does not prevent a HOT update) and the read
-    /// would be one more round trip, so there one statement sets them all.
+    /// transaction; the whole row would cost half of what this saves) and
+    /// compared; the store keeps `state_since`, `terminal_at` and `expires_at`
+    /// from them. PostgreSQL compares the values itself (an unchanged indexed
+    /// column does not prevent a HOT update) and the read would be one more
+    /// round trip, so there one statement sets them all.
     pub fn update_operation(&self, o: &OperationRow) -> R<Versioned> {
         if self.conn.backend() == Backend::Postgres {
             return self.update_operation_whole(o);
@@ -132,8 +135,7 @@ impl Tx<'_> {
         }
         // Time in state, and retention from the moment the operation becomes
         // terminal (the first time: a terminal row that changes keeps both).
-        let state_changed = cur.state != o.state.as_str();
-        let state_since = if state_changed { Some(o.updated_at) } else { cur.state_since };
+        let state_since = if cur.state == o.state { cur.state_since } else { Some(o.updated_at) };
         let terminal_at = o.state.is_terminal().then(|| cur.terminal_at.unwrap_or(o.updated_at));
         let expires_at = if o.state.is_terminal() && cur.terminal_at.is_none() {
             o.updated_at + cur.retention_ms
@@ -142,37 +144,33 @@ impl Tx<'_> {
         };
         let mut sql = String::from("UPDATE operations SET version = version + 1");
         let mut values: Vec<&dyn Param> = vec![&o.id, &o.version];
-        if state_changed {
-            values.push(&o.state);
-            sql.push_str(", state = ?3");
-        }
         macro_rules! set_changed {
-            ($($field:ident: $now:expr, $new:expr;)*) => {$(
-                if $now != $new {
-                    values.push($new as &dyn Param);
-                    sql.push_str(concat!(", ", stringify!($field), " = ?"));
-                    sql.push_str(&values.len().to_string());
+            ($($column:ident: $new:expr),* $(,)?) => {$(
+                if cur.$column != *$new {
+                    values.push($new);
+                    let _ = write!(sql, concat!(", ", stringify!($column), " = ?{}"), values.len());
                 }
             )*};
         }
         set_changed! {
-            code: &cur.code, &o.code;
-            result_json: &cur.result_json, &o.result_json;
-            result_sha256: &cur.result_sha256, &o.result_sha256;
-            downstream_request_id: &cur.downstream_request_id, &o.downstream_request_id;
-            receipt_id: &cur.receipt_id, &o.receipt_id;
-            call_binding_sha256: &cur.call_binding_sha256, &o.call_binding_sha256;
-            approval_id: &cur.approval_id, &o.approval_id;
-            resolution: &cur.resolution, &o.resolution;
-            resolution_note: &cur.resolution_note, &o.resolution_note;
-            resolved_by: &cur.resolved_by, &o.resolved_by;
-            last_query_at: &cur.last_query_at, &o.last_query_at;
-            last_query_result: &cur.last_query_result, &o.last_query_result;
-            updated_at: &cur.updated_at, &o.updated_at;
-            deadline_at: &cur.deadline_at, &o.deadline_at;
-            state_since: &cur.state_since, &state_since;
-            terminal_at: &cur.terminal_at, &terminal_at;
-            expires_at: &cur.expires_at, &expires_at;
+            state: &o.state,
+            code: &o.code,
+            result_json: &o.result_json,
+            result_sha256: &o.result_sha256,
+            downstream_request_id: &o.downstream_request_id,
+            receipt_id: &o.receipt_id,
+            call_binding_sha256: &o.call_binding_sha256,
+            approval_id: &o.approval_id,
+            resolution: &o.resolution,
+            resolution_note: &o.resolution_note,
+            resolved_by: &o.resolved_by,
+            last_query_at: &o.last_query_at,
+            last_query_result: &o.last_query_result,
+            updated_at: &o.updated_at,
+            deadline_at: &o.deadline_at,
+            state_since: &state_since,
+            terminal_at: &terminal_at,
+            expires_at: &expires_at,
         }
         sql.push_str(" WHERE id = ?1 AND version = ?2");
         let n = self.conn.prepare_cached(&sql)?.execute(values.as_slice())?;
@@ -563,7 +561,7 @@ const UPDATE_WHOLE: &str = "UPDATE operations SET state = ?2, code = ?3, result_
 /// derives the lifecycle columns from.
 struct Writable {
     version: i64,
-    state: String,
+    state: OpState,
     code: Option<String>,
     result_json: Option<String>,
     result_sha256: Option<String>,
