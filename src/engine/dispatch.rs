@@ -64,6 +64,53 @@ fn valid_key(k: &str) -> bool {
     (8..=255).contains(&k.len()) && k.bytes().all(|b| (0x21..=0x7e).contains(&b))
 }
 
+/// Scopes (tenant, subject, tool, ledger key) on which this engine answered
+/// with an operation: a later call on one is most likely a replay, and at FULL
+/// it goes straight to the relaxed transaction (`Store::write_relaxed`)
+/// without the read transaction that would tell, one fewer per replay. A hint
+/// only, never trusted: `accept` re-checks under the write lock and asks for a
+/// synced transaction when the call changes state after all (the operation is
+/// still `accepted`, or gone: reaped, or never made because the call was
+/// refused), and the scope is then forgotten; a wrong hint costs one relaxed
+/// try. 16,384 slots of a 64-bit hash, 128 KiB per engine.
+pub(crate) struct SeenSent(Box<[u64]>);
+
+const SEEN_SENT_SLOTS: usize = 16384;
+
+impl Default for SeenSent {
+    fn default() -> Self {
+        Self(vec![0; SEEN_SENT_SLOTS].into_boxed_slice())
+    }
+}
+
+impl SeenSent {
+    /// Never 0, the empty slot.
+    fn hash(tenant: &str, subject: &str, tool: &str, key: &str) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (tenant, subject, tool, key).hash(&mut h);
+        h.finish() | 1
+    }
+
+    fn slot(h: u64) -> usize {
+        (h % SEEN_SENT_SLOTS as u64) as usize
+    }
+
+    fn holds(&self, h: u64) -> bool {
+        self.0[Self::slot(h)] == h
+    }
+
+    fn remember(&mut self, h: u64) {
+        self.0[Self::slot(h)] = h;
+    }
+
+    fn forget(&mut self, h: u64) {
+        if self.holds(h) {
+            self.0[Self::slot(h)] = 0;
+        }
+    }
+}
+
 /// What the accept transaction decided.
 enum Decision {
     /// Answer now.
@@ -259,30 +306,40 @@ impl Engine {
         // disk (`Store::write_relaxed`). A read first tells; `accept` re-checks
         // everything under the write lock and asks for a synced transaction
         // before any state change.
-        let known = self.store.durability() == Sync::Full
-            && self
-                .store
-                .read(|tx| tx.operation_state_by_scope(&req.tenant, &req.subject, &req.tool, &key))?
-                .is_some_and(|s| s != "accepted");
+        // A scope this engine has seen leave `accepted` skips that read (see
+        // `SeenSent`: a hint that `accept` re-checks).
+        let full = self.store.durability() == Sync::Full;
+        let seen = SeenSent::hash(&req.tenant, &req.subject, &req.tool, &key);
+        let known = full
+            && (self.seen_sent.holds(seen)
+                || self
+                    .store
+                    .read(|tx| tx.operation_state_by_scope(&req.tenant, &req.subject, &req.tool, &key))?
+                    .is_some_and(|s| s != "accepted"));
         let mut decision = if known {
             self.store.write_relaxed(|tx| step(tx, audit.clone(), ev.clone(), true))?
         } else {
             Decision::Synced
         };
         if matches!(decision, Decision::Synced) {
+            self.seen_sent.forget(seen);
             decision = self.store.write(|tx| step(tx, audit.clone(), ev.clone(), false))?;
         }
-        match decision {
-            Decision::Answer(env, _) | Decision::Answered(env) => Ok(env),
+        let env = match decision {
+            Decision::Answer(env, _) | Decision::Answered(env) => env,
             Decision::Sending { attempt, op } => {
                 let op_id = op.id.clone();
-                self.run_operation_from(&op_id, &contracts, answering, Some((attempt, op)))
+                self.run_operation_from(&op_id, &contracts, answering, Some((attempt, op)))?
             }
-            Decision::Execute { op_id, .. } => self.run_operation(&op_id, &contracts, answering),
+            Decision::Execute { op_id, .. } => self.run_operation(&op_id, &contracts, answering)?,
             Decision::Synced => {
-                Err(EngineError::invalid("ACCEPT_RELAXED", "a synced accept asked for a synced accept"))
+                return Err(EngineError::invalid("ACCEPT_RELAXED", "a synced accept asked for a synced accept"))
             }
+        };
+        if full && env.protected_audit.operation_id.is_some() {
+            self.seen_sent.remember(seen);
         }
+        Ok(env)
     }
 
     /// A read tool: authorization, the call-identity binding, the read, and its
@@ -1171,9 +1228,15 @@ fn claim(
         ev.write(tx, now)?;
         return Ok(Claim::Answer(env));
     }
+    // The row this transaction inserted is what the ledger holds: no need to read it again.
+    let stored = built_here.then(|| op.clone());
     op.state = crate::store::OpState::InFlight;
     op.updated_at = now;
-    tx.update_operation(&op)?.or_stale()?;
+    match &stored {
+        Some(stored) => tx.update_operation_from(stored, &op)?,
+        None => tx.update_operation(&op)?,
+    }
+    .or_stale()?;
     op.version += 1;
     ev.write(tx, now)?;
     Ok(Claim::Claimed { attempt, op: Box::new(op) })
@@ -1227,6 +1290,8 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
     let Some(mut op) = tx.operation(op_id)? else {
         return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
     };
+    // As read: the committed reply writes over it without reading it again.
+    let stored = op.clone();
     op.updated_at = c.now;
     // The reply's health moves the downstream's circuit, in this transaction.
     if let Some(t) =
@@ -1300,7 +1365,7 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             apply_business_effect(tx, c.domain, &op)?;
             tx.finish_attempt(op_id, c.attempt, AttemptOutcome::Committed, None, c.now)?;
             tx.close_outbox(op_id, OutboxState::Done, None)?;
-            tx.update_operation(&op)?.or_stale()?;
+            tx.update_operation_from(&stored, &op)?.or_stale()?;
             op.version += 1;
             // The replays that follow read this row back: built here, it is verified.
             super::operation::remember_built(&op);
@@ -1475,5 +1540,34 @@ mod tests {
         ] {
             assert_eq!(valid_key(k), ok, "{k:?}");
         }
+    }
+
+    #[test]
+    fn seen_sent_holds_what_it_was_told_until_forgotten_or_overwritten() {
+        let mut seen = SeenSent::default();
+        let a = SeenSent::hash("acme", "agent_ana", "create_refund", "key-a");
+        assert_ne!(a, 0, "0 marks an empty slot");
+        assert!(!seen.holds(a));
+        seen.remember(a);
+        assert!(seen.holds(a));
+        // Any part of the scope makes another scope.
+        for other in [
+            SeenSent::hash("acme2", "agent_ana", "create_refund", "key-a"),
+            SeenSent::hash("acme", "agent_bo", "create_refund", "key-a"),
+            SeenSent::hash("acme", "agent_ana", "send_email", "key-a"),
+            SeenSent::hash("acme", "agent_ana", "create_refund", "key-b"),
+            // Not a concatenation: the parts' boundaries count.
+            SeenSent::hash("acm", "eagent_ana", "create_refund", "key-a"),
+        ] {
+            assert!(!seen.holds(other));
+        }
+        // Another scope in the same slot takes it: a miss, never a false hit.
+        let b = a.wrapping_add(SEEN_SENT_SLOTS as u64);
+        seen.remember(b);
+        assert!(seen.holds(b) && !seen.holds(a));
+        seen.forget(a);
+        assert!(seen.holds(b), "forgetting a scope that is not held leaves the slot alone");
+        seen.forget(b);
+        assert!(!seen.holds(b));
     }
 }

@@ -233,6 +233,8 @@ pub struct Engine {
     pub(crate) demo: bool,
     /// This engine instance's id: what an in-memory ledger would be scoped to.
     pub(crate) instance: String,
+    /// Scopes this engine has seen leave `accepted` (a hint, see [`dispatch::SeenSent`]).
+    pub(crate) seen_sent: dispatch::SeenSent,
     path: PathBuf,
 }
 
@@ -313,6 +315,7 @@ impl Engine {
             demo,
             // Not from `ids`: a seeded engine's id sequence must not depend on it.
             instance: hex::encode(rand::random::<[u8; 6]>()),
+            seen_sent: dispatch::SeenSent::default(),
             path: path.to_path_buf(),
         })
     }

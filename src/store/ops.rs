@@ -118,35 +118,64 @@ impl Tx<'_> {
         if self.conn.backend() == Backend::Postgres {
             return self.update_operation_whole(o);
         }
-        let Some(cur) = self
-            .conn
+        match self.writable(&o.id)? {
+            Some(cur) => self.update_changed(&cur, o),
+            None => Ok(Versioned::Stale),
+        }
+    }
+
+    /// [`Tx::update_operation`] for a caller that holds the row exactly as
+    /// this transaction read or inserted it (`stored`, changed by nothing
+    /// since): the writable columns are compared with it instead of being
+    /// read again. The version fence in the `UPDATE` still holds; debug builds
+    /// (the tests) read the row all the same and check the caller's claim.
+    pub fn update_operation_from(&self, stored: &OperationRow, o: &OperationRow) -> R<Versioned> {
+        if self.conn.backend() == Backend::Postgres {
+            return self.update_operation_whole(o);
+        }
+        if cfg!(debug_assertions) {
+            let cur = self.writable(&o.id)?;
+            debug_assert!(
+                cur.as_ref().is_some_and(|c| c.same_as(stored)),
+                "update_operation_from: the stored row of {} is not the one in the ledger",
+                o.id
+            );
+        }
+        self.update_changed(stored, o)
+    }
+
+    /// The row's writable columns, by primary key.
+    fn writable(&self, id: &str) -> R<Option<Writable>> {
+        self.conn
             .prepare_cached(
                 "SELECT version, state, code, result_json, result_sha256, downstream_request_id, receipt_id,
                    call_binding_sha256, approval_id, resolution, resolution_note, resolved_by, last_query_at,
                    last_query_result, updated_at, deadline_at, state_since, terminal_at, expires_at, retention_ms
                  FROM operations WHERE id = ?1",
             )?
-            .query_opt([&o.id], Writable::from_row)?
-        else {
-            return Ok(Versioned::Stale);
-        };
-        if cur.version != o.version {
+            .query_opt([id], Writable::from_row)
+    }
+
+    /// Writes `o` over the stored columns `cur`, setting only those that change.
+    fn update_changed(&self, cur: &impl Stored, o: &OperationRow) -> R<Versioned> {
+        let cur = cur.columns();
+        if *cur.version != o.version {
             return Ok(Versioned::Stale);
         }
         // Time in state, and retention from the moment the operation becomes
         // terminal (the first time: a terminal row that changes keeps both).
-        let state_since = if cur.state == o.state { cur.state_since } else { Some(o.updated_at) };
+        let state_since = if *cur.state == o.state { *cur.state_since } else { Some(o.updated_at) };
         let terminal_at = o.state.is_terminal().then(|| cur.terminal_at.unwrap_or(o.updated_at));
         let expires_at = if o.state.is_terminal() && cur.terminal_at.is_none() {
-            o.updated_at + cur.retention_ms
+            o.updated_at + *cur.retention_ms
         } else {
-            cur.expires_at
+            *cur.expires_at
         };
         let mut sql = String::from("UPDATE operations SET version = version + 1");
         let mut values: Vec<&dyn Param> = vec![&o.id, &o.version];
         macro_rules! set_changed {
             ($($column:ident: $new:expr),* $(,)?) => {$(
-                if cur.$column != *$new {
+                if cur.$column != $new {
                     values.push($new);
                     let _ = write!(sql, concat!(", ", stringify!($column), " = ?{}"), values.len());
                 }
@@ -582,7 +611,76 @@ struct Writable {
     retention_ms: i64,
 }
 
+/// The writable columns of a stored row, borrowed from wherever they are held.
+#[derive(PartialEq)]
+struct Columns<'a> {
+    version: &'a i64,
+    state: &'a OpState,
+    code: &'a Option<String>,
+    result_json: &'a Option<String>,
+    result_sha256: &'a Option<String>,
+    downstream_request_id: &'a Option<String>,
+    receipt_id: &'a Option<String>,
+    call_binding_sha256: &'a String,
+    approval_id: &'a Option<String>,
+    resolution: &'a Option<String>,
+    resolution_note: &'a Option<String>,
+    resolved_by: &'a Option<String>,
+    last_query_at: &'a Option<i64>,
+    last_query_result: &'a Option<String>,
+    updated_at: &'a i64,
+    deadline_at: &'a i64,
+    state_since: &'a Option<i64>,
+    terminal_at: &'a Option<i64>,
+    expires_at: &'a i64,
+    retention_ms: &'a i64,
+}
+
+/// A stored row's writable columns: read for the purpose ([`Writable`]) or
+/// held by the caller ([`OperationRow`]).
+trait Stored {
+    fn columns(&self) -> Columns<'_>;
+}
+
+macro_rules! columns_of {
+    ($t:ty) => {
+        impl Stored for $t {
+            fn columns(&self) -> Columns<'_> {
+                Columns {
+                    version: &self.version,
+                    state: &self.state,
+                    code: &self.code,
+                    result_json: &self.result_json,
+                    result_sha256: &self.result_sha256,
+                    downstream_request_id: &self.downstream_request_id,
+                    receipt_id: &self.receipt_id,
+                    call_binding_sha256: &self.call_binding_sha256,
+                    approval_id: &self.approval_id,
+                    resolution: &self.resolution,
+                    resolution_note: &self.resolution_note,
+                    resolved_by: &self.resolved_by,
+                    last_query_at: &self.last_query_at,
+                    last_query_result: &self.last_query_result,
+                    updated_at: &self.updated_at,
+                    deadline_at: &self.deadline_at,
+                    state_since: &self.state_since,
+                    terminal_at: &self.terminal_at,
+                    expires_at: &self.expires_at,
+                    retention_ms: &self.retention_ms,
+                }
+            }
+        }
+    };
+}
+columns_of!(Writable);
+columns_of!(OperationRow);
+
 impl Writable {
+    /// Whether `row` holds these very writable columns.
+    fn same_as(&self, row: &OperationRow) -> bool {
+        self.columns() == row.columns()
+    }
+
     fn from_row(r: &Row<'_>) -> R<Self> {
         Ok(Self {
             version: r.get(0)?,

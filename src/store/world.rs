@@ -101,7 +101,9 @@ impl Tx<'_> {
         self.conn.prepare_cached("SELECT tenant FROM subjects WHERE id = ?1")?.query_opt([subject], |r| r.get(0))
     }
 
-    /// Whether an unrevoked grant exists (read now, never cached).
+    /// Whether an unrevoked grant exists (read now, never cached) for a
+    /// subject that belongs to `tenant` (the grant is joined to the subject's
+    /// own row: a grant row naming another tenant's subject does not count).
     pub fn grant_active(&self, tenant: &str, subject: &str, tool: &str) -> R<bool> {
         Ok(self
             .conn
