@@ -306,8 +306,8 @@ impl Engine {
         // disk (`Store::write_relaxed`). A read first tells; `accept` re-checks
         // everything under the write lock and asks for a synced transaction
         // before any state change.
-        // A scope this engine has seen leave `accepted` skips that read (see
-        // `SeenSent`: a hint that `accept` re-checks).
+        // A scope this engine has answered with an operation skips that read
+        // (see `SeenSent`: a hint that `accept` re-checks).
         let full = self.store.durability() == Sync::Full;
         let seen = SeenSent::hash(&req.tenant, &req.subject, &req.tool, &key);
         let known = full

@@ -233,7 +233,7 @@ pub struct Engine {
     pub(crate) demo: bool,
     /// This engine instance's id: what an in-memory ledger would be scoped to.
     pub(crate) instance: String,
-    /// Scopes this engine has seen leave `accepted` (a hint, see [`dispatch::SeenSent`]).
+    /// Scopes this engine has answered with an operation (a hint, see [`dispatch::SeenSent`]).
     pub(crate) seen_sent: dispatch::SeenSent,
     path: PathBuf,
 }

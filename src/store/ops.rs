@@ -133,15 +133,12 @@ impl Tx<'_> {
         if self.conn.backend() == Backend::Postgres {
             return self.update_operation_whole(o);
         }
+        let stored = Writable::of(stored);
         if cfg!(debug_assertions) {
             let cur = self.writable(&o.id)?;
-            debug_assert!(
-                cur.as_ref().is_some_and(|c| c.same_as(stored)),
-                "update_operation_from: the stored row of {} is not the one in the ledger",
-                o.id
-            );
+            debug_assert_eq!(cur.as_ref(), Some(&stored), "update_operation_from: the stored row is not the ledger's");
         }
-        self.update_changed(stored, o)
+        self.update_changed(&stored, o)
     }
 
     /// The row's writable columns, by primary key.
@@ -157,25 +154,24 @@ impl Tx<'_> {
     }
 
     /// Writes `o` over the stored columns `cur`, setting only those that change.
-    fn update_changed(&self, cur: &impl Stored, o: &OperationRow) -> R<Versioned> {
-        let cur = cur.columns();
-        if *cur.version != o.version {
+    fn update_changed(&self, cur: &Writable, o: &OperationRow) -> R<Versioned> {
+        if cur.version != o.version {
             return Ok(Versioned::Stale);
         }
         // Time in state, and retention from the moment the operation becomes
         // terminal (the first time: a terminal row that changes keeps both).
-        let state_since = if *cur.state == o.state { *cur.state_since } else { Some(o.updated_at) };
+        let state_since = if cur.state == o.state { cur.state_since } else { Some(o.updated_at) };
         let terminal_at = o.state.is_terminal().then(|| cur.terminal_at.unwrap_or(o.updated_at));
         let expires_at = if o.state.is_terminal() && cur.terminal_at.is_none() {
-            o.updated_at + *cur.retention_ms
+            o.updated_at + cur.retention_ms
         } else {
-            *cur.expires_at
+            cur.expires_at
         };
         let mut sql = String::from("UPDATE operations SET version = version + 1");
         let mut values: Vec<&dyn Param> = vec![&o.id, &o.version];
         macro_rules! set_changed {
             ($($column:ident: $new:expr),* $(,)?) => {$(
-                if cur.$column != $new {
+                if cur.$column != *$new {
                     values.push($new);
                     let _ = write!(sql, concat!(", ", stringify!($column), " = ?{}"), values.len());
                 }
@@ -588,6 +584,7 @@ const UPDATE_WHOLE: &str = "UPDATE operations SET state = ?2, code = ?3, result_
 
 /// The columns [`Tx::update_operation`] may change, as stored, and what it
 /// derives the lifecycle columns from.
+#[derive(Debug, PartialEq)]
 struct Writable {
     version: i64,
     state: OpState,
@@ -611,74 +608,31 @@ struct Writable {
     retention_ms: i64,
 }
 
-/// The writable columns of a stored row, borrowed from wherever they are held.
-#[derive(PartialEq)]
-struct Columns<'a> {
-    version: &'a i64,
-    state: &'a OpState,
-    code: &'a Option<String>,
-    result_json: &'a Option<String>,
-    result_sha256: &'a Option<String>,
-    downstream_request_id: &'a Option<String>,
-    receipt_id: &'a Option<String>,
-    call_binding_sha256: &'a String,
-    approval_id: &'a Option<String>,
-    resolution: &'a Option<String>,
-    resolution_note: &'a Option<String>,
-    resolved_by: &'a Option<String>,
-    last_query_at: &'a Option<i64>,
-    last_query_result: &'a Option<String>,
-    updated_at: &'a i64,
-    deadline_at: &'a i64,
-    state_since: &'a Option<i64>,
-    terminal_at: &'a Option<i64>,
-    expires_at: &'a i64,
-    retention_ms: &'a i64,
-}
-
-/// A stored row's writable columns: read for the purpose ([`Writable`]) or
-/// held by the caller ([`OperationRow`]).
-trait Stored {
-    fn columns(&self) -> Columns<'_>;
-}
-
-macro_rules! columns_of {
-    ($t:ty) => {
-        impl Stored for $t {
-            fn columns(&self) -> Columns<'_> {
-                Columns {
-                    version: &self.version,
-                    state: &self.state,
-                    code: &self.code,
-                    result_json: &self.result_json,
-                    result_sha256: &self.result_sha256,
-                    downstream_request_id: &self.downstream_request_id,
-                    receipt_id: &self.receipt_id,
-                    call_binding_sha256: &self.call_binding_sha256,
-                    approval_id: &self.approval_id,
-                    resolution: &self.resolution,
-                    resolution_note: &self.resolution_note,
-                    resolved_by: &self.resolved_by,
-                    last_query_at: &self.last_query_at,
-                    last_query_result: &self.last_query_result,
-                    updated_at: &self.updated_at,
-                    deadline_at: &self.deadline_at,
-                    state_since: &self.state_since,
-                    terminal_at: &self.terminal_at,
-                    expires_at: &self.expires_at,
-                    retention_ms: &self.retention_ms,
-                }
-            }
-        }
-    };
-}
-columns_of!(Writable);
-columns_of!(OperationRow);
-
 impl Writable {
-    /// Whether `row` holds these very writable columns.
-    fn same_as(&self, row: &OperationRow) -> bool {
-        self.columns() == row.columns()
+    /// The writable columns of a row the caller holds.
+    fn of(o: &OperationRow) -> Self {
+        Self {
+            version: o.version,
+            state: o.state,
+            code: o.code.clone(),
+            result_json: o.result_json.clone(),
+            result_sha256: o.result_sha256.clone(),
+            downstream_request_id: o.downstream_request_id.clone(),
+            receipt_id: o.receipt_id.clone(),
+            call_binding_sha256: o.call_binding_sha256.clone(),
+            approval_id: o.approval_id.clone(),
+            resolution: o.resolution.clone(),
+            resolution_note: o.resolution_note.clone(),
+            resolved_by: o.resolved_by.clone(),
+            last_query_at: o.last_query_at,
+            last_query_result: o.last_query_result.clone(),
+            updated_at: o.updated_at,
+            deadline_at: o.deadline_at,
+            state_since: o.state_since,
+            terminal_at: o.terminal_at,
+            expires_at: o.expires_at,
+            retention_ms: o.retention_ms,
+        }
     }
 
     fn from_row(r: &Row<'_>) -> R<Self> {
