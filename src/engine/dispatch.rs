@@ -1105,29 +1105,38 @@ fn claim(
         ev.write(tx, now)?;
         Ok(Claim::Answer(env))
     };
-    let ob = match tx.outbox_for_claim(op_id)? {
-        ForClaim::Row(ob) => ob,
-        ForClaim::Missing => {
-            return skipped(&ev, op_envelope(&op, Delivery::Fresh, pref.to_string(), None), "no_outbox_row");
-        }
-        // Another worker is claiming it this instant: it runs there. Its
-        // claim is not committed yet, so the row still reads `accepted`; the
-        // caller is answered as for any call in flight elsewhere (never
-        // "nothing was sent": it may be being sent right now).
-        ForClaim::Busy => {
-            let seen = OperationRow { state: OpState::InFlight, ..op.clone() };
-            let env = op_envelope(&seen, Delivery::LocalReplay, pref.to_string(), None);
-            return skipped(&ev, env, "claimed_elsewhere");
-        }
+    // A built row's outbox row is the one accept inserted beside it in this
+    // transaction (pending, due now, no attempt yet): it is not read back.
+    let ob = if built_here {
+        None
+    } else {
+        Some(match tx.outbox_for_claim(op_id)? {
+            ForClaim::Row(ob) => ob,
+            ForClaim::Missing => {
+                return skipped(&ev, op_envelope(&op, Delivery::Fresh, pref.to_string(), None), "no_outbox_row");
+            }
+            // Another worker is claiming it this instant: it runs there. Its
+            // claim is not committed yet, so the row still reads `accepted`; the
+            // caller is answered as for any call in flight elsewhere (never
+            // "nothing was sent": it may be being sent right now).
+            ForClaim::Busy => {
+                let seen = OperationRow { state: OpState::InFlight, ..op.clone() };
+                let env = op_envelope(&seen, Delivery::LocalReplay, pref.to_string(), None);
+                return skipped(&ev, env, "claimed_elsewhere");
+            }
+        })
     };
-    // Someone else runs it (or ran it): report its state, not a fresh execution.
-    if ob.state != OutboxState::Pending {
-        let env = op_envelope(&op, Delivery::LocalReplay, pref.to_string(), ob.last_code.as_deref());
-        return skipped(&ev, env, "not_pending");
-    }
-    if ob.available_at > now {
-        let env = op_envelope(&op, Delivery::Fresh, pref.to_string(), ob.last_code.as_deref());
-        return skipped(&ev, with_retry_after(env, (ob.available_at - now) as u64), "not_due");
+    let last_code = ob.as_ref().and_then(|o| o.last_code.as_deref());
+    if let Some(ob) = &ob {
+        // Someone else runs it (or ran it): report its state, not a fresh execution.
+        if ob.state != OutboxState::Pending {
+            let env = op_envelope(&op, Delivery::LocalReplay, pref.to_string(), last_code);
+            return skipped(&ev, env, "not_pending");
+        }
+        if ob.available_at > now {
+            let env = op_envelope(&op, Delivery::Fresh, pref.to_string(), last_code);
+            return skipped(&ev, with_retry_after(env, (ob.available_at - now) as u64), "not_due");
+        }
     }
     if now >= op.deadline_at {
         // Nothing was sent and the deadline has passed: provably no effect.
@@ -1174,8 +1183,8 @@ fn claim(
         return Ok(Claim::Answer(env));
     }
     // The tool's retry budget: a retry after a refused attempt spends a token.
-    let retrying =
-        ob.attempt > 0 && tx.attempts(op_id)?.last().is_some_and(|a| a.outcome == Some(AttemptOutcome::Refused));
+    let retrying = ob.as_ref().is_some_and(|ob| ob.attempt > 0)
+        && tx.attempts(op_id)?.last().is_some_and(|a| a.outcome == Some(AttemptOutcome::Refused));
     if retrying && !policy::budget_withdraw(tx, &op.tool, &contract.retry, now)? {
         if admission == Admission::Probe {
             policy::release_probe(tx, &contract.downstream.name, op_id, now)?;
@@ -1183,7 +1192,7 @@ fn claim(
         // No jitter source here; the longest backoff is the honest hint.
         let wait = contract.retry.backoff_cap_ms.max(1);
         tx.release_outbox(op_id, now + wait as i64, None)?;
-        let env = with_retry_after(op_envelope(&op, Delivery::Fresh, pref.to_string(), ob.last_code.as_deref()), wait);
+        let env = with_retry_after(op_envelope(&op, Delivery::Fresh, pref.to_string(), last_code), wait);
         ev.step = "retry_budget";
         ev.note = Some("retry budget of the tool exhausted: not sent".into());
         ev.because("budget_exhausted").from_envelope(&env).answering(caller.answer).write(tx, now)?;

@@ -433,14 +433,16 @@ impl Tx<'_> {
 
     /// The sent-marker, fenced on (owner, attempt). Returns false when the fence fails.
     #[must_use = "the fence decides whether the attempt may be sent"]
+    /// The fence is the statement's own condition (the lease as
+    /// [`Tx::holds_lease`] reads it): one statement, not a read and a write.
     pub fn mark_sent(&self, operation_id: &str, owner: &str, attempt: i64, now: i64) -> R<bool> {
-        if !self.holds_lease(operation_id, owner, attempt)? {
-            return Ok(false);
-        }
         let n = self
             .conn
             .prepare_cached(
-                "UPDATE attempts SET sent_at = ?3 WHERE operation_id = ?1 AND attempt = ?2 AND sent_at IS NULL AND owner = ?4",
+                "UPDATE attempts SET sent_at = ?3
+                 WHERE operation_id = ?1 AND attempt = ?2 AND sent_at IS NULL AND owner = ?4
+                   AND EXISTS (SELECT 1 FROM outbox WHERE operation_id = ?1 AND state = 'leased'
+                                 AND lease_owner = ?4 AND attempt = ?2)",
             )?
             .execute(params![operation_id, attempt, now, owner])?;
         Ok(n == 1)

@@ -322,6 +322,14 @@ impl Row<'_> {
             Row::Pg(r) => T::pg(r, i),
         }
     }
+
+    /// Text column `i`, borrowed from the row (no copy); `None` for NULL.
+    pub(crate) fn str_ref(&self, i: usize) -> R<Option<&str>> {
+        match self {
+            Row::Lite(r) => Ok(r.get_ref(i)?.as_str_or_null().map_err(|e| StoreError::Other(e.to_string()))?),
+            Row::Pg(r) => pg_get(r, i),
+        }
+    }
 }
 
 /// A Rust type a column can be read as, on both backends.
