@@ -853,6 +853,10 @@ impl Engine {
             for op in &ops {
                 check_operation(tx, op, &refs, &mut find)?;
             }
+            for (state, counted, held) in tx.state_count_drift()? {
+                let detail = format!("the header counts {counted} {state}, the ledger holds {held}");
+                find("counts", "state_counts", &detail);
+            }
             for id in tx.legacy_keys_after_migration()? {
                 find("digest", &id, "downstream_key is not the key derived for this operation");
             }

@@ -105,6 +105,20 @@ impl Tx<'_> {
         rows.collect::<Result<_, _>>()
     }
 
+    /// States whose kept count (`state_counts`, summed over PostgreSQL's
+    /// slots) is not the number of rows in that state, as (state, counted,
+    /// held): only a write that bypassed the store (a hand edit) leaves one.
+    pub fn state_count_drift(&self) -> R<Vec<(String, i64, i64)>> {
+        let mut st = self.conn.prepare(
+            "SELECT state, CAST(sum(counted) AS BIGINT), CAST(sum(held) AS BIGINT) FROM (
+                 SELECT state, n AS counted, 0 AS held FROM state_counts
+                 UNION ALL SELECT state, 0, count(*) FROM operations GROUP BY state) AS c
+             GROUP BY state HAVING sum(counted) <> sum(held) ORDER BY state",
+        )?;
+        let rows = st.query_map((), |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+        rows.collect::<Result<_, _>>()
+    }
+
     /// Operations written after keys became derived (migration 0009) that carry
     /// a legacy-shaped (`dk_`) downstream key: a hand edit.
     pub fn legacy_keys_after_migration(&self) -> R<Vec<String>> {

@@ -5,7 +5,8 @@
 //! The bare file is made by the ledger's own migrations (the same tables,
 //! columns, constraints and indexes), then its triggers are dropped: the bare
 //! loop is the floor, what SQLite and the disk need to persist the same rows,
-//! and the rollups and counters the engine's triggers keep are engine cost.
+//! and the rollups and counters the engine keeps (on SQLite by its own
+//! statements, migration 0013; on PostgreSQL by triggers) are engine cost.
 //! It stores the engine's own texts (request, result, trace fields), so rows
 //! have the same size, and the same lifecycle columns (`state_since` on every
 //! state change; `terminal_at` and the retention deadline `expires_at` when

@@ -45,7 +45,7 @@ pub use views::{
 };
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 12] = [
+const MIGRATIONS: [&str; 13] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
@@ -58,6 +58,7 @@ const MIGRATIONS: [&str; 12] = [
     include_str!("migrations/0010_api_tokens.sql"),
     include_str!("migrations/0011_sort_indexes.sql"),
     include_str!("migrations/0012_folded_rollups.sql"),
+    include_str!("migrations/0013_state_counts_in_store.sql"),
 ];
 
 /// The schema version this build writes.

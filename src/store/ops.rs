@@ -98,6 +98,21 @@ impl Tx<'_> {
                 placeholders(OperationRow::WIDTH)
             ))?
             .execute(o.params().as_slice())?;
+        if self.conn.backend() == Backend::Sqlite {
+            self.count_state(o.state, 1)?;
+        }
+        Ok(())
+    }
+
+    /// Adds `by` to the count of operations in `state` (SQLite; PostgreSQL's
+    /// triggers keep its slotted counts, pg/0004). The store's own statement
+    /// in the writer's transaction, not a trigger: migration 0013 says why.
+    fn count_state(&self, state: OpState, by: i64) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO state_counts (state, n) VALUES (?1, ?2) ON CONFLICT (state) DO UPDATE SET n = n + excluded.n",
+            )?
+            .execute(params![state, by])?;
         Ok(())
     }
 
@@ -199,7 +214,14 @@ impl Tx<'_> {
         }
         sql.push_str(" WHERE id = ?1 AND version = ?2");
         let n = self.conn.prepare_cached(&sql)?.execute(values.as_slice())?;
-        Ok(if n == 1 { Versioned::Applied } else { Versioned::Stale })
+        if n != 1 {
+            return Ok(Versioned::Stale);
+        }
+        if cur.state != o.state {
+            self.count_state(cur.state, -1)?;
+            self.count_state(o.state, 1)?;
+        }
+        Ok(Versioned::Applied)
     }
 
     /// [`Tx::update_operation`] as one statement that sets every writable
@@ -311,17 +333,16 @@ impl Tx<'_> {
     /// false (and changes nothing) when the row is gone or no longer purgeable.
     #[must_use = "a purge may find the row no longer purgeable"]
     pub fn purge_operation(&self, t: &TombstoneRow) -> R<bool> {
-        let still: bool = self
+        let still: Option<OpState> = self
             .conn
             .prepare_cached(
-                "SELECT count(*) FROM operations WHERE id = ?1 AND terminal_at IS NOT NULL AND expires_at <= ?2
+                "SELECT state FROM operations WHERE id = ?1 AND terminal_at IS NOT NULL AND expires_at <= ?2
                    AND state IN ('succeeded', 'failed', 'resolved')",
             )?
-            .query_row(params![t.operation_id, t.purged_at], |r| r.get::<i64>(0))?
-            == 1;
-        if !still {
+            .query_opt(params![t.operation_id, t.purged_at], |r| r.get(0))?;
+        let Some(state) = still else {
             return Ok(false);
-        }
+        };
         self.conn
             .prepare_cached(&format!(
                 "INSERT INTO purged_operations ({TOMBSTONE_COLS}) VALUES ({})",
@@ -334,6 +355,9 @@ impl Tx<'_> {
                 .execute([&t.operation_id])?;
         }
         self.conn.prepare_cached("DELETE FROM operations WHERE id = ?1")?.execute([&t.operation_id])?;
+        if self.conn.backend() == Backend::Sqlite {
+            self.count_state(state, -1)?;
+        }
         Ok(true)
     }
 
@@ -432,9 +456,9 @@ impl Tx<'_> {
     }
 
     /// The sent-marker, fenced on (owner, attempt). Returns false when the fence fails.
-    #[must_use = "the fence decides whether the attempt may be sent"]
     /// The fence is the statement's own condition (the lease as
     /// [`Tx::holds_lease`] reads it): one statement, not a read and a write.
+    #[must_use = "the fence decides whether the attempt may be sent"]
     pub fn mark_sent(&self, operation_id: &str, owner: &str, attempt: i64, now: i64) -> R<bool> {
         let n = self
             .conn

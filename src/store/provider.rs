@@ -21,7 +21,8 @@ use super::{OpenOptions, Store, StoreError, Sync};
 type R<T> = Result<T, StoreError>;
 
 /// The providers' migrations, per backend, in order.
-const SQLITE_MIGRATIONS: [&str; 1] = [include_str!("provider/sqlite_0001_effects.sql")];
+const SQLITE_MIGRATIONS: [&str; 2] =
+    [include_str!("provider/sqlite_0001_effects.sql"), include_str!("provider/sqlite_0002_effect_counts_in_store.sql")];
 const PG_MIGRATIONS: [&str; 2] =
     [include_str!("provider/pg_0001_effects.sql"), include_str!("provider/pg_0002_effect_slots.sql")];
 
@@ -114,6 +115,29 @@ impl ProviderTx<'_> {
                 e.committed_at,
                 e.visible_at
             ])?;
+        if self.conn.backend() == Backend::Sqlite {
+            self.count_effect(&e.intent)?;
+        }
+        Ok(())
+    }
+
+    /// Counts a committed effect (SQLite; PostgreSQL's trigger does it,
+    /// pg_0002): one more for its intent, and a duplicate when the intent now
+    /// has two (a third is the same duplicate). In the statements of the
+    /// insert's own transaction, not a trigger: see sqlite_0002.
+    fn count_effect(&self, intent: &str) -> R<()> {
+        let now: i64 = self
+            .conn
+            .prepare_cached(
+                "INSERT INTO intent_effects (intent, n) VALUES (?1, 1)
+                 ON CONFLICT (intent) DO UPDATE SET n = n + 1 RETURNING n",
+            )?
+            .query_row([intent], |r| r.get(0))?;
+        self.conn
+            .prepare_cached(
+                "UPDATE effect_totals SET effects = effects + 1, duplicates = duplicates + (?1 = 2) WHERE id = 1",
+            )?
+            .execute(params![now])?;
         Ok(())
     }
 
