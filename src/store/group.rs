@@ -323,19 +323,16 @@ impl Writer {
             (Ok(Ok(_)), true) => Ok(()),
             (Ok(Ok(_)), false) => exec(conn, "RELEASE member"),
             // The batch is this member alone: it ends here, nobody else had
-            // joined it, and the next caller opens a new one.
+            // joined it, and the next caller opens a new one. (A failed
+            // ROLLBACK fails the batch below, as any other.)
             (_, true) => {
                 let undone = if conn.is_autocommit() { Ok(()) } else { exec(conn, "ROLLBACK") };
-                if let Err(e) = &undone {
-                    if !conn.is_autocommit() {
-                        let _ = exec(conn, "ROLLBACK");
-                    }
-                    self.fail(g, batch, &Failure::of(e));
-                } else {
+                if undone.is_ok() {
                     g.open = false;
                     g.done = batch;
+                    return out.map(|r| r.map(|t| (batch, t)));
                 }
-                return out.map(|r| r.map(|t| (batch, t)));
+                undone
             }
             // This member's writes go; the batch's stay.
             (_, false) => exec(conn, "ROLLBACK TO member").and_then(|()| exec(conn, "RELEASE member")),

@@ -98,16 +98,16 @@ impl Tx<'_> {
                 placeholders(OperationRow::WIDTH)
             ))?
             .execute(o.params().as_slice())?;
-        if self.conn.backend() == Backend::Sqlite {
-            self.count_state(o.state, 1)?;
-        }
-        Ok(())
+        self.count_state(o.state, 1)
     }
 
     /// Adds `by` to the count of operations in `state` (SQLite; PostgreSQL's
     /// triggers keep its slotted counts, pg/0004). The store's own statement
     /// in the writer's transaction, not a trigger: migration 0013 says why.
     fn count_state(&self, state: OpState, by: i64) -> R<()> {
+        if self.conn.backend() == Backend::Postgres {
+            return Ok(());
+        }
         self.conn
             .prepare_cached(
                 "INSERT INTO state_counts (state, n) VALUES (?1, ?2) ON CONFLICT (state) DO UPDATE SET n = n + excluded.n",
@@ -355,9 +355,7 @@ impl Tx<'_> {
                 .execute([&t.operation_id])?;
         }
         self.conn.prepare_cached("DELETE FROM operations WHERE id = ?1")?.execute([&t.operation_id])?;
-        if self.conn.backend() == Backend::Sqlite {
-            self.count_state(state, -1)?;
-        }
+        self.count_state(state, -1)?;
         Ok(true)
     }
 
