@@ -257,6 +257,7 @@ impl Engine {
             domain: &*domain,
             args: &args,
             call: &call,
+            minted_call: req.call.is_none(),
             key: &key,
             key_sha256: &key_sha256,
             request_json: &request_json,
@@ -672,6 +673,8 @@ struct AcceptCtx<'a> {
     domain: &'a dyn ToolDomain,
     args: &'a Value,
     call: &'a CallIdentity,
+    /// The engine minted `call` for this call (the caller gave none).
+    minted_call: bool,
     key: &'a str,
     key_sha256: &'a str,
     request_json: &'a str,
@@ -707,7 +710,10 @@ fn accept(
     ev.checks.push("authorization");
     // 3. Call identity, then the scope.
     let ck = c.call.key(&r.tenant, &r.subject);
-    if let Some(bound) = tx.call_identity(&ck)? {
+    // An identity the engine minted for this call (`fresh_call_identity`, 192
+    // bits from the OS-seeded generator) is in no row yet: nothing to read.
+    let bound = if c.minted_call { None } else { tx.call_identity(&ck)? };
+    if let Some(bound) = bound {
         if bound.purpose != "dispatch" || bound.request_sha256 != c.request_sha256 || bound.key_sha256 != c.key_sha256 {
             ev.step = "call_identity";
             ev.reason = Some("call_id_conflict");

@@ -39,12 +39,12 @@ impl Ids {
 
     /// `prefix_` + 24 hex digits.
     pub fn id(&self, prefix: &str) -> String {
-        format!("{prefix}_{}", hex::encode(self.bytes::<12>()))
+        super::canonical::prefixed_hex(prefix, &self.bytes::<12>())
     }
 
     /// `prefix_` + `2·n` hex digits.
     pub fn id_n<const N: usize>(&self, prefix: &str) -> String {
-        format!("{prefix}_{}", hex::encode(self.bytes::<N>()))
+        super::canonical::prefixed_hex(prefix, &self.bytes::<N>())
     }
 
     /// `prefix_` + 24 hex digits from this thread's OS-seeded generator
@@ -54,7 +54,7 @@ impl Ids {
     pub fn unseeded_id(prefix: &str) -> String {
         let mut b = [0u8; 12];
         rand::thread_rng().fill_bytes(&mut b);
-        format!("{prefix}_{}", hex::encode(b))
+        super::canonical::prefixed_hex(prefix, &b)
     }
 
     /// Uniform in `0..=max`.

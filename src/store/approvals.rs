@@ -1,5 +1,6 @@
 //! Typed queries: Approval requests.
 
+use super::sql::sql_text;
 use super::{params, placeholders, ApprovalRow, Tx, Versioned, APPROVAL_COLS, R};
 
 impl Tx<'_> {
@@ -8,7 +9,7 @@ impl Tx<'_> {
     /// Inserts an approval request.
     pub fn insert_approval(&self, a: &ApprovalRow) -> R<()> {
         self.conn
-            .prepare_cached(&format!(
+            .prepare_cached(sql_text!(
                 "INSERT INTO approvals ({APPROVAL_COLS}) VALUES ({})",
                 placeholders(ApprovalRow::WIDTH)
             ))?
@@ -19,7 +20,7 @@ impl Tx<'_> {
     /// An approval request.
     pub fn approval(&self, id: &str) -> R<Option<ApprovalRow>> {
         self.conn
-            .prepare_cached(&format!("SELECT {APPROVAL_COLS} FROM approvals WHERE id = ?1"))?
+            .prepare_cached(sql_text!("SELECT {APPROVAL_COLS} FROM approvals WHERE id = ?1"))?
             .query_opt([id], ApprovalRow::from_row)
     }
 
@@ -27,7 +28,7 @@ impl Tx<'_> {
     pub fn latest_approval(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Option<ApprovalRow>> {
         self
             .conn
-            .prepare_cached(&format!(
+            .prepare_cached(sql_text!(
                 "SELECT {APPROVAL_COLS} FROM approvals WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4
                  ORDER BY created_at DESC, rowid DESC LIMIT 1"
             ))?
@@ -49,7 +50,7 @@ impl Tx<'_> {
 
     /// Pending approvals, soonest expiry first.
     pub fn pending_approvals(&self, limit: i64) -> R<Vec<ApprovalRow>> {
-        let mut st = self.conn.prepare_cached(&format!(
+        let mut st = self.conn.prepare_cached(sql_text!(
             "SELECT {APPROVAL_COLS} FROM approvals WHERE state = 'pending' ORDER BY expires_at, id LIMIT ?1"
         ))?;
         let rows = st.query_map([limit], ApprovalRow::from_row)?;

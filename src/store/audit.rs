@@ -1,5 +1,6 @@
 //! Typed queries: The append-only operator log (hash-chained) and the integrity checks `toolgate audit` runs.
 
+use super::sql::sql_text;
 use super::{params, ApprovalRow, AuditRow, Backend, TraceDamage, Tx, APPROVAL_COLS, AUDIT_COLS, AUDIT_GENESIS, R};
 
 impl Tx<'_> {
@@ -10,7 +11,7 @@ impl Tx<'_> {
         // Link to the newest row (migration 0007): the chain `audit` verifies.
         let last = self
             .conn
-            .prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq DESC LIMIT 1"))?
+            .prepare_cached(sql_text!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq DESC LIMIT 1"))?
             .query_opt((), AuditRow::from_row)?;
         let link = last.as_ref().map_or_else(|| AUDIT_GENESIS.to_string(), AuditRow::chain_hash);
         let seq: i64 = self
@@ -31,7 +32,7 @@ impl Tx<'_> {
 
     /// Every operator-log row, oldest first (for the chain check).
     pub fn audit_log_ascending(&self) -> R<Vec<AuditRow>> {
-        let mut st = self.conn.prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq"))?;
+        let mut st = self.conn.prepare_cached(sql_text!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq"))?;
         let rows = st.query_map((), AuditRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }
@@ -39,7 +40,7 @@ impl Tx<'_> {
     /// The operator log, newest first.
     pub fn audit_log(&self, limit: i64) -> R<Vec<AuditRow>> {
         let mut st =
-            self.conn.prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq DESC LIMIT ?1"))?;
+            self.conn.prepare_cached(sql_text!("SELECT {AUDIT_COLS} FROM audit_log ORDER BY seq DESC LIMIT ?1"))?;
         let rows = st.query_map([limit], AuditRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }
@@ -47,7 +48,7 @@ impl Tx<'_> {
     /// The applied operator-log row carrying an action id, if any.
     pub fn audit_by_action_id(&self, action_id: &str) -> R<Option<AuditRow>> {
         self.conn
-            .prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log WHERE action_id = ?1"))?
+            .prepare_cached(sql_text!("SELECT {AUDIT_COLS} FROM audit_log WHERE action_id = ?1"))?
             .query_opt([action_id], AuditRow::from_row)
     }
 
@@ -55,7 +56,7 @@ impl Tx<'_> {
     pub fn audit_for(&self, operation_id: &str) -> R<Vec<AuditRow>> {
         let mut st = self
             .conn
-            .prepare_cached(&format!("SELECT {AUDIT_COLS} FROM audit_log WHERE operation_id = ?1 ORDER BY seq"))?;
+            .prepare_cached(sql_text!("SELECT {AUDIT_COLS} FROM audit_log WHERE operation_id = ?1 ORDER BY seq"))?;
         let rows = st.query_map([operation_id], AuditRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }

@@ -28,6 +28,7 @@
 //! A bare replay is the same lookup plus the one commit a replay cannot skip:
 //! its answer recorded (call identity + trace event), not waiting for the disk.
 
+use super::sql::sql_text;
 use std::path::Path;
 
 use super::sql::params;
@@ -302,7 +303,7 @@ impl BareLedger {
         self.ledger.read(|tx| -> R<Option<OperationRow>> {
             tx
                 .conn
-                .prepare_cached(&format!(
+                .prepare_cached(sql_text!(
                     "SELECT {OP_COLS} FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4"
                 ))?
                 .query_opt(params![TENANT, SUBJECT, TOOL, key], OperationRow::from_row)
@@ -319,7 +320,7 @@ impl BareLedger {
         self.ledger.write_relaxed(|tx| -> R<Option<OperationRow>> {
             let op = tx
                 .conn
-                .prepare_cached(&format!(
+                .prepare_cached(sql_text!(
                     "SELECT {OP_COLS} FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4"
                 ))?
                 .query_opt(params![TENANT, SUBJECT, TOOL, key], OperationRow::from_row)?;

@@ -1,5 +1,6 @@
 //! Typed queries: Operations, their outbox rows and attempts, call identities and receipts: the aggregate every dispatch, worker, reaper and status query changes.
 
+use super::sql::sql_text;
 use std::fmt::Write as _;
 
 use super::sql::{Param, Row};
@@ -61,7 +62,7 @@ impl Tx<'_> {
     /// The operation for a scope.
     pub fn operation_by_scope(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Option<OperationRow>> {
         self.conn
-            .prepare_cached(&format!(
+            .prepare_cached(sql_text!(
                 "SELECT {OP_COLS} FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4"
             ))?
             .query_opt([tenant, subject, tool, key], OperationRow::from_row)
@@ -79,21 +80,21 @@ impl Tx<'_> {
     /// An operation by id.
     pub fn operation(&self, id: &str) -> R<Option<OperationRow>> {
         self.conn
-            .prepare_cached(&format!("SELECT {OP_COLS} FROM operations WHERE id = ?1"))?
+            .prepare_cached(sql_text!("SELECT {OP_COLS} FROM operations WHERE id = ?1"))?
             .query_opt([id], OperationRow::from_row)
     }
 
     /// An operation by status_ref.
     pub fn operation_by_status_ref(&self, status_ref: &str) -> R<Option<OperationRow>> {
         self.conn
-            .prepare_cached(&format!("SELECT {OP_COLS} FROM operations WHERE status_ref = ?1"))?
+            .prepare_cached(sql_text!("SELECT {OP_COLS} FROM operations WHERE status_ref = ?1"))?
             .query_opt([status_ref], OperationRow::from_row)
     }
 
     /// Inserts a new operation (unique scope enforced by the schema).
     pub fn insert_operation(&self, o: &OperationRow) -> R<()> {
         self.conn
-            .prepare_cached(&format!(
+            .prepare_cached(sql_text!(
                 "INSERT INTO operations ({OP_COLS}) VALUES ({})",
                 placeholders(OperationRow::WIDTH)
             ))?
@@ -257,7 +258,7 @@ impl Tx<'_> {
         before: Option<(i64, &str)>,
     ) -> R<Vec<OperationRow>> {
         let (b_at, b_id) = before.map_or((i64::MAX, ""), |(a, i)| (a, i));
-        let mut st = self.conn.prepare_cached(&format!(
+        let mut st = self.conn.prepare_cached(sql_text!(
             "SELECT {OP_COLS} FROM operations
              WHERE (CAST(?1 AS TEXT) IS NULL OR state = ?1) AND (updated_at < ?2 OR (updated_at = ?2 AND id < ?3) OR ?3 = '')
              ORDER BY updated_at DESC, id DESC LIMIT ?4"
@@ -268,7 +269,7 @@ impl Tx<'_> {
 
     /// Every operation id (for the integrity audit).
     pub fn all_operations(&self) -> R<Vec<OperationRow>> {
-        let mut st = self.conn.prepare_cached(&format!("SELECT {OP_COLS} FROM operations ORDER BY created_at, id"))?;
+        let mut st = self.conn.prepare_cached(sql_text!("SELECT {OP_COLS} FROM operations ORDER BY created_at, id"))?;
         let rows = st.query_map((), OperationRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }
@@ -277,7 +278,7 @@ impl Tx<'_> {
     /// `operations_key`): a new intent looks here for its own row when a hand
     /// edit moved that row out of its scope (tenant, subject or tool changed).
     pub fn operations_sharing_key(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Vec<OperationRow>> {
-        let mut st = self.conn.prepare_cached(&format!(
+        let mut st = self.conn.prepare_cached(sql_text!(
             "SELECT {OP_COLS} FROM operations
              WHERE idem_key = ?1 AND NOT (tenant = ?2 AND subject = ?3 AND tool = ?4) LIMIT 64"
         ))?;
@@ -344,7 +345,7 @@ impl Tx<'_> {
             return Ok(false);
         };
         self.conn
-            .prepare_cached(&format!(
+            .prepare_cached(sql_text!(
                 "INSERT INTO purged_operations ({TOMBSTONE_COLS}) VALUES ({})",
                 placeholders(TombstoneRow::WIDTH)
             ))?
@@ -362,14 +363,14 @@ impl Tx<'_> {
     /// The tombstone of a purged operation.
     pub fn tombstone(&self, operation_id: &str) -> R<Option<TombstoneRow>> {
         self.conn
-            .prepare_cached(&format!("SELECT {TOMBSTONE_COLS} FROM purged_operations WHERE operation_id = ?1"))?
+            .prepare_cached(sql_text!("SELECT {TOMBSTONE_COLS} FROM purged_operations WHERE operation_id = ?1"))?
             .query_opt([operation_id], TombstoneRow::from_row)
     }
 
     /// The newest tombstone of a scope, if its operation was purged.
     pub fn tombstone_by_scope(&self, scope_sha256: &str) -> R<Option<TombstoneRow>> {
         self.conn
-            .prepare_cached(&format!(
+            .prepare_cached(sql_text!(
                 "SELECT {TOMBSTONE_COLS} FROM purged_operations WHERE scope_sha256 = ?1 ORDER BY purged_at DESC LIMIT 1"
             ))?
             .query_opt([scope_sha256], TombstoneRow::from_row)
@@ -390,7 +391,7 @@ impl Tx<'_> {
     /// An outbox row.
     pub fn outbox(&self, operation_id: &str) -> R<Option<OutboxRow>> {
         self.conn
-            .prepare_cached(&format!("SELECT {OUTBOX_COLS} FROM outbox WHERE operation_id = ?1"))?
+            .prepare_cached(sql_text!("SELECT {OUTBOX_COLS} FROM outbox WHERE operation_id = ?1"))?
             .query_opt([operation_id], OutboxRow::from_row)
     }
 
@@ -403,7 +404,7 @@ impl Tx<'_> {
         if self.backend() == Backend::Postgres {
             let locked = self
                 .conn
-                .prepare_cached(&format!(
+                .prepare_cached(sql_text!(
                     "SELECT {OUTBOX_COLS} FROM outbox WHERE operation_id = ?1 FOR UPDATE SKIP LOCKED"
                 ))?
                 .query_opt([operation_id], OutboxRow::from_row)?;
@@ -544,7 +545,7 @@ impl Tx<'_> {
 
     /// Leases that have expired (`lease_until <= now`).
     pub fn expired_leases(&self, now: i64) -> R<Vec<OutboxRow>> {
-        let mut st = self.conn.prepare_cached(&format!(
+        let mut st = self.conn.prepare_cached(sql_text!(
             "SELECT {OUTBOX_COLS} FROM outbox WHERE state = 'leased' AND lease_until <= ?1"
         ))?;
         let rows = st.query_map([now], OutboxRow::from_row)?;

@@ -12,6 +12,7 @@
 //! store of their own holds the same tables from its migrations 0001 and
 //! 0003; the SQLite migration here is written to find and keep them.
 
+use super::sql::sql_text;
 use std::path::Path;
 
 use super::rows::{EffectRow, EFFECT_COLS};
@@ -91,7 +92,7 @@ impl ProviderTx<'_> {
     pub fn provider_effect_by_key(&self, provider: &str, downstream_key: &str) -> R<Option<EffectRow>> {
         self
             .conn
-            .prepare_cached(&format!(
+            .prepare_cached(sql_text!(
                 "SELECT {EFFECT_COLS} FROM provider_effects WHERE provider = ?1 AND downstream_key = ?2 ORDER BY seq LIMIT 1"
             ))?
             .query_opt([provider, downstream_key], EffectRow::from_row)

@@ -3,6 +3,7 @@
 //! `engine::policy`; this file only reads and writes the rows, inside the
 //! caller's transaction.
 
+use super::sql::sql_text;
 use super::sql::{params, Row};
 use serde::Serialize;
 
@@ -155,7 +156,7 @@ impl Tx<'_> {
 
     /// Every tool's budget row (tools never short of a token have none).
     pub fn retry_budgets(&self) -> R<Vec<RetryBudgetRow>> {
-        let mut st = self.conn.prepare_cached(&format!("SELECT {BUDGET_COLS} FROM retry_budgets ORDER BY tool"))?;
+        let mut st = self.conn.prepare_cached(sql_text!("SELECT {BUDGET_COLS} FROM retry_budgets ORDER BY tool"))?;
         let rows = st.query_map((), RetryBudgetRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }
@@ -165,7 +166,7 @@ impl Tx<'_> {
     /// A downstream's circuit, if it ever left the initial closed state.
     pub fn circuit(&self, downstream: &str) -> R<Option<CircuitRow>> {
         self.conn
-            .prepare_cached(&format!("SELECT {CIRCUIT_COLS} FROM circuits WHERE downstream = ?1"))?
+            .prepare_cached(sql_text!("SELECT {CIRCUIT_COLS} FROM circuits WHERE downstream = ?1"))?
             .query_opt([downstream], CircuitRow::from_row)
     }
 
@@ -180,14 +181,14 @@ impl Tx<'_> {
             return self.circuit(downstream);
         }
         self.conn
-            .prepare_cached(&format!("SELECT {CIRCUIT_COLS} FROM circuits WHERE downstream = ?1 FOR UPDATE"))?
+            .prepare_cached(sql_text!("SELECT {CIRCUIT_COLS} FROM circuits WHERE downstream = ?1 FOR UPDATE"))?
             .query_opt([downstream], CircuitRow::from_row)
     }
 
     /// Writes a circuit's row (insert or replace).
     pub fn put_circuit(&self, c: &CircuitRow) -> R<()> {
         self.conn
-            .prepare_cached(&format!(
+            .prepare_cached(sql_text!(
                 "INSERT INTO circuits ({CIRCUIT_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
                  ON CONFLICT (downstream) DO UPDATE SET state = excluded.state,
                    consecutive_failures = excluded.consecutive_failures, open_until = excluded.open_until,
@@ -224,7 +225,7 @@ impl Tx<'_> {
 
     /// Every downstream's circuit row (downstreams never disturbed have none).
     pub fn circuits(&self) -> R<Vec<CircuitRow>> {
-        let mut st = self.conn.prepare_cached(&format!("SELECT {CIRCUIT_COLS} FROM circuits ORDER BY downstream"))?;
+        let mut st = self.conn.prepare_cached(sql_text!("SELECT {CIRCUIT_COLS} FROM circuits ORDER BY downstream"))?;
         let rows = st.query_map((), CircuitRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }

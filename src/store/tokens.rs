@@ -3,6 +3,7 @@
 //! only reads and writes the rows. The raw token is never a column: only the
 //! digest of its secret part and its public prefix.
 
+use super::sql::sql_text;
 use serde::Serialize;
 
 use super::rows::placeholders;
@@ -44,7 +45,7 @@ impl Tx<'_> {
     /// Stores a new token row.
     pub fn insert_token(&self, t: &TokenRow) -> R<()> {
         self.conn
-            .prepare_cached(&format!(
+            .prepare_cached(sql_text!(
                 "INSERT INTO api_tokens ({TOKEN_COLS}) VALUES ({})",
                 placeholders(TokenRow::WIDTH)
             ))?
@@ -56,14 +57,14 @@ impl Tx<'_> {
     /// revocation is seen by the next one).
     pub fn token_by_prefix(&self, prefix: &str) -> R<Option<TokenRow>> {
         self.conn
-            .prepare_cached(&format!("SELECT {TOKEN_COLS} FROM api_tokens WHERE prefix = ?1"))?
+            .prepare_cached(sql_text!("SELECT {TOKEN_COLS} FROM api_tokens WHERE prefix = ?1"))?
             .query_opt([prefix], TokenRow::from_row)
     }
 
     /// Every token, newest first.
     pub fn tokens(&self) -> R<Vec<TokenRow>> {
         let mut st =
-            self.conn.prepare_cached(&format!("SELECT {TOKEN_COLS} FROM api_tokens ORDER BY created_at DESC, id"))?;
+            self.conn.prepare_cached(sql_text!("SELECT {TOKEN_COLS} FROM api_tokens ORDER BY created_at DESC, id"))?;
         let rows = st.query_map((), TokenRow::from_row)?;
         rows.collect::<Result<_, StoreError>>()
     }
@@ -81,7 +82,7 @@ impl Tx<'_> {
     /// A token by id.
     pub fn token(&self, id: &str) -> R<Option<TokenRow>> {
         self.conn
-            .prepare_cached(&format!("SELECT {TOKEN_COLS} FROM api_tokens WHERE id = ?1"))?
+            .prepare_cached(sql_text!("SELECT {TOKEN_COLS} FROM api_tokens WHERE id = ?1"))?
             .query_opt([id], TokenRow::from_row)
     }
 }

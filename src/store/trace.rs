@@ -1,5 +1,6 @@
 //! Typed queries: Trace events (their rollups: folded in batches on SQLite, kept by triggers on PostgreSQL).
 
+use super::sql::sql_text;
 use super::{params, TraceRow, Tx, R, TRACE_COLS};
 
 impl Tx<'_> {
@@ -50,14 +51,14 @@ impl Tx<'_> {
     pub fn trace_for(&self, operation_id: &str) -> R<Vec<TraceRow>> {
         let mut st = self
             .conn
-            .prepare_cached(&format!("SELECT {TRACE_COLS} FROM trace_events WHERE operation_id = ?1 ORDER BY seq"))?;
+            .prepare_cached(sql_text!("SELECT {TRACE_COLS} FROM trace_events WHERE operation_id = ?1 ORDER BY seq"))?;
         let rows = st.query_map([operation_id], TraceRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }
 
     /// Trace events with seq > `after`, in order.
     pub fn trace_since(&self, after_seq: i64, since_at: i64, limit: i64) -> R<Vec<TraceRow>> {
-        let mut st = self.conn.prepare_cached(&format!(
+        let mut st = self.conn.prepare_cached(sql_text!(
             "SELECT {TRACE_COLS} FROM trace_events WHERE seq > ?1 AND at >= ?2 ORDER BY seq LIMIT ?3"
         ))?;
         let rows = st.query_map(params![after_seq, since_at, limit], TraceRow::from_row)?;

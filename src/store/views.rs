@@ -1,6 +1,7 @@
 //! Read queries for the console's panes: keyset-paged, index-backed, only the
 //! rows that are visible.
 
+use super::sql::sql_text;
 use super::sql::{params, Backend, Param};
 
 use super::rows::{ApprovalRow, OperationRow, APPROVAL_COLS, OP_COLS};
@@ -605,7 +606,7 @@ impl Tx<'_> {
     /// the console): an exact prefix on both backends (no LIKE: `_` and `%`
     /// are themselves and case counts), from the first id at or after it.
     pub fn operation_ids_with_prefix(&self, prefix: &str, limit: i64) -> R<Vec<String>> {
-        let mut st = self.conn.prepare_cached(&format!(
+        let mut st = self.conn.prepare_cached(sql_text!(
             "SELECT id FROM operations WHERE id >= ?1 AND {} ORDER BY id LIMIT ?2",
             prefix_of("id", "?1")
         ))?;

@@ -1,5 +1,6 @@
 //! Typed queries: World and grants (tenants, subjects, approvers, grants, the demo world's orders) and the ledger's meta rows.
 
+use super::sql::sql_text;
 use super::{params, OrderRow, TenantRow, Tx, ORDER_COLS, R};
 
 impl Tx<'_> {
@@ -145,13 +146,13 @@ impl Tx<'_> {
     /// An order.
     pub fn order(&self, order_ref: &str) -> R<Option<OrderRow>> {
         self.conn
-            .prepare_cached(&format!("SELECT {ORDER_COLS} FROM orders WHERE order_ref = ?1"))?
+            .prepare_cached(sql_text!("SELECT {ORDER_COLS} FROM orders WHERE order_ref = ?1"))?
             .query_opt([order_ref], OrderRow::from_row)
     }
 
     /// All orders, in order_ref order.
     pub fn orders(&self) -> R<Vec<OrderRow>> {
-        let mut st = self.conn.prepare_cached(&format!("SELECT {ORDER_COLS} FROM orders ORDER BY order_ref"))?;
+        let mut st = self.conn.prepare_cached(sql_text!("SELECT {ORDER_COLS} FROM orders ORDER BY order_ref"))?;
         let rows = st.query_map((), OrderRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }
