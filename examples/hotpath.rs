@@ -8,7 +8,8 @@
 //! ```
 //!
 //! Modes: `fresh N`, `replay N` (one settled intent), `replay_many N` (cycling
-//! over 2,000, or `HOTPATH_SETTLED`, like `toolgate bench`), `bare_write N`, `bare_replay N`; the ledger is
+//! over 2,000, or `HOTPATH_SETTLED`, like `toolgate bench`), `bare_write N`, `bare_replay N`, `bare_replay_many N`, `distinct8 N` (eight threads, an engine each, on
+//! distinct intents); the ledger is
 //! at `synchronous=NORMAL` (the engine's CPU, not the disk), or at `FULL` with
 //! `HOTPATH_SYNC=full` (the replay's read-then-relaxed-write path). Instructions per
 //! call are the difference of two whole-process totals divided by the
@@ -41,7 +42,7 @@ fn refund(key: String) -> DispatchRequest {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let (Some(mode), Some(n)) = (args.get(1), args.get(2).and_then(|n| n.parse::<u64>().ok())) else {
-        eprintln!("usage: hotpath fresh|replay|replay_many|bare_write|bare_replay N");
+        eprintln!("usage: hotpath fresh|replay|replay_many|bare_write|bare_replay|distinct8 N");
         return ExitCode::from(2);
     };
     match run(mode, n) {
@@ -96,7 +97,7 @@ fn run(mode: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
                 assert_eq!(env.model_result.execution.delivery, Delivery::LocalReplay);
             }
         }
-        "bare_write" | "bare_replay" => {
+        "bare_write" | "bare_replay" | "bare_replay_many" => {
             let (op, trace) =
                 engine.read(|tx| -> Result<_, StoreError> { Ok((tx.operation(&op_id)?, tx.trace_for(&op_id)?)) })?;
             let op = op.ok_or("the settled operation is not in the ledger")?;
@@ -112,12 +113,47 @@ fn run(mode: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
                 for i in 0..n {
                     bare.write_one(i, now)?;
                 }
+            } else if mode == "bare_replay_many" {
+                // `replay_many`'s floor: cycling over as many settled writes.
+                let many =
+                    std::env::var("HOTPATH_SETTLED").ok().and_then(|v| v.parse().ok()).unwrap_or(REPLAY_MANY as u64);
+                for i in 0..many {
+                    bare.write_one(i, now)?;
+                }
+                started = std::time::Instant::now();
+                for i in 0..n {
+                    bare.replay_one(i % many, i, now)?.ok_or("the bare replay found nothing")?;
+                }
             } else {
                 bare.write_one(0, now)?;
                 for i in 0..n {
                     bare.replay_one(0, i, now)?.ok_or("the bare replay found nothing")?;
                 }
             }
+        }
+        "distinct8" => {
+            // Eight threads, each with its own engine on the same file, on
+            // distinct intents: `toolgate bench`'s contention_distinct.
+            let path = dir.path().join("ledger.db");
+            let engines = (0..8)
+                .map(|t| {
+                    Engine::open(
+                        &path,
+                        EngineOptions { sync, worker_id: format!("hotpath-w{t}"), ..EngineOptions::default() },
+                    )
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            started = std::time::Instant::now();
+            std::thread::scope(|s| {
+                for (t, mut engine) in engines.into_iter().enumerate() {
+                    s.spawn(move || {
+                        for i in 0..n / 8 {
+                            let env = engine.dispatch(&refund(format!("hotpath-d{t}-{i:012}"))).expect("dispatch");
+                            assert_eq!(env.model_result.execution.delivery, Delivery::Fresh);
+                        }
+                    });
+                }
+            });
         }
         other => return Err(format!("unknown mode {other}").into()),
     }
@@ -128,3 +164,6 @@ fn run(mode: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
     }
     Ok(())
 }
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
