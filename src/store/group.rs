@@ -23,10 +23,19 @@
 //! Each caller stays all-or-nothing and sees exactly what it would see alone
 //! (the members of a batch run one after the other, each on the state the
 //! previous ones left); a crash before the commit loses the whole batch, none
-//! of whose callers had been answered. Writers that must not wait for a disk
-//! flush (`Store::write_relaxed`, a store opened at `NORMAL`) do not join a
-//! batch: they commit the open batch first (they hold the writer) and then run
-//! alone on their own connection, as before. PostgreSQL has group commit of
+//! of whose callers had been answered.
+//!
+//! Stores opened at `NORMAL` batch the same way, in batches that commit at
+//! `NORMAL`: a FULL caller never joins one (it commits that batch first and
+//! opens its own), while a NORMAL caller may join a FULL batch (its commit is
+//! only more durable than it asked). Batching there saves no fsync, but every
+//! write of the process runs on one connection, whose page cache no other
+//! connection's commit resets: a fresh dispatch's three transactions (the
+//! ledger's, the provider's, the ledger's) used to re-read every page they
+//! touched. Writers that must not wait for a disk flush at FULL
+//! (`Store::write_relaxed`) do not join a batch: they commit the open batch
+//! first (they hold the writer) and then run alone on their own connection.
+//! PostgreSQL has group commit of
 //! its own (`commit_delay`, and concurrent commits share WAL flushes), so its
 //! writers only take turns here.
 //!
@@ -78,6 +87,11 @@ pub(crate) struct Group {
     open: bool,
     /// The current (or last) batch.
     batch: u64,
+    /// The open batch commits at `synchronous=FULL` (a FULL member is in
+    /// it); otherwise at NORMAL.
+    full: bool,
+    /// The `synchronous` level `conn` is set to (`None`: not set yet).
+    conn_full: Option<bool>,
     /// The last batch whose outcome is known.
     done: u64,
     /// Batches whose commit failed, newest last.
@@ -118,7 +132,7 @@ fn exec(conn: &Connection, sql: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// The batches' own connection: the same settings as a ledger connection at FULL.
+/// The batches' own connection: the same settings as a ledger connection.
 fn open_conn(path: &Path) -> Result<Connection, StoreError> {
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_URI;
     let conn = Connection::open_with_flags(path, flags).map_err(|e| StoreError::Open(e.to_string()))?;
@@ -127,7 +141,8 @@ fn open_conn(path: &Path) -> Result<Connection, StoreError> {
     if !mode.eq_ignore_ascii_case("wal") && !mode.eq_ignore_ascii_case("memory") {
         return Err(StoreError::Open(format!("could not enable WAL (journal_mode={mode})")));
     }
-    conn.execute_batch("PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON; PRAGMA temp_store=MEMORY;")?;
+    // `synchronous` is set per batch (`Writer::turn`).
+    conn.execute_batch("PRAGMA foreign_keys=ON; PRAGMA temp_store=MEMORY;")?;
     conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
     Ok(conn)
 }
@@ -227,7 +242,7 @@ impl Writer {
                 let _ = exec(conn, "ROLLBACK");
             }
             self.fail(g, g.batch, &Failure::of(e));
-        } else {
+        } else if g.full {
             self.synced.fetch_add(1, Ordering::Relaxed);
         }
         g.open = false;
@@ -253,12 +268,23 @@ impl Writer {
     }
 
     /// Runs `f` as one member of a batch (see the module's doc) and returns
-    /// once the batch that holds its writes is committed.
-    pub(crate) fn write<T, E: From<StoreError>>(&self, mut f: impl FnMut(&Tx<'_>) -> Result<T, E>) -> Result<T, E> {
+    /// once the batch that holds its writes is committed; `full`: that commit
+    /// must wait for the disk (`synchronous=FULL`).
+    pub(crate) fn write<T, E: From<StoreError>>(
+        &self,
+        full: bool,
+        mut f: impl FnMut(&Tx<'_>) -> Result<T, E>,
+    ) -> Result<T, E> {
         self.arrivals.fetch_add(1, Ordering::SeqCst);
         let mut g = self.lock();
         self.arrivals.fetch_sub(1, Ordering::SeqCst);
-        let (batch, out) = match self.turn(&mut g, &mut f) {
+        // A FULL member never joins a batch that would commit at NORMAL: that
+        // batch commits first. (A NORMAL member may join a FULL batch: its
+        // commit is only more durable than it asked for.)
+        if full && g.open && !g.full {
+            self.flush(&mut g);
+        }
+        let (batch, out) = match self.turn(&mut g, full, &mut f) {
             Ok(Ok(done)) => done,
             Ok(Err(e)) => {
                 self.leave(&mut g);
@@ -284,7 +310,12 @@ impl Writer {
     }
 
     /// One member's turn: the batch opened if needed, `f` in its savepoint.
-    fn turn<T, E: From<StoreError>>(&self, g: &mut Group, f: &mut impl FnMut(&Tx<'_>) -> Result<T, E>) -> Turn<T, E> {
+    fn turn<T, E: From<StoreError>>(
+        &self,
+        g: &mut Group,
+        full: bool,
+        f: &mut impl FnMut(&Tx<'_>) -> Result<T, E>,
+    ) -> Turn<T, E> {
         let path = self.path.as_deref().ok_or_else(|| StoreError::Other("no group connection".into()));
         if g.conn.is_none() {
             match path.and_then(open_conn) {
@@ -301,10 +332,20 @@ impl Writer {
         // its sub-journal first: ~230 k instructions of a fresh dispatch.)
         let first = !g.open;
         if first {
+            // The level is set between transactions: SQLite refuses to change
+            // it inside one.
+            if g.conn_full != Some(full) {
+                let level = if full { "PRAGMA synchronous=FULL" } else { "PRAGMA synchronous=NORMAL" };
+                if let Err(e) = exec(conn, level) {
+                    return Ok(Err(e.into()));
+                }
+                g.conn_full = Some(full);
+            }
             if let Err(e) = begin(conn) {
                 return Ok(Err(e.into()));
             }
             g.open = true;
+            g.full = full;
             g.batch += 1;
         }
         let batch = g.batch;
@@ -358,10 +399,14 @@ impl Writer {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{OpenOptions, Store, StoreError};
+    use super::super::{OpenOptions, Store, StoreError, Sync};
 
     fn store(path: &std::path::Path) -> Store {
-        Store::open_unmigrated(path, OpenOptions { create: true, sync: super::super::Sync::Full }, false).unwrap()
+        store_at(path, Sync::Full)
+    }
+
+    fn store_at(path: &std::path::Path, sync: Sync) -> Store {
+        Store::open_unmigrated(path, OpenOptions { create: true, sync }, false).unwrap()
     }
 
     fn count(s: &mut Store) -> i64 {
@@ -389,13 +434,19 @@ mod tests {
     /// Two callers that queue together share one commit; each sees its own
     /// result, and a caller whose closure fails loses only its own writes.
     fn check(first_fails: bool, second_fails: bool) {
+        check_at([Sync::Full, Sync::Full], first_fails, second_fails, 1);
+    }
+
+    /// `check` with the two callers' stores at `levels`, and the synced
+    /// commits they are expected to make between them.
+    fn check_at(levels: [Sync; 2], first_fails: bool, second_fails: bool, synced: u64) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("g.db");
         let mut setup = store(&path);
         setup.write(|tx| tx.conn.execute_batch("CREATE TABLE t (v INTEGER NOT NULL)")).unwrap();
         let before = setup.synced_commits();
-        let mut a = store(&path);
-        let mut b = store(&path);
+        let mut a = store_at(&path, levels[0]);
+        let mut b = store_at(&path, levels[1]);
         let writer = a.writer.clone();
         let first = std::thread::spawn(move || write_while_another_queues(&mut a, 1, first_fails));
         // The first caller holds the writer until the second queues for it.
@@ -415,7 +466,7 @@ mod tests {
         assert_eq!(second.join().unwrap().is_err(), second_fails);
         let expected = i64::from(!first_fails) + i64::from(!second_fails);
         assert_eq!(count(&mut setup), expected, "each caller all or nothing");
-        assert_eq!(setup.synced_commits() - before, 1, "one commit for both");
+        assert_eq!(setup.synced_commits() - before, synced, "synced commits");
     }
 
     #[test]
@@ -427,6 +478,22 @@ mod tests {
     fn a_failing_member_loses_only_its_own_writes() {
         check(true, false);
         check(false, true);
+    }
+
+    /// Stores at NORMAL share batches too, and their commits wait for no disk.
+    #[test]
+    fn normal_callers_share_a_commit_that_waits_for_no_disk() {
+        check_at([Sync::Normal, Sync::Normal], false, false, 0);
+        check_at([Sync::Normal, Sync::Normal], true, false, 0);
+    }
+
+    /// A FULL caller queued behind a NORMAL batch does not join it (its commit
+    /// would not wait for the disk): that batch commits first, then the FULL
+    /// caller's own, synced. A NORMAL caller may join a FULL batch.
+    #[test]
+    fn a_full_caller_never_rides_a_normal_commit() {
+        check_at([Sync::Normal, Sync::Full], false, false, 1);
+        check_at([Sync::Full, Sync::Normal], false, false, 1);
     }
 
     /// A caller alone is its batch's first member, which runs without a

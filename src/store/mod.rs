@@ -278,8 +278,9 @@ pub struct Store {
 /// per thread, the providers' connections) queue on it and are woken as soon
 /// as it is free, instead of polling SQLite's write lock from its busy
 /// handler, which sleeps up to 100 ms between tries: under contention that
-/// made the slowest calls wait seconds. On SQLite the FULL writers that queue
-/// together share one commit (group commit, `group.rs`); other processes still
+/// made the slowest calls wait seconds. On SQLite the writers that queue
+/// together share one commit (group commit, `group.rs`, at FULL and at
+/// NORMAL, never mixing a FULL caller into a NORMAL commit); other processes still
 /// meet SQLite's lock and the busy timeout (on PostgreSQL: serializable
 /// conflicts, retried). Nothing writes through a second connection while
 /// holding a write transaction, so the writer cannot be taken twice by one
@@ -547,10 +548,12 @@ impl Store {
                 Conn::Pg(pg) => pg::transaction(pg, &self.conn, mode, &self.writer, f),
             };
         }
-        // A FULL write on SQLite joins the batch of the writers queued with it.
+        // A write on SQLite joins the batch of the writers queued with it (a
+        // relaxed write at FULL runs alone: it must not wait for the disk).
         let synced = mode == Mode::Write && self.sync == Sync::Full && !self.relaxed;
-        if synced && !self.read_only && self.writer.groups() && matches!(self.conn, Conn::Lite(_)) {
-            return self.writer.write(f);
+        let joins = mode == Mode::Write && !self.relaxed;
+        if joins && !self.read_only && self.writer.groups() && matches!(self.conn, Conn::Lite(_)) {
+            return self.writer.write(synced, f);
         }
         let writer = Arc::clone(&self.writer);
         let _alone = writer.queues().then(|| writer.alone());
