@@ -168,7 +168,7 @@ fn begin(conn: &Connection) -> Result<(), StoreError> {
 type Turn<T, E> = Result<Result<(u64, T), E>, Box<dyn Any + Send>>;
 
 impl Writer {
-    /// The writer of a SQLite file (`group`: its FULL writers share commits)
+    /// The writer of a SQLite file (`group`: its writers share commits)
     /// or of a PostgreSQL database (`path` `None`).
     pub(crate) fn new(path: Option<PathBuf>, group: bool) -> Self {
         let queue = path.is_some() || std::env::var("TOOLGATE_PG_WRITER_QUEUE").map_or(true, |v| v != "off");
@@ -183,7 +183,7 @@ impl Writer {
         }
     }
 
-    /// Whether FULL writers of this database share commits.
+    /// Whether writers of this database share commits (SQLite, group commit on).
     pub(crate) fn groups(&self) -> bool {
         self.path.is_some()
     }
@@ -220,7 +220,7 @@ impl Writer {
     }
 
     /// Takes the writer for a caller that runs alone on its own connection
-    /// (a relaxed commit, a store at NORMAL, PostgreSQL): the open batch, if
+    /// (a relaxed commit at FULL, PostgreSQL, group commit off): the open batch, if
     /// any, is committed first (its members are woken), and nobody else
     /// writes until the guard is dropped.
     pub(crate) fn alone(&self) -> MutexGuard<'_, Group> {
@@ -494,6 +494,23 @@ mod tests {
     fn a_full_caller_never_rides_a_normal_commit() {
         check_at([Sync::Normal, Sync::Full], false, false, 1);
         check_at([Sync::Full, Sync::Normal], false, false, 1);
+    }
+
+    /// The shared connection commits each batch at its first member's level:
+    /// what `PRAGMA synchronous` reads inside the batch (2 FULL, 1 NORMAL).
+    #[test]
+    fn each_batch_runs_at_its_first_members_level() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("g.db");
+        let mut full = store(&path);
+        let mut normal = store_at(&path, Sync::Normal);
+        let level = |s: &mut Store| -> i64 {
+            s.write(|tx| tx.conn.prepare_cached("PRAGMA synchronous")?.query_row((), |r| r.get(0))).unwrap()
+        };
+        assert_eq!(level(&mut normal), 1);
+        assert_eq!(level(&mut full), 2);
+        assert_eq!(level(&mut normal), 1);
+        assert_eq!(level(&mut full), 2);
     }
 
     /// A caller alone is its batch's first member, which runs without a

@@ -448,8 +448,9 @@ pub(crate) use params;
 /// `sql_text!("SELECT {COLS} FROM …")`: a statement text formatted from
 /// constants once per process, not once per call (`prepare_cached` then looks
 /// it up; a `format!` of the forty-column operation list on every call was a
-/// measurable share of a dispatch, callgrind). The format arguments can only
-/// be constants: the text lives in a `static`.
+/// measurable share of a dispatch, callgrind). The text lives in a `static`,
+/// so the compiler refuses local variables; the arguments must also give the
+/// same text every time (constants, `placeholders(N)`), which it cannot check.
 macro_rules! sql_text {
     ($($fmt:tt)*) => {{
         static TEXT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| format!($($fmt)*));
