@@ -28,6 +28,11 @@ use toolgate::store::{StoreError, Sync};
 /// Settled intents `replay_many` cycles over.
 const REPLAY_MANY: usize = 2_000;
 
+/// How many settled intents the `*_many` modes cycle over.
+fn settled_count() -> usize {
+    std::env::var("HOTPATH_SETTLED").ok().and_then(|v| v.parse().ok()).unwrap_or(REPLAY_MANY)
+}
+
 fn refund(key: String) -> DispatchRequest {
     DispatchRequest {
         tenant: "acme".into(),
@@ -42,7 +47,7 @@ fn refund(key: String) -> DispatchRequest {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let (Some(mode), Some(n)) = (args.get(1), args.get(2).and_then(|n| n.parse::<u64>().ok())) else {
-        eprintln!("usage: hotpath fresh|replay|replay_many|bare_write|bare_replay|distinct8 N");
+        eprintln!("usage: hotpath fresh|replay|replay_many|bare_write|bare_replay|bare_replay_many|distinct8 N");
         return ExitCode::from(2);
     };
     match run(mode, n) {
@@ -86,7 +91,7 @@ fn run(mode: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
         "replay_many" => {
             // Replays cycling over many settled intents, as `toolgate bench`
             // does: no row is the one the previous call read.
-            let many = std::env::var("HOTPATH_SETTLED").ok().and_then(|v| v.parse().ok()).unwrap_or(REPLAY_MANY);
+            let many = settled_count();
             let settled: Vec<String> = (0..many).map(|i| format!("hotpath-many-{i:012}")).collect();
             for key in &settled {
                 engine.dispatch(&refund(key.clone()))?;
@@ -115,8 +120,7 @@ fn run(mode: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
                 }
             } else if mode == "bare_replay_many" {
                 // `replay_many`'s floor: cycling over as many settled writes.
-                let many =
-                    std::env::var("HOTPATH_SETTLED").ok().and_then(|v| v.parse().ok()).unwrap_or(REPLAY_MANY as u64);
+                let many = settled_count() as u64;
                 for i in 0..many {
                     bare.write_one(i, now)?;
                 }

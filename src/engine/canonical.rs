@@ -427,15 +427,18 @@ pub fn prefixed_hex(prefix: &str, bytes: &[u8]) -> String {
     out
 }
 
-/// Appends the lower-case hex of bytes. Up to 32 bytes (digests, ids) go
-/// through `hex::encode_to_slice` and a buffer: `hex::encode` builds its
-/// `String` one `char` at a time, several times the instructions, and a
-/// fresh dispatch hexes about a dozen of them (callgrind).
+/// Appends the lower-case hex of bytes, through `hex::encode_to_slice` and a
+/// stack buffer: `hex::encode` builds its `String` one `char` at a time,
+/// several times the instructions, and a fresh dispatch hexes about a dozen
+/// digests and ids (callgrind).
 fn push_hex(out: &mut String, bytes: &[u8]) {
     let mut buf = [0u8; 64];
-    match buf.get_mut(..bytes.len() * 2).map(|b| hex::encode_to_slice(bytes, b).map(|()| std::str::from_utf8(b))) {
-        Some(Ok(Ok(digits))) => out.push_str(digits),
-        _ => out.push_str(&hex::encode(bytes)),
+    for chunk in bytes.chunks(buf.len() / 2) {
+        let digits = &mut buf[..chunk.len() * 2];
+        // Cannot fail: the buffer is exactly twice the input, and hex is ASCII.
+        if hex::encode_to_slice(chunk, digits).is_ok() {
+            out.push_str(std::str::from_utf8(digits).unwrap_or_default());
+        }
     }
 }
 
@@ -680,6 +683,16 @@ impl StatusRefKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hex_is_hex_encode_at_every_length() {
+        let bytes: Vec<u8> = (0..=255u8).cycle().take(100).collect();
+        for n in 0..bytes.len() {
+            assert_eq!(hex_lower(&bytes[..n]), hex::encode(&bytes[..n]), "{n} bytes");
+            assert_eq!(prefixed_hex("id", &bytes[..n]), format!("id_{}", hex::encode(&bytes[..n])));
+        }
+        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    }
 
     #[allow(clippy::needless_pass_by_value)]
     fn check(input: &str, expect: Result<&str, CanonicalError>) {

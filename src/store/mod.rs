@@ -799,10 +799,8 @@ struct Interner {
 impl Interner {
     /// The id of `text` in series column `col`.
     fn id_in(&mut self, col: usize, text: &str) -> usize {
-        if let Some(&last) = self.last.get(col) {
-            if self.text(last) == text && last < self.texts.len() {
-                return last;
-            }
+        if let Some(&last) = self.last.get(col).filter(|&&l| self.texts.get(l).is_some_and(|t| t == text)) {
+            return last;
         }
         let id = self.id(text);
         if let Some(l) = self.last.get_mut(col) {
