@@ -1227,28 +1227,54 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Orders { json } => {
             let mut engine = open_read(cli)?;
             let orders = engine.orders()?;
+            // What accepted refunds that may still take effect hold of each order.
+            let mut held: std::collections::BTreeMap<String, i64> = std::collections::BTreeMap::new();
+            for (_, resource, amount) in engine.holds()? {
+                *held.entry(resource).or_default() += amount;
+            }
+            let held_of = |o: &crate::store::OrderRow| {
+                held.get(&crate::tools::demo::resource(&o.order_ref)).copied().unwrap_or(0)
+            };
             if *json {
-                print_json(&json!({"orders": orders}));
+                let rows: Vec<Value> = orders
+                    .iter()
+                    .map(|o| {
+                        let mut v = json!(o);
+                        v["held_minor"] = json!(held_of(o));
+                        v["remaining_minor"] = json!(o.captured_minor - o.refunded_minor - held_of(o));
+                        v
+                    })
+                    .collect();
+                print_json(&json!({"orders": rows}));
             } else {
                 outln!(
-                    "{:<12} {:<8} {:<12} {:<4} {:>10} {:>10}  status",
+                    "{:<12} {:<8} {:<12} {:<4} {:>10} {:>10} {:>10} {:>10}  status",
                     "order",
                     "tenant",
                     "owner",
                     "cur",
                     "captured",
-                    "refunded"
+                    "refunded",
+                    "held",
+                    "remaining"
                 );
                 for o in &orders {
                     outln!(
-                        "{:<12} {:<8} {:<12} {:<4} {:>10} {:>10}  {}",
+                        "{:<12} {:<8} {:<12} {:<4} {:>10} {:>10} {:>10} {:>10}  {}{}",
                         o.order_ref,
                         o.tenant,
                         o.owner,
                         o.currency,
                         o.captured_minor,
                         o.refunded_minor,
-                        o.status
+                        held_of(o),
+                        o.captured_minor - o.refunded_minor - held_of(o),
+                        o.status,
+                        if o.over_refunded_minor > 0 {
+                            format!("  PAID {} ABOVE THE CAPTURE", o.over_refunded_minor)
+                        } else {
+                            String::new()
+                        }
                     );
                 }
             }

@@ -157,6 +157,14 @@ impl Simulated {
                     });
                 }
             }
+            if self.kind == SimKind::Payments && !drift {
+                // As a real payment service: never refund more than remains of the charge.
+                let order = req.arguments.get("order_ref").and_then(Value::as_str).unwrap_or_default();
+                let amount = req.arguments.get("amount_minor").and_then(Value::as_i64).unwrap_or(0);
+                if tx.take_from_charge(provider, order, amount)? == Some(false) {
+                    return Ok(Err("refund exceeds what remains of the charge".to_string()));
+                }
+            }
             let request_id = self.ids.id_n::<8>("dreq");
             let receipt_id = self.ids.id_n::<8>("rcpt");
             let mut result = result_for(self.kind, req, &self.ids);
@@ -339,5 +347,27 @@ impl Downstream for Simulated {
 
     fn effects_for_intent(&mut self, intent: &str) -> Result<Option<i64>, DownstreamError> {
         Ok(Some(self.store.read(|tx| tx.count_effects_for_intent(intent))?))
+    }
+
+    fn paid_by_order(&mut self) -> Result<Option<std::collections::BTreeMap<String, i64>>, DownstreamError> {
+        if self.kind != SimKind::Payments {
+            return Ok(None);
+        }
+        let provider = self.kind.as_str();
+        Ok(Some(self.store.read(|tx| tx.paid_by_order(provider))?))
+    }
+
+    fn load_world(&mut self, world: &crate::engine::world::World) -> Result<(), DownstreamError> {
+        if self.kind != SimKind::Payments {
+            return Ok(());
+        }
+        let provider = self.kind.as_str();
+        self.store.write(|tx| -> Result<(), StoreError> {
+            for o in &world.orders {
+                tx.insert_charge(provider, &o.order_ref, &o.currency, o.captured_minor, o.refunded_minor)?;
+            }
+            Ok(())
+        })?;
+        Ok(())
     }
 }

@@ -13,7 +13,7 @@ use super::envelope::{Code, Delivery, Envelope, Execution, ModelResult, Outcome,
 use super::lab::{caller_key, scope_key, MASKED_CONFLICT};
 use super::operation::{
     apply_business_effect, args_of, authorize, binding_of, business_rules, intent_of, new_operation_for, op_envelope,
-    revisions_of, verify_row, APPROVAL_TTL_MS,
+    reserve, revisions_of, verify_row, APPROVAL_TTL_MS,
 };
 use super::policy::{self, backoff_ms, Admission};
 use super::tool::{DownstreamRequest, Reply};
@@ -402,7 +402,7 @@ impl Engine {
                     },
                     now,
                 )?;
-                let data = domain.read(tx, &ToolCall { tenant, subject, tool, arguments: args })?;
+                let data = domain.read(tx, &ToolCall { tenant, subject, tool, arguments: args, operation_id: None })?;
                 ev.step = "read";
                 match data {
                     Some(d) if contract.check_output(&d).is_ok() => {
@@ -840,7 +840,7 @@ fn accept(
         return Ok(Decision::Answer(with_retry_after(error_envelope(Code::ToolUnavailable, audit), wait), ev));
     }
     // 4. Business rules, then approval for a new execution.
-    if let Some(rule) = business_rules(tx, c.domain, &r.tenant, &r.subject, &r.tool, c.args)? {
+    if let Some(rule) = business_rules(tx, c.domain, [&r.tenant, &r.subject, &r.tool], c.args, None)? {
         ev.step = "business_rules";
         ev.note = Some(rule.into());
         ev.reason = Some(rule);
@@ -855,6 +855,10 @@ fn accept(
     // 5. Accept: operation + outbox + call binding, all or nothing.
     let op = new_operation(c, None);
     tx.insert_operation(&op)?;
+    if !c.defenses.balance_not_reserved {
+        // What the rules just granted is held from now on (the same transaction).
+        reserve(tx, c.domain, &op, c.args, c.now)?;
+    }
     tx.insert_outbox(&op.id, i64::from(c.contract.retry.max_attempts), c.now)?;
     bind_call(tx, &ck, c, Some(&op.id))?;
     failpoint::hit("inside_accept");
@@ -1222,8 +1226,11 @@ fn claim(
         failed = Some((code, "authorization"));
     } else if revisions_of(&op) != contract.revisions {
         failed = Some((Code::BusinessRuleViolation, "contract_revision_changed"));
-    } else if let Some(rule) =
-        args.as_ref().map(|a| business_rules(tx, domain, tenant, subject, tool, a)).transpose()?.flatten()
+    } else if let Some(rule) = args
+        .as_ref()
+        .map(|a| business_rules(tx, domain, [tenant, subject, tool], a, Some(op_id)))
+        .transpose()?
+        .flatten()
     {
         failed = Some((Code::BusinessRuleViolation, rule));
     }
@@ -1377,7 +1384,7 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
                 source: "reply".into(),
                 recorded_at: c.now,
             })?;
-            apply_business_effect(tx, c.domain, &op)?;
+            let anomaly = apply_business_effect(tx, c.domain, &op)?;
             tx.finish_attempt(op_id, c.attempt, AttemptOutcome::Committed, None, c.now)?;
             tx.close_outbox(op_id, OutboxState::Done, None)?;
             tx.update_operation_from(&stored, &op)?.or_stale()?;
@@ -1390,6 +1397,7 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             let mut p = TraceEvent::of_operation("persisted", &op, c.salt, c.now);
             p.attempt = Some(c.attempt);
             p.worker = Some(c.worker.to_string());
+            p.note = anomaly;
             p.because("committed").from_envelope(&env).answering(c.answer).write(tx, c.now)?;
             Ok(Persisted::Done(env))
         }

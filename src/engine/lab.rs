@@ -49,6 +49,10 @@ pub enum LabToggle {
     /// The dispatcher retries on any timeout, including a response timeout after
     /// which the effect may exist, instead of parking it for a status query.
     NaiveTimeoutRetry,
+    /// The business rule "amount ≤ remaining" is checked at accept but nothing
+    /// is reserved there: the balance changes only when a refund's reply comes
+    /// back, so concurrent refunds of one order grant the same money twice.
+    BalanceNotReserved,
 }
 
 /// Where a toggle acts.
@@ -63,12 +67,13 @@ pub enum LabSide {
 
 impl LabToggle {
     /// All toggles, in the order the lab panel lists them.
-    pub const ALL: [LabToggle; 5] = [
+    pub const ALL: [LabToggle; 6] = [
         LabToggle::ServerGeneratedKey,
         LabToggle::ConflictReturnsOldResult,
         LabToggle::InMemoryLedger,
         LabToggle::ErrorCodesDropped,
         LabToggle::NaiveTimeoutRetry,
+        LabToggle::BalanceNotReserved,
     ];
 
     /// Stable name (CLI, meta value).
@@ -79,6 +84,7 @@ impl LabToggle {
             LabToggle::InMemoryLedger => "in_memory_ledger",
             LabToggle::ErrorCodesDropped => "error_codes_dropped",
             LabToggle::NaiveTimeoutRetry => "naive_timeout_retry",
+            LabToggle::BalanceNotReserved => "balance_not_reserved",
         }
     }
 
@@ -103,6 +109,7 @@ impl LabToggle {
             LabToggle::ConflictReturnsOldResult => d.conflict_returns_old_result = true,
             LabToggle::InMemoryLedger => d.in_memory_ledger = true,
             LabToggle::NaiveTimeoutRetry => d.naive_timeout_retry = true,
+            LabToggle::BalanceNotReserved => d.balance_not_reserved = true,
             LabToggle::ErrorCodesDropped => {}
         }
         d
@@ -126,6 +133,9 @@ impl LabToggle {
             LabToggle::NaiveTimeoutRetry => {
                 "A timeout after sending is OUTCOME_UNKNOWN: query the status, never retry blindly; whether a retry is safe depends on the effect."
             }
+            LabToggle::BalanceNotReserved => {
+                "A refund reserves what it grants in the transaction that accepts it: remaining = captured - refunded - held."
+            }
         }
     }
 
@@ -146,6 +156,9 @@ impl LabToggle {
             }
             LabToggle::NaiveTimeoutRetry => {
                 "Lost replies are re-sent. Payments honours the downstream key (no harm there); notifications do not de-duplicate, so customers get the message twice. Duplicates appear."
+            }
+            LabToggle::BalanceNotReserved => {
+                "Agents refunding one order at once all see the same remaining amount and ask for more than it captured. The payments provider refuses what the charge no longer covers; without that check the money is paid and only the audit finds it."
             }
         }
     }
@@ -168,6 +181,9 @@ impl LabToggle {
                 "ToolExecutionError raised as a plain exception → the code is lost; the model has nothing to decide on"
             }
             LabToggle::NaiveTimeoutRetry => "create_ticket -> timeout, the runner retries as a fallback → two tickets",
+            LabToggle::BalanceNotReserved => {
+                "the rule is read when the call is accepted, the balance changes when the reply comes back → two agents refund the last 10 € twice"
+            }
         }
     }
 }
@@ -246,6 +262,18 @@ impl Engine {
             let toggle = if demo { tx.meta(TOGGLE_KEY)?.as_deref().and_then(LabToggle::parse) } else { None };
             Ok((toggle, tx.meta(FAULT_KEY)?.and_then(|v| v.parse().ok()).unwrap_or(0)))
         })?)
+    }
+
+    /// Money the downstreams paid out per order, summed over those that pay
+    /// money (empty when none does).
+    pub fn paid_by_order(&mut self) -> Result<std::collections::BTreeMap<String, i64>, EngineError> {
+        let mut all = std::collections::BTreeMap::new();
+        for d in self.downstreams.values_mut() {
+            for (order, amount) in d.paid_by_order()?.unwrap_or_default() {
+                *all.entry(order).or_default() += amount;
+            }
+        }
+        Ok(all)
     }
 
     /// The lab's referee: how many downstream effects exist for one business
@@ -341,10 +369,16 @@ mod tests {
     fn each_toggle_breaks_one_thing() {
         for t in LabToggle::ALL {
             let d = t.defenses_off();
-            let n = [d.server_generated_key, d.conflict_returns_old_result, d.in_memory_ledger, d.naive_timeout_retry]
-                .iter()
-                .filter(|b| **b)
-                .count();
+            let n = [
+                d.server_generated_key,
+                d.conflict_returns_old_result,
+                d.in_memory_ledger,
+                d.naive_timeout_retry,
+                d.balance_not_reserved,
+            ]
+            .iter()
+            .filter(|b| **b)
+            .count();
             assert_eq!(n, usize::from(t.side() == LabSide::Engine), "{t:?}");
         }
     }

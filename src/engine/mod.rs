@@ -184,6 +184,10 @@ pub struct DefensesOff {
     /// Lab (`naive_timeout_retry`): a response timeout is retried like a
     /// refusal instead of being parked as `OUTCOME_UNKNOWN`.
     pub naive_timeout_retry: bool,
+    /// Lab (`balance_not_reserved`): an accepted operation holds nothing of
+    /// the balance its rule granted from, so concurrent refunds of one order
+    /// all see the same remaining amount.
+    pub balance_not_reserved: bool,
 }
 
 impl DefensesOff {
@@ -197,6 +201,7 @@ impl DefensesOff {
             conflict_returns_old_result: self.conflict_returns_old_result || other.conflict_returns_old_result,
             in_memory_ledger: self.in_memory_ledger || other.in_memory_ledger,
             naive_timeout_retry: self.naive_timeout_retry || other.naive_timeout_retry,
+            balance_not_reserved: self.balance_not_reserved || other.balance_not_reserved,
         }
     }
 }

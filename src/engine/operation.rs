@@ -509,30 +509,65 @@ pub(crate) fn authorize(
     if !tx.grant_active(tenant, subject, tool)? {
         return Ok(Some(Code::PolicyDenied));
     }
-    if !domain.visible(tx, &ToolCall { tenant, subject, tool, arguments: args })? {
+    if !domain.visible(tx, &ToolCall { tenant, subject, tool, arguments: args, operation_id: None })? {
         return Ok(Some(Code::NotFound));
     }
     Ok(None)
 }
 
-/// The tool domain's business rules for a new execution (docs/design.md §1).
+/// The tool domain's business rules for a new execution (docs/design.md §1);
+/// `operation_id` is the accepted operation re-checked by its worker (its own
+/// hold does not count against it), `None` at admission.
 pub(crate) fn business_rules(
     tx: &Tx<'_>,
     domain: &dyn ToolDomain,
-    tenant: &str,
-    subject: &str,
-    tool: &str,
+    [tenant, subject, tool]: [&str; 3],
     args: &Value,
+    operation_id: Option<&str>,
 ) -> Result<Option<&'static str>, StoreError> {
-    domain.rules(tx, &ToolCall { tenant, subject, tool, arguments: args })
+    domain.rules(tx, &ToolCall { tenant, subject, tool, arguments: args, operation_id })
+}
+
+/// Writes the hold a new execution of an accepted operation reserves (the
+/// domain's, [`crate::engine::tool::Hold`]), in the accept's transaction.
+pub(crate) fn reserve(
+    tx: &Tx<'_>,
+    domain: &dyn ToolDomain,
+    op: &OperationRow,
+    args: &Value,
+    now: i64,
+) -> Result<(), StoreError> {
+    let call = ToolCall {
+        tenant: &op.tenant,
+        subject: &op.subject,
+        tool: &op.tool,
+        arguments: args,
+        operation_id: Some(&op.id),
+    };
+    match domain.hold(&call) {
+        Some(h) => tx.insert_hold(&op.id, &h.resource, h.amount, now),
+        None => Ok(()),
+    }
 }
 
 /// The local state change that goes with a committed effect (the domain's),
-/// in the transaction that records the result.
-pub(crate) fn apply_business_effect(tx: &Tx<'_>, domain: &dyn ToolDomain, op: &OperationRow) -> Result<(), StoreError> {
+/// in the transaction that records the result; `Some` is an anomaly for the
+/// step's trace event (see [`ToolDomain::apply`]).
+pub(crate) fn apply_business_effect(
+    tx: &Tx<'_>,
+    domain: &dyn ToolDomain,
+    op: &OperationRow,
+) -> Result<Option<String>, StoreError> {
     let args = args_of(&op.request_json);
     let result = op.result_json.as_deref().and_then(|r| serde_json::from_str(r).ok()).unwrap_or(Value::Null);
-    domain.apply(tx, &ToolCall { tenant: &op.tenant, subject: &op.subject, tool: &op.tool, arguments: &args }, &result)
+    let call = ToolCall {
+        tenant: &op.tenant,
+        subject: &op.subject,
+        tool: &op.tool,
+        arguments: &args,
+        operation_id: Some(&op.id),
+    };
+    domain.apply(tx, &call, &result)
 }
 
 #[cfg(test)]

@@ -7,8 +7,8 @@ use serde_json::{json, Value};
 use super::canonical::{canonical_string, digest_value, sha256_hex, CallIdentity, Revisions, StatusRefError};
 use super::envelope::{Code, Delivery, Envelope, ProtectedAudit};
 use super::operation::{
-    apply_business_effect, approval_amount, args_of, authorize, binding_of, op_envelope, revisions_of, verify_approval,
-    verify_row,
+    apply_business_effect, approval_amount, args_of, authorize, binding_of, business_rules, op_envelope, reserve,
+    revisions_of, verify_approval, verify_row,
 };
 use super::tool::Lookup;
 use super::tool::ToolCall;
@@ -342,6 +342,7 @@ impl Engine {
             }
             cur.updated_at = now;
             cur.last_query_at = Some(now);
+            let mut anomaly = None;
             let (result, env, reason) = match lookup.clone() {
                 Lookup::Found(r) => {
                     ev.receipt_id = Some(r.receipt_id.clone());
@@ -371,7 +372,7 @@ impl Engine {
                             source: "query".into(),
                             recorded_at: now,
                         })?;
-                        apply_business_effect(tx, &*toolset.domain(&cur.tool), &cur)?;
+                        anomaly = apply_business_effect(tx, &*toolset.domain(&cur.tool), &cur)?;
                         if let Some(ob) = tx.outbox(&cur.id)? {
                             if ob.attempt > 0 {
                                 tx.finish_attempt(&cur.id, ob.attempt, AttemptOutcome::Committed, None, now)?;
@@ -401,7 +402,10 @@ impl Engine {
             cur.version += 1;
             let delivery = if result == "reconciled" { Delivery::ReceiptReconciled } else { Delivery::LocalReplay };
             let env = op_envelope(&cur, delivery, pref.clone(), None);
-            ev.note = Some(reason.into());
+            ev.note = Some(match anomaly {
+                Some(a) => format!("{reason}; {a}"),
+                None => reason.into(),
+            });
             ev.reason = Some(result);
             // The receipt ids were set from the lookup; the digests come from the row as it is now.
             ev.result_sha256.clone_from(&cur.result_sha256);
@@ -455,6 +459,8 @@ impl Engine {
         let contracts = self.contracts.clone();
         let refs = self.refs.clone();
         let ids = self.ids.clone();
+        let defenses = self.defenses()?;
+        let toolset = self.toolset.clone();
         let decided = self.store.write(|tx| -> Result<Result<String, (Envelope, String)>, EngineError> {
             let invalid = |why: &str, reason: &'static str, a: Option<&crate::store::ApprovalRow>| -> Result<Result<String, (Envelope, String)>, EngineError> {
                 tx.insert_audit(&audit_row(now, None, approver, "approve", None, Some(approval_id), false, why, &json!({
@@ -517,6 +523,16 @@ impl Engine {
             // Accept the held call.
             let op = super::operation::new_operation_for([&a.tenant, &a.subject, &a.tool], contract, &call, &a.idem_key, &a.key_sha256, &a.request_json, &a.request_sha256, now, a.deadline_ms as u64, &refs, &ids, Some(&a.id));
             tx.insert_operation(&op)?;
+            // The held call's rules are read now; what they grant is reserved with
+            // the accept. A call they refuse is accepted without a hold, and its
+            // worker's re-check fails it (one place decides that refusal).
+            let domain = toolset.domain(&a.tool);
+            let args = args_of(&a.request_json);
+            if !defenses.balance_not_reserved
+                && business_rules(tx, &*domain, [&a.tenant, &a.subject, &a.tool], &args, Some(&op.id))?.is_none()
+            {
+                reserve(tx, &*domain, &op, &args, now)?;
+            }
             tx.insert_outbox(&op.id, i64::from(contract.retry.max_attempts), now)?;
             let ck = call.key(&a.tenant, &a.subject);
             tx.bind_call_identity(
@@ -773,9 +789,11 @@ impl Engine {
             if tx.update_operation(&op)?.is_stale() {
                 return refuse("STALE_VERSION", "operation changed while resolving".into());
             }
-            if r.resolution == Resolution::Succeeded {
-                apply_business_effect(tx, &*toolset.domain(&op.tool), &op)?;
-            }
+            let anomaly = if r.resolution == Resolution::Succeeded {
+                apply_business_effect(tx, &*toolset.domain(&op.tool), &op)?
+            } else {
+                None
+            };
             tx.close_outbox(&op.id, OutboxState::Done, None)?;
             let ev = json!({
                 "seen_version": r.seen_version, "before": snapshot, "resolution": r.resolution.as_str(), "evidence": evidence,
@@ -786,7 +804,10 @@ impl Engine {
             let mut t = TraceEvent::of_operation("resolution", &op, &salt, now);
             t.delivery = Some("human_resolved");
             t.outcome = Some(if r.resolution == Resolution::Failed { "not_started" } else { "committed" });
-            t.note = Some(format!("resolved as {}", r.resolution.as_str()));
+            t.note = Some(match anomaly {
+                Some(a) => format!("resolved as {}; {a}", r.resolution.as_str()),
+                None => format!("resolved as {}", r.resolution.as_str()),
+            });
             t.because(r.resolution.as_str()).write(tx, now)?;
             Ok(OperatorOutcome {
                 applied: true,
@@ -863,6 +884,22 @@ impl Engine {
             for r in tx.orphan_receipts()? {
                 find("orphan_receipt", &r, "receipt does not belong to the operation it names");
             }
+            // A hold lives exactly as long as its operation may still take effect.
+            let by_id: std::collections::HashMap<&str, &OperationRow> =
+                ops.iter().map(|o| (o.id.as_str(), o)).collect();
+            for (op_id, resource, amount) in tx.holds()? {
+                match by_id.get(op_id.as_str()) {
+                    Some(o) if o.state.is_terminal() => {
+                        find(
+                            "hold",
+                            &op_id,
+                            &format!("{amount} still held on {resource} by an operation that is {}", o.state),
+                        );
+                    }
+                    Some(_) => {}
+                    None => find("hold", &op_id, &format!("{amount} held on {resource} by no operation")),
+                }
+            }
             for a in tx.all_approvals()? {
                 if let Err(why) = verify_approval(&a) {
                     find("approval", &a.id, why);
@@ -882,7 +919,16 @@ impl Engine {
                     .iter()
                     .filter(|(o, ..)| tools.contains(&o.tool))
                     .map(|(o, a, r)| {
-                        (ToolCall { tenant: &o.tenant, subject: &o.subject, tool: &o.tool, arguments: a }, r.clone())
+                        (
+                            ToolCall {
+                                tenant: &o.tenant,
+                                subject: &o.subject,
+                                tool: &o.tool,
+                                arguments: a,
+                                operation_id: Some(&o.id),
+                            },
+                            r.clone(),
+                        )
                     })
                     .collect();
                 domain.audit(tx, &calls, &mut find)?;

@@ -33,6 +33,25 @@ pub struct ToolCall<'a> {
     pub tool: &'a str,
     /// Validated arguments.
     pub arguments: &'a Value,
+    /// The operation the call belongs to, once accepted (`None` at admission):
+    /// its own hold is not counted against it when its rules are checked again.
+    pub operation_id: Option<&'a str>,
+}
+
+/// What a new execution reserves of a balance from its accept until it ends:
+/// `amount` of `resource` (a name the domain chooses, e.g. `order:ord_1001`).
+/// The engine writes it in the transaction that accepts the operation and
+/// ends it when the operation becomes terminal: turned into the effect by
+/// [`ToolDomain::apply`] when it succeeded, released when it ended with no
+/// effect; while the outcome is unknown or under review it stays (the money
+/// may be gone). A domain's [`ToolDomain::rules`] counts what is held
+/// (`Tx::held_on`), so concurrent executions cannot grant the same balance twice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hold {
+    /// The balance held on.
+    pub resource: String,
+    /// How much (positive).
+    pub amount: i64,
 }
 
 /// A tool's business domain. Every method has the default of a tool with no
@@ -55,10 +74,20 @@ pub trait ToolDomain: Send + Sync {
         Ok(None)
     }
 
+    /// What a new execution of the call holds until it ends (see [`Hold`]);
+    /// `None` for a call that grants from no balance. Asked only after
+    /// [`ToolDomain::rules`] allowed the call, in the same transaction.
+    fn hold(&self, _call: &ToolCall<'_>) -> Option<Hold> {
+        None
+    }
+
     /// The local effect of a committed result, in the transaction that records
-    /// the result (from a reply, a status query or a human decision).
-    fn apply(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>, _result: &Value) -> Result<(), StoreError> {
-        Ok(())
+    /// the result (from a reply, a status query or a human decision). `Some`
+    /// is an anomaly the engine writes into the step's trace event (money paid
+    /// above what the domain allowed): the effect is recorded as it happened,
+    /// never clipped to look right.
+    fn apply(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>, _result: &Value) -> Result<Option<String>, StoreError> {
+        Ok(None)
     }
 
     /// A read tool answered from local state; `None` when there is nothing to
@@ -233,6 +262,17 @@ pub trait Downstream: Send {
     /// Effects this provider committed for one business intent (the lab's referee).
     fn effects_for_intent(&mut self, _intent: &str) -> Result<Option<i64>, DownstreamError> {
         Ok(None)
+    }
+    /// Money this provider paid out per order (minor units), when it pays
+    /// money (the lab's and the load referee's money check).
+    fn paid_by_order(&mut self) -> Result<Option<BTreeMap<String, i64>>, DownstreamError> {
+        Ok(None)
+    }
+
+    /// Learns the world the ledger was initialised with (a simulated payments
+    /// provider records the charges of its orders); most adapters ignore it.
+    fn load_world(&mut self, _world: &super::world::World) -> Result<(), DownstreamError> {
+        Ok(())
     }
 }
 

@@ -224,15 +224,29 @@ impl Engine {
                     refunded_minor: o.refunded_minor,
                     status: o.status.clone(),
                     revision: 1,
+                    over_refunded_minor: 0,
                 })?;
             }
             tx.meta_set("world_loaded", &now.to_string())?;
             Ok(())
-        })
+        })?;
+        // The downstreams learn it too (the simulated payments provider, the
+        // charges it captured), after the ledger's world is in: their seeding
+        // is idempotent, so a failure here is mended by loading again.
+        for d in self.downstreams.values_mut() {
+            d.load_world(world)?;
+        }
+        Ok(())
     }
 
     /// All orders.
     pub fn orders(&mut self) -> Result<Vec<OrderRow>, EngineError> {
         Ok(self.store.read(|tx| -> Result<_, StoreError> { tx.orders() })?)
+    }
+
+    /// Every hold of an operation that may still take effect: (operation id,
+    /// resource, amount), by resource (see [`super::tool::Hold`]).
+    pub fn holds(&mut self) -> Result<Vec<(String, String, i64)>, EngineError> {
+        Ok(self.store.read(|tx| -> Result<_, StoreError> { tx.holds() })?)
     }
 }

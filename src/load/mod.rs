@@ -214,7 +214,14 @@ pub struct LoadReport {
     pub replay_mismatches: u64,
     /// Intents believed failed whose effect exists (after the final settle).
     pub wrong_beliefs: u64,
-    /// The three above: results that are wrong and look right.
+    /// Orders the payments provider paid above their capture during the run.
+    pub over_captured_orders: u64,
+    /// Money paid above capture during the run, minor units (0 when all is well).
+    pub over_captured: i64,
+    /// The same, per order.
+    pub over_captured_by_order: BTreeMap<String, i64>,
+    /// The above: results that are wrong and look right (each order paid
+    /// above its capture counts once).
     pub silently_wrong: u64,
     /// Dispatcher restarts.
     pub restarts: u64,
@@ -811,6 +818,41 @@ fn effect_counts(referee: &mut Engine, provider_db: Option<&Path>) -> Result<(i6
     }
 }
 
+/// Each order's capture and what was refunded of it when the run started,
+/// beside what the payments provider has paid out for it so far.
+struct Money {
+    orders: BTreeMap<String, (i64, i64)>,
+    paid: BTreeMap<String, i64>,
+}
+
+fn money(referee: &mut Engine, provider_db: Option<&Path>) -> Result<Money, EngineError> {
+    let orders = referee
+        .orders()?
+        .into_iter()
+        .map(|o| (o.order_ref, (o.captured_minor, o.refunded_minor + o.over_refunded_minor)))
+        .collect();
+    let paid = match provider_db {
+        None => referee.paid_by_order()?,
+        Some(p) => ProviderStore::open_read_only(p)?.read(|tx| tx.paid_by_order("payments"))?,
+    };
+    Ok(Money { orders, paid })
+}
+
+/// The referee's money check: per order, what the provider paid during the
+/// run beyond what the order had left when it started (minor units; only
+/// orders paid above their capture are listed).
+fn over_captured(before: &Money, after: &Money) -> BTreeMap<String, i64> {
+    let mut over = BTreeMap::new();
+    for (order, &(captured, refunded)) in &before.orders {
+        let paid = after.paid.get(order).copied().unwrap_or(0) - before.paid.get(order).copied().unwrap_or(0);
+        let above = refunded + paid - captured;
+        if paid > 0 && above > 0 {
+            over.insert(order.clone(), above.min(paid));
+        }
+    }
+    over
+}
+
 /// Effects one intent has at its provider.
 fn effects_for_intent(
     e: &mut Engine,
@@ -844,6 +886,7 @@ pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) 
     let started = Instant::now();
     let mut referee = Engine::open(path, engine_options(opts))?;
     let before = effect_counts(&mut referee, opts.provider_db.as_deref())?;
+    let money_before = money(&mut referee, opts.provider_db.as_deref())?;
     let stats = Arc::new(LoadStats::default());
     let shared = start(path, opts, stats.clone())?;
     let threads = spawn_threads(&shared)?;
@@ -906,6 +949,7 @@ pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) 
         }
     }
     let after = effect_counts(&mut referee, opts.provider_db.as_deref())?;
+    let over_captured = over_captured(&money_before, &money(&mut referee, opts.provider_db.as_deref())?);
     let fault_bp = referee.lab_controls()?.1;
     if let Some(t) = &shared.tokens {
         t.revoke(&mut referee)?;
@@ -931,7 +975,10 @@ pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) 
         masked_conflicts: masked,
         replay_mismatches: mismatches,
         wrong_beliefs,
-        silently_wrong: masked + mismatches + wrong_beliefs,
+        over_captured_orders: over_captured.len() as u64,
+        over_captured: over_captured.values().sum(),
+        silently_wrong: masked + mismatches + wrong_beliefs + over_captured.len() as u64,
+        over_captured_by_order: over_captured,
         restarts: stats.restarts.load(Ordering::Relaxed),
         latency: Latency {
             p50_us: percentile(l, 50.0),
@@ -982,9 +1029,22 @@ pub fn render(r: &LoadReport) -> String {
     let _ = writeln!(s, "  {:<34} {:>8}", "duplicate effects", r.duplicates);
     let _ = writeln!(
         s,
-        "  {:<34} {:>8}   (masked conflicts {}, replay mismatches {}, wrong beliefs {})",
-        "silently wrong results", r.silently_wrong, r.masked_conflicts, r.replay_mismatches, r.wrong_beliefs
+        "  {:<34} {:>8}   (masked conflicts {}, replay mismatches {}, wrong beliefs {}, orders over capture {})",
+        "silently wrong results",
+        r.silently_wrong,
+        r.masked_conflicts,
+        r.replay_mismatches,
+        r.wrong_beliefs,
+        r.over_captured_orders
     );
+    let _ = writeln!(
+        s,
+        "  {:<34} {:>8}   ({} orders paid above their capture)",
+        "money paid above capture", r.over_captured, r.over_captured_orders
+    );
+    for (order, above) in &r.over_captured_by_order {
+        let _ = writeln!(s, "    {order:<32} {above:>8}");
+    }
     let _ = writeln!(s, "  {:<34} {:>8}", "dispatcher restarts", r.restarts);
     let _ = writeln!(
         s,

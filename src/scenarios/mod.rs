@@ -36,6 +36,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("09_concurrent_duplicate.json", include_str!("../../assets/scenarios/09_concurrent_duplicate.json")),
     ("10_notify_lost_reply.json", include_str!("../../assets/scenarios/10_notify_lost_reply.json")),
     ("11_late_reply_after_lease.json", include_str!("../../assets/scenarios/11_late_reply_after_lease.json")),
+    ("12_last_ten_euros.json", include_str!("../../assets/scenarios/12_last_ten_euros.json")),
 ];
 
 /// Why a scenario could not be loaded or started. A step that fails its

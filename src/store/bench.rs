@@ -152,6 +152,7 @@ impl BareLedger {
                 refunded_minor: 0,
                 status: "paid".into(),
                 revision: 1,
+                over_refunded_minor: 0,
             })
         })?;
         let provider = Store::open(path, OpenOptions { create: false, sync })?;

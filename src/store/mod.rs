@@ -11,6 +11,7 @@ mod approvals;
 mod audit;
 pub mod bench;
 mod group;
+mod holds;
 mod ops;
 mod pg;
 mod provider;
@@ -46,7 +47,7 @@ pub use views::{
 };
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 13] = [
+const MIGRATIONS: [&str; 14] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
@@ -60,6 +61,7 @@ const MIGRATIONS: [&str; 13] = [
     include_str!("migrations/0011_sort_indexes.sql"),
     include_str!("migrations/0012_folded_rollups.sql"),
     include_str!("migrations/0013_state_counts_in_store.sql"),
+    include_str!("migrations/0014_holds.sql"),
 ];
 
 /// The schema version this build writes.

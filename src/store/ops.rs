@@ -221,6 +221,11 @@ impl Tx<'_> {
         if cur.state != o.state {
             self.count_state(cur.state, -1)?;
             self.count_state(o.state, 1)?;
+            if o.state.is_terminal() {
+                // Whatever it held is now refunded (the domain's local effect, in
+                // this transaction) or released: it can no longer take effect.
+                self.release_hold(&o.id)?;
+            }
         }
         Ok(Versioned::Applied)
     }
@@ -247,7 +252,13 @@ impl Tx<'_> {
             o.deadline_at,
             o.version
         ])?;
-        Ok(if n == 1 { Versioned::Applied } else { Versioned::Stale })
+        if n != 1 {
+            return Ok(Versioned::Stale);
+        }
+        if o.state.is_terminal() {
+            self.release_hold(&o.id)?;
+        }
+        Ok(Versioned::Applied)
     }
 
     /// Operations, newest first, optionally by state, keyset-paged by (updated_at, id).

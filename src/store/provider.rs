@@ -22,10 +22,16 @@ use super::{OpenOptions, Store, StoreError, Sync};
 type R<T> = Result<T, StoreError>;
 
 /// The providers' migrations, per backend, in order.
-const SQLITE_MIGRATIONS: [&str; 2] =
-    [include_str!("provider/sqlite_0001_effects.sql"), include_str!("provider/sqlite_0002_effect_counts_in_store.sql")];
-const PG_MIGRATIONS: [&str; 2] =
-    [include_str!("provider/pg_0001_effects.sql"), include_str!("provider/pg_0002_effect_slots.sql")];
+const SQLITE_MIGRATIONS: [&str; 3] = [
+    include_str!("provider/sqlite_0001_effects.sql"),
+    include_str!("provider/sqlite_0002_effect_counts_in_store.sql"),
+    include_str!("provider/sqlite_0003_charges.sql"),
+];
+const PG_MIGRATIONS: [&str; 3] = [
+    include_str!("provider/pg_0001_effects.sql"),
+    include_str!("provider/pg_0002_effect_slots.sql"),
+    include_str!("provider/pg_0003_charges.sql"),
+];
 
 /// Lock key that serializes the providers' migrations across processes (PostgreSQL).
 const MIGRATION_LOCK: i64 = 0x7072_6f76_6964_6572; // "provider"
@@ -140,6 +146,64 @@ impl ProviderTx<'_> {
             )?
             .execute(params![now])?;
         Ok(())
+    }
+
+    /// What a provider paid out per order (the `order_ref` and `amount_minor`
+    /// of each effect's result), for the load referee's money check.
+    pub fn paid_by_order(&self, provider: &str) -> R<std::collections::BTreeMap<String, i64>> {
+        let mut st = self.conn.prepare_cached("SELECT result_json FROM provider_effects WHERE provider = ?1")?;
+        let rows: Vec<String> = st.query_map([provider], |r| r.get(0))?.collect::<Result<_, _>>()?;
+        let mut paid = std::collections::BTreeMap::new();
+        for r in rows {
+            let v: serde_json::Value = serde_json::from_str(&r).unwrap_or_default();
+            if let (Some(o), Some(a)) = (
+                v.get("order_ref").and_then(serde_json::Value::as_str),
+                v.get("amount_minor").and_then(serde_json::Value::as_i64),
+            ) {
+                *paid.entry(o.to_string()).or_default() += a;
+            }
+        }
+        Ok(paid)
+    }
+
+    /// Records a charge the provider captured (once: a charge it knows stays as it is).
+    pub fn insert_charge(
+        &self,
+        provider: &str,
+        order_ref: &str,
+        currency: &str,
+        captured_minor: i64,
+        refunded_minor: i64,
+    ) -> R<()> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO provider_charges (provider, order_ref, currency, captured_minor, refunded_minor)
+                 VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT (provider, order_ref) DO NOTHING",
+            )?
+            .execute(params![provider, order_ref, currency, captured_minor, refunded_minor])?;
+        Ok(())
+    }
+
+    /// Takes `amount` from what remains of a charge, atomically (a conditional
+    /// update: two refunds at once cannot both take the last of it).
+    /// `None` when the provider holds no charge for the order; `Some(false)`
+    /// when the charge does not cover the amount (nothing changes).
+    pub fn take_from_charge(&self, provider: &str, order_ref: &str, amount: i64) -> R<Option<bool>> {
+        let n = self
+            .conn
+            .prepare_cached(
+                "UPDATE provider_charges SET refunded_minor = refunded_minor + ?3
+                 WHERE provider = ?1 AND order_ref = ?2 AND refunded_minor + ?3 <= captured_minor",
+            )?
+            .execute(params![provider, order_ref, amount])?;
+        if n == 1 {
+            return Ok(Some(true));
+        }
+        let known = self
+            .conn
+            .prepare_cached("SELECT 1 FROM provider_charges WHERE provider = ?1 AND order_ref = ?2")?
+            .query_opt([provider, order_ref], |_| Ok(()))?;
+        Ok(known.map(|()| false))
     }
 
     /// Moves every effect's visibility `ms` earlier: what the passing of `ms`

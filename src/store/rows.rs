@@ -94,6 +94,10 @@ row! {
         pub status: String,
         /// Revision (bumped on every change).
         pub revision: i64,
+        /// Money paid above the capture (minor units): refunds the provider
+        /// committed past what the order had, kept instead of clipped (0 when
+        /// all is well; the audit reports anything else).
+        pub over_refunded_minor: i64,
     }
 }
 

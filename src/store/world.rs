@@ -94,6 +94,7 @@ impl Tx<'_> {
                 o.status,
                 o.revision
             ])?;
+        debug_assert_eq!(o.over_refunded_minor, 0, "a new order has paid nothing above its capture");
         Ok(())
     }
 
@@ -157,12 +158,31 @@ impl Tx<'_> {
         rows.collect::<Result<_, _>>()
     }
 
-    /// Applies a committed refund to an order.
+    /// An order, locked for this transaction on PostgreSQL (`FOR UPDATE`), so
+    /// that two hosts deciding from its balance at once take turns; on SQLite
+    /// the write lock is already held.
+    pub fn order_for_update(&self, order_ref: &str) -> R<Option<OrderRow>> {
+        if self.backend() == super::Backend::Postgres {
+            return self
+                .conn
+                .prepare_cached(sql_text!("SELECT {ORDER_COLS} FROM orders WHERE order_ref = ?1 FOR UPDATE"))?
+                .query_opt([order_ref], OrderRow::from_row);
+        }
+        self.order(order_ref)
+    }
+
+    /// Applies a committed refund to an order. Nothing is clipped: what would
+    /// take `refunded_minor` past the capture is added to `over_refunded_minor`
+    /// (money the provider paid that the order did not have), which the audit
+    /// reports.
     pub fn apply_refund(&self, order_ref: &str, amount: i64) -> R<()> {
         self.conn
             .prepare_cached(
-                "UPDATE orders SET refunded_minor = CASE WHEN refunded_minor + ?2 > captured_minor THEN captured_minor
-                                           ELSE refunded_minor + ?2 END,
+                "UPDATE orders SET
+                   over_refunded_minor = over_refunded_minor
+                     + CASE WHEN refunded_minor + ?2 > captured_minor THEN refunded_minor + ?2 - captured_minor ELSE 0 END,
+                   refunded_minor = CASE WHEN refunded_minor + ?2 > captured_minor THEN captured_minor
+                                         ELSE refunded_minor + ?2 END,
                    status = CASE WHEN refunded_minor + ?2 >= captured_minor THEN 'refunded' ELSE 'partially_refunded' END,
                    revision = revision + 1
                  WHERE order_ref = ?1",

@@ -6,7 +6,7 @@
 
 use serde_json::{json, Value};
 
-use crate::engine::tool::{ToolCall, ToolDomain};
+use crate::engine::tool::{Hold, ToolCall, ToolDomain};
 use crate::store::{StoreError, Tx};
 
 /// The tools this domain serves.
@@ -15,6 +15,11 @@ pub const TOOLS: [&str; 3] = ["get_order", "create_refund", "notify_customer"];
 /// The demo world's domain.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct DemoDomain;
+
+/// The balance a refund of an order holds on.
+pub fn resource(order_ref: &str) -> String {
+    format!("order:{order_ref}")
+}
 
 fn order_ref<'a>(call: &ToolCall<'a>) -> Option<&'a str> {
     call.arguments.get("order_ref").and_then(Value::as_str)
@@ -31,7 +36,9 @@ impl ToolDomain for DemoDomain {
         if call.tool != "create_refund" {
             return Ok(None);
         }
-        let Some(o) = tx.order(order_ref(call).unwrap_or_default())? else {
+        let order_ref = order_ref(call).unwrap_or_default();
+        // Locked on PostgreSQL: two hosts granting from one balance take turns.
+        let Some(o) = tx.order_for_update(order_ref)? else {
             return Ok(Some("order_missing"));
         };
         let amount = call.arguments.get("amount_minor").and_then(Value::as_i64).unwrap_or(0);
@@ -42,18 +49,30 @@ impl ToolDomain for DemoDomain {
         if currency != o.currency {
             return Ok(Some("currency_mismatch"));
         }
-        if amount > o.captured_minor - o.refunded_minor {
+        // What is left is what no refund took and no accepted refund holds (its
+        // own hold excepted when an accepted operation is checked again).
+        let held = tx.held_on(&resource(order_ref), call.operation_id)?;
+        if amount > o.captured_minor - o.refunded_minor - held {
             return Ok(Some("amount_exceeds_remaining"));
         }
         Ok(None)
     }
 
-    fn apply(&self, tx: &Tx<'_>, call: &ToolCall<'_>, _result: &Value) -> Result<(), StoreError> {
-        if call.tool == "create_refund" {
-            let amount = call.arguments.get("amount_minor").and_then(Value::as_i64).unwrap_or(0);
-            tx.apply_refund(order_ref(call).unwrap_or_default(), amount)?;
+    fn hold(&self, call: &ToolCall<'_>) -> Option<Hold> {
+        let amount = call.arguments.get("amount_minor").and_then(Value::as_i64)?;
+        let order = order_ref(call)?;
+        (call.tool == "create_refund" && amount > 0).then(|| Hold { resource: resource(order), amount })
+    }
+
+    fn apply(&self, tx: &Tx<'_>, call: &ToolCall<'_>, _result: &Value) -> Result<Option<String>, StoreError> {
+        if call.tool != "create_refund" {
+            return Ok(None);
         }
-        Ok(())
+        let amount = call.arguments.get("amount_minor").and_then(Value::as_i64).unwrap_or(0);
+        let order_ref = order_ref(call).unwrap_or_default();
+        let over = tx.order(order_ref)?.map_or(0, |o| (o.refunded_minor + amount - o.captured_minor).max(0));
+        tx.apply_refund(order_ref, amount)?;
+        Ok((over > 0).then(|| format!("refund paid {over} above the capture of {order_ref} (over_captured)")))
     }
 
     fn read(&self, tx: &Tx<'_>, call: &ToolCall<'_>) -> Result<Option<Value>, StoreError> {
@@ -82,15 +101,40 @@ impl ToolDomain for DemoDomain {
                 *refunded.entry(order).or_default() += amount;
             }
         }
+        let mut holds: std::collections::BTreeMap<String, i64> = std::collections::BTreeMap::new();
+        for (_, r, amount) in tx.holds()? {
+            *holds.entry(r).or_default() += amount;
+        }
         for o in tx.orders()? {
+            if o.over_refunded_minor > 0 {
+                find(
+                    "order",
+                    &o.order_ref,
+                    &format!(
+                        "{} was paid above the capture of {} (over_captured): refunds the order did not have",
+                        o.over_refunded_minor, o.captured_minor
+                    ),
+                );
+            }
+            let on_hold = holds.get(&resource(&o.order_ref)).copied().unwrap_or(0);
+            if o.refunded_minor + on_hold > o.captured_minor {
+                find(
+                    "order",
+                    &o.order_ref,
+                    &format!(
+                        "refunded {} and held {on_hold} add up to more than the capture of {}",
+                        o.refunded_minor, o.captured_minor
+                    ),
+                );
+            }
             let held = refunded.get(o.order_ref.as_str()).copied().unwrap_or(0);
-            if o.refunded_minor < held {
+            if o.refunded_minor + o.over_refunded_minor < held {
                 find(
                     "order",
                     &o.order_ref,
                     &format!(
                         "refunded_minor {} is below the {held} the ledger's succeeded refunds add up to",
-                        o.refunded_minor
+                        o.refunded_minor + o.over_refunded_minor
                     ),
                 );
             }

@@ -858,14 +858,18 @@ fn holds_a_call_in_the_provider(s: &toolgate::scenarios::Script) -> bool {
 /// `a_duplicate_while_the_first_call_is_in_flight_over_http_is_unknown_and_never_sent` and
 /// `a_reply_after_the_lease_was_taken_back_over_http_is_evidence_not_a_state_change`;
 /// they run in process in `scenarios::`. The skip is derived from the
-/// scripts, and must be exactly 9 and 11: a new scenario that holds a call
-/// cannot be skipped here unnoticed.
+/// scripts, and must be exactly 9, 11 and 12: a new scenario that holds a
+/// call cannot be skipped here unnoticed. Scenario 12 (two agents refund the
+/// last 10 € at once) holds one refund in the provider while the other is
+/// refused at accept: the hold is written and read in the ledger's accept
+/// transaction, which is the same whatever adapter sends the call; its race is
+/// run with real threads on both backends by `holds::`.
 #[test]
 fn the_scenarios_run_with_the_providers_behind_http() {
     use toolgate::scenarios::{self, report, CrashMode, HttpProviders, RunOptions, ScenarioRun};
     let all = scenarios::builtin().unwrap();
     let skipped: Vec<u32> = all.iter().filter(|s| holds_a_call_in_the_provider(s)).map(|s| s.id).collect();
-    assert_eq!(skipped, [9, 11], "scenarios that hold a call in the provider");
+    assert_eq!(skipped, [9, 11, 12], "scenarios that hold a call in the provider");
     let mut failed = Vec::new();
     let mut ran = 0;
     for s in all.iter().filter(|s| !skipped.contains(&s.id)) {
@@ -883,7 +887,7 @@ fn the_scenarios_run_with_the_providers_behind_http() {
         ran += 1;
     }
     assert!(failed.is_empty(), "{}", failed.join("\n"));
-    assert_eq!(ran, all.len() - 2);
+    assert_eq!(ran, all.len() - skipped.len());
 }
 
 #[test]

@@ -11,6 +11,7 @@ mod crash;
 mod demo;
 mod dispatch;
 mod failpoints;
+mod holds;
 mod hostile;
 mod http;
 mod invariants;

@@ -1,0 +1,249 @@
+//! Holds: a refund reserves what it grants from its order in the transaction
+//! that accepts it, so agents refunding one order at once can never be paid
+//! past its capture; the hold is released when the operation ends with no
+//! effect, turned into the refund when it succeeds, and kept while the outcome
+//! is unknown. The race runs on both backends, with a control: the lab toggle
+//! that switches the reservation off (and the provider's own check removed)
+//! pays money above the capture, and the audit and the referee see it.
+
+use std::sync::{Arc, Barrier};
+
+use toolgate::engine::envelope::{Code, Status};
+use toolgate::engine::{CancelRequest, DispatchRequest, Engine, LabToggle, Resolution, ResolveRequest};
+
+use crate::support::{dispatch_with, refund, refund_args, Backend, Fixture};
+
+const ORDER: &str = "ord_1001";
+/// ord_1001's capture in the demo world.
+const CAPTURED: i64 = 12_000;
+const THREADS: usize = 6;
+const PER_THREAD: usize = 4;
+/// 24 refunds of 1,000 against a capture of 12,000: at most 12 may be paid.
+const AMOUNT: i64 = 1_000;
+
+fn held(e: &mut Engine) -> i64 {
+    e.holds().unwrap().iter().filter(|(_, r, _)| r == &format!("order:{ORDER}")).map(|h| h.2).sum()
+}
+
+fn order(e: &mut Engine) -> toolgate::store::OrderRow {
+    e.orders().unwrap().into_iter().find(|o| o.order_ref == ORDER).unwrap()
+}
+
+fn paid(e: &mut Engine) -> i64 {
+    e.paid_by_order().unwrap().get(ORDER).copied().unwrap_or(0)
+}
+
+/// Six engines (own connections) refund one order at once, each call held
+/// inside the downstream for a few milliseconds so that accepts and applies
+/// interleave; a seventh watches the balance the whole time.
+/// What the watcher saw at one moment: (refunded, held, paid by the provider).
+type Seen = (i64, i64, i64);
+
+fn race(fx: &Fixture, faults: &str) -> (Vec<Option<Code>>, Vec<Seen>) {
+    let barrier = Arc::new(Barrier::new(THREADS + 1));
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let callers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let mut e = fx.engine_named(&format!("race-{t}"));
+            let barrier = barrier.clone();
+            let faults = faults.to_string();
+            std::thread::spawn(move || {
+                barrier.wait();
+                (0..PER_THREAD)
+                    .map(|i| {
+                        let req = refund(&format!("hold-race-{t}-{i}"), AMOUNT);
+                        code_of(&dispatch_with(&mut e, &req, &faults))
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut watcher = fx.engine_named("watcher");
+    barrier.wait();
+    let mut seen = Vec::new();
+    let watch = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                let o = order(&mut watcher);
+                seen.push((o.refunded_minor, held(&mut watcher), paid(&mut watcher)));
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            seen
+        })
+    };
+    let codes: Vec<Option<Code>> = callers.into_iter().flat_map(|c| c.join().unwrap()).collect();
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    (codes, watch.join().unwrap())
+}
+
+fn code_of(env: &toolgate::engine::envelope::Envelope) -> Option<Code> {
+    assert_ne!(env.model_result.status, Status::Unknown, "no fault leaves an outcome unknown here: {env:?}");
+    env.code()
+}
+
+fn concurrent_refunds_of_one_order_are_never_paid_past_its_capture(backend: Backend) {
+    let fx = Fixture::on(backend);
+    let (codes, seen) = race(&fx, "latency(5)");
+    let succeeded = codes.iter().filter(|c| c.is_none()).count() as i64;
+    let refused = codes.iter().filter(|c| **c == Some(Code::BusinessRuleViolation)).count() as i64;
+    assert_eq!(succeeded + refused, (THREADS * PER_THREAD) as i64, "{codes:?}");
+    assert_eq!(succeeded, CAPTURED / AMOUNT, "exactly what the capture covers is paid: {codes:?}");
+    // At every moment the watcher looked: refunded + held ≤ captured, and the
+    // provider never paid more than the capture.
+    assert!(!seen.is_empty());
+    for &(refunded, on_hold, out) in &seen {
+        assert!(refunded + on_hold <= CAPTURED, "refunded {refunded} + held {on_hold} > {CAPTURED}");
+        assert!(out <= CAPTURED, "paid {out} > {CAPTURED}");
+    }
+    let mut e = fx.engine();
+    let o = order(&mut e);
+    assert_eq!(o.refunded_minor, CAPTURED);
+    assert_eq!(o.over_refunded_minor, 0);
+    assert_eq!(paid(&mut e), CAPTURED);
+    assert_eq!(held(&mut e), 0, "every hold converted or released at the end");
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+}
+
+/// The control: the same race with the reservation switched off (lab) and the
+/// provider's charges removed (a provider that pays whatever it is sent) pays
+/// money above the capture, and the audit says so. This is what the test above
+/// would see if the holds did nothing.
+fn without_the_reservation_the_same_race_pays_past_the_capture(backend: Backend) {
+    let fx = Fixture::on(backend);
+    fx.exec("UPDATE meta SET value = '1' WHERE key = 'demo'", &[]);
+    fx.exec(
+        "INSERT INTO meta (key, value) SELECT 'demo', '1' WHERE NOT EXISTS (SELECT 1 FROM meta WHERE key = 'demo')",
+        &[],
+    );
+    fx.exec("DELETE FROM provider_charges", &[]);
+    fx.engine().set_lab_toggle(Some(LabToggle::BalanceNotReserved), "teacher").unwrap();
+    let (_, _) = race(&fx, "latency(20)");
+    let mut e = fx.engine();
+    let o = order(&mut e);
+    assert!(paid(&mut e) > CAPTURED, "the control must pay past the capture, paid {}", paid(&mut e));
+    assert_eq!(o.refunded_minor, CAPTURED);
+    assert_eq!(o.over_refunded_minor, paid(&mut e) - CAPTURED, "nothing clipped: the excess is kept");
+    let findings = e.audit().unwrap();
+    assert!(findings.iter().any(|f| f.detail.contains("over_captured")), "{findings:?}");
+}
+
+/// With the reservation off but the provider's own check on, the provider
+/// refuses what the charge no longer covers: no money moves past the capture.
+fn the_provider_refuses_a_refund_its_charge_does_not_cover(backend: Backend) {
+    let fx = Fixture::on(backend);
+    fx.exec(
+        "INSERT INTO meta (key, value) SELECT 'demo', '1' WHERE NOT EXISTS (SELECT 1 FROM meta WHERE key = 'demo')",
+        &[],
+    );
+    fx.exec("UPDATE meta SET value = '1' WHERE key = 'demo'", &[]);
+    fx.engine().set_lab_toggle(Some(LabToggle::BalanceNotReserved), "teacher").unwrap();
+    let (codes, _) = race(&fx, "latency(20)");
+    let mut e = fx.engine();
+    assert_eq!(paid(&mut e), CAPTURED, "{codes:?}");
+    assert_eq!(order(&mut e).over_refunded_minor, 0);
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+}
+
+fn refund_of(amount: i64, key: &str) -> DispatchRequest {
+    DispatchRequest { arguments: refund_args(ORDER, amount).into_bytes(), ..refund(key, amount) }
+}
+
+/// Where each hold goes: kept while unknown (a second refund of the rest is
+/// refused), converted by a status query that finds the receipt, released by
+/// a definitive refusal, a cancel before send and a person's "failed".
+fn each_hold_is_kept_converted_or_released_where_it_must(backend: Backend) {
+    let fx = Fixture::on(backend);
+    let mut e = fx.engine();
+    // Unknown: the reply was lost after the provider committed 8,000.
+    let lost = dispatch_with(&mut e, &refund_of(8_000, "hold-lost-0001"), "timeout_after_commit");
+    assert_eq!(lost.code(), Some(Code::OutcomeUnknown));
+    assert_eq!(held(&mut e), 8_000, "an unknown outcome keeps its hold: the money may be gone");
+    assert_eq!(order(&mut e).refunded_minor, 0);
+    // 4,001 would fit what the order shows as refunded, but not what is held.
+    let over = e.dispatch(&refund_of(4_001, "hold-over-0001")).unwrap();
+    assert_eq!(over.code(), Some(Code::BusinessRuleViolation));
+    assert_eq!(
+        over.model_result.error.as_ref().and_then(|e| e.detail.clone()).unwrap()["rule"],
+        "amount_exceeds_remaining"
+    );
+    // A definitive refusal releases its hold.
+    let rejected = dispatch_with(&mut e, &refund_of(1_000, "hold-rejected-01"), "reject(card_declined)");
+    assert_eq!(rejected.model_result.status, Status::Failed);
+    assert_eq!(held(&mut e), 8_000);
+    // A person's "failed" releases it; a status query's receipt converts it.
+    let op = lost.protected_audit.operation_id.clone().unwrap();
+    let q = e.operator_query(&op, "alice").unwrap();
+    assert_eq!(q.model_result.status, Status::Succeeded);
+    assert_eq!(held(&mut e), 0);
+    assert_eq!(order(&mut e).refunded_minor, 8_000);
+    // Unknown again, then resolved as failed by a person (against no receipt).
+    let second = dispatch_with(&mut e, &refund_of(3_000, "hold-lost-0002"), "timeout_before_commit");
+    assert_eq!(second.code(), Some(Code::OutcomeUnknown));
+    assert_eq!(held(&mut e), 3_000);
+    let op2 = second.protected_audit.operation_id.clone().unwrap();
+    let out = e
+        .resolve(&ResolveRequest {
+            operation_id: op2,
+            resolution: Resolution::Failed,
+            operator: "alice".into(),
+            note: "provider has no such refund".into(),
+            evidence: None,
+            seen_version: None,
+            action_id: None,
+        })
+        .unwrap();
+    assert!(out.applied, "{out:?}");
+    assert_eq!(held(&mut e), 0, "a person's failed releases the hold");
+    // Cancelled before send: accepted with a retry pending (429), then cancelled.
+    let limited = dispatch_with(&mut e, &refund_of(2_000, "hold-cancel-001"), "rate_limit(600000)");
+    assert_eq!(limited.code(), Some(Code::RateLimit));
+    assert_eq!(held(&mut e), 2_000, "a call waiting to be retried keeps its hold");
+    let out = e
+        .cancel(&CancelRequest {
+            operation_id: limited.protected_audit.operation_id.clone().unwrap(),
+            operator: "alice".into(),
+            note: "customer withdrew".into(),
+            seen_version: None,
+            action_id: None,
+        })
+        .unwrap();
+    assert!(out.applied, "{out:?}");
+    assert_eq!(held(&mut e), 0, "cancelled before send: released");
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+}
+
+crate::on_both_backends!(
+    concurrent_refunds_of_one_order_are_never_paid_past_its_capture,
+    without_the_reservation_the_same_race_pays_past_the_capture,
+    the_provider_refuses_a_refund_its_charge_does_not_cover,
+    each_hold_is_kept_converted_or_released_where_it_must,
+);
+
+/// A ledger written before holds existed (the demo database as committed at
+/// schema version 13) opens, migrates, and holds what its refunds that may
+/// still take effect reserve; the audit is clean.
+#[test]
+fn a_version_13_ledger_migrates_with_holds_for_its_open_refunds() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v13.db");
+    std::fs::copy(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/fixtures/ledger-v13.db"), &path).unwrap();
+    let c = crate::support::raw(&path);
+    let v: i64 = c.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+    assert_eq!(v, 13);
+    let open: i64 = c
+        .query_row(
+            "SELECT coalesce(sum(json_extract(request_json, '$.arguments.amount_minor')), 0) FROM operations
+             WHERE tool = 'create_refund' AND state NOT IN ('succeeded', 'failed', 'resolved')",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(open > 0, "the fixture holds refunds whose outcome is open");
+    drop(c);
+    let clock = toolgate::engine::clock::ManualClock::new(crate::support::T0);
+    let mut e = Engine::open(&path, crate::support::opts(&clock, "migrate")).unwrap();
+    let held: i64 = e.holds().unwrap().iter().map(|h| h.2).sum();
+    assert_eq!(held, open);
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+}
