@@ -944,10 +944,11 @@ impl Engine {
             if dups > 0 {
                 find("side_effect_duplicates", "downstream", &format!("{dups} intent(s) with more than one effect"));
             }
+            let no_effect: std::collections::HashSet<String> = tx.sent_without_effect()?.into_iter().collect();
             settled = ops
                 .into_iter()
-                .filter(|o| o.state == OpState::Succeeded && o.receipt_id.is_some())
-                .map(|o| (o.id, o.tool, o.downstream_key, o.receipt_id.unwrap_or_default(), o.updated_at))
+                .filter(|o| (o.state == OpState::Succeeded && o.receipt_id.is_some()) || no_effect.contains(&o.id))
+                .map(|o| (o.id, o.tool, o.downstream_key, o.receipt_id, o.updated_at))
                 .collect();
             Ok(out)
         })?;
@@ -962,7 +963,23 @@ impl Engine {
                 continue;
             }
             let Some(contract) = contracts.get(&tool) else { continue };
-            match self.downstream(&contract.downstream.name)?.lookup(&key, contract.retry.attempt_timeout_ms)? {
+            let lookup = self.downstream(&contract.downstream.name)?.lookup(&key, contract.retry.attempt_timeout_ms)?;
+            let Some(receipt) = receipt else {
+                // The ledger says "no effect" after a send: money the provider
+                // paid anyway (a late commit, a person's wrong "failed") shows here.
+                if let Lookup::Found(r) = lookup {
+                    out.push(AuditFinding {
+                        check: "money".into(),
+                        reference: id,
+                        detail: format!(
+                            "the provider holds receipt {} for an operation the ledger says had no effect",
+                            r.receipt_id
+                        ),
+                    });
+                }
+                continue;
+            };
+            match lookup {
                 Lookup::Found(r) if r.receipt_id == receipt => {}
                 Lookup::Found(r) => out.push(AuditFinding {
                     check: "downstream".into(),

@@ -278,6 +278,20 @@ impl Tx<'_> {
         rows.collect::<Result<_, _>>()
     }
 
+    /// Operations the ledger holds as having had no effect (failed, or
+    /// resolved as failed by a person) although an attempt of theirs was sent:
+    /// the ones whose provider the audit asks (the money check).
+    pub fn sent_without_effect(&self) -> R<Vec<String>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT DISTINCT a.operation_id FROM attempts a JOIN operations o ON o.id = a.operation_id
+             WHERE a.sent_at IS NOT NULL
+               AND (o.state = 'failed' OR (o.state = 'resolved' AND o.resolution = 'failed'))
+             ORDER BY a.operation_id",
+        )?;
+        let rows = st.query_map((), |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()
+    }
+
     /// Every operation id (for the integrity audit).
     pub fn all_operations(&self) -> R<Vec<OperationRow>> {
         let mut st = self.conn.prepare_cached(sql_text!("SELECT {OP_COLS} FROM operations ORDER BY created_at, id"))?;

@@ -247,3 +247,39 @@ fn a_version_13_ledger_migrates_with_holds_for_its_open_refunds() {
     assert_eq!(held, open);
     assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
 }
+
+/// Money where the ledger says "no effect": a refund whose receipt the provider
+/// shows only later is resolved as failed by a person while the lookup still
+/// says "not found" (receipts lag); once the receipt is visible, the audit
+/// reports the money (before, it looked up only succeeded operations and said
+/// "no findings" while the refund had been paid).
+fn the_audit_finds_money_paid_for_an_operation_resolved_as_failed(backend: Backend) {
+    let fx = Fixture::on(backend);
+    let mut e = fx.engine();
+    let env = dispatch_with(&mut e, &refund_of(2_500, "late-receipt-0001"), "receipt_delay(60000)");
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown));
+    let op = env.protected_audit.operation_id.clone().unwrap();
+    let q = e.operator_query(&op, "alice").unwrap();
+    assert_eq!(q.code(), Some(Code::OutcomeUnknown), "no receipt yet");
+    let out = e
+        .resolve(&ResolveRequest {
+            operation_id: op.clone(),
+            resolution: Resolution::Failed,
+            operator: "alice".into(),
+            note: "provider shows no refund".into(),
+            evidence: None,
+            seen_version: None,
+            action_id: None,
+        })
+        .unwrap();
+    assert!(out.applied, "{out:?}");
+    assert!(e.audit().unwrap().is_empty(), "nothing visible yet: {:?}", e.audit().unwrap());
+    fx.clock.advance(61_000);
+    let findings = e.audit().unwrap();
+    assert!(
+        findings.iter().any(|f| f.check == "money" && f.reference == op),
+        "the paid refund of an operation resolved as failed is found: {findings:?}"
+    );
+}
+
+crate::on_both_backends!(the_audit_finds_money_paid_for_an_operation_resolved_as_failed);
