@@ -948,7 +948,11 @@ impl Engine {
             settled = ops
                 .into_iter()
                 .filter(|o| (o.state == OpState::Succeeded && o.receipt_id.is_some()) || no_effect.contains(&o.id))
-                .map(|o| (o.id, o.tool, o.downstream_key, o.receipt_id, o.updated_at))
+                .map(|o| {
+                    // The receipt a succeeded operation holds; `None` for one the ledger says had no effect.
+                    let receipt = if o.state == OpState::Succeeded { o.receipt_id } else { None };
+                    (o.id, o.tool, o.downstream_key, receipt, o.updated_at)
+                })
                 .collect();
             Ok(out)
         })?;

@@ -6,10 +6,13 @@
 //! that switches the reservation off (and the provider's own check removed)
 //! pays money above the capture, and the audit and the referee see it.
 
-use std::sync::{Arc, Barrier};
+use std::collections::HashSet;
+use std::sync::{Arc, Barrier, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
+use toolgate::engine::clock::{Clock, ManualClock};
 use toolgate::engine::envelope::{Code, Status};
-use toolgate::engine::{CancelRequest, DispatchRequest, Engine, LabToggle, Resolution, ResolveRequest};
+use toolgate::engine::{CancelRequest, DispatchRequest, Engine, EngineOptions, LabToggle, Resolution, ResolveRequest};
 
 use crate::support::{dispatch_with, refund, refund_args, Backend, Fixture};
 
@@ -17,9 +20,9 @@ const ORDER: &str = "ord_1001";
 /// ord_1001's capture in the demo world.
 const CAPTURED: i64 = 12_000;
 const THREADS: usize = 6;
-const PER_THREAD: usize = 4;
-/// 24 refunds of 1,000 against a capture of 12,000: at most 12 may be paid.
-const AMOUNT: i64 = 1_000;
+const PER_THREAD: usize = 2;
+/// 12 refunds of 3,000 against a capture of 12,000: at most 4 may be paid.
+const AMOUNT: i64 = 3_000;
 
 fn held(e: &mut Engine) -> i64 {
     e.holds().unwrap().iter().filter(|(_, r, _)| r == &format!("order:{ORDER}")).map(|h| h.2).sum()
@@ -33,26 +36,69 @@ fn paid(e: &mut Engine) -> i64 {
     e.paid_by_order().unwrap().get(ORDER).copied().unwrap_or(0)
 }
 
-/// Six engines (own connections) refund one order at once, each call held
-/// inside the downstream for a few milliseconds so that accepts and applies
-/// interleave; a seventh watches the balance the whole time.
+/// The fixture's manual clock with a gate: each caller's first wait inside
+/// the provider (`latency`, after its re-check and sent-marker, before the
+/// provider commits) parks until every racing caller is inside too, or until
+/// a bound passes (callers refused at accept never arrive). So the race does
+/// not depend on how threads happen to interleave: every call that got past
+/// its rules is in flight at once, the window in which the old rule let each
+/// of them see the same remaining amount.
+struct GateClock {
+    manual: ManualClock,
+    arrived: Mutex<HashSet<std::thread::ThreadId>>,
+    cv: Condvar,
+}
+
+impl Clock for GateClock {
+    fn now_ms(&self) -> i64 {
+        self.manual.now_ms()
+    }
+
+    fn sleep_ms(&self, ms: u64) {
+        let mut arrived = self.arrived.lock().unwrap();
+        if arrived.insert(std::thread::current().id()) {
+            self.cv.notify_all();
+            let bound = Instant::now() + Duration::from_secs(2);
+            while arrived.len() < THREADS {
+                let left = bound.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                arrived = self.cv.wait_timeout(arrived, left).unwrap().0;
+            }
+        }
+        drop(arrived);
+        self.manual.advance(ms as i64);
+    }
+}
+
 /// What the watcher saw at one moment: (refunded, held, paid by the provider).
 type Seen = (i64, i64, i64);
 
-fn race(fx: &Fixture, faults: &str) -> (Vec<Option<Code>>, Vec<Seen>) {
+/// Six engines (own connections) refund one order at once; the first call of
+/// each is held inside the provider until all are in flight (see
+/// [`GateClock`]); a seventh engine watches the balance the whole time.
+/// One caller's answer: its code and, for a refusal at accept, the rule.
+type Answer = (Option<Code>, Option<String>);
+
+fn race(fx: &Fixture) -> (Vec<Answer>, Vec<Seen>) {
+    let gate = Arc::new(GateClock { manual: fx.clock.clone(), arrived: Mutex::default(), cv: Condvar::new() });
     let barrier = Arc::new(Barrier::new(THREADS + 1));
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let callers: Vec<_> = (0..THREADS)
         .map(|t| {
-            let mut e = fx.engine_named(&format!("race-{t}"));
+            let o = EngineOptions {
+                clock: gate.clone() as Arc<dyn Clock>,
+                worker_id: format!("race-{t}"),
+                ..EngineOptions::default()
+            };
+            let mut e = Engine::open(fx.path(), o).unwrap();
             let barrier = barrier.clone();
-            let faults = faults.to_string();
             std::thread::spawn(move || {
                 barrier.wait();
                 (0..PER_THREAD)
                     .map(|i| {
-                        let req = refund(&format!("hold-race-{t}-{i}"), AMOUNT);
-                        code_of(&dispatch_with(&mut e, &req, &faults))
+                        code_of(&dispatch_with(&mut e, &refund_of(AMOUNT, &format!("hold-race-{t}-{i}")), "latency(5)"))
                     })
                     .collect::<Vec<_>>()
             })
@@ -60,36 +106,46 @@ fn race(fx: &Fixture, faults: &str) -> (Vec<Option<Code>>, Vec<Seen>) {
         .collect();
     let mut watcher = fx.engine_named("watcher");
     barrier.wait();
-    let mut seen = Vec::new();
     let watch = {
         let done = done.clone();
         std::thread::spawn(move || {
+            let mut seen = Vec::new();
             while !done.load(std::sync::atomic::Ordering::SeqCst) {
                 let o = order(&mut watcher);
                 seen.push((o.refunded_minor, held(&mut watcher), paid(&mut watcher)));
-                std::thread::sleep(std::time::Duration::from_millis(2));
+                std::thread::sleep(Duration::from_millis(2));
             }
             seen
         })
     };
-    let codes: Vec<Option<Code>> = callers.into_iter().flat_map(|c| c.join().unwrap()).collect();
+    let codes: Vec<_> = callers.into_iter().flat_map(|c| c.join().unwrap()).collect();
     done.store(true, std::sync::atomic::Ordering::SeqCst);
     (codes, watch.join().unwrap())
 }
 
-fn code_of(env: &toolgate::engine::envelope::Envelope) -> Option<Code> {
+/// The answer's code, and for a refusal at accept the rule that refused it
+/// (a refusal by the provider carries none).
+fn code_of(env: &toolgate::engine::envelope::Envelope) -> Answer {
     assert_ne!(env.model_result.status, Status::Unknown, "no fault leaves an outcome unknown here: {env:?}");
-    env.code()
+    let rule = env.model_result.error.as_ref().and_then(|e| e.detail.as_ref()).and_then(|d| d["rule"].as_str());
+    (env.code(), rule.map(str::to_string))
 }
 
 fn concurrent_refunds_of_one_order_are_never_paid_past_its_capture(backend: Backend) {
     let fx = Fixture::on(backend);
-    let (codes, seen) = race(&fx, "latency(5)");
-    let succeeded = codes.iter().filter(|c| c.is_none()).count() as i64;
-    let refused = codes.iter().filter(|c| **c == Some(Code::BusinessRuleViolation)).count() as i64;
+    let (codes, seen) = race(&fx);
+    let succeeded = codes.iter().filter(|(c, _)| c.is_none()).count() as i64;
+    // Every refusal is the accept's, before anything is sent (not the provider's).
+    let refused = codes
+        .iter()
+        .filter(|(c, rule)| {
+            *c == Some(Code::BusinessRuleViolation)
+                && matches!(rule.as_deref(), Some("amount_exceeds_remaining" | "order_not_refundable"))
+        })
+        .count() as i64;
     assert_eq!(succeeded + refused, (THREADS * PER_THREAD) as i64, "{codes:?}");
     assert_eq!(succeeded, CAPTURED / AMOUNT, "exactly what the capture covers is paid: {codes:?}");
-    // At every moment the watcher looked: refunded + held ≤ captured, and the
+    // At every moment the watcher looked: refunded + held <= captured, and the
     // provider never paid more than the capture.
     assert!(!seen.is_empty());
     for &(refunded, on_hold, out) in &seen {
@@ -105,25 +161,31 @@ fn concurrent_refunds_of_one_order_are_never_paid_past_its_capture(backend: Back
     assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
 }
 
+fn mark_demo(fx: &Fixture) {
+    fx.exec("UPDATE meta SET value = '1' WHERE key = 'demo'", &[]);
+    fx.exec(
+        "INSERT INTO meta (key, value) SELECT 'demo', '1' WHERE NOT EXISTS (SELECT 1 FROM meta WHERE key = 'demo')",
+        &[],
+    );
+}
+
 /// The control: the same race with the reservation switched off (lab) and the
 /// provider's charges removed (a provider that pays whatever it is sent) pays
 /// money above the capture, and the audit says so. This is what the test above
 /// would see if the holds did nothing.
 fn without_the_reservation_the_same_race_pays_past_the_capture(backend: Backend) {
     let fx = Fixture::on(backend);
-    fx.exec("UPDATE meta SET value = '1' WHERE key = 'demo'", &[]);
-    fx.exec(
-        "INSERT INTO meta (key, value) SELECT 'demo', '1' WHERE NOT EXISTS (SELECT 1 FROM meta WHERE key = 'demo')",
-        &[],
-    );
+    mark_demo(&fx);
     fx.exec("DELETE FROM provider_charges", &[]);
     fx.engine().set_lab_toggle(Some(LabToggle::BalanceNotReserved), "teacher").unwrap();
-    let (_, _) = race(&fx, "latency(20)");
+    let (_, _) = race(&fx);
     let mut e = fx.engine();
     let o = order(&mut e);
-    assert!(paid(&mut e) > CAPTURED, "the control must pay past the capture, paid {}", paid(&mut e));
+    let out = paid(&mut e);
+    // All six first calls were in flight at once, each past a rule that saw 12,000 left.
+    assert!(out >= THREADS as i64 * AMOUNT, "the control must pay past the capture, paid {out}");
     assert_eq!(o.refunded_minor, CAPTURED);
-    assert_eq!(o.over_refunded_minor, paid(&mut e) - CAPTURED, "nothing clipped: the excess is kept");
+    assert_eq!(o.over_refunded_minor, out - CAPTURED, "nothing clipped: the excess is kept");
     let findings = e.audit().unwrap();
     assert!(findings.iter().any(|f| f.detail.contains("over_captured")), "{findings:?}");
 }
@@ -132,13 +194,9 @@ fn without_the_reservation_the_same_race_pays_past_the_capture(backend: Backend)
 /// refuses what the charge no longer covers: no money moves past the capture.
 fn the_provider_refuses_a_refund_its_charge_does_not_cover(backend: Backend) {
     let fx = Fixture::on(backend);
-    fx.exec(
-        "INSERT INTO meta (key, value) SELECT 'demo', '1' WHERE NOT EXISTS (SELECT 1 FROM meta WHERE key = 'demo')",
-        &[],
-    );
-    fx.exec("UPDATE meta SET value = '1' WHERE key = 'demo'", &[]);
+    mark_demo(&fx);
     fx.engine().set_lab_toggle(Some(LabToggle::BalanceNotReserved), "teacher").unwrap();
-    let (codes, _) = race(&fx, "latency(20)");
+    let (codes, _) = race(&fx);
     let mut e = fx.engine();
     assert_eq!(paid(&mut e), CAPTURED, "{codes:?}");
     assert_eq!(order(&mut e).over_refunded_minor, 0);
@@ -241,7 +299,7 @@ fn a_version_13_ledger_migrates_with_holds_for_its_open_refunds() {
         .unwrap();
     assert!(open > 0, "the fixture holds refunds whose outcome is open");
     drop(c);
-    let clock = toolgate::engine::clock::ManualClock::new(crate::support::T0);
+    let clock = ManualClock::new(crate::support::T0);
     let mut e = Engine::open(&path, crate::support::opts(&clock, "migrate")).unwrap();
     let held: i64 = e.holds().unwrap().iter().map(|h| h.2).sum();
     assert_eq!(held, open);
@@ -283,3 +341,28 @@ fn the_audit_finds_money_paid_for_an_operation_resolved_as_failed(backend: Backe
 }
 
 crate::on_both_backends!(the_audit_finds_money_paid_for_an_operation_resolved_as_failed);
+
+/// The money check asks the provider about operations that had no effect; a
+/// person's "failed" that names a receipt id (as evidence of nothing) is still
+/// an operation with no effect, not a succeeded one (a case the state-machine
+/// property found: timeout_before_commit, then resolved as failed).
+#[test]
+fn a_failed_resolution_with_evidence_is_checked_as_no_effect() {
+    let fx = Fixture::new();
+    let mut e = fx.engine();
+    let env = dispatch_with(&mut e, &refund_of(700, "no-effect-00001"), "timeout_before_commit");
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown));
+    let out = e
+        .resolve(&ResolveRequest {
+            operation_id: env.protected_audit.operation_id.clone().unwrap(),
+            resolution: Resolution::Failed,
+            operator: "alice".into(),
+            note: "never reached the provider".into(),
+            evidence: Some("rcpt_from_operator".into()),
+            seen_version: None,
+            action_id: None,
+        })
+        .unwrap();
+    assert!(out.applied, "{out:?}");
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+}
