@@ -24,7 +24,7 @@ use super::canonical::canonical_string;
 use super::envelope::Code;
 use super::trace::TraceEvent;
 use super::{Engine, EngineError, OperatorOutcome};
-use crate::store::{AttemptOutcome, AttemptRow, AuditRow, OpState, OutboxState, StoreError};
+use crate::store::{AttemptOutcome, AttemptRow, AuditRow, OpState, OutboxState, StoreError, SENDER_DETACHED};
 
 /// An operator's cancellation of one operation.
 #[derive(Debug, Clone, Default)]
@@ -173,12 +173,13 @@ impl Engine {
                 return refuse("STALE_VERSION", "operation changed while cancelling".into());
             }
             if let Some(a) = open {
+                // A sent attempt's sender may still be inside the call: detached, not ended.
                 let (o, c) = if a.sent_at.is_some() {
-                    (AttemptOutcome::Unknown, Code::OutcomeUnknown)
+                    (AttemptOutcome::Unknown, SENDER_DETACHED)
                 } else {
-                    (AttemptOutcome::NotSent, code)
+                    (AttemptOutcome::NotSent, code.as_str())
                 };
-                tx.finish_attempt(&op.id, a.attempt, o, Some(c.as_str()), now)?;
+                tx.finish_attempt(&op.id, a.attempt, o, Some(c), now)?;
             }
             tx.close_outbox(&op.id, outbox_state, Some(code.as_str()))?;
             audit(true, &r.note, &json!({"seen_version": r.seen_version, "before": snapshot, "after": state}))?;

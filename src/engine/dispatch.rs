@@ -23,7 +23,7 @@ use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, 
 use crate::failpoint;
 use crate::store::{
     ApprovalRow, ApprovalState, AttemptOutcome, CallIdentityRow, CallKey, ForClaim, OpState, OperationRow, OutboxState,
-    ReceiptRow, StoreError, Sync, Tx,
+    ReceiptRow, StoreError, Sync, Tx, SENDER_DETACHED,
 };
 
 /// One tool call as a harness sends it.
@@ -143,6 +143,10 @@ enum Claim {
 enum Persisted {
     Done(Envelope),
     RetryAfter(u64),
+    /// A reply that came after the lease was lost, carrying a receipt: the
+    /// caller gets `Envelope` (the operation as it stands), and the reply is
+    /// evidence to act on once this transaction has committed.
+    Late(Envelope),
 }
 
 impl Engine {
@@ -547,6 +551,10 @@ impl Engine {
             match step {
                 Persisted::Done(env) => return Ok(env),
                 Persisted::RetryAfter(ms) => self.clock.sleep_ms(ms),
+                Persisted::Late(env) => {
+                    self.act_on_late_receipt(op_id)?;
+                    return Ok(env);
+                }
             }
         }
     }
@@ -612,7 +620,7 @@ impl Engine {
                     ev.reason = Some("requeued_unsent");
                     report.requeued_unsent += 1;
                 } else if honours && now < op.deadline_at {
-                    tx.finish_attempt(&op.id, ob.attempt, AttemptOutcome::Unknown, Some("OUTCOME_UNKNOWN"), now)?;
+                    tx.finish_attempt(&op.id, ob.attempt, AttemptOutcome::Unknown, Some(SENDER_DETACHED), now)?;
                     tx.release_outbox(&op.id, now, Some("OUTCOME_UNKNOWN"))?;
                     op.state = crate::store::OpState::InFlight;
                     ev.note = Some("lease expired after send: re-queued with the same downstream key".into());
@@ -622,7 +630,7 @@ impl Engine {
                     // Past the deadline nothing is sent again (docs/design.md §11), and a
                     // re-queued row would never be picked up: the explicit status
                     // query (or a human) settles it.
-                    tx.finish_attempt(&op.id, ob.attempt, AttemptOutcome::Unknown, Some("OUTCOME_UNKNOWN"), now)?;
+                    tx.finish_attempt(&op.id, ob.attempt, AttemptOutcome::Unknown, Some(SENDER_DETACHED), now)?;
                     tx.close_outbox(&op.id, OutboxState::Parked, Some("OUTCOME_UNKNOWN"))?;
                     op.state = crate::store::OpState::Unknown;
                     op.code = Some(Code::OutcomeUnknown.as_str().into());
@@ -1292,11 +1300,12 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
     if !tx.holds_lease(op_id, c.worker, c.attempt)? {
         // Late reply: evidence in the trace, never a state change.
         ev.step = "late_reply";
+        let receipt = matches!(&reply, Ok(Reply::Committed(_)));
         ev.note = Some(match &reply {
             Ok(Reply::Committed(r)) => {
                 ev.receipt_id = Some(r.receipt_id.clone());
                 ev.downstream_request_id = Some(r.request_id.clone());
-                "reply after the lease was lost: recorded as evidence only".to_string()
+                "reply after the lease was lost: evidence; the provider is asked for the receipt".to_string()
             }
             _ => "reply after the lease was lost".to_string(),
         });
@@ -1307,7 +1316,7 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
         );
         // The event records the reply as evidence; its code/outcome are what the caller got.
         ev.because("lease_lost").from_envelope(&env).answering(c.answer).write(tx, c.now)?;
-        return Ok(Persisted::Done(env));
+        return Ok(if receipt { Persisted::Late(env) } else { Persisted::Done(env) });
     }
     let Some(mut op) = tx.operation(op_id)? else {
         return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));

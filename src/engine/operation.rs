@@ -327,7 +327,9 @@ pub(crate) fn op_envelope(
         OpState::Resolved => match op.resolution.as_deref() {
             Some("succeeded") => (Status::Succeeded, data, None, Outcome::Committed, Delivery::HumanResolved),
             Some("compensated") => (Status::Failed, data, None, Outcome::Committed, Delivery::HumanResolved),
-            _ => (Status::Failed, data, None, Outcome::NotStarted, Delivery::HumanResolved),
+            // A person's "failed" is a decision, not proof that nothing was
+            // started: the outcome stays unknown, and the data says who decided.
+            _ => (Status::Failed, data, None, Outcome::Unknown, Delivery::HumanResolved),
         },
         OpState::Accepted => {
             let code = last_code.and_then(Code::parse).filter(|c| c.retryable()).unwrap_or(Code::TimeoutBeforeExecute);

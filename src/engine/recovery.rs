@@ -81,6 +81,9 @@ pub struct ResolveRequest {
     pub action_id: Option<String>,
 }
 
+/// Who acts on a late reply's receipt, in the operator log.
+const LATE_REPLY_ACTOR: &str = "toolgate-late-reply";
+
 /// The outcome of an operator action (deny, resolve).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct OperatorOutcome {
@@ -121,6 +124,10 @@ pub struct OperationDetail {
     pub trace: Vec<crate::store::TraceRow>,
     /// Operator-log rows.
     pub audit: Vec<AuditRow>,
+    /// Until when a sent attempt may still land downstream (its sender is in
+    /// the call or was detached from it, and the attempt's bound has not
+    /// passed): "no effect" cannot be decided before then. `None` otherwise.
+    pub may_land_until: Option<i64>,
 }
 
 fn refused(code: &str, message: impl Into<String>, op: Option<&str>, approval: Option<&str>) -> OperatorOutcome {
@@ -427,6 +434,84 @@ impl Engine {
         Ok(out)
     }
 
+    /// A reply that came back after its lease was lost (a cancel or the reaper
+    /// took the call from under its sender) carried a receipt. It is evidence,
+    /// and acted on only through the provider's own word, asked by key: an
+    /// operation still `unknown` gets the status query a person would run (a
+    /// receipt that matches the request settles it, `receipt_reconciled`); one
+    /// a person resolved as failed or compensated meanwhile is reopened as a
+    /// contradiction (`needs_review`, both facts kept, in the operator log).
+    pub(crate) fn act_on_late_receipt(&mut self, operation_id: &str) -> Result<(), EngineError> {
+        let Some(op) = self.store.read(|tx| tx.operation(operation_id))? else { return Ok(()) };
+        match op.state {
+            OpState::Unknown => {
+                self.operator_query(operation_id, LATE_REPLY_ACTOR)?;
+            }
+            OpState::Resolved if matches!(op.resolution.as_deref(), Some("failed" | "compensated")) => {
+                let contracts = self.contracts.clone();
+                let Some(contract) = contracts.get(&op.tool) else { return Ok(()) };
+                let lookup = self
+                    .downstream(&contract.downstream.name)?
+                    .lookup(&op.downstream_key, contract.retry.attempt_timeout_ms)?;
+                if let Lookup::Found(r) = lookup {
+                    self.reopen_contradicted(&op, &r.receipt_id)?;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Reopens an operation whose human decision ("no effect") the provider's
+    /// receipt contradicts: `needs_review` with `STATUS_CONFLICT`, the decision
+    /// (resolution, who, note) kept on the row beside the receipt, an operator
+    /// log entry and a trace event. Nothing else changes: a person decides again.
+    fn reopen_contradicted(&mut self, seen: &OperationRow, receipt_id: &str) -> Result<(), EngineError> {
+        let now = self.clock.now_ms();
+        let salt = self.salt.clone();
+        self.store.write(|tx| -> Result<(), StoreError> {
+            let Some(mut op) = tx.operation(&seen.id)? else { return Ok(()) };
+            if op.version != seen.version || op.state != OpState::Resolved {
+                return Ok(());
+            }
+            let decided = format!(
+                "resolved as {} by {}",
+                op.resolution.as_deref().unwrap_or("?"),
+                op.resolved_by.as_deref().unwrap_or("?")
+            );
+            let why = format!("the provider holds receipt {receipt_id}: contradicts the decision ({decided})");
+            op.state = OpState::NeedsReview;
+            op.code = Some(Code::StatusConflict.as_str().into());
+            op.last_query_at = Some(now);
+            op.last_query_result = Some("contradiction".into());
+            op.updated_at = now;
+            if tx.update_operation(&op)?.is_stale() {
+                return Ok(());
+            }
+            tx.insert_audit(&audit_row(
+                now,
+                None,
+                LATE_REPLY_ACTOR,
+                "contradiction",
+                Some(&op.id),
+                None,
+                true,
+                &why,
+                &json!({
+                    "receipt_id": receipt_id, "resolution": op.resolution, "resolved_by": op.resolved_by,
+                    "resolution_note": op.resolution_note,
+                }),
+            ))?;
+            let mut ev = TraceEvent::of_operation("late_reply", &op, &salt, now);
+            ev.receipt_id = Some(receipt_id.to_string());
+            ev.code = Some(Code::StatusConflict);
+            ev.note = Some(why);
+            ev.because("contradicts_resolution").write(tx, now)?;
+            Ok(())
+        })?;
+        Ok(())
+    }
+
     /// An operator's explicit status query on an operation: the query runs as the
     /// operation's own principal and provider profile (authorization is still
     /// re-checked), with a fresh call identity, and the operator is logged.
@@ -708,6 +793,7 @@ impl Engine {
         let provider = self.decision_evidence(r)?;
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
+        let contracts = self.contracts.clone();
         Ok(self.store.write(|tx| -> Result<OperatorOutcome, StoreError> {
             if let Some(id) = &r.action_id {
                 if let Some(prev) = tx.audit_by_action_id(id)? {
@@ -758,6 +844,28 @@ impl Engine {
                     return refuse("STALE_VERSION", format!("operation changed since you saw it (you saw version {seen}, it is now {})", op.version));
                 }
             }
+            // "No effect" is not a decision anyone can make while a send may still
+            // land: the attempt's own bound has to pass first (succeeded, with the
+            // receipt as evidence, is always allowed).
+            if matches!(r.resolution, Resolution::Failed | Resolution::Compensated) {
+                let timeout = contracts.get(&op.tool).map_or(0, |c| c.retry.attempt_timeout_ms);
+                let open = tx
+                    .attempts(&op.id)?
+                    .into_iter()
+                    .filter_map(|a| Some((a.attempt, a.may_land_until(timeout)?)))
+                    .max_by_key(|(_, until)| *until);
+                if let Some((attempt, until)) = open.filter(|(_, until)| *until > now) {
+                    return refuse(
+                        "SEND_MAY_STILL_LAND",
+                        format!(
+                            "attempt {attempt} was sent and may still land until {} (in {}s): decide {} after that, or resolve as succeeded with its receipt",
+                            super::clock::rfc3339(until),
+                            (until - now + 999) / 1000,
+                            r.resolution.as_str()
+                        ),
+                    );
+                }
+            }
             let evidence = r.evidence.as_deref().map(str::trim).filter(|e| !e.is_empty());
             if r.resolution == Resolution::Succeeded && evidence.is_none() {
                 return refuse("EVIDENCE_REQUIRED", "resolving as succeeded needs a receipt id as evidence".into());
@@ -771,7 +879,7 @@ impl Engine {
                     );
                 }
             }
-            let result = json!({"resolution": r.resolution.as_str(), "receipt_id": evidence});
+            let result = json!({"resolution": r.resolution.as_str(), "receipt_id": evidence, "resolved_by": r.operator});
             let result_json = canonical_string(&result);
             op.result_sha256 = Some(sha256_hex(result_json.as_bytes()));
             op.result_json = Some(result_json);
@@ -803,7 +911,7 @@ impl Engine {
             tx.insert_audit(&audit_row(now, r.action_id.as_deref(), &r.operator, "resolve", op_ref, None, true, &r.note, &ev))?;
             let mut t = TraceEvent::of_operation("resolution", &op, &salt, now);
             t.delivery = Some("human_resolved");
-            t.outcome = Some(if r.resolution == Resolution::Failed { "not_started" } else { "committed" });
+            t.outcome = Some(if r.resolution == Resolution::Failed { "unknown" } else { "committed" });
             t.note = Some(match anomaly {
                 Some(a) => format!("resolved as {}; {a}", r.resolution.as_str()),
                 None => format!("resolved as {}", r.resolution.as_str()),
@@ -823,16 +931,23 @@ impl Engine {
     /// `None` when there is no such operation; `OPERATION_PURGED` (saying when
     /// and what it was) when its retention ended and it was purged.
     pub fn operation_detail(&mut self, id: &str) -> Result<Option<OperationDetail>, EngineError> {
+        let contracts = self.contracts.clone();
+        let now = self.clock.now_ms();
         let found = self.store.read(|tx| -> Result<_, StoreError> {
             let Some(operation) = tx.operation(id)? else {
                 return Ok(tx.tombstone(id)?.map(Err));
             };
+            let attempts = tx.attempts(id)?;
+            let timeout = contracts.get(&operation.tool).map_or(0, |c| c.retry.attempt_timeout_ms);
+            let may_land_until =
+                attempts.iter().filter_map(|a| a.may_land_until(timeout)).max().filter(|until| *until > now);
             Ok(Some(Ok(OperationDetail {
                 outbox: tx.outbox(id)?,
-                attempts: tx.attempts(id)?,
+                attempts,
                 trace: tx.trace_for(id)?,
                 audit: tx.audit_for(id)?,
                 operation,
+                may_land_until,
             })))
         })?;
         match found {

@@ -264,10 +264,27 @@ pub struct AttemptRow {
     pub code: Option<String>,
 }
 
+/// The code of an attempt that was sent and then taken from its sender (a
+/// cancel, or the reaper after its lease expired) while the sender may still be
+/// inside the downstream call: nobody heard how it ended.
+pub const SENDER_DETACHED: &str = "SENDER_DETACHED";
+
 impl AttemptRow {
     /// Provably never received downstream: never sent, or refused before acceptance.
     pub fn proven_not_received(&self) -> bool {
         self.sent_at.is_none() || matches!(self.outcome, Some(AttemptOutcome::Refused | AttemptOutcome::NotSent))
+    }
+
+    /// Until when this attempt may still land downstream: it was written to
+    /// the wire and no answer ended it, because its sender is still in the call
+    /// (no outcome yet) or was detached from it by a cancel or the reaper
+    /// ([`SENDER_DETACHED`]); the provider may commit it up to the sender's own
+    /// bound, `sent_at + attempt_timeout_ms`. `None` when it cannot land: never
+    /// sent, or ended by its sender (an answer, or its own timeout).
+    pub fn may_land_until(&self, attempt_timeout_ms: u64) -> Option<i64> {
+        let sent = self.sent_at?;
+        let detached = self.outcome == Some(AttemptOutcome::Unknown) && self.code.as_deref() == Some(SENDER_DETACHED);
+        (self.outcome.is_none() || detached).then(|| sent.saturating_add(attempt_timeout_ms as i64))
     }
 }
 

@@ -1290,7 +1290,8 @@ fn a_duplicate_while_the_first_call_is_in_flight_over_http_is_unknown_and_never_
 fn a_reply_after_the_lease_was_taken_back_over_http_is_evidence_not_a_state_change() {
     // Scenario 11 over HTTP: the call is held by the server while the lease
     // runs out (the manual clock) and the reaper takes it back; then the reply
-    // arrives, and then a status query looks the key up.
+    // arrives. It writes nothing itself: its receipt makes toolgate look the
+    // key up (a GET, as a status query), and the provider's answer settles it.
     let server = Scripted::start(vec![Then::Answer, Then::Answer]);
     let dir = tempfile::tempdir().unwrap();
     let (ledger, clock, opts) = ledger_behind(dir.path(), &server.url, 60_000);
@@ -1307,19 +1308,20 @@ fn a_reply_after_the_lease_was_taken_back_over_http_is_evidence_not_a_state_chan
     let reaped = e.reap().unwrap();
     assert_eq!(reaped.parked_unknown, 1, "{reaped:?}");
     assert_eq!(e.operation_detail(&op).unwrap().unwrap().operation.state.to_string(), "unknown");
-    // The old worker gets its reply now: evidence in the trace, no state change.
+    // The old worker gets its reply now: its fence fails, the reply is evidence.
+    server.reply(200, receipt_for(&request));
+    // The receipt in it makes toolgate ask the provider by key.
+    server.wait_for_request(2);
     server.reply(200, receipt_for(&request));
     let late = first.join().unwrap().unwrap();
-    assert_eq!(late.code(), Some(Code::OutcomeUnknown), "{late:?}");
+    assert_eq!(late.code(), Some(Code::OutcomeUnknown), "its caller is told what the row said: {late:?}");
     let d = e.operation_detail(&op).unwrap().unwrap();
-    assert_eq!(d.operation.state.to_string(), "unknown", "the late reply changed no state");
     assert!(
         d.trace.iter().any(|t| t.step == "late_reply"),
         "{:?}",
         d.trace.iter().map(|t| &t.step).collect::<Vec<_>>()
     );
-    // An explicit status query settles it from the provider's receipt.
-    server.reply(200, receipt_for(&request));
+    assert_eq!(d.operation.state.to_string(), "succeeded", "settled by the provider's answer to the lookup");
     let q = e.query_operation_status(&query_req(&late, "q-s11")).unwrap();
     assert_eq!(q.model_result.status, Status::Succeeded, "{q:?}");
     assert_eq!(q.model_result.execution.delivery, toolgate::engine::envelope::Delivery::ReceiptReconciled);

@@ -16,6 +16,7 @@ mod hostile;
 mod http;
 mod invariants;
 mod lab;
+mod late;
 mod mcp;
 mod observability;
 mod pg;

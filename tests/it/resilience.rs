@@ -4,19 +4,17 @@
 //! Time is a manual clock throughout; where a call must really be inside the
 //! provider while the test acts, a gated clock parks it there.
 
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
-use std::thread::ThreadId;
-use std::time::Duration;
+use std::sync::Arc;
 
 use serde_json::Value;
-use toolgate::engine::clock::{Clock, ManualClock};
+use toolgate::engine::clock::Clock;
 use toolgate::engine::envelope::{Code, Delivery, Envelope, Outcome, Status};
 use toolgate::engine::ids::Ids;
 use toolgate::engine::policy::{backoff_ms, retry_delay_ms};
-use toolgate::engine::{CancelRequest, DispatchRequest, Engine, EngineOptions, QueryRequest};
+use toolgate::engine::{CancelRequest, Engine, QueryRequest};
 use toolgate::store::{CircuitRow, RetryBudgetRow, TraceRow};
 
-use crate::support::{dispatch_with, duplicates, effects, refund, Backend, Fixture};
+use crate::support::{dispatch_parked, dispatch_with, duplicates, effects, refund, Backend, Fixture, GateClock};
 
 fn trace(e: &mut Engine, env: &Envelope) -> Vec<TraceRow> {
     let id = env.protected_audit.operation_id.clone().unwrap();
@@ -185,79 +183,6 @@ fn nothing_is_retried_past_the_deadline(backend: Backend) {
     assert_eq!((effects(&mut e), duplicates(&mut e)), (1, 0));
 }
 
-/// A manual clock whose gate parks one registered thread in its first wait, so
-/// that its call sits inside the provider (claimed, sent-marker committed) while
-/// the test acts.
-struct GateClock {
-    manual: ManualClock,
-    gate: Mutex<Gate>,
-    cv: Condvar,
-}
-
-#[derive(Default)]
-struct Gate {
-    holder: Option<ThreadId>,
-    parked: bool,
-    open: bool,
-}
-
-impl GateClock {
-    fn new(manual: &ManualClock) -> Arc<Self> {
-        Arc::new(Self { manual: manual.clone(), gate: Mutex::new(Gate::default()), cv: Condvar::new() })
-    }
-
-    fn hold_current_thread(&self) {
-        self.gate.lock().unwrap_or_else(PoisonError::into_inner).holder = Some(std::thread::current().id());
-    }
-
-    /// Waits until the held thread is parked (a guard against a hang, not a timing assertion).
-    fn wait_parked(&self) {
-        let g = self.gate.lock().unwrap_or_else(PoisonError::into_inner);
-        let (g, _) = self.cv.wait_timeout_while(g, Duration::from_secs(60), |g| !g.parked).unwrap();
-        assert!(g.parked, "the held call never reached the provider");
-    }
-
-    fn open(&self) {
-        self.gate.lock().unwrap_or_else(PoisonError::into_inner).open = true;
-        self.cv.notify_all();
-    }
-}
-
-impl Clock for GateClock {
-    fn now_ms(&self) -> i64 {
-        self.manual.now_ms()
-    }
-
-    fn sleep_ms(&self, ms: u64) {
-        let mut g = self.gate.lock().unwrap_or_else(PoisonError::into_inner);
-        if g.holder == Some(std::thread::current().id()) && !g.open {
-            g.parked = true;
-            self.cv.notify_all();
-            g = self.cv.wait_while(g, |g| !g.open).unwrap_or_else(PoisonError::into_inner);
-            g.parked = false;
-        }
-        drop(g);
-        self.manual.advance(ms as i64);
-    }
-}
-
-fn gated_engine(fx: &Fixture, clock: &Arc<GateClock>, worker: &str) -> Engine {
-    let opts = EngineOptions { clock: clock.clone(), worker_id: worker.into(), ..EngineOptions::default() };
-    Engine::open(fx.path(), opts).unwrap()
-}
-
-/// Dispatches `req` on its own engine in a thread that parks inside the provider.
-fn dispatch_parked(fx: &Fixture, clock: &Arc<GateClock>, req: DispatchRequest) -> std::thread::JoinHandle<Envelope> {
-    let mut e = gated_engine(fx, clock, "w-parked");
-    let c = clock.clone();
-    let h = std::thread::spawn(move || {
-        c.hold_current_thread();
-        dispatch_with(&mut e, &req, "latency(10)")
-    });
-    clock.wait_parked();
-    h
-}
-
 /// Dispatches operations whose every attempt fails until the payments circuit opens.
 fn open_payments(e: &mut Engine, prefix: &str) {
     for i in 0..30 {
@@ -399,7 +324,7 @@ fn cancelling_before_send_cancels_with_no_effect(backend: Backend) {
     assert_eq!(effects(&mut e), 0);
 }
 
-fn cancelling_after_send_parks_it_and_a_late_reply_never_flips_it(backend: Backend) {
+fn cancelling_after_send_parks_it_and_a_late_receipt_settles_it_through_the_provider(backend: Backend) {
     let fx = Fixture::on(backend);
     let clock = GateClock::new(&fx.clock);
     let req = refund("cancel-key-0100", 100);
@@ -417,18 +342,6 @@ fn cancelling_after_send_parks_it_and_a_late_reply_never_flips_it(backend: Backe
         .unwrap();
     assert!(out.applied && out.message.contains("unknown queue"), "{out:?}");
     assert_eq!(e.operation_detail(&id).unwrap().unwrap().operation.state, "unknown");
-    // The provider commits and replies after the cancel: evidence only.
-    clock.open();
-    let answered = worker.join().unwrap();
-    assert_eq!(answered.code(), Some(Code::OutcomeUnknown));
-    let d = e.operation_detail(&id).unwrap().unwrap();
-    assert_eq!((d.operation.state.as_str(), d.operation.receipt_id.as_deref()), ("unknown", None));
-    let late = d.trace.iter().find(|t| t.step == "late_reply").expect("the late reply is in the trace");
-    assert!(field(late, "receipt_id").is_string(), "the receipt is kept as evidence");
-    assert_eq!(effects(&mut e), 1);
-    // Retries stay unknown; only the explicit query settles it from the receipt.
-    let retry = dispatch_with(&mut e, &req, "ok");
-    assert_eq!(retry.code(), Some(Code::OutcomeUnknown));
     // Already in the unknown queue: cancelling again is refused, and says why.
     let again = e
         .cancel(&CancelRequest {
@@ -440,6 +353,26 @@ fn cancelling_after_send_parks_it_and_a_late_reply_never_flips_it(backend: Backe
         .unwrap();
     assert_eq!((again.applied, again.code.as_str()), (false, "NOT_CANCELLABLE"));
     assert!(again.message.contains("unknown queue"), "{again:?}");
+    // The provider commits and replies after the cancel. The reply does not
+    // write the row (its fence fails): its caller is told what the row said,
+    // and its receipt makes toolgate ask the provider, whose answer settles it.
+    clock.open();
+    let answered = worker.join().unwrap();
+    assert_eq!(answered.code(), Some(Code::OutcomeUnknown));
+    let d = e.operation_detail(&id).unwrap().unwrap();
+    let late = d.trace.iter().find(|t| t.step == "late_reply").expect("the late reply is in the trace");
+    assert!(field(late, "receipt_id").is_string(), "the receipt is kept as evidence");
+    assert_eq!(d.operation.state, "succeeded", "settled by the provider's receipt, asked by key");
+    assert_eq!(d.operation.last_query_result.as_deref(), Some("reconciled"));
+    assert!(
+        d.audit.iter().any(|a| a.action == "query" && a.actor == "toolgate-late-reply"),
+        "the query the late reply caused is in the operator log: {:?}",
+        d.audit
+    );
+    assert_eq!((effects(&mut e), duplicates(&mut e)), (1, 0));
+    let retry = dispatch_with(&mut e, &req, "ok");
+    assert_eq!(retry.model_result.status, Status::Succeeded);
+    assert_eq!(retry.model_result.execution.delivery, Delivery::LocalReplay);
     let q = e
         .query_operation_status(&QueryRequest {
             tenant: "acme".into(),
@@ -628,7 +561,7 @@ crate::on_both_backends!(
     the_breaker_opens_half_opens_and_closes,
     an_open_circuit_holds_accepted_operations_without_sending,
     cancelling_before_send_cancels_with_no_effect,
-    cancelling_after_send_parks_it_and_a_late_reply_never_flips_it,
+    cancelling_after_send_parks_it_and_a_late_receipt_settles_it_through_the_provider,
     cancel_requires_an_operator_a_note_and_the_version_seen,
     an_attempt_never_waits_past_the_operation_deadline_whatever_the_downstream_does,
 );

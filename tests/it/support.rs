@@ -452,3 +452,84 @@ pub fn query_req(env: &Envelope, call_id: &str) -> toolgate::engine::QueryReques
         operator: None,
     }
 }
+
+/// A manual clock whose gate parks one registered thread in its first wait, so
+/// that its call sits inside the provider (claimed, sent-marker committed) while
+/// the test acts.
+pub struct GateClock {
+    manual: ManualClock,
+    gate: std::sync::Mutex<Gate>,
+    cv: std::sync::Condvar,
+}
+
+#[derive(Default)]
+pub struct Gate {
+    holder: Option<std::thread::ThreadId>,
+    parked: bool,
+    open: bool,
+}
+
+impl GateClock {
+    pub fn new(manual: &ManualClock) -> Arc<Self> {
+        Arc::new(Self {
+            manual: manual.clone(),
+            gate: std::sync::Mutex::new(Gate::default()),
+            cv: std::sync::Condvar::new(),
+        })
+    }
+
+    pub fn hold_current_thread(&self) {
+        self.gate.lock().unwrap_or_else(std::sync::PoisonError::into_inner).holder = Some(std::thread::current().id());
+    }
+
+    /// Waits until the held thread is parked (a guard against a hang, not a timing assertion).
+    pub fn wait_parked(&self) {
+        let g = self.gate.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (g, _) = self.cv.wait_timeout_while(g, std::time::Duration::from_secs(60), |g| !g.parked).unwrap();
+        assert!(g.parked, "the held call never reached the provider");
+    }
+
+    pub fn open(&self) {
+        self.gate.lock().unwrap_or_else(std::sync::PoisonError::into_inner).open = true;
+        self.cv.notify_all();
+    }
+}
+
+impl toolgate::engine::clock::Clock for GateClock {
+    fn now_ms(&self) -> i64 {
+        self.manual.now_ms()
+    }
+
+    fn sleep_ms(&self, ms: u64) {
+        let mut g = self.gate.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if g.holder == Some(std::thread::current().id()) && !g.open {
+            g.parked = true;
+            self.cv.notify_all();
+            g = self.cv.wait_while(g, |g| !g.open).unwrap_or_else(std::sync::PoisonError::into_inner);
+            g.parked = false;
+        }
+        drop(g);
+        self.manual.advance(ms as i64);
+    }
+}
+
+pub fn gated_engine(fx: &Fixture, clock: &Arc<GateClock>, worker: &str) -> Engine {
+    let opts = EngineOptions { clock: clock.clone(), worker_id: worker.into(), ..EngineOptions::default() };
+    Engine::open(fx.path(), opts).unwrap()
+}
+
+/// Dispatches `req` on its own engine in a thread that parks inside the provider.
+pub fn dispatch_parked(
+    fx: &Fixture,
+    clock: &Arc<GateClock>,
+    req: DispatchRequest,
+) -> std::thread::JoinHandle<Envelope> {
+    let mut e = gated_engine(fx, clock, "w-parked");
+    let c = clock.clone();
+    let h = std::thread::spawn(move || {
+        c.hold_current_thread();
+        dispatch_with(&mut e, &req, "latency(10)")
+    });
+    clock.wait_parked();
+    h
+}

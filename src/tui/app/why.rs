@@ -53,6 +53,18 @@ pub fn explain(d: &OperationDetail, now: i64) -> Option<Why> {
         "unknown" => {
             let sent = d.attempts.iter().rev().find(|a| a.sent_at.is_some());
             let cancelled = d.audit.iter().find(|r| r.action == "cancel" && r.result == "applied");
+            if let Some(until) = d.may_land_until {
+                // Before anything else: "no effect" cannot be decided yet.
+                let a = sent.map_or(0, |a| a.attempt);
+                return Some(Why {
+                    sentence: format!(
+                        "Attempt {a} was sent and its sender may still be inside the call: it may land until {} ({}); failed cannot be decided before then.",
+                        clock(until),
+                        relative(now, until)
+                    ),
+                    next: format!("Press q after {} to ask the provider; r succeeded only with its receipt.", clock(until)),
+                });
+            }
             match o.last_query_result.as_deref() {
                 None => {
                     let what = match (cancelled, sent) {
