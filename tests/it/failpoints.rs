@@ -208,9 +208,25 @@ fn check_failpoint(failpoint: &str, tool: Tool, end: End) {
 fn check_failpoint_on(backend: crate::support::Backend, failpoint: &str, tool: Tool, end: End) {
     let fx = crate::support::Fixture::on(backend);
     crash_at(fx.path(), failpoint, tool);
+    if tool == Tool::Refund {
+        // Killed between accept and apply: the refund's hold survives with its
+        // operation (the money may be on its way), and only then.
+        let mut e = fx.engine();
+        let open = e.list_operations(None, 10).unwrap().iter().any(|o| !o.state.is_terminal());
+        let held: i64 = e.holds().unwrap().iter().map(|h| h.2).sum();
+        assert_eq!(held, if open { 1_000 } else { 0 }, "{failpoint}: the hold after the crash");
+    }
     let last = recover(fx.path(), tool);
     let (v, tally) = check(fx.path(), Expect { settled: true, queried: true });
     assert!(v.is_empty(), "{failpoint} / {tool:?}: {v:#?}");
+    if tool == Tool::Refund {
+        // Settled: converted into the refund, or released by the human's "failed".
+        let mut e = fx.engine();
+        assert!(e.holds().unwrap().is_empty(), "{failpoint}: a hold outlived its operation");
+        let order = e.orders().unwrap().into_iter().find(|o| o.order_ref == "ord_1001").unwrap();
+        let refunded = if end == End::Succeeded { 1_000 } else { 0 };
+        assert_eq!(order.refunded_minor, refunded, "{failpoint}");
+    }
     match end {
         End::Succeeded => {
             assert_eq!(last.model_result.status, Status::Succeeded, "{failpoint} / {tool:?}: {last:?}");

@@ -143,12 +143,10 @@ crate::on_both_backends!(
 /// `resolve --as failed` from other processes while it is inside the call.
 /// The resolution is refused; when the sender's reply lands, the operation is
 /// settled from the provider's receipt, and the audit finds nothing wrong.
-#[test]
-fn across_processes_failed_is_refused_while_the_dispatch_is_inside_the_call() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("t1.db");
+fn across_processes_failed_is_refused_while_the_dispatch_is_inside_the_call(backend: Backend) {
+    let fx = Fixture::on(backend);
+    let db = fx.path().to_path_buf();
     let tg = || std::process::Command::new(env!("CARGO_BIN_EXE_toolgate"));
-    assert!(tg().args(["init", "--db"]).arg(&db).status().unwrap().success());
     let args = r#"{"order_ref":"ord_1001","amount_minor":1000,"currency":"EUR","reason":"damaged"}"#;
     let sender = tg()
         .args(["dispatch", "--db"])
@@ -190,3 +188,5 @@ fn across_processes_failed_is_refused_while_the_dispatch_is_inside_the_call() {
     let audit = tg().args(["audit", "--db"]).arg(&db).output().unwrap();
     assert!(audit.status.success(), "{}", String::from_utf8_lossy(&audit.stdout));
 }
+
+crate::on_both_backends!(across_processes_failed_is_refused_while_the_dispatch_is_inside_the_call);

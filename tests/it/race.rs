@@ -155,4 +155,104 @@ fn race_child() {
     }
 }
 
-crate::on_both_backends!(four_processes_two_threads_each_make_exactly_one_effect_per_intent);
+const HOLD_CHILD_ENV: &str = "TOOLGATE_RACE_HOLDS_CHILD";
+/// Refunds of 1,000 each caller makes against ord_1001 (captured 12,000):
+/// 4 processes × 2 threads × 3 = 24,000 asked, 12,000 payable.
+const HOLD_REFUNDS: usize = 3;
+
+/// Four processes of two threads each refund one order at once, far past its
+/// capture: exactly the capture is paid, every refusal is the accept's rule
+/// (never the provider's), and no hold outlives its operation. The holds are
+/// rows in the ledger written in the accepting transaction, so they hold
+/// across processes as they do across threads.
+fn four_processes_refunding_one_order_are_never_paid_past_its_capture(backend: Backend) {
+    let fx = crate::support::Fixture::on(backend);
+    let go = fx.scratch().join("go-holds");
+    let children: Vec<_> = (0..PROCESSES)
+        .map(|p| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "race::race_holds_child", "--nocapture", "--test-threads=1", "-q"])
+                .env(HOLD_CHILD_ENV, fx.path())
+                .env("TOOLGATE_RACE_GO", &go)
+                .env("TOOLGATE_RACE_PROCESS", p.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    std::fs::write(&go, b"go").unwrap();
+    let mut results = Vec::new();
+    for c in children {
+        let out = c.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "a racing process failed ({}):\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        results
+            .extend(stdout.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str::<Value>(l).unwrap()));
+    }
+    assert_eq!(results.len(), PROCESSES * THREADS * HOLD_REFUNDS, "every call answered");
+    let paid = results.iter().filter(|r| r["status"] == "succeeded").count();
+    assert_eq!(paid, 12, "{results:#?}");
+    for r in results.iter().filter(|r| r["status"] != "succeeded") {
+        assert!(
+            r["code"] == "BUSINESS_RULE_VIOLATION"
+                && (r["rule"] == "amount_exceeds_remaining" || r["rule"] == "order_not_refundable"),
+            "refused by the accept's rule only: {r}"
+        );
+    }
+    let mut e = fx.engine();
+    let order = e.orders().unwrap().into_iter().find(|o| o.order_ref == "ord_1001").unwrap();
+    assert_eq!((order.refunded_minor, order.over_refunded_minor), (12_000, 0));
+    assert_eq!(e.paid_by_order().unwrap().get("ord_1001").copied(), Some(12_000));
+    assert!(e.holds().unwrap().is_empty());
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+}
+
+#[test]
+fn race_holds_child() {
+    // Not a test by itself: the entry point the holds race re-executes.
+    let Some(path) = std::env::var_os(HOLD_CHILD_ENV) else { return };
+    let go = std::env::var_os("TOOLGATE_RACE_GO").unwrap();
+    let process: usize = std::env::var("TOOLGATE_RACE_PROCESS").unwrap().parse().unwrap();
+    let barrier = Arc::new(Barrier::new(THREADS));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let clock = ManualClock::new(T0);
+            let mut e = Engine::open(Path::new(&path), opts(&clock, &format!("holds-p{process}-t{t}"))).unwrap();
+            let (go, barrier) = (go.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                while !Path::new(&go).exists() {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                barrier.wait();
+                (0..HOLD_REFUNDS)
+                    .map(|i| {
+                        let req = crate::support::refund(&format!("holds-race-{process}-{t}-{i}"), 1_000);
+                        let env = e.dispatch(&req).unwrap();
+                        let rule = env.model_result.error.as_ref().and_then(|x| x.detail.as_ref()).map(|d| d["rule"].clone());
+                        json!({
+                            "status": env.model_result.status, "code": env.code().map(toolgate::engine::envelope::Code::as_str),
+                            "rule": rule,
+                        })
+                        .to_string()
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for h in handles {
+        for l in h.join().unwrap() {
+            println!("{l}");
+        }
+    }
+}
+
+crate::on_both_backends!(
+    four_processes_two_threads_each_make_exactly_one_effect_per_intent,
+    four_processes_refunding_one_order_are_never_paid_past_its_capture,
+);
