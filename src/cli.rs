@@ -995,6 +995,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 call: Some(call),
                 approval_id: a.approval_id.clone(),
                 deadline_ms: a.deadline_ms,
+                token_id: None,
             })?;
             match project {
                 Some(p) => print_json(&p.render(&call_id, &a.tool, &env.model_result)),
@@ -1168,9 +1169,11 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 };
                 if *json {
                     let trace: Vec<Value> = d.trace.iter().map(trace_json).collect();
-                    print_json(
-                        &json!({"operation": d.operation, "outbox": d.outbox, "attempts": d.attempts, "trace": trace, "audit": d.audit}),
-                    );
+                    print_json(&json!({
+                        "operation": d.operation, "outbox": d.outbox, "attempts": d.attempts, "trace": trace,
+                        "audit": d.audit, "may_land_until": d.may_land_until,
+                        "context": d.context.iter().map(|(k, v)| json!({"label": k, "value": v})).collect::<Vec<_>>(),
+                    }));
                 } else {
                     print_detail(&d);
                 }
@@ -1776,6 +1779,12 @@ fn print_detail(d: &crate::engine::OperationDetail) {
     );
     if let Some(c) = &o.code {
         outln!("  code            {c}");
+    }
+    if let Some(until) = d.may_land_until {
+        outln!("  may still land  until {} (a decision of no effect waits for it)", rfc3339(until));
+    }
+    for (label, value) in &d.context {
+        outln!("  {:<15} {}", crate::display::escape(label), crate::display::escape(value));
     }
     if let Some(r) = &o.resolution {
         outln!(

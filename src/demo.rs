@@ -34,6 +34,7 @@ fn refund(tenant: &str, subject: &str, order: &str, amount: i64, currency: &str,
         call: None,
         approval_id: None,
         deadline_ms: None,
+        token_id: None,
     }
 }
 

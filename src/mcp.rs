@@ -349,8 +349,8 @@ impl Gate {
         let job = {
             let (authorization, name, key) = (authorization.clone(), name.clone(), key.clone());
             move |e: &mut Engine| -> Result<CallToolResult, EngineError> {
-                let (tenant, subject) = match e.authenticate(Some(&authorization))? {
-                    Ok(Principal::Subject { tenant, subject, .. }) => (tenant, subject),
+                let (tenant, subject, token_id) = match e.authenticate(Some(&authorization))? {
+                    Ok(Principal::Subject { tenant, subject, token_id }) => (tenant, subject, token_id),
                     Ok(Principal::Operator { .. }) => {
                         let c = crate::api::status::SUBJECT_TOKEN_REQUIRED;
                         return Ok(refusal(c.code, c.category, c.recovery, c.message));
@@ -385,6 +385,7 @@ impl Gate {
                         call: Some(call),
                         approval_id: None,
                         deadline_ms: None,
+                        token_id: Some(token_id),
                     });
                     e.set_faults(FaultPlan::none());
                     env?

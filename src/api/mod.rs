@@ -654,10 +654,13 @@ async fn call_tool(
                 call: Some(call),
                 approval_id: header_text(&headers, "toolgate-approval-id"),
                 deadline_ms,
+                token_id: None,
             };
             let answered = on_engine(&app, move |e| {
                 match e.authenticate(authorization.as_deref())? {
-                    Ok(Principal::Subject { tenant, subject, .. }) => (req.tenant, req.subject) = (tenant, subject),
+                    Ok(Principal::Subject { tenant, subject, token_id }) => {
+                        (req.tenant, req.subject, req.token_id) = (tenant, subject, Some(token_id));
+                    }
                     Ok(Principal::Operator { .. }) => return Ok(Err(refuse(status::SUBJECT_TOKEN_REQUIRED))),
                     Err(f) => return Ok(Err(unauthorized(f))),
                 }

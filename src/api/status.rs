@@ -154,6 +154,8 @@ pub fn of_engine_error(code: &str) -> StatusCode {
             StatusCode::BAD_REQUEST
         }
         "DB_UNAVAILABLE" | "DB_BUSY" | "DISK_FULL" | "DB_READ_ONLY" => StatusCode::SERVICE_UNAVAILABLE,
+        // A token revoked or expired while its call was being decided.
+        "TOKEN_REVOKED" | "TOKEN_EXPIRED" => StatusCode::UNAUTHORIZED,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }

@@ -46,6 +46,11 @@ pub struct DispatchRequest {
     pub approval_id: Option<String>,
     /// Operation deadline from now; the tool's default when absent.
     pub deadline_ms: Option<u64>,
+    /// The API token the caller authenticated with (HTTP API, MCP): read again
+    /// inside the transaction that decides the call, so a token revoked (or
+    /// expired) between the request's authentication and its accept is
+    /// refused there (`TOKEN_REVOKED` / `TOKEN_EXPIRED`), with nothing written.
+    pub token_id: Option<String>,
 }
 
 /// What one reaper pass did.
@@ -276,7 +281,12 @@ impl Engine {
         let clock = self.clock.clone();
         let (worker, salt) = (self.worker_id.clone(), self.salt.clone());
         let answering = Some(Answering { kind: "dispatch", started: t0 });
-        let caller = Caller { principal_ref: &principal_ref, salt: &salt, answer: answering };
+        let caller = Caller {
+            principal_ref: &principal_ref,
+            salt: &salt,
+            answer: answering,
+            reserve: !defenses.balance_not_reserved,
+        };
         let lease_ms = contract.retry.attempt_timeout_ms as i64 + 1_000;
         let step = |tx: &Tx<'_>, audit: ProtectedAudit, ev: TraceEvent, relaxed: bool| {
             // The decision is made now, under the write lock: a time read before
@@ -464,6 +474,7 @@ impl Engine {
                 c
             } else {
                 let now = self.clock.now_ms();
+                let defenses_now = self.defenses()?;
                 let op0 = self.store.read(|tx| tx.operation(op_id))?;
                 let Some(op0) = op0 else {
                     return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
@@ -473,7 +484,8 @@ impl Engine {
                     return Err(EngineError::invalid("UNKNOWN_TOOL", "operation names a tool not in the catalog"));
                 };
                 let lease_ms = contract.retry.attempt_timeout_ms as i64 + 1_000;
-                let caller = Caller { principal_ref: &pref, salt: &salt, answer };
+                let caller =
+                    Caller { principal_ref: &pref, salt: &salt, answer, reserve: !defenses_now.balance_not_reserved };
                 let domain = self.domain(&op0.tool);
                 let claim = self
                     .store
@@ -552,7 +564,12 @@ impl Engine {
                 Persisted::Done(env) => return Ok(env),
                 Persisted::RetryAfter(ms) => self.clock.sleep_ms(ms),
                 Persisted::Late(env) => {
-                    self.act_on_late_receipt(op_id)?;
+                    // Best effort: the reply's caller gets its answer whatever
+                    // the follow-up meets (the receipt is in the trace, and an
+                    // explicit query can always do the same later).
+                    if let Err(e) = self.act_on_late_receipt(op_id) {
+                        tracing::warn!(op = op_id, error = %e, "acting on a late receipt failed");
+                    }
                     return Ok(env);
                 }
             }
@@ -708,6 +725,20 @@ fn accept(
     relaxed: bool,
 ) -> Result<Decision, EngineError> {
     let r = c.req;
+    if let Some(id) = &r.token_id {
+        // The token again, under the write lock: authentication read it in a
+        // transaction of its own, and a revocation may have committed since.
+        match tx.token(id)? {
+            Some(t) if t.revoked_at.is_some() => {
+                return Err(EngineError::invalid(
+                    "TOKEN_REVOKED",
+                    "the token was revoked before the call was accepted",
+                ));
+            }
+            Some(t) if t.expires_at.is_none_or(|at| c.now < at) => {}
+            _ => return Err(EngineError::invalid("TOKEN_EXPIRED", "the token expired before the call was accepted")),
+        }
+    }
     let answer = |code: Code, audit: ProtectedAudit, ev: TraceEvent| Decision::Answer(error_envelope(code, audit), ev);
     // 2. Authorization of the current subject (also for replays).
     if let Some(code) = authorize(tx, c.domain, &r.tenant, &r.subject, &r.tool, c.args)? {
@@ -1054,6 +1085,10 @@ struct Caller<'a> {
     principal_ref: &'a str,
     salt: &'a str,
     answer: Option<Answering>,
+    /// Holds are written (every defense on): an operation accepted without
+    /// one (its rules refused at approval, or the lab's toggle was on) takes
+    /// it when its re-check passes.
+    reserve: bool,
 }
 
 /// [`claim`], then, in the same transaction, the sent-marker: the commit
@@ -1244,9 +1279,20 @@ fn claim(
     }
     if let Some((code, why)) = failed {
         tx.finish_attempt(op_id, attempt, AttemptOutcome::NotSent, Some(code.as_str()), now)?;
-        tx.close_outbox(op_id, OutboxState::Done, Some(code.as_str()))?;
-        op.state = crate::store::OpState::Failed;
-        op.code = Some(code.as_str().into());
+        // Nothing more is sent; but an earlier attempt that may have been
+        // received may still land: then the outcome is unknown (a status query
+        // or a person settles it, and its hold stays), never "failed".
+        let earlier =
+            attempt > 1 && tx.attempts(op_id)?.iter().any(|a| a.attempt != attempt && !a.proven_not_received());
+        if earlier {
+            tx.close_outbox(op_id, OutboxState::Parked, Some(Code::OutcomeUnknown.as_str()))?;
+            op.state = crate::store::OpState::Unknown;
+            op.code = Some(Code::OutcomeUnknown.as_str().into());
+        } else {
+            tx.close_outbox(op_id, OutboxState::Done, Some(code.as_str()))?;
+            op.state = crate::store::OpState::Failed;
+            op.code = Some(code.as_str().into());
+        }
         op.updated_at = now;
         tx.update_operation(&op)?.or_stale()?;
         op.version += 1;
@@ -1257,6 +1303,13 @@ fn claim(
         let ev = ev.because(why).from_envelope(&env).answering(caller.answer);
         ev.write(tx, now)?;
         return Ok(Claim::Answer(env));
+    }
+    if let (true, Some(a)) = (caller.reserve, args.as_ref()) {
+        // Accepted without a hold (rules refused at approval, or the lab's
+        // toggle was on then): what the rules just granted is held now.
+        if tx.hold_of(op_id)?.is_none() {
+            reserve(tx, domain, &op, a, now)?;
+        }
     }
     // The row this transaction inserted is what the ledger holds: no need to read it again.
     let stored = built_here.then(|| op.clone());

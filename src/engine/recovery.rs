@@ -128,6 +128,9 @@ pub struct OperationDetail {
     /// the call or was detached from it, and the attempt's bound has not
     /// passed): "no effect" cannot be decided before then. `None` otherwise.
     pub may_land_until: Option<i64>,
+    /// What the resource the call touches looks like now, as its tool's domain
+    /// describes it ((label, value) lines; an order's capture, refunds, holds).
+    pub context: Vec<(String, String)>,
 }
 
 fn refused(code: &str, message: impl Into<String>, op: Option<&str>, approval: Option<&str>) -> OperatorOutcome {
@@ -439,15 +442,16 @@ impl Engine {
     /// and acted on only through the provider's own word, asked by key: an
     /// operation still `unknown` gets the status query a person would run (a
     /// receipt that matches the request settles it, `receipt_reconciled`); one
-    /// a person resolved as failed or compensated meanwhile is reopened as a
-    /// contradiction (`needs_review`, both facts kept, in the operator log).
+    /// a person resolved as failed meanwhile is reopened as a contradiction
+    /// (`needs_review`, both facts kept, in the operator log).
     pub(crate) fn act_on_late_receipt(&mut self, operation_id: &str) -> Result<(), EngineError> {
         let Some(op) = self.store.read(|tx| tx.operation(operation_id))? else { return Ok(()) };
         match op.state {
             OpState::Unknown => {
                 self.operator_query(operation_id, LATE_REPLY_ACTOR)?;
             }
-            OpState::Resolved if matches!(op.resolution.as_deref(), Some("failed" | "compensated")) => {
+            // "Compensated" expects a receipt (the effect happened and was undone).
+            OpState::Resolved if op.resolution.as_deref() == Some("failed") => {
                 let contracts = self.contracts.clone();
                 let Some(contract) = contracts.get(&op.tool) else { return Ok(()) };
                 let lookup = self
@@ -469,11 +473,14 @@ impl Engine {
     fn reopen_contradicted(&mut self, seen: &OperationRow, receipt_id: &str) -> Result<(), EngineError> {
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
+        let domain = self.toolset.domain(&seen.tool);
         self.store.write(|tx| -> Result<(), StoreError> {
             let Some(mut op) = tx.operation(&seen.id)? else { return Ok(()) };
             if op.version != seen.version || op.state != OpState::Resolved {
                 return Ok(());
             }
+            // Under review again, it holds again what it was granted: the money is gone.
+            reserve(tx, &*domain, &op, &args_of(&op.request_json), now)?;
             let decided = format!(
                 "resolved as {} by {}",
                 op.resolution.as_deref().unwrap_or("?"),
@@ -932,6 +939,7 @@ impl Engine {
     /// and what it was) when its retention ended and it was purged.
     pub fn operation_detail(&mut self, id: &str) -> Result<Option<OperationDetail>, EngineError> {
         let contracts = self.contracts.clone();
+        let toolset = self.toolset.clone();
         let now = self.clock.now_ms();
         let found = self.store.read(|tx| -> Result<_, StoreError> {
             let Some(operation) = tx.operation(id)? else {
@@ -941,6 +949,15 @@ impl Engine {
             let timeout = contracts.get(&operation.tool).map_or(0, |c| c.retry.attempt_timeout_ms);
             let may_land_until =
                 attempts.iter().filter_map(|a| a.may_land_until(timeout)).max().filter(|until| *until > now);
+            let args = args_of(&operation.request_json);
+            let call = ToolCall {
+                tenant: &operation.tenant,
+                subject: &operation.subject,
+                tool: &operation.tool,
+                arguments: &args,
+                operation_id: Some(&operation.id),
+            };
+            let context = toolset.domain(&operation.tool).context(tx, &call)?;
             Ok(Some(Ok(OperationDetail {
                 outbox: tx.outbox(id)?,
                 attempts,
@@ -948,6 +965,7 @@ impl Engine {
                 audit: tx.audit_for(id)?,
                 operation,
                 may_land_until,
+                context,
             })))
         })?;
         match found {

@@ -90,6 +90,13 @@ pub trait ToolDomain: Send + Sync {
         Ok(None)
     }
 
+    /// What the resource the call touches looks like now, for an operator's
+    /// detail view: (label, value) lines (an order's capture, refunds and
+    /// holds). Read in the detail's read transaction; nothing by default.
+    fn context(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>) -> Result<Vec<(String, String)>, StoreError> {
+        Ok(Vec::new())
+    }
+
     /// A read tool answered from local state; `None` when there is nothing to
     /// show (the caller gets `TOOL_ERROR`).
     fn read(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>) -> Result<Option<Value>, StoreError> {

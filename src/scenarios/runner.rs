@@ -495,6 +495,7 @@ impl ScenarioRun {
             call: Some(Self::call_identity(n, c.call_id.as_deref())),
             approval_id: c.approval_from.map(|k| self.approval_id_of(k)).transpose()?,
             deadline_ms: c.deadline_ms,
+            token_id: None,
         })
     }
 

@@ -284,7 +284,7 @@ impl Tx<'_> {
     pub fn sent_without_effect(&self) -> R<Vec<String>> {
         let mut st = self.conn.prepare_cached(
             "SELECT DISTINCT a.operation_id FROM attempts a JOIN operations o ON o.id = a.operation_id
-             WHERE a.sent_at IS NOT NULL
+             WHERE a.sent_at IS NOT NULL AND coalesce(a.outcome, '') NOT IN ('refused', 'not_sent')
                AND (o.state = 'failed' OR (o.state = 'resolved' AND o.resolution = 'failed'))
              ORDER BY a.operation_id",
         )?;

@@ -158,9 +158,10 @@ impl Tx<'_> {
         rows.collect::<Result<_, _>>()
     }
 
-    /// An order, locked for this transaction on PostgreSQL (`FOR UPDATE`), so
-    /// that two hosts deciding from its balance at once take turns; on SQLite
-    /// the write lock is already held.
+    /// An order, locked for this transaction on PostgreSQL (`FOR UPDATE`):
+    /// transactions deciding from its balance queue behind each other (the
+    /// SERIALIZABLE conflict on what they read and hold keeps them correct
+    /// either way); on SQLite the write lock is already held.
     pub fn order_for_update(&self, order_ref: &str) -> R<Option<OrderRow>> {
         if self.backend() == super::Backend::Postgres {
             return self

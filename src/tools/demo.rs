@@ -21,6 +21,18 @@ pub fn resource(order_ref: &str) -> String {
     format!("order:{order_ref}")
 }
 
+/// A refund's amount in minor units: an integer, also when written with a
+/// zero fraction (`500.0`, which the schema's `integer` accepts and the
+/// canonical form writes as `500`). `None` for anything else.
+fn amount(call: &ToolCall<'_>) -> Option<i64> {
+    let v = call.arguments.get("amount_minor")?;
+    v.as_i64().or_else(|| {
+        let f = v.as_f64()?;
+        // Exactly an integer within i64 (the schema caps amounts far below 2^53).
+        (f.fract() == 0.0 && f.abs() < 9.0e15).then_some(f as i64)
+    })
+}
+
 fn order_ref<'a>(call: &ToolCall<'a>) -> Option<&'a str> {
     call.arguments.get("order_ref").and_then(Value::as_str)
 }
@@ -37,11 +49,16 @@ impl ToolDomain for DemoDomain {
             return Ok(None);
         }
         let order_ref = order_ref(call).unwrap_or_default();
-        // Locked on PostgreSQL: two hosts granting from one balance take turns.
+        // On PostgreSQL the writes are SERIALIZABLE: the read of what is held
+        // below conflicts with a concurrent accept's new hold, and one of the two
+        // is retried by the store. The row lock makes accepts of one order queue
+        // behind each other instead of both running to that conflict.
         let Some(o) = tx.order_for_update(order_ref)? else {
             return Ok(Some("order_missing"));
         };
-        let amount = call.arguments.get("amount_minor").and_then(Value::as_i64).unwrap_or(0);
+        let Some(amount) = amount(call) else {
+            return Ok(Some("amount_invalid"));
+        };
         let currency = call.arguments.get("currency").and_then(Value::as_str).unwrap_or_default();
         if o.status == "refunded" {
             return Ok(Some("order_not_refundable"));
@@ -59,7 +76,7 @@ impl ToolDomain for DemoDomain {
     }
 
     fn hold(&self, call: &ToolCall<'_>) -> Option<Hold> {
-        let amount = call.arguments.get("amount_minor").and_then(Value::as_i64)?;
+        let amount = amount(call)?;
         let order = order_ref(call)?;
         (call.tool == "create_refund" && amount > 0).then(|| Hold { resource: resource(order), amount })
     }
@@ -68,11 +85,41 @@ impl ToolDomain for DemoDomain {
         if call.tool != "create_refund" {
             return Ok(None);
         }
-        let amount = call.arguments.get("amount_minor").and_then(Value::as_i64).unwrap_or(0);
+        let amount = amount(call).unwrap_or(0);
         let order_ref = order_ref(call).unwrap_or_default();
         let over = tx.order(order_ref)?.map_or(0, |o| (o.refunded_minor + amount - o.captured_minor).max(0));
         tx.apply_refund(order_ref, amount)?;
         Ok((over > 0).then(|| format!("refund paid {over} above the capture of {order_ref} (over_captured)")))
+    }
+
+    fn context(&self, tx: &Tx<'_>, call: &ToolCall<'_>) -> Result<Vec<(String, String)>, StoreError> {
+        let Some(o) = tx.order(order_ref(call).unwrap_or_default())? else { return Ok(Vec::new()) };
+        let held = tx.held_on(&resource(&o.order_ref), None)?;
+        let own = match call.operation_id {
+            Some(id) => tx.hold_of(id)?.map_or(0, |(_, amount)| amount),
+            None => 0,
+        };
+        let m = |minor: i64| format!("{}.{:02} {}", minor / 100, (minor % 100).abs(), o.currency);
+        let mut lines = vec![
+            ("order".to_string(), format!("{} ({})", o.order_ref, o.status)),
+            (
+                "balance".to_string(),
+                format!(
+                    "captured {} · refunded {} · held {} · remaining {}",
+                    m(o.captured_minor),
+                    m(o.refunded_minor),
+                    m(held),
+                    m(o.captured_minor - o.refunded_minor - held)
+                ),
+            ),
+        ];
+        if own > 0 {
+            lines.push(("this call holds".to_string(), m(own)));
+        }
+        if o.over_refunded_minor > 0 {
+            lines.push(("PAID ABOVE CAPTURE".to_string(), m(o.over_refunded_minor)));
+        }
+        Ok(lines)
     }
 
     fn read(&self, tx: &Tx<'_>, call: &ToolCall<'_>) -> Result<Option<Value>, StoreError> {

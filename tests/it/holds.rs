@@ -366,3 +366,25 @@ fn a_failed_resolution_with_evidence_is_checked_as_no_effect() {
     assert!(out.applied, "{out:?}");
     assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
 }
+
+/// An amount written with a zero fraction (`12000.0`, an integer to the
+/// schema and `12000` in the canonical form) is held and counted like `12000`.
+#[test]
+fn an_amount_with_a_zero_fraction_is_held_and_counted() {
+    let fx = Fixture::new();
+    let mut e = fx.engine();
+    let whole = |amount: &str, key: &str| DispatchRequest {
+        arguments: format!(r#"{{"order_ref":"ord_1001","amount_minor":{amount},"currency":"EUR","reason":"damaged"}}"#)
+            .into_bytes(),
+        ..refund(key, 1)
+    };
+    let lost = dispatch_with(&mut e, &whole("11000.0", "zero-fraction-01"), "timeout_after_commit");
+    assert_eq!(lost.code(), Some(Code::OutcomeUnknown));
+    assert_eq!(held(&mut e), 11_000);
+    let over = e.dispatch(&whole("1001.0", "zero-fraction-02")).unwrap();
+    assert_eq!(over.code(), Some(Code::BusinessRuleViolation), "{over:?}");
+    let fits = e.dispatch(&whole("1000.0", "zero-fraction-03")).unwrap();
+    assert_eq!(fits.model_result.status, Status::Succeeded, "{fits:?}");
+    assert_eq!(held(&mut e), 11_000);
+    assert_eq!(order(&mut e).refunded_minor, 1_000);
+}

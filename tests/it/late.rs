@@ -108,6 +108,8 @@ fn a_late_receipt_reopens_a_failed_decision_as_a_contradiction(backend: Backend)
     assert_eq!(reopened.code.as_deref(), Some(Code::StatusConflict.as_str()));
     assert_eq!(reopened.resolution.as_deref(), Some("failed"), "the person's decision is kept beside the receipt");
     assert_eq!(reopened.resolved_by.as_deref(), Some("bob"));
+    let held: i64 = e.holds().unwrap().iter().filter(|h| h.0 == op).map(|h| h.2).sum();
+    assert_eq!(held, 1_000, "under review again, it holds what it was granted (the money is gone)");
     let log = e.audit_log(10).unwrap();
     assert!(
         log.iter().any(|a| a.action == "contradiction" && a.operation_id.as_deref() == Some(op.as_str())),
@@ -190,3 +192,51 @@ fn across_processes_failed_is_refused_while_the_dispatch_is_inside_the_call(back
 }
 
 crate::on_both_backends!(across_processes_failed_is_refused_while_the_dispatch_is_inside_the_call);
+
+/// The engine itself never decides "failed" while a send may land: a re-queued
+/// attempt (the reaper took the lease from a sender still inside the call)
+/// whose re-check now refuses (the grant was revoked) parks the operation as
+/// unknown, keeping its hold, instead of failing it.
+fn a_refused_recheck_after_a_detached_send_is_unknown_not_failed(backend: Backend) {
+    let fx = Fixture::on(backend);
+    let (gate, sender, op) = parked_sender(&fx, "late-send-00003");
+    let mut e = fx.engine();
+    // Past the lease (attempt timeout + 1 s), within the deadline: re-queued under the same key.
+    fx.clock.advance(ATTEMPT_TIMEOUT_MS + 1_500);
+    let reaped = e.reap().unwrap();
+    assert_eq!(reaped.requeued_same_key, 1, "{reaped:?}");
+    assert!(e.revoke("acme", "agent_ana", "create_refund").unwrap());
+    e.work(10).unwrap();
+    let parked = row(&mut e, &op);
+    assert_eq!(parked.state, OpState::Unknown, "attempt 1 may still land: not failed");
+    let held: i64 = e.holds().unwrap().iter().filter(|h| h.0 == op).map(|h| h.2).sum();
+    assert_eq!(held, 1_000);
+    gate.open();
+    sender.join().unwrap();
+}
+
+crate::on_both_backends!(a_refused_recheck_after_a_detached_send_is_unknown_not_failed);
+
+/// A token revoked between a request's authentication and its accept: the
+/// accepting transaction reads the token again, so the call is refused
+/// (`TOKEN_REVOKED`) and nothing is accepted.
+fn a_token_revoked_before_the_accept_commits_refuses_the_call(backend: Backend) {
+    use toolgate::engine::tokens::{Principal, TokenFor};
+    let fx = Fixture::on(backend);
+    let mut e = fx.engine();
+    let t =
+        e.create_token(&TokenFor::Subject { tenant: "acme".into(), subject: "agent_ana".into() }, None, None).unwrap();
+    let header = format!("Bearer {}", t.token);
+    let Ok(Principal::Subject { token_id, .. }) = e.authenticate(Some(header.as_bytes())).unwrap() else {
+        panic!("the token authenticates")
+    };
+    // The revocation commits after the authentication, before the accept.
+    assert!(fx.engine().revoke_token(&token_id).unwrap());
+    let req = toolgate::engine::DispatchRequest { token_id: Some(token_id), ..refund("revoked-token-01", 500) };
+    let err = e.dispatch(&req).unwrap_err();
+    assert_eq!(err.code(), "TOKEN_REVOKED", "{err}");
+    assert!(e.list_operations(None, 10).unwrap().is_empty(), "nothing accepted");
+    assert!(e.holds().unwrap().is_empty());
+}
+
+crate::on_both_backends!(a_token_revoked_before_the_accept_commits_refuses_the_call);

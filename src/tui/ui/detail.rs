@@ -113,6 +113,10 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             ),
         ),
     ]);
+    // The resource as it is now (the tool's domain says what that is).
+    for (label, value) in &d.context {
+        lines.push(kv(label, value.clone()));
+    }
     if let Some(r) = &o.resolution {
         lines.push(kv(
             "resolution",
