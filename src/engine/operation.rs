@@ -530,6 +530,12 @@ pub(crate) fn business_rules(
     domain.rules(tx, &ToolCall { tenant, subject, tool, arguments: args, operation_id })
 }
 
+/// The call of a stored operation as its tool's domain sees it (`args`: its
+/// arguments, from [`args_of`]).
+pub(crate) fn domain_call<'a>(op: &'a OperationRow, args: &'a Value) -> ToolCall<'a> {
+    ToolCall { tenant: &op.tenant, subject: &op.subject, tool: &op.tool, arguments: args, operation_id: Some(&op.id) }
+}
+
 /// Writes the hold a new execution of an accepted operation reserves (the
 /// domain's, [`crate::engine::tool::Hold`]), in the accept's transaction.
 pub(crate) fn reserve(
@@ -539,14 +545,7 @@ pub(crate) fn reserve(
     args: &Value,
     now: i64,
 ) -> Result<(), StoreError> {
-    let call = ToolCall {
-        tenant: &op.tenant,
-        subject: &op.subject,
-        tool: &op.tool,
-        arguments: args,
-        operation_id: Some(&op.id),
-    };
-    match domain.hold(&call) {
+    match domain.hold(&domain_call(op, args)) {
         Some(h) => tx.insert_hold(&op.id, &h.resource, h.amount, now),
         None => Ok(()),
     }
@@ -562,14 +561,7 @@ pub(crate) fn apply_business_effect(
 ) -> Result<Option<String>, StoreError> {
     let args = args_of(&op.request_json);
     let result = op.result_json.as_deref().and_then(|r| serde_json::from_str(r).ok()).unwrap_or(Value::Null);
-    let call = ToolCall {
-        tenant: &op.tenant,
-        subject: &op.subject,
-        tool: &op.tool,
-        arguments: &args,
-        operation_id: Some(&op.id),
-    };
-    domain.apply(tx, &call, &result)
+    domain.apply(tx, &domain_call(op, &args), &result)
 }
 
 #[cfg(test)]

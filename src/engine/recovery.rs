@@ -7,8 +7,8 @@ use serde_json::{json, Value};
 use super::canonical::{canonical_string, digest_value, sha256_hex, CallIdentity, Revisions, StatusRefError};
 use super::envelope::{Code, Delivery, Envelope, ProtectedAudit};
 use super::operation::{
-    apply_business_effect, approval_amount, args_of, authorize, binding_of, business_rules, op_envelope, reserve,
-    revisions_of, verify_approval, verify_row,
+    apply_business_effect, approval_amount, args_of, authorize, binding_of, business_rules, domain_call, op_envelope,
+    reserve, revisions_of, verify_approval, verify_row,
 };
 use super::tool::Lookup;
 use super::tool::ToolCall;
@@ -950,14 +950,7 @@ impl Engine {
             let may_land_until =
                 attempts.iter().filter_map(|a| a.may_land_until(timeout)).max().filter(|until| *until > now);
             let args = args_of(&operation.request_json);
-            let call = ToolCall {
-                tenant: &operation.tenant,
-                subject: &operation.subject,
-                tool: &operation.tool,
-                arguments: &args,
-                operation_id: Some(&operation.id),
-            };
-            let context = toolset.domain(&operation.tool).context(tx, &call)?;
+            let context = toolset.domain(&operation.tool).context(tx, &domain_call(&operation, &args))?;
             Ok(Some(Ok(OperationDetail {
                 outbox: tx.outbox(id)?,
                 attempts,
@@ -1051,18 +1044,7 @@ impl Engine {
                 let calls: Vec<(ToolCall<'_>, Value)> = succeeded
                     .iter()
                     .filter(|(o, ..)| tools.contains(&o.tool))
-                    .map(|(o, a, r)| {
-                        (
-                            ToolCall {
-                                tenant: &o.tenant,
-                                subject: &o.subject,
-                                tool: &o.tool,
-                                arguments: a,
-                                operation_id: Some(&o.id),
-                            },
-                            r.clone(),
-                        )
-                    })
+                    .map(|(o, a, r)| (domain_call(o, a), r.clone()))
                     .collect();
                 domain.audit(tx, &calls, &mut find)?;
             }

@@ -44,14 +44,17 @@ fn request(i: usize, conflicting: bool) -> DispatchRequest {
     }
 }
 
-fn four_processes_two_threads_each_make_exactly_one_effect_per_intent(backend: Backend) {
-    let fx = crate::support::Fixture::on(backend);
-    let go = fx.scratch().join("go");
+/// Starts `PROCESSES` copies of this test binary running the child test
+/// `child` on the fixture's database, releases them together, and returns
+/// each one's JSON lines (a child that failed, or that met a lock error,
+/// fails the race).
+fn run_children(fx: &crate::support::Fixture, child: &str, child_env: &str) -> Vec<Value> {
+    let go = fx.scratch().join(format!("go-{child}"));
     let children: Vec<_> = (0..PROCESSES)
         .map(|p| {
             Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", "race::race_child", "--nocapture", "--test-threads=1", "-q"])
-                .env(CHILD_ENV, fx.path())
+                .args(["--exact", child, "--nocapture", "--test-threads=1", "-q"])
+                .env(child_env, fx.path())
                 .env("TOOLGATE_RACE_GO", &go)
                 .env("TOOLGATE_RACE_PROCESS", p.to_string())
                 .stdout(Stdio::piped())
@@ -72,6 +75,12 @@ fn four_processes_two_threads_each_make_exactly_one_effect_per_intent(backend: B
         results
             .extend(stdout.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str::<Value>(l).unwrap()));
     }
+    results
+}
+
+fn four_processes_two_threads_each_make_exactly_one_effect_per_intent(backend: Backend) {
+    let fx = crate::support::Fixture::on(backend);
+    let results = run_children(&fx, "race::race_child", CHILD_ENV);
     let per_caller = INTENTS + CONFLICTING;
     assert_eq!(results.len(), PROCESSES * THREADS * per_caller, "every call answered");
     let errors: Vec<&Value> = results.iter().filter(|r| r["error"].is_string()).collect();
@@ -167,34 +176,7 @@ const HOLD_REFUNDS: usize = 3;
 /// across processes as they do across threads.
 fn four_processes_refunding_one_order_are_never_paid_past_its_capture(backend: Backend) {
     let fx = crate::support::Fixture::on(backend);
-    let go = fx.scratch().join("go-holds");
-    let children: Vec<_> = (0..PROCESSES)
-        .map(|p| {
-            Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", "race::race_holds_child", "--nocapture", "--test-threads=1", "-q"])
-                .env(HOLD_CHILD_ENV, fx.path())
-                .env("TOOLGATE_RACE_GO", &go)
-                .env("TOOLGATE_RACE_PROCESS", p.to_string())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    std::fs::write(&go, b"go").unwrap();
-    let mut results = Vec::new();
-    for c in children {
-        let out = c.wait_with_output().unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "a racing process failed ({}):\n{stdout}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        results
-            .extend(stdout.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str::<Value>(l).unwrap()));
-    }
+    let results = run_children(&fx, "race::race_holds_child", HOLD_CHILD_ENV);
     assert_eq!(results.len(), PROCESSES * THREADS * HOLD_REFUNDS, "every call answered");
     let paid = results.iter().filter(|r| r["status"] == "succeeded").count();
     assert_eq!(paid, 12, "{results:#?}");
