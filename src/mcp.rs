@@ -316,8 +316,10 @@ impl Gate {
     }
 
     async fn call(&self, request: CallToolRequestParams, ctx: &RequestContext<RoleServer>) -> CallToolResult {
+        // JSON-RPC ids 13 and "13" are two requests: a string id is marked as
+        // one (a number never starts with `str_`), so they never share a call id.
         let id = match serde_json::to_value(&ctx.id) {
-            Ok(Value::String(s)) => s,
+            Ok(Value::String(s)) => format!("str_{s}"),
             Ok(v) => v.to_string(),
             Err(_) => String::new(),
         };

@@ -132,6 +132,45 @@ struct App {
     /// Ends every MCP session at shutdown (an open event stream would
     /// otherwise hold its connection until the drain timeout).
     mcp_stop: tokio_util::sync::CancellationToken,
+    /// Each `/mcp` session, bound to the principal whose token opened it.
+    mcp_owners: std::sync::Mutex<McpOwners>,
+}
+
+/// The principal (tenant, subject) that opened each MCP session on `/mcp`,
+/// oldest first. A request on a session from anyone else, or on a session this
+/// map does not hold (ended, never issued), is `NO_SUCH_SESSION` (404), the
+/// same answer for each. At most [`MAX_MCP_SESSIONS`] are kept; the oldest
+/// beyond that is forgotten, which ends it for every caller (fail closed).
+#[derive(Default)]
+struct McpOwners {
+    by_session: std::collections::HashMap<String, (String, String)>,
+    order: std::collections::VecDeque<String>,
+}
+
+/// How many MCP sessions the server remembers the owner of.
+const MAX_MCP_SESSIONS: usize = 4096;
+
+impl McpOwners {
+    fn owner(&self, session: &str) -> Option<&(String, String)> {
+        self.by_session.get(session)
+    }
+
+    fn open(&mut self, session: String, principal: (String, String)) {
+        if self.by_session.insert(session.clone(), principal).is_none() {
+            self.order.push_back(session);
+        }
+        while self.order.len() > MAX_MCP_SESSIONS {
+            if let Some(old) = self.order.pop_front() {
+                self.by_session.remove(&old);
+            }
+        }
+    }
+
+    fn close(&mut self, session: &str) {
+        if self.by_session.remove(session).is_some() {
+            self.order.retain(|s| s != session);
+        }
+    }
 }
 
 /// Serves until Ctrl-C or SIGTERM, then stops accepting, lets in-flight
@@ -175,7 +214,7 @@ pub fn serve_until(
         Arc::new(Pool::start(engines, opts.threads * QUEUE_PER_THREAD).map_err(|e| ServeError::Runtime(e.kind()))?);
     let mcp_stop = tokio_util::sync::CancellationToken::new();
     let mcp = crate::mcp::http_service(pool.clone(), tools, demo, opts.public, mcp_stop.clone());
-    let app = Arc::new(App { pool, demo, mcp, mcp_stop });
+    let app = Arc::new(App { pool, demo, mcp, mcp_stop, mcp_owners: std::sync::Mutex::default() });
     let (stop_worker, stopped) = std::sync::mpsc::channel::<()>();
     let run_worker = opts.worker;
     let worker = std::thread::Builder::new()
@@ -338,7 +377,28 @@ fn router(app: Arc<App>) -> Router {
         .route("/mcp", any(mcp))
         .fallback(|| async { refuse(status::NO_SUCH_ROUTE) })
         .method_not_allowed_fallback(|| async { refuse(status::METHOD_NOT_ALLOWED) })
+        .layer(axum::middleware::from_fn(one_of_each_identity_header))
         .with_state(app)
+}
+
+/// Whether a header says who is calling or which intent a call is: it must
+/// appear at most once.
+fn names_an_identity(name: &str) -> bool {
+    matches!(name, "authorization" | "idempotency-key" | "mcp-session-id") || name.starts_with("toolgate-")
+}
+
+/// Refuses a request that carries an identity header twice (400
+/// `DUPLICATE_HEADER`), before any route sees it. A handler reads one value
+/// of a header, so two `Idempotency-Key` headers in the other order would be
+/// another intent (a second refund), and two `Authorization` headers would
+/// leave which token counts to the order of lines. The folded form
+/// (`A, B` in one line) is refused by the key's own check.
+async fn one_of_each_identity_header(req: Request<Body>, next: axum::middleware::Next) -> Response {
+    let h = req.headers();
+    if h.keys().any(|name| names_an_identity(name.as_str()) && h.get_all(name).iter().nth(1).is_some()) {
+        return refuse(status::DUPLICATE_HEADER);
+    }
+    next.run(req).await
 }
 
 /// `/mcp`: MCP over streamable HTTP (rmcp). The token is resolved here
@@ -347,9 +407,10 @@ fn router(app: Arc<App>) -> Router {
 /// mid-session stops working at its next call.
 async fn mcp(State(app): State<Arc<App>>, req: Request<Body>) -> Response {
     use tower::ServiceExt as _;
-    if let Err(refused) = subject_of(&app, req.headers()).await {
-        return refused;
-    }
+    let principal = match subject_of(&app, req.headers()).await {
+        Ok(p) => p,
+        Err(refused) => return refused,
+    };
     // Faults only on a demo ledger, and only well-formed ones (as on the call endpoint).
     if let Some(spec) = header_text(req.headers(), "toolgate-fault") {
         if !app.demo {
@@ -359,10 +420,33 @@ async fn mcp(State(app): State<Arc<App>>, req: Request<Body>) -> Response {
             return refuse(status::BAD_FAULT);
         }
     }
-    match app.mcp.clone().oneshot(req).await {
+    // A session is its opener's: another principal's request on it (a call, a
+    // cancellation, a DELETE) meets a session that does not exist.
+    let session = header_text(req.headers(), "mcp-session-id");
+    if let Some(id) = &session {
+        let owner = app.mcp_owners.lock().unwrap_or_else(std::sync::PoisonError::into_inner).owner(id).cloned();
+        if owner.as_ref() != Some(&principal) {
+            // Another principal's, ended, or never issued: the same answer for all three.
+            return refuse(status::NO_SUCH_SESSION);
+        }
+    }
+    let delete = req.method() == axum::http::Method::DELETE;
+    let r = match app.mcp.clone().oneshot(req).await {
         Ok(r) => r.map(Body::new),
         Err(never) => match never {},
+    };
+    let mut owners = app.mcp_owners.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    match &session {
+        // `initialize` opened one: it is this principal's.
+        None => {
+            if let Some(id) = r.headers().get("mcp-session-id").and_then(|v| v.to_str().ok()) {
+                owners.open(id.to_string(), principal);
+            }
+        }
+        Some(id) if delete && r.status().is_success() => owners.close(id),
+        Some(_) => {}
     }
+    r
 }
 
 // ------------------------------------------------------------------ replies

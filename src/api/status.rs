@@ -97,6 +97,8 @@ server_codes! {
         "The request body is not the JSON object this endpoint takes.";
     INVALID_HEADER = "INVALID_HEADER", BAD_REQUEST, "invalid_request", "correct_input",
         "A request header has a value this endpoint cannot take.";
+    DUPLICATE_HEADER = "DUPLICATE_HEADER", BAD_REQUEST, "invalid_request", "correct_input",
+        "A header that names the caller or the intent (Authorization, Idempotency-Key, Mcp-Session-Id, Toolgate-*) appears more than once.";
     FAULT_NOT_ALLOWED = "FAULT_NOT_ALLOWED", BAD_REQUEST, "invalid_request", "correct_input",
         "Toolgate-Fault is honoured only on a database marked as a demo.";
     BAD_FAULT = "BAD_FAULT", BAD_REQUEST, "invalid_request", "correct_input",
@@ -107,6 +109,8 @@ server_codes! {
         "This endpoint takes no query parameter but one ?project=.";
     NO_SUCH_ROUTE = "NO_SUCH_ROUTE", NOT_FOUND, "not_found", "none",
         "There is no such endpoint.";
+    NO_SUCH_SESSION = "NO_SUCH_SESSION", NOT_FOUND, "not_found", "correct_input",
+        "There is no such MCP session for this token: start one with initialize.";
     NO_SUCH_OPERATION = "NO_SUCH_OPERATION", NOT_FOUND, "not_found", "none",
         "There is no such operation.";
     METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED", METHOD_NOT_ALLOWED, "invalid_request", "correct_input",

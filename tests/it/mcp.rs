@@ -405,3 +405,74 @@ fn mcp_over_streamable_http_in_serve(backend: Backend) {
 }
 
 crate::on_both_backends!(mcp_over_streamable_http_in_serve);
+
+/// A session on `/mcp` is its opener's: another tenant's agent holding the
+/// session id meets a session that does not exist (a request, a cancellation,
+/// a DELETE: 404 `NO_SUCH_SESSION`, exactly as for an id that never existed),
+/// and the opener's session goes on working.
+fn an_mcp_session_is_its_openers_only(backend: Backend) {
+    use crate::serve::{agent_token, Server};
+    let f = Fixture::on(backend);
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let gus = agent_token(f.path(), "globex", "agent_gus");
+    let server = Server::start(f.path(), &[]);
+    let http: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let send = |method: &str, token: &str, session: Option<&str>, body: Option<Value>| {
+        let url = format!("{}/mcp", server.url);
+        let mut r = if method == "DELETE" { http.delete(&url).force_send_body() } else { http.post(&url) };
+        r = r
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .header("mcp-protocol-version", "2025-06-18")
+            .header("authorization", &format!("Bearer {token}"));
+        if let Some(s) = session {
+            r = r.header("mcp-session-id", s);
+        }
+        let mut resp = r.send(body.map(|b| b.to_string()).unwrap_or_default()).unwrap();
+        let sid = resp.headers().get("mcp-session-id").and_then(|v| v.to_str().ok()).map(str::to_string);
+        (resp.status().as_u16(), sid, resp.body_mut().read_to_string().unwrap_or_default())
+    };
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}});
+    let (st, sid, body) = send("POST", &ana, None, Some(init));
+    assert_eq!(st, 200, "{body}");
+    let sid = sid.expect("a session id");
+    let initialized = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+    let (st, _, body) = send("POST", &ana, Some(&sid), Some(initialized));
+    assert!(st == 202 || st == 200, "{st} {body}");
+    let list = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"});
+    // What a session that never existed looks like.
+    let (missing, _, missing_body) = send("POST", &gus, Some("no-such-session-at-all"), Some(list.clone()));
+    assert_eq!(missing, 404, "{missing_body}");
+    assert!(missing_body.contains("NO_SUCH_SESSION"), "{missing_body}");
+    // Another tenant's agent with ana's session id: the same answer.
+    let (st, _, body) = send("POST", &gus, Some(&sid), Some(list.clone()));
+    assert_eq!((st, body.as_str()), (missing, missing_body.as_str()), "a session of another principal does not exist");
+    let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 2}});
+    let (st, _, _) = send("POST", &gus, Some(&sid), Some(cancel));
+    assert_eq!(st, missing);
+    let (st, _, _) = send("DELETE", &gus, Some(&sid), None);
+    assert_eq!(st, missing, "another principal cannot end the session");
+    // The opener's session is untouched.
+    let (st, _, body) = send("POST", &ana, Some(&sid), Some(list));
+    assert_eq!(st, 200, "{body}");
+    assert!(body.contains("create_refund"), "{body}");
+    // JSON-RPC ids 13 and "13" are two calls, not one call identity used twice.
+    for (id, key, amount) in [(json!(13), "mcp-id-number-13", 100), (json!("13"), "mcp-id-string-13", 200)] {
+        let call = json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {"name": "create_refund",
+            "arguments": {"order_ref": "ord_1001", "amount_minor": amount, "currency": "EUR", "reason": "damaged",
+                          "idempotency_key": key}}});
+        let (st, _, body) = send("POST", &ana, Some(&sid), Some(call));
+        assert_eq!(st, 200, "{body}");
+        assert!(!body.contains("CALL_ID_CONFLICT"), "id {id}: {body}");
+    }
+    let keys: Vec<String> = f.engine().list_operations(None, 10).unwrap().into_iter().map(|o| o.idem_key).collect();
+    assert!(
+        keys.contains(&"mcp-id-number-13".to_string()) && keys.contains(&"mcp-id-string-13".to_string()),
+        "{keys:?}"
+    );
+    let (st, _, _) = send("DELETE", &ana, Some(&sid), None);
+    assert!(st < 300, "the opener ends it: {st}");
+}
+
+crate::on_both_backends!(an_mcp_session_is_its_openers_only);

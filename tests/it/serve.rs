@@ -531,6 +531,40 @@ fn other_callers_ids_are_404_and_agents_cannot_act_as_operators(backend: Backend
     assert_eq!(effects(&f), 2);
 }
 
+/// Two `Idempotency-Key` headers (either order), two `Authorization` headers
+/// or a `Toolgate-*` identity header twice: 400 `DUPLICATE_HEADER`, nothing
+/// accepted. (A handler reads one value: the keys in the other order used to
+/// be a second intent, a second refund.)
+fn an_identity_header_sent_twice_is_refused_and_changes_nothing(backend: Backend) {
+    let f = Fixture::on(backend);
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let ben = agent_token(f.path(), "acme", "agent_ben");
+    let server = Server::start(f.path(), &[]);
+    let c = Client::new(&server);
+    let args = refund_args("ord_1001", 700);
+    let json = ("content-type", "application/json");
+    let path = "/v1/tools/create_refund/calls";
+    let ben_bearer = format!("Bearer {ben}");
+    for (what, headers) in [
+        ("keys A then B", vec![json, ("idempotency-key", "twice-key-aaaa"), ("idempotency-key", "twice-key-bbbb")]),
+        ("keys B then A", vec![json, ("idempotency-key", "twice-key-bbbb"), ("idempotency-key", "twice-key-aaaa")]),
+        ("two tokens", vec![json, ("idempotency-key", "twice-key-cccc"), ("authorization", ben_bearer.as_str())]),
+        (
+            "call id twice",
+            vec![json, ("idempotency-key", "twice-key-dddd"), ("toolgate-call-id", "c1"), ("toolgate-call-id", "c2")],
+        ),
+    ] {
+        let a = c.send("POST", path, Some(&ana), &headers, Some(args.as_bytes()));
+        assert_eq!((a.status, a.code()), (400, Some("DUPLICATE_HEADER")), "{what}: {:?}", a.body);
+    }
+    let mut e = f.engine();
+    assert!(e.list_operations(None, 10).unwrap().is_empty(), "nothing accepted");
+    assert_eq!(effects(&f), 0);
+    // One of each is an ordinary call.
+    let ok = c.call(&ana, "create_refund", Some("twice-key-aaaa"), &args, &[]);
+    assert_eq!(ok.status, 200, "{:?}", ok.body);
+}
+
 fn hostile_requests_get_stable_codes_and_change_nothing(backend: Backend) {
     let f = Fixture::on(backend);
     let ana = agent_token(f.path(), "acme", "agent_ana");
@@ -1241,6 +1275,7 @@ crate::on_both_backends!(
     tokens_are_checked_at_every_request_and_never_stored,
     other_callers_ids_are_404_and_agents_cannot_act_as_operators,
     hostile_requests_get_stable_codes_and_change_nothing,
+    an_identity_header_sent_twice_is_refused_and_changes_nothing,
     sigterm_lets_the_call_in_flight_finish_and_exits_0,
     projections_render_the_model_result_only,
     scenario_5_approvals_through_the_api,
