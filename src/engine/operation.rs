@@ -278,6 +278,17 @@ fn verify_checked(op: &Checked<'_>) -> Result<(), &'static str> {
         (None, None) => {}
         _ => return Err("result and result digest disagree"),
     }
+    // The state must agree with the row's own evidence: a row that holds the
+    // provider's receipt and a result is not one that "had no effect" or
+    // "never ran", and a success without them is not a success.
+    let evidence = op.receipt_id.is_some() && op.result_json.is_some();
+    match op.state {
+        "failed" | "accepted" if op.receipt_id.is_some() || op.downstream_request_id.is_some() => {
+            return Err("state contradicts the row's own receipt");
+        }
+        "succeeded" if !evidence => return Err("succeeded without its receipt and result"),
+        _ => {}
+    }
     if op.binding() != op.call_binding_sha256 {
         return Err("call_binding_sha256 does not recompute");
     }

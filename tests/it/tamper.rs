@@ -220,7 +220,26 @@ fn a_hand_edited_state_leaves_the_counts_behind_and_audit_says_so(backend: Backe
     }
 }
 
+/// A succeeded refund flipped to `failed` by hand (its receipt, result and the
+/// provider's effect still there): the audit names the contradiction, and a
+/// replay answers STATUS_CONFLICT, never "failed, not started", which would send
+/// an agent to retry under a new key and pay twice.
+fn a_success_flipped_to_failed_is_found_and_never_replayed_as_failed(backend: Backend) {
+    let w = world(backend);
+    w.fx.exec_batch(&format!(
+        "UPDATE operations SET state = 'failed', code = 'BUSINESS_RULE_VIOLATION' WHERE id = {OK}"
+    ))
+    .unwrap();
+    let mut e = w.fx.engine();
+    let found = findings(&mut e);
+    assert!(found.iter().any(|f| f.contains("state contradicts the row's own receipt")), "{found:#?}");
+    let replay = e.dispatch(&w.replay).unwrap();
+    assert_eq!(code(&replay), Some(Code::StatusConflict), "{replay:?}");
+    assert_eq!(effects(&mut e), 2, "nothing executed again");
+}
+
 crate::on_both_backends!(
+    a_success_flipped_to_failed_is_found_and_never_replayed_as_failed,
     a_hand_edited_state_leaves_the_counts_behind_and_audit_says_so,
     every_tamper_is_found_by_audit_and_never_replayed_as_new_work,
     an_approver_never_approves_an_amount_other_than_the_bound_one,
