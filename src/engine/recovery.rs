@@ -451,7 +451,7 @@ impl Engine {
                 self.operator_query(operation_id, LATE_REPLY_ACTOR)?;
             }
             // "Compensated" expects a receipt (the effect happened and was undone).
-            OpState::Resolved if op.resolution.as_deref() == Some("failed") => {
+            OpState::Resolved if op.resolution.as_deref() == Some(Resolution::Failed.as_str()) => {
                 let contracts = self.contracts.clone();
                 let Some(contract) = contracts.get(&op.tool) else { return Ok(()) };
                 let lookup = self

@@ -120,40 +120,50 @@ fn four_processes_two_threads_each_make_exactly_one_effect_per_intent(backend: B
 #[test]
 fn race_child() {
     // Not a test by itself: the entry point the race re-executes.
-    let Some(path) = std::env::var_os(CHILD_ENV) else { return };
+    in_child(CHILD_ENV, "race", |mut e, process, t| {
+        let mut order: Vec<usize> = (0..INTENTS).collect();
+        order.shuffle(&mut StdRng::seed_from_u64((process * THREADS + t) as u64));
+        let mut lines = Vec::new();
+        for i in order {
+            // The conflicting twin goes right after this caller's own dispatch of
+            // the intent, so the ledger holds the original: it must conflict.
+            let twins: &[bool] = if i < CONFLICTING { &[false, true] } else { &[false] };
+            for &conflicting in twins {
+                let line = match e.dispatch(&request(i, conflicting)) {
+                    Ok(env) => json!({
+                        "key": key(i), "conflicting": conflicting,
+                        "status": env.model_result.status, "code": env.code().map(toolgate::engine::envelope::Code::as_str),
+                        "delivery": env.model_result.execution.delivery,
+                    }),
+                    Err(err) => json!({"key": key(i), "conflicting": conflicting, "error": err.to_string()}),
+                };
+                lines.push(line.to_string());
+            }
+        }
+        lines
+    });
+}
+
+/// The child side of [`run_children`]: when `child_env` names a database,
+/// `THREADS` threads (each its own engine, opened first) wait for the go file,
+/// start together, run `each(engine, process, thread)` and the lines they
+/// return are printed for the parent. Without it, nothing happens.
+fn in_child(child_env: &str, worker: &str, each: fn(Engine, usize, usize) -> Vec<String>) {
+    let Some(path) = std::env::var_os(child_env) else { return };
     let go = std::env::var_os("TOOLGATE_RACE_GO").unwrap();
     let process: usize = std::env::var("TOOLGATE_RACE_PROCESS").unwrap().parse().unwrap();
     let barrier = Arc::new(Barrier::new(THREADS));
     let handles: Vec<_> = (0..THREADS)
         .map(|t| {
             let clock = ManualClock::new(T0);
-            let mut e = Engine::open(Path::new(&path), opts(&clock, &format!("race-p{process}-t{t}"))).unwrap();
+            let e = Engine::open(Path::new(&path), opts(&clock, &format!("{worker}-p{process}-t{t}"))).unwrap();
             let (go, barrier) = (go.clone(), barrier.clone());
             std::thread::spawn(move || {
-                let mut order: Vec<usize> = (0..INTENTS).collect();
-                order.shuffle(&mut StdRng::seed_from_u64((process * THREADS + t) as u64));
                 while !Path::new(&go).exists() {
                     std::thread::sleep(Duration::from_millis(1));
                 }
                 barrier.wait();
-                let mut lines = Vec::new();
-                for i in order {
-                    // The conflicting twin goes right after this caller's own dispatch of
-                    // the intent, so the ledger holds the original: it must conflict.
-                    let twins: &[bool] = if i < CONFLICTING { &[false, true] } else { &[false] };
-                    for &conflicting in twins {
-                        let line = match e.dispatch(&request(i, conflicting)) {
-                            Ok(env) => json!({
-                                "key": key(i), "conflicting": conflicting,
-                                "status": env.model_result.status, "code": env.code().map(toolgate::engine::envelope::Code::as_str),
-                                "delivery": env.model_result.execution.delivery,
-                            }),
-                            Err(err) => json!({"key": key(i), "conflicting": conflicting, "error": err.to_string()}),
-                        };
-                        lines.push(line.to_string());
-                    }
-                }
-                lines
+                each(e, process, t)
             })
         })
         .collect();
@@ -198,40 +208,20 @@ fn four_processes_refunding_one_order_are_never_paid_past_its_capture(backend: B
 #[test]
 fn race_holds_child() {
     // Not a test by itself: the entry point the holds race re-executes.
-    let Some(path) = std::env::var_os(HOLD_CHILD_ENV) else { return };
-    let go = std::env::var_os("TOOLGATE_RACE_GO").unwrap();
-    let process: usize = std::env::var("TOOLGATE_RACE_PROCESS").unwrap().parse().unwrap();
-    let barrier = Arc::new(Barrier::new(THREADS));
-    let handles: Vec<_> = (0..THREADS)
-        .map(|t| {
-            let clock = ManualClock::new(T0);
-            let mut e = Engine::open(Path::new(&path), opts(&clock, &format!("holds-p{process}-t{t}"))).unwrap();
-            let (go, barrier) = (go.clone(), barrier.clone());
-            std::thread::spawn(move || {
-                while !Path::new(&go).exists() {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                barrier.wait();
-                (0..HOLD_REFUNDS)
-                    .map(|i| {
-                        let req = crate::support::refund(&format!("holds-race-{process}-{t}-{i}"), 1_000);
-                        let env = e.dispatch(&req).unwrap();
-                        let rule = env.model_result.error.as_ref().and_then(|x| x.detail.as_ref()).map(|d| d["rule"].clone());
-                        json!({
-                            "status": env.model_result.status, "code": env.code().map(toolgate::engine::envelope::Code::as_str),
-                            "rule": rule,
-                        })
-                        .to_string()
-                    })
-                    .collect::<Vec<_>>()
+    in_child(HOLD_CHILD_ENV, "holds", |mut e, process, t| {
+        (0..HOLD_REFUNDS)
+            .map(|i| {
+                let req = crate::support::refund(&format!("holds-race-{process}-{t}-{i}"), 1_000);
+                let env = e.dispatch(&req).unwrap();
+                let rule = env.model_result.error.as_ref().and_then(|x| x.detail.as_ref()).map(|d| d["rule"].clone());
+                json!({
+                    "status": env.model_result.status, "code": env.code().map(toolgate::engine::envelope::Code::as_str),
+                    "rule": rule,
+                })
+                .to_string()
             })
-        })
-        .collect();
-    for h in handles {
-        for l in h.join().unwrap() {
-            println!("{l}");
-        }
-    }
+            .collect()
+    });
 }
 
 crate::on_both_backends!(
