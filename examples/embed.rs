@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
-use toolgate::engine::contracts::{Contracts, DownstreamRef, Effect};
+use toolgate::engine::contracts::{Contract, Contracts, DownstreamRef};
 use toolgate::engine::tool::{
     Downstream, DownstreamContext, DownstreamError, DownstreamFactory, DownstreamRequest, Lookup, Receipt, Reply,
     Toolset,
@@ -70,6 +70,8 @@ impl Downstream for InvoicingApi {
                 receipt_id: format!("inv_{n:04}"),
                 request_id: format!("req_{n:04}"),
                 body_sha256: None,
+                // The API echoes the key it made the invoice under.
+                key: Some(key.to_string()),
                 result: json!({
                     "invoice_id": format!("inv_{n:04}"),
                     "customer": req.arguments["customer"],
@@ -95,8 +97,8 @@ impl Downstream for InvoicingApi {
 struct InvoicingAdapter(Arc<Mutex<Api>>);
 
 impl DownstreamFactory for InvoicingAdapter {
-    fn check(&self, d: &DownstreamRef, _effect: Effect) -> Result<(), (String, String)> {
-        if d.http.is_some() {
+    fn check(&self, c: &Contract) -> Result<(), (String, String)> {
+        if c.downstream.http.is_some() {
             return Err(("http".into(), "this adapter takes no http settings".into()));
         }
         Ok(())

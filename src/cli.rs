@@ -212,6 +212,17 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The ledger's one clock: where ledger time comes from, this host's
+    /// offset to it, and whether reaping and purging are paused.
+    Clock {
+        /// On SQLite: make this host's wall clock ledger time (after a jump
+        /// that an operator checked was a correction).
+        #[arg(long)]
+        accept: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Worker pass: run every due outbox row.
     Work {
         /// Print JSON.
@@ -728,6 +739,7 @@ fn command_wants_json(c: Option<&Command>) -> bool {
             | Command::Counts { json }
             | Command::Orders { json }
             | Command::Reap { json }
+            | Command::Clock { json, .. }
             | Command::Work { json }
             | Command::Audit { json, .. }
             | Command::Bench { json, .. },
@@ -1207,6 +1219,14 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 outln!("downstream effects: {}", c.downstream_effects);
                 outln!("side_effect_duplicates: {}", c.side_effect_duplicates);
                 outln!("pending approvals: {}", c.pending_approvals);
+                if let Some(clock) = &c.clock {
+                    outln!(
+                        "clock: {:?}, this host {} ms off ledger time{}",
+                        clock.source,
+                        clock.offset_ms,
+                        clock.paused.as_deref().map(|w| format!("; PAUSED: {w}")).unwrap_or_default()
+                    );
+                }
             }
             Ok(0)
         }
@@ -1288,18 +1308,57 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             let mut engine = open(cli)?;
             let r = engine.reap()?;
             let p = engine.purge_expired()?;
+            let paused = r.clock_paused.clone().or_else(|| p.clock_paused.clone());
             if *json {
                 print_json(&json!({
                     "requeued_unsent": r.requeued_unsent, "requeued_same_key": r.requeued_same_key,
                     "parked_unknown": r.parked_unknown, "purged": p.purged, "kept_for_audit": p.kept_for_audit,
+                    "clock_paused": paused,
                 }));
+            } else if let Some(why) = &paused {
+                outln!("reap paused, nothing done: {why}");
             } else {
                 outln!(
                     "reaped: {} back to accepted (never sent), {} re-queued with the same downstream key, {} parked as unknown; {} purged past retention (tombstones kept), {} past retention kept because a person acted on them",
                     r.requeued_unsent, r.requeued_same_key, r.parked_unknown, p.purged, p.kept_for_audit
                 );
             }
-            Ok(0)
+            // A pass that could not act is not a success a script may ignore.
+            Ok(i32::from(paused.is_some()))
+        }
+        Command::Clock { accept, json } => {
+            let mut engine = if *accept {
+                refuse_read_only(cli)?;
+                open(cli)?
+            } else {
+                open_read(cli)?
+            };
+            let status = if *accept { Some(engine.accept_host_clock()?) } else { engine.clock_status() };
+            let Some(st) = status else {
+                return Err(CliError::from(crate::engine::EngineError::invalid(
+                    "CLOCK_MANUAL",
+                    "this command runs on a manual clock (--now): there is no ledger clock to show",
+                )));
+            };
+            if *json {
+                print_json(&st);
+            } else {
+                outln!(
+                    "ledger time: {} ({}); this host's wall clock is {} ms off it, uncertainty {} ms",
+                    rfc3339(engine.clock().now_ms()),
+                    match st.source {
+                        crate::engine::ledger_clock::ClockSource::Database => "the database server's clock",
+                        crate::engine::ledger_clock::ClockSource::Anchor => "this host's anchor in the ledger",
+                    },
+                    st.offset_ms,
+                    st.uncertainty_ms
+                );
+                match &st.paused {
+                    Some(why) => outln!("paused: {why}"),
+                    None => outln!("reaping and purging: running"),
+                }
+            }
+            Ok(i32::from(st.paused.is_some()))
         }
         Command::Work { json } => {
             refuse_read_only(cli)?;

@@ -35,9 +35,10 @@ pub fn of_code(code: Code, op_state: Option<OpState>) -> StatusCode {
         Code::InvalidArguments | Code::IdempotencyKeyRequired => StatusCode::BAD_REQUEST,
         Code::UnknownTool | Code::NotFound => StatusCode::NOT_FOUND,
         Code::PolicyDenied | Code::ApprovalInvalid => StatusCode::FORBIDDEN,
-        Code::IdempotencyConflict | Code::CallIdConflict | Code::BusinessRuleViolation => {
-            StatusCode::UNPROCESSABLE_ENTITY
-        }
+        Code::IdempotencyConflict
+        | Code::IdempotencyKeyExpired
+        | Code::CallIdConflict
+        | Code::BusinessRuleViolation => StatusCode::UNPROCESSABLE_ENTITY,
         // A pending approval request now holds the exact call; once approved,
         // the workers run it. Not a success: the model_result says failed.
         Code::ApprovalRequired => StatusCode::ACCEPTED,

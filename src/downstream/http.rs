@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::engine::canonical::{canonical_string, parse_strict};
-use crate::engine::contracts::{DownstreamRef, Effect};
+use crate::engine::contracts::{Contract, DownstreamRef};
 use crate::engine::faults::Fault;
 use crate::engine::tool::{
     Downstream, DownstreamContext, DownstreamError, DownstreamFactory, DownstreamRequest, Lookup, Receipt, Reply,
@@ -67,6 +67,9 @@ pub struct ReplyPointers {
     /// The request digest the provider recorded (optional; see [`REQUEST_DIGEST_HEADER`]).
     #[serde(default)]
     pub body_sha256: Option<String>,
+    /// The idempotency key the provider echoes with its receipt (optional).
+    #[serde(default)]
+    pub key: Option<String>,
 }
 
 /// A header whose value is a secret, read from the environment or a file
@@ -170,6 +173,7 @@ impl HttpConfig {
             c.reply.request_id.as_ref(),
             Some(&c.reply.result),
             c.reply.body_sha256.as_ref(),
+            c.reply.key.as_ref(),
         ];
         if pointers.iter().flatten().any(|p| !p.is_empty() && !p.starts_with('/')) {
             return Err(("http.reply".into(), "JSON pointers start with / (\"\" is the whole body)".into()));
@@ -194,11 +198,23 @@ impl HttpConfig {
 pub struct HttpAdapter;
 
 impl DownstreamFactory for HttpAdapter {
-    fn check(&self, d: &DownstreamRef, _effect: Effect) -> Result<(), (String, String)> {
+    fn check(&self, contract: &Contract) -> Result<(), (String, String)> {
+        let d = &contract.downstream;
         let c = HttpConfig::parse(d)?;
         if d.dedupes_keys && c.key_header.is_empty() {
             // It cannot de-duplicate a key it is never sent.
             return Err(("dedupes_keys".into(), "claims key de-duplication but http.key_header is empty".into()));
+        }
+        // A lookup's answer is evidence only when something in it binds it to
+        // this request; a receipt that merely came back from the lookup URL
+        // may be another request's.
+        if c.reply.body_sha256.is_none() && c.reply.key.is_none() && contract.result_echoes.is_empty() {
+            return Err((
+                "http.reply".into(),
+                "nothing binds a lookup's receipt to the request: map body_sha256 (the request digest the \
+                 provider records) or key (the idempotency key it echoes), or list the tool's result_echoes"
+                    .into(),
+            ));
         }
         Ok(())
     }
@@ -344,8 +360,12 @@ impl HttpDownstream {
             Some(bp) => Some(pointer(&v, bp)?.as_str()?.to_string()),
             None => None,
         };
+        let key = match &p.key {
+            Some(kp) => Some(pointer(&v, kp)?.as_str()?.to_string()),
+            None => None,
+        };
         let result = pointer(&v, &p.result)?.clone();
-        Some(Receipt { receipt_id, request_id, body_sha256, result, headers })
+        Some(Receipt { receipt_id, request_id, body_sha256, key, result, headers })
     }
 
     fn read_body(&self, resp: &mut ureq::http::Response<ureq::Body>) -> Result<Vec<u8>, ureq::Error> {

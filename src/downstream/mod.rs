@@ -19,7 +19,7 @@ pub use crate::engine::tool::{
 
 use crate::engine::canonical::{canonical_string, sha256_hex};
 use crate::engine::clock::Clock;
-use crate::engine::contracts::{DownstreamRef, Effect};
+use crate::engine::contracts::{Contract, DownstreamRef};
 use crate::store::{EffectRow, OpenOptions, ProviderStore, StoreError};
 
 /// Which simulated provider: payments honours keys, notifications does not.
@@ -60,7 +60,8 @@ impl SimKind {
 pub struct SimulatedAdapter;
 
 impl DownstreamFactory for SimulatedAdapter {
-    fn check(&self, d: &DownstreamRef, _effect: Effect) -> Result<(), (String, String)> {
+    fn check(&self, c: &Contract) -> Result<(), (String, String)> {
+        let d = &c.downstream;
         let Some(kind) = SimKind::of(&d.name) else {
             return Err(("name".into(), "the simulated adapter serves `payments` and `notifications`".into()));
         };
@@ -203,6 +204,7 @@ fn receipt_of(e: &EffectRow) -> Receipt {
         receipt_id: e.receipt_id.clone(),
         request_id: e.request_id.clone(),
         body_sha256: Some(e.body_sha256.clone()),
+        key: Some(e.downstream_key.clone()),
         result: serde_json::from_str(&e.result_json).unwrap_or(Value::Null),
         headers: vec![("x-request-id".to_string(), e.request_id.clone())],
     }

@@ -8,7 +8,8 @@
 //! - `POST /v1/{payments|notifications}/calls`: the arguments as the JSON body,
 //!   the key in `Idempotency-Key` (payments honours it, notifications does
 //!   not), the caller's request digest in `Toolgate-Request-Sha256`. A 200 reply is
-//!   `{"receipt_id", "request_id", "body_sha256", "result"}`.
+//!   `{"receipt_id", "request_id", "body_sha256", "key", "result"}` (`key`:
+//!   the idempotency key the effect was made under).
 //! - `GET /v1/{payments|notifications}/calls/{key}`: the effect under a key, or 404.
 //! - `GET /healthz`.
 //!
@@ -324,7 +325,10 @@ impl hyper::body::Body for Paced {
 }
 
 fn receipt_json(r: &Receipt) -> Value {
-    json!({"receipt_id": r.receipt_id, "request_id": r.request_id, "body_sha256": r.body_sha256, "result": r.result})
+    json!({
+        "receipt_id": r.receipt_id, "request_id": r.request_id, "body_sha256": r.body_sha256, "key": r.key,
+        "result": r.result,
+    })
 }
 
 fn header<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {

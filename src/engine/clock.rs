@@ -9,6 +9,11 @@ pub trait Clock: Send + Sync {
     fn now_ms(&self) -> i64;
     /// Waits (a manual clock just moves forward).
     fn sleep_ms(&self, ms: u64);
+    /// Whether this is the host's wall clock, which the engine replaces with
+    /// the ledger's one clock ([`super::ledger_clock`]) when it opens a ledger.
+    fn is_host_wall(&self) -> bool {
+        false
+    }
 }
 
 /// The real clock.
@@ -21,6 +26,9 @@ impl Clock for SystemClock {
     }
     fn sleep_ms(&self, ms: u64) {
         std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+    fn is_host_wall(&self) -> bool {
+        true
     }
 }
 

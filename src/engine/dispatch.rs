@@ -62,6 +62,10 @@ pub struct ReapReport {
     pub requeued_same_key: usize,
     /// Possibly-sent attempts parked as `unknown`.
     pub parked_unknown: usize,
+    /// Why the pass did nothing: the ledger's clock cannot be trusted here
+    /// (see [`super::ledger_clock`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clock_paused: Option<String>,
 }
 
 /// A key is 8..=255 printable ASCII characters.
@@ -180,6 +184,7 @@ impl Engine {
     /// outcomes, including every error of the catalog, come back as an [`Envelope`].
     pub fn dispatch(&mut self, req: &DispatchRequest) -> Result<Envelope, EngineError> {
         let t0 = Instant::now();
+        self.clock_tick();
         let contracts = self.contracts.clone();
         let call = req.call.clone().unwrap_or_else(fresh_call_identity);
         let principal_ref = self.principal_ref(&req.tenant, &req.subject);
@@ -276,6 +281,7 @@ impl Engine {
             principal_ref: &principal_ref,
             refs: &self.refs,
             ids: &self.ids,
+            salt: &self.salt,
             defenses,
         };
         let clock = self.clock.clone();
@@ -595,6 +601,7 @@ impl Engine {
     }
 
     fn work_due(&mut self, limit: usize, grace_ms: i64) -> Result<usize, EngineError> {
+        self.clock_tick();
         let contracts = self.contracts.clone();
         let mut ran = 0;
         while ran < limit {
@@ -613,12 +620,21 @@ impl Engine {
 
     /// One reaper pass (docs/design.md §6).
     pub fn reap(&mut self) -> Result<ReapReport, EngineError> {
+        if let Some(why) = self.clock_check()? {
+            return Ok(ReapReport { clock_paused: Some(why), ..ReapReport::default() });
+        }
         let now = self.clock.now_ms();
         let contracts = self.contracts.clone();
         let salt = self.salt.clone();
+        // A lease is never longer than the longest attempt timeout plus a
+        // second; one that ends further ahead was written on a clock that ran
+        // ahead (before the one clock, or by hand) and is treated as expired,
+        // with the clock bound as slack.
+        let longest = contracts.all().iter().map(|c| c.retry.attempt_timeout_ms as i64 + 1_000).max().unwrap_or(0);
+        let beyond = now + longest + super::ledger_clock::CLOCK_BOUND_MS;
         Ok(self.store.write(|tx| -> Result<ReapReport, StoreError> {
             let mut report = ReapReport::default();
-            for ob in tx.expired_leases(now)? {
+            for ob in tx.expired_leases(now, beyond)? {
                 let Some(mut op) = tx.operation(&ob.operation_id)? else { continue };
                 let attempts = tx.attempts(&ob.operation_id)?;
                 let current = attempts.iter().find(|a| a.attempt == ob.attempt);
@@ -709,6 +725,8 @@ struct AcceptCtx<'a> {
     principal_ref: &'a str,
     refs: &'a super::canonical::StatusRefKey,
     ids: &'a super::ids::Ids,
+    /// The ledger's salt (the downstream key is derived under it).
+    salt: &'a str,
     defenses: DefensesOff,
 }
 
@@ -766,7 +784,7 @@ fn accept(
         ev.operation_id = Some(op.id.clone());
         // A damaged row answers STATUS_CONFLICT (the ledger is at fault), never
         // IDEMPOTENCY_CONFLICT (which blames the caller), never a new execution.
-        if let Err(why) = verify_row(&op) {
+        if let Err(why) = verify_row(&op, c.salt) {
             ev.step = "tamper_detected";
             ev.note = Some(why.into());
             ev.reason = Some("tampered");
@@ -857,7 +875,7 @@ fn accept(
         let ours = says("tenant").as_deref() == Some(r.tenant.as_str())
             && says("subject").as_deref() == Some(r.subject.as_str())
             && says("tool").as_deref() == Some(r.tool.as_str());
-        if ours && verify_row(&other).is_err() {
+        if ours && verify_row(&other, c.salt).is_err() {
             ev.step = "tamper_detected";
             ev.operation_id = Some(other.id.clone());
             ev.note = Some("a row of this scope was moved out of it by hand".into());
@@ -868,6 +886,21 @@ fn accept(
             );
             return Ok(Decision::Answer(env, ev));
         }
+    }
+    // A key whose operation was purged stays taken: its tombstone keeps the
+    // scope digest, so a retry long after is told how the first one ended,
+    // never run a second time (a purge on a host whose clock ran ahead, or a
+    // retry after retention, would otherwise pay twice).
+    let scope = super::retention::scope_sha256(&r.tenant, &r.subject, &r.tool, c.key);
+    if let Some(t) = tx.tombstone_by_scope(&scope)? {
+        ev.operation_id = Some(t.operation_id.clone());
+        ev.note = Some(format!("key used by {}, purged when its retention ended: not run again", t.operation_id));
+        ev.reason = Some("key_expired");
+        let env = with_detail(
+            error_envelope(Code::IdempotencyKeyExpired, audit),
+            super::retention::expired_key_detail(&t, c.request_sha256),
+        );
+        return Ok(Decision::Answer(env, ev));
     }
     ev.checks.push("idempotency");
     // A new execution while the downstream's circuit is open: refused before
@@ -901,12 +934,6 @@ fn accept(
     tx.insert_outbox(&op.id, i64::from(c.contract.retry.max_attempts), c.now)?;
     bind_call(tx, &ck, c, Some(&op.id))?;
     failpoint::hit("inside_accept");
-    let scope = super::retention::scope_sha256(&r.tenant, &r.subject, &r.tool, c.key);
-    if let Some(t) = tx.tombstone_by_scope(&scope)? {
-        // The key is free again once its operation was purged: a new intent.
-        ev.note = Some(format!("key used before by {}, purged when its retention ended", t.operation_id));
-        ev.reason = Some("key_reused_after_purge");
-    }
     ev.step = "accepted";
     ev.operation_id = Some(op.id.clone());
     ev.call_binding_sha256 = Some(op.call_binding_sha256.clone());
@@ -944,6 +971,7 @@ fn new_operation(c: &AcceptCtx<'_>, approval_id: Option<&str>) -> OperationRow {
         c.refs,
         c.ids,
         approval_id,
+        c.salt,
     )
 }
 
@@ -1206,10 +1234,10 @@ fn claim(
     // A row this transaction built is not read from storage: nothing to
     // verify (debug builds, the tests, verify it all the same).
     let verified = if built_here {
-        debug_assert_eq!(super::operation::verify_row_afresh(&op), Ok(()));
+        debug_assert_eq!(super::operation::verify_row_afresh(&op, caller.salt), Ok(()));
         Ok(())
     } else {
-        verify_row(&op)
+        verify_row(&op, caller.salt)
     };
     if let Err(why) = verified {
         let env = with_detail(
@@ -1452,7 +1480,7 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             tx.update_operation_from(&stored, &op)?.or_stale()?;
             op.version += 1;
             // The replays that follow read this row back: built here, it is verified.
-            super::operation::remember_built(&op);
+            super::operation::remember_built(&op, c.salt);
             let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), None);
             ev.reason = Some("committed");
             ev.write(tx, c.now)?;

@@ -43,6 +43,9 @@ pub enum Code {
     ToolError,
     /// An operator cancelled the operation before anything was sent (docs/design.md §11).
     Cancelled,
+    /// The key was used by an operation that has since been purged: it is
+    /// never run again (its tombstone keeps the key taken).
+    IdempotencyKeyExpired,
 }
 
 /// What a failure allows next.
@@ -105,7 +108,7 @@ pub enum Status {
 
 impl Code {
     /// All codes, in catalog order.
-    pub const ALL: [Code; 18] = [
+    pub const ALL: [Code; 19] = [
         Code::UnknownTool,
         Code::InvalidArguments,
         Code::IdempotencyKeyRequired,
@@ -124,6 +127,7 @@ impl Code {
         Code::StatusConflict,
         Code::ToolError,
         Code::Cancelled,
+        Code::IdempotencyKeyExpired,
     ];
 
     /// The stable string form, e.g. `OUTCOME_UNKNOWN`.
@@ -147,6 +151,7 @@ impl Code {
             Code::StatusConflict => "STATUS_CONFLICT",
             Code::ToolError => "TOOL_ERROR",
             Code::Cancelled => "CANCELLED",
+            Code::IdempotencyKeyExpired => "IDEMPOTENCY_KEY_EXPIRED",
         }
     }
 
@@ -165,7 +170,9 @@ impl Code {
             Code::NotFound => ("not_found", NotStarted, Recovery::None),
             Code::PolicyDenied => ("permission", NotStarted, Recovery::RequestAuthorization),
             Code::BusinessRuleViolation => ("business_rule", NotStarted, Recovery::HumanReview),
-            Code::CallIdConflict | Code::IdempotencyConflict => ("conflict", NotStarted, Recovery::HumanReview),
+            Code::CallIdConflict | Code::IdempotencyConflict | Code::IdempotencyKeyExpired => {
+                ("conflict", NotStarted, Recovery::HumanReview)
+            }
             Code::ApprovalRequired | Code::ApprovalInvalid => ("approval", NotStarted, Recovery::RequestApproval),
             Code::TimeoutBeforeExecute | Code::RateLimit | Code::ToolUnavailable => {
                 ("transient", NotStarted, Recovery::RetryAfter)
@@ -207,6 +214,9 @@ impl Code {
             Code::StatusConflict => "The downstream evidence does not match this request; a human must review it.",
             Code::ToolError => "The tool failed while reading; nothing was changed.",
             Code::Cancelled => "An operator cancelled this call before it was sent; nothing was done.",
+            Code::IdempotencyKeyExpired => {
+                "This idempotency key was used by an earlier operation whose record has expired; it is not run again. Do not retry under a new key without checking how the earlier one ended."
+            }
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod envelope;
 pub mod faults;
 pub mod ids;
 pub mod lab;
+pub mod ledger_clock;
 pub(crate) mod operation;
 pub mod policy;
 pub mod projection;
@@ -219,6 +220,9 @@ pub struct Counts {
     pub side_effect_duplicates: i64,
     /// Pending approvals.
     pub pending_approvals: i64,
+    /// The ledger's one clock (absent under a manual clock: tests, `--now`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clock: Option<ledger_clock::ClockStatus>,
 }
 
 /// The dispatcher. One per thread: it owns one connection (and one per provider).
@@ -226,6 +230,8 @@ pub struct Engine {
     pub(crate) store: Store,
     pub(crate) contracts: Arc<Contracts>,
     pub(crate) clock: Arc<dyn Clock>,
+    /// The ledger's one clock, when `clock` is it (not a manual clock).
+    pub(crate) ledger_clock: Option<Arc<ledger_clock::LedgerClock>>,
     pub(crate) refs: StatusRefKey,
     pub(crate) salt: String,
     pub(crate) worker_id: String,
@@ -277,15 +283,22 @@ impl Engine {
             Some(create) => Store::open(path, OpenOptions { create, sync: opts.sync })?,
             None => Store::open_read_only(path)?,
         };
+        // The host's wall clock is replaced by the ledger's one clock.
+        let (clock, ledger_clock): (Arc<dyn Clock>, _) = if opts.clock.is_host_wall() {
+            let lc = Arc::new(ledger_clock::open(&mut store, Arc::new(ledger_clock::RealHost))?);
+            (lc.clone(), Some(lc))
+        } else {
+            (opts.clock.clone(), None)
+        };
         let downstreams = opts.toolset.open_downstreams(&DownstreamContext {
             ledger_path: path,
-            clock: opts.clock.clone(),
+            clock: clock.clone(),
             faults: faults.clone(),
             sync: opts.sync,
             ids: ids.clone(),
             read_only,
         })?;
-        let now = opts.clock.now_ms();
+        let now = clock.now_ms();
         let (secret, salt, demo) = if store.is_read_only() {
             store.read(|tx| -> Result<_, StoreError> {
                 let (Some(secret), Some(salt)) = (tx.meta("status_ref_secret")?, tx.meta("export_salt")?) else {
@@ -308,7 +321,8 @@ impl Engine {
         Ok(Self {
             store,
             contracts,
-            clock: opts.clock,
+            clock,
+            ledger_clock,
             refs: StatusRefKey::new(secret.as_bytes()),
             salt,
             worker_id: opts.worker_id,
@@ -397,15 +411,19 @@ impl Engine {
     /// Counts of operations, outbox rows, effects and duplicates.
     pub fn counts(&mut self) -> Result<Counts, EngineError> {
         let referee = self.effect_counts()?;
-        Ok(self.store.read(|tx| -> Result<_, StoreError> {
+        let clock = self.clock_status();
+        let mut counts = self.store.read(|tx| -> Result<_, StoreError> {
             Ok(Counts {
                 operations: tx.count_operations_by_state()?.into_iter().collect(),
                 outbox: tx.count_outbox_by_state()?.into_iter().collect(),
                 downstream_effects: referee.effects,
                 side_effect_duplicates: referee.duplicates,
                 pending_approvals: tx.pending_approvals(i64::MAX)?.len() as i64,
+                clock: None,
             })
-        })?)
+        })?;
+        counts.clock = clock;
+        Ok(counts)
     }
 
     /// The effects the providers committed, as the first downstream that can

@@ -14,7 +14,7 @@ use super::envelope::{
     Binding, Code, Delivery, Downstream as DownstreamInfo, Envelope, ErrorInfo, Execution, ModelResult, Outcome,
     ProtectedAudit, Status,
 };
-use super::tool::{ToolCall, ToolDomain};
+use super::tool::{Receipt, ToolCall, ToolDomain};
 use crate::store::{ApprovalRow, OpState, OperationRow, StoreError, Tx};
 
 /// The business intent a downstream effect is counted under: the whole scope
@@ -218,14 +218,16 @@ fn verified_slot(id: &str) -> usize {
     (h.finish() % VERIFIED_SLOTS as u64) as usize
 }
 
-pub(crate) fn verify_row(op: &OperationRow) -> Result<(), &'static str> {
+/// Checks a stored row against what binds it; `ledger` is the ledger's salt
+/// (the downstream key is derived under it).
+pub(crate) fn verify_row(op: &OperationRow, ledger: &str) -> Result<(), &'static str> {
     let checked = Checked::of(op);
     let digest = checked.digest();
     let slot = verified_slot(&op.id);
     if VERIFIED.with(|v| v.borrow()[slot] == Some(digest)) {
         return Ok(());
     }
-    verify_checked(&checked)?;
+    verify_checked(&checked, ledger)?;
     VERIFIED.with(|v| v.borrow_mut()[slot] = Some(digest));
     Ok(())
 }
@@ -237,19 +239,23 @@ pub(crate) fn verify_row(op: &OperationRow) -> Result<(), &'static str> {
 /// row back at all: `Decision::Execute` with its built row, in `dispatch`.) Only rows built
 /// here, never rows read from storage; debug builds (the tests) still verify
 /// it, so a construction bug is caught.
-pub(crate) fn remember_built(op: &OperationRow) {
-    debug_assert_eq!(verify_row_afresh(op), Ok(()), "the engine built a row that fails its own integrity check");
+pub(crate) fn remember_built(op: &OperationRow, ledger: &str) {
+    debug_assert_eq!(
+        verify_row_afresh(op, ledger),
+        Ok(()),
+        "the engine built a row that fails its own integrity check"
+    );
     let digest = Checked::of(op).digest();
     VERIFIED.with(|v| v.borrow_mut()[verified_slot(&op.id)] = Some(digest));
 }
 
 /// Every check of [`verify_row`], never remembered.
-pub(crate) fn verify_row_afresh(op: &OperationRow) -> Result<(), &'static str> {
-    verify_checked(&Checked::of(op))
+pub(crate) fn verify_row_afresh(op: &OperationRow, ledger: &str) -> Result<(), &'static str> {
+    verify_checked(&Checked::of(op), ledger)
 }
 
 /// The checks, on the checked columns alone.
-fn verify_checked(op: &Checked<'_>) -> Result<(), &'static str> {
+fn verify_checked(op: &Checked<'_>, ledger: &str) -> Result<(), &'static str> {
     let parse_canonical =
         |text: &str| parse_strict(text.as_bytes(), usize::MAX, 256).ok().filter(|v| canonical_string(v) == text);
     if !matches!(op.state, "accepted" | "in_flight" | "succeeded" | "failed" | "unknown" | "needs_review" | "resolved")
@@ -292,9 +298,18 @@ fn verify_checked(op: &Checked<'_>) -> Result<(), &'static str> {
     if op.binding() != op.call_binding_sha256 {
         return Err("call_binding_sha256 does not recompute");
     }
-    // A derived key must recompute; a key of another shape is only valid on a
-    // row written before keys were derived (the audit checks which rows those are).
-    if !op.downstream_key.starts_with("dk_") && op.downstream_key != downstream_key_of(op.id, op.status_ref) {
+    // A derived key must recompute; a key of an older shape is only valid on a
+    // row written before that shape was replaced (the audit checks which rows
+    // those are: `dk_` random keys before migration 0009, `dk2_` keys derived
+    // from the operation before migration 0015).
+    let recomputes = if op.downstream_key.starts_with("dk3_") {
+        op.downstream_key == downstream_key_of(ledger, [op.tenant, op.subject, op.tool], op.idem_key)
+    } else if op.downstream_key.starts_with("dk2_") {
+        op.downstream_key == operation_downstream_key(op.id, op.status_ref)
+    } else {
+        op.downstream_key.starts_with("dk_")
+    };
+    if !recomputes {
         return Err("downstream_key does not recompute");
     }
     Ok(())
@@ -377,6 +392,7 @@ pub(crate) fn new_operation_for(
     refs: &super::canonical::StatusRefKey,
     ids: &super::ids::Ids,
     approval_id: Option<&str>,
+    ledger: &str,
 ) -> OperationRow {
     let mut op = OperationRow {
         id: ids.id("op"),
@@ -394,8 +410,7 @@ pub(crate) fn new_operation_for(
         state: OpState::Accepted,
         version: 1,
         status_ref: refs.mint(ids.bytes::<16>()),
-        // Derived below from the operation id and status_ref (both bound).
-        downstream_key: String::new(),
+        downstream_key: downstream_key_of(ledger, [tenant, subject, tool], key),
         code: None,
         result_json: None,
         result_sha256: None,
@@ -421,18 +436,61 @@ pub(crate) fn new_operation_for(
         terminal_at: None,
         state_since: Some(now),
     };
-    op.downstream_key = downstream_key_of(&op.id, &op.status_ref);
     op.call_binding_sha256 = binding_of(&op);
     op
 }
 
-/// The key the downstream sees, derived from two bound values (the operation
-/// id and its HMAC-minted `status_ref`), so a changed `downstream_key` column is
-/// found by recomputing it. Rows from before migration 0009 carry a random
-/// `dk_` key; the audit knows which rows those are.
-pub(crate) fn downstream_key_of(operation_id: &str, status_ref: &str) -> String {
+/// The key the downstream sees, derived from the scope (tenant, subject,
+/// tool and the caller's key, all bound by the request) under the ledger's
+/// salt: an operation made again for the same scope (a ledger restored from a
+/// backup that forgot it, say) reaches the downstream under the same key, so a
+/// downstream that de-duplicates catches it even where the ledger cannot; the
+/// salt keeps two ledgers with the same tenant and subject names apart. A
+/// changed `downstream_key` column is found by recomputing it.
+pub(crate) fn downstream_key_of(ledger: &str, [tenant, subject, tool]: [&str; 3], key: &str) -> String {
+    let scope = super::retention::scope_sha256(tenant, subject, tool, key);
+    let h = sha256_hex(format!("toolgate downstream key v3\0{ledger}\0{scope}").as_bytes());
+    format!("dk3_{}", &h[..32])
+}
+
+/// The key of rows written between migrations 0009 and 0015, derived from the
+/// operation id and its `status_ref` (a new operation of the same scope got a
+/// new key).
+fn operation_downstream_key(operation_id: &str, status_ref: &str) -> String {
     let h = sha256_hex(format!("toolgate downstream key\0{operation_id}\0{status_ref}").as_bytes());
     format!("dk2_{}", &h[..32])
+}
+
+/// Whether a receipt a lookup found is evidence for this operation: bound to
+/// its request by what it carries (the request digest the provider recorded,
+/// the key it echoes, the arguments the result echoes), and contradicted by
+/// none of them. The lookup asked by the operation's downstream key, but a
+/// provider (or a path that ignores the key) may answer with another
+/// request's receipt, and taking it would bind one receipt to two operations.
+/// `Err` says why it is not evidence.
+pub(crate) fn receipt_binds(contract: &Contract, op: &OperationRow, r: &Receipt) -> Result<(), &'static str> {
+    if r.body_sha256.as_ref().is_some_and(|b| *b != op.request_sha256) {
+        return Err("the receipt records another request's digest");
+    }
+    // The lab's per-attempt keys (`{key}-a{n}`) are the operation's too.
+    let ours = |k: &str| {
+        k == op.downstream_key
+            || k.strip_prefix(op.downstream_key.as_str())
+                .and_then(|rest| rest.strip_prefix("-a"))
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    };
+    if r.key.as_deref().is_some_and(|k| !ours(k)) {
+        return Err("the receipt was made under another key");
+    }
+    let args = args_of(&op.request_json);
+    if !contract.echoes(&args, &r.result) {
+        return Err("the receipt's result echoes other arguments");
+    }
+    let echoed = contract.result_echoes.iter().any(|k| args.get(k).is_some());
+    if r.body_sha256.is_none() && r.key.is_none() && !echoed {
+        return Err("nothing in the receipt binds it to this request (no digest, key or echoed argument)");
+    }
+    Ok(())
 }
 
 /// How long an approval request stays open.

@@ -8,7 +8,7 @@ use super::canonical::{canonical_string, digest_value, sha256_hex, CallIdentity,
 use super::envelope::{Code, Delivery, Envelope, ProtectedAudit};
 use super::operation::{
     apply_business_effect, approval_amount, args_of, authorize, binding_of, business_rules, domain_call, op_envelope,
-    reserve, revisions_of, verify_approval, verify_row,
+    receipt_binds, reserve, revisions_of, verify_approval, verify_row,
 };
 use super::tool::Lookup;
 use super::tool::ToolCall;
@@ -303,7 +303,7 @@ impl Engine {
                 },
                 now,
             )?;
-            if let Err(why) = verify_row(&op) {
+            if let Err(why) = verify_row(&op, &salt) {
                 ev.step = "tamper_detected";
                 ev.note = Some(why.into());
                 let env = with_detail(
@@ -357,11 +357,18 @@ impl Engine {
                 Lookup::Found(r) => {
                     ev.receipt_id = Some(r.receipt_id.clone());
                     ev.downstream_request_id = Some(r.request_id.clone());
-                    let args = args_of(&cur.request_json);
-                    let matches = r.body_sha256.as_ref().is_none_or(|b| *b == cur.request_sha256)
-                        && contract.check_output(&r.result).is_ok()
-                        && contract.echoes(&args, &r.result);
-                    if matches {
+                    // Evidence only when bound to this request, recorded for no
+                    // other operation, and within the output contract.
+                    let owner = tx.receipt_owner(&r.receipt_id)?;
+                    let why_not = receipt_binds(contract, &cur, &r)
+                        .err()
+                        .or_else(|| {
+                            owner.as_ref().filter(|o| **o != cur.id).map(|_| "the receipt is another operation's")
+                        })
+                        .or_else(|| {
+                            contract.check_output(&r.result).err().map(|_| "the receipt breaks the output contract")
+                        });
+                    if why_not.is_none() {
                         failpoint::hit("inside_reconcile");
                         let result_json = canonical_string(&r.result);
                         cur.result_sha256 = Some(sha256_hex(result_json.as_bytes()));
@@ -395,7 +402,11 @@ impl Engine {
                         cur.code = Some(Code::StatusConflict.as_str().into());
                         cur.last_query_result = Some("mismatch".into());
                         tx.close_outbox(&cur.id, OutboxState::Parked, Some(Code::StatusConflict.as_str()))?;
-                        ("mismatch", Some(Code::StatusConflict), "receipt does not match the request: needs review")
+                        (
+                            "mismatch",
+                            Some(Code::StatusConflict),
+                            why_not.unwrap_or("receipt does not match the request"),
+                        )
                     }
                 }
                 Lookup::NotFound => {
@@ -457,6 +468,9 @@ impl Engine {
                 let lookup = self
                     .downstream(&contract.downstream.name)?
                     .lookup(&op.downstream_key, contract.retry.attempt_timeout_ms)?;
+                // Any receipt under this operation's key contradicts "no
+                // effect" (one that is not bound to the request most of all:
+                // something ran under the key); a person decides again.
                 if let Lookup::Found(r) = lookup {
                     self.reopen_contradicted(&op, &r.receipt_id)?;
                 }
@@ -613,7 +627,7 @@ impl Engine {
                 return invalid("the intent already has an operation", "already_accepted", Some(&a));
             }
             // Accept the held call.
-            let op = super::operation::new_operation_for([&a.tenant, &a.subject, &a.tool], contract, &call, &a.idem_key, &a.key_sha256, &a.request_json, &a.request_sha256, now, a.deadline_ms as u64, &refs, &ids, Some(&a.id));
+            let op = super::operation::new_operation_for([&a.tenant, &a.subject, &a.tool], contract, &call, &a.idem_key, &a.key_sha256, &a.request_json, &a.request_sha256, now, a.deadline_ms as u64, &refs, &ids, Some(&a.id), &salt);
             tx.insert_operation(&op)?;
             // The held call's rules are read now; what they grant is reserved with
             // the accept. A call they refuse is accepted without a hold, and its
@@ -760,9 +774,15 @@ impl Engine {
         let claimed = r.evidence.as_deref().map(str::trim).filter(|e| !e.is_empty());
         let timeout_ms = contract.retry.attempt_timeout_ms;
         Ok(Some(match self.downstream(&contract.downstream.name)?.lookup(&op.downstream_key, timeout_ms)? {
+            // A receipt under this operation's key contradicts "no effect" even
+            // when it is not bound to the request (something ran under the
+            // key); it is recorded with why it is not this request's.
             Lookup::Found(receipt) => {
-                let seen =
-                    json!({"lookup": "found", "receipt_id": receipt.receipt_id, "request_id": receipt.request_id});
+                let unbound = receipt_binds(contract, &op, &receipt).err();
+                let seen = json!({
+                    "lookup": "found", "receipt_id": receipt.receipt_id, "request_id": receipt.request_id,
+                    "not_bound": unbound,
+                });
                 let contra = match (r.resolution, claimed) {
                     (Resolution::Failed, _) => Some(format!(
                         "the provider holds receipt {} for this operation: the effect happened",
@@ -982,6 +1002,7 @@ impl Engine {
     pub fn audit(&mut self) -> Result<Vec<AuditFinding>, EngineError> {
         let toolset = self.toolset.clone();
         let refs = self.refs.clone();
+        let salt = self.salt.clone();
         // Counted by the providers, never read from their storage here.
         let dups = self.effect_counts()?.duplicates;
         let mut settled = Vec::new();
@@ -998,7 +1019,7 @@ impl Engine {
             }
             let ops = tx.all_operations()?;
             for op in &ops {
-                check_operation(tx, op, &refs, &mut find)?;
+                check_operation(tx, op, &refs, &salt, &mut find)?;
             }
             for (state, counted, held) in tx.state_count_drift()? {
                 let detail = format!("the header counts {counted} {state}, the ledger holds {held}");
@@ -1158,10 +1179,11 @@ fn check_operation(
     tx: &Tx<'_>,
     op: &OperationRow,
     refs: &super::canonical::StatusRefKey,
+    salt: &str,
     find: &mut impl FnMut(&str, &str, &str),
 ) -> Result<(), StoreError> {
     let r = op.id.as_str();
-    if let Err(why) = verify_row(op) {
+    if let Err(why) = verify_row(op, salt) {
         find("digest", r, why);
     }
     if refs.verify(&op.status_ref).is_err() {

@@ -297,13 +297,14 @@ impl Engine {
     /// Nothing is written.
     pub fn caller_operation(&mut self, id: &str, scope: Option<(&str, &str)>) -> Result<Option<Envelope>, EngineError> {
         let toolset = self.toolset.clone();
+        let salt = self.salt.clone();
         let found = self.store.read(|tx| -> Result<_, StoreError> {
             let Some(op) = tx.operation(id)? else { return Ok(None) };
             if scope.is_some_and(|(t, s)| op.tenant != t || op.subject != s) {
                 return Ok(None);
             }
             let refused = match scope {
-                Some(_) if verify_row(&op).is_ok() => {
+                Some(_) if verify_row(&op, &salt).is_ok() => {
                     let domain = toolset.domain(&op.tool);
                     authorize(tx, &*domain, &op.tenant, &op.subject, &op.tool, &args_of(&op.request_json))?
                 }
@@ -314,7 +315,7 @@ impl Engine {
         })?;
         let Some((op, refused, last_code)) = found else { return Ok(None) };
         let principal_ref = self.principal_ref(&op.tenant, &op.subject);
-        if verify_row(&op).is_err() {
+        if verify_row(&op, &self.salt).is_err() {
             // A damaged row is never shown as if it were true.
             let audit =
                 ProtectedAudit { operation_id: Some(op.id.clone()), principal_ref, ..ProtectedAudit::default() };

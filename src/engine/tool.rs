@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use serde_json::Value;
 
 use super::clock::Clock;
-use super::contracts::{ContractError, Contracts, DownstreamRef, Effect};
+use super::contracts::{Contract, ContractError, Contracts, DownstreamRef, Effect};
 use super::faults::FaultPlan;
 use super::ids::Ids;
 use crate::store::{StoreError, Tx};
@@ -149,6 +149,9 @@ pub struct Receipt {
     /// API usually does not: then the key is the only link, and the engine
     /// records the digest it sent under that key).
     pub body_sha256: Option<String>,
+    /// The idempotency key the provider says the receipt was made under, when
+    /// it echoes one: a receipt under another key is not this call's.
+    pub key: Option<String>,
     /// The result body.
     pub result: Value,
     /// Reply headers, as a provider's HTTP reply carries them. The engine never
@@ -165,6 +168,7 @@ impl std::fmt::Debug for Receipt {
             .field("receipt_id", &self.receipt_id)
             .field("request_id", &self.request_id)
             .field("body_sha256", &self.body_sha256)
+            .field("key", &self.key)
             .field("result", &"<redacted>")
             .field("headers", &header_names)
             .finish()
@@ -301,9 +305,11 @@ pub struct DownstreamContext<'a> {
 
 /// Opens one downstream per engine from the catalog's `downstream` section.
 pub trait DownstreamFactory: Send + Sync {
-    /// Checks the section when the toolset is built; `Err(field, why)` refuses
-    /// the catalog (`CATALOG_INVALID`).
-    fn check(&self, downstream: &DownstreamRef, effect: Effect) -> Result<(), (String, String)>;
+    /// Checks the tool's downstream section when the toolset is built (the
+    /// whole contract: what binds a lookup's answer may be the tool's
+    /// `result_echoes`); `Err(field, why)` refuses the catalog
+    /// (`CATALOG_INVALID`), the field relative to `downstream`.
+    fn check(&self, contract: &Contract) -> Result<(), (String, String)>;
     /// Opens an instance for one engine.
     fn open(
         &self,
@@ -394,7 +400,7 @@ impl ToolsetBuilder {
                     format!("unknown adapter {:?} (known: local, {})", d.adapter, known.join(", ")),
                 ));
             };
-            f.check(d, c.effect).map_err(|(field, why)| invalid(format!("downstream.{field}"), why))?;
+            f.check(c).map_err(|(field, why)| invalid(format!("downstream.{field}"), why))?;
         }
         Ok(Toolset { catalog: self.catalog, domains: self.domains, adapters: self.adapters })
     }

@@ -18,6 +18,8 @@ pub struct HeaderCounts {
     /// Each tenant's approver allowlist (the console checks an approval
     /// before it opens the dialog, and shows who may approve).
     pub approvers: std::collections::BTreeMap<String, Vec<String>>,
+    /// Why the ledger's clock pauses reaping and purging on this host, if it does.
+    pub clock_paused: Option<String>,
 }
 
 impl Engine {
@@ -85,6 +87,7 @@ impl Engine {
     pub fn header_counts(&mut self) -> Result<HeaderCounts, EngineError> {
         let now = self.clock.now_ms();
         let duplicates = self.effect_counts()?.duplicates;
+        let clock_paused = self.clock_status().and_then(|c| c.paused);
         Ok(self.store.read(|tx| -> Result<HeaderCounts, StoreError> {
             let mut approvers: std::collections::BTreeMap<String, Vec<String>> = std::collections::BTreeMap::new();
             for (tenant, approver) in tx.approver_lists()? {
@@ -96,6 +99,7 @@ impl Engine {
                 side_effect_duplicates: duplicates,
                 oldest_unknown_at: tx.oldest_unknown_at()?,
                 approvers,
+                clock_paused: clock_paused.clone(),
             })
         })?)
     }

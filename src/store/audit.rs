@@ -120,13 +120,18 @@ impl Tx<'_> {
         rows.collect::<Result<_, _>>()
     }
 
-    /// Operations written after keys became derived (migration 0009) that carry
-    /// a legacy-shaped (`dk_`) downstream key: a hand edit.
+    /// Operations whose downstream key has a shape older than the row: a key
+    /// other than `dk3_` on a row written after migration 0015, or a random
+    /// `dk_` key on a row written after migration 0009. A hand edit.
     pub fn legacy_keys_after_migration(&self) -> R<Vec<String>> {
         let mut st = self.conn.prepare(
-            "SELECT id FROM operations WHERE downstream_key NOT LIKE 'dk2!_%' ESCAPE '!'
-               AND rowid > coalesce((SELECT CAST(value AS BIGINT) FROM meta
-                                     WHERE key = 'legacy_downstream_keys_until_rowid'), 0)
+            "SELECT id FROM operations
+             WHERE (downstream_key NOT LIKE 'dk3!_%' ESCAPE '!'
+                    AND rowid > coalesce((SELECT CAST(value AS BIGINT) FROM meta
+                                          WHERE key = 'dk2_downstream_keys_until_rowid'), 0))
+                OR (downstream_key NOT LIKE 'dk3!_%' ESCAPE '!' AND downstream_key NOT LIKE 'dk2!_%' ESCAPE '!'
+                    AND rowid > coalesce((SELECT CAST(value AS BIGINT) FROM meta
+                                          WHERE key = 'legacy_downstream_keys_until_rowid'), 0))
              ORDER BY id",
         )?;
         let rows = st.query_map((), |r| r.get(0))?;

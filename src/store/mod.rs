@@ -10,6 +10,7 @@
 mod approvals;
 mod audit;
 pub mod bench;
+mod clock;
 mod group;
 mod holds;
 mod ops;
@@ -47,7 +48,7 @@ pub use views::{
 };
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 14] = [
+const MIGRATIONS: [&str; 15] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
@@ -62,6 +63,7 @@ const MIGRATIONS: [&str; 14] = [
     include_str!("migrations/0012_folded_rollups.sql"),
     include_str!("migrations/0013_state_counts_in_store.sql"),
     include_str!("migrations/0014_holds.sql"),
+    include_str!("migrations/0015_scope_downstream_key.sql"),
 ];
 
 /// The schema version this build writes.

@@ -568,12 +568,14 @@ impl Tx<'_> {
         rows.collect::<Result<_, _>>()
     }
 
-    /// Leases that have expired (`lease_until <= now`).
-    pub fn expired_leases(&self, now: i64) -> R<Vec<OutboxRow>> {
+    /// Leases that have expired (`lease_until <= now`), and leases that end
+    /// after `beyond`, further ahead than any lease is long (written on a clock
+    /// that ran ahead): those are treated as expired too.
+    pub fn expired_leases(&self, now: i64, beyond: i64) -> R<Vec<OutboxRow>> {
         let mut st = self.conn.prepare_cached(sql_text!(
-            "SELECT {OUTBOX_COLS} FROM outbox WHERE state = 'leased' AND lease_until <= ?1"
+            "SELECT {OUTBOX_COLS} FROM outbox WHERE state = 'leased' AND (lease_until <= ?1 OR lease_until > ?2)"
         ))?;
-        let rows = st.query_map([now], OutboxRow::from_row)?;
+        let rows = st.query_map([now, beyond], OutboxRow::from_row)?;
         rows.collect::<Result<_, _>>()
     }
 
@@ -607,6 +609,13 @@ impl Tx<'_> {
             )?
             .execute(params![r.receipt_id, r.operation_id, r.request_id, r.body_sha256, r.result_sha256, r.source, r.recorded_at])?;
         Ok(())
+    }
+
+    /// The operation a receipt is recorded for, if any.
+    pub fn receipt_owner(&self, receipt_id: &str) -> R<Option<String>> {
+        self.conn
+            .prepare_cached("SELECT operation_id FROM receipts WHERE receipt_id = ?1")?
+            .query_opt([receipt_id], |r| r.get(0))
     }
 
     /// Receipts whose operation does not exist or does not name them.

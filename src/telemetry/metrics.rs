@@ -685,6 +685,20 @@ pub fn snapshot(engine: &mut Engine, window: Window, slice: &Slice) -> Result<Me
         kind: Kind::Gauge,
         samples: unsliced(raw.duplicates as f64),
     });
+    if let Some(clock) = engine.clock_status() {
+        families.push(Family {
+            name: "toolgate_clock_offset_ms",
+            help: "This host's wall clock minus ledger time (the database's clock, or the SQLite host's anchor).",
+            kind: Kind::Gauge,
+            samples: unsliced(clock.offset_ms as f64),
+        });
+        families.push(Family {
+            name: "toolgate_clock_paused",
+            help: "1 while the ledger's clock pauses reaping and purging on this host (see toolgate clock).",
+            kind: Kind::Gauge,
+            samples: unsliced(if clock.paused.is_some() { 1.0 } else { 0.0 }),
+        });
+    }
     families.push(Family {
         name: "toolgate_downstream_effects_total",
         help: "Effects the simulated downstream providers committed.",

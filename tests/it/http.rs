@@ -709,6 +709,17 @@ fn the_catalog_is_loaded_strictly_and_a_refusal_writes_nothing() {
             }),
             "field downstream.dedupes_keys",
         ),
+        (
+            "a lookup whose receipt nothing binds",
+            Box::new(|v| {
+                v["result_echoes"] = serde_json::json!([]);
+                v["downstream"] = serde_json::json!({"name": "payments", "adapter": "http", "dedupes_keys": true, "http": {
+                    "base_url": "http://127.0.0.1:1",
+                    "execute": {"method": "POST", "path": "/x"}, "lookup": {"method": "GET", "path": "/x/{key}"},
+                    "reply": {"receipt_id": "/receipt_id", "result": "/result"}}});
+            }),
+            "field downstream.http.reply",
+        ),
         ("bad revision", Box::new(|v| v["revisions"]["output"] = 0.into()), "field revisions"),
         ("unknown echo", Box::new(|v| v["result_echoes"] = serde_json::json!(["nope"])), "field result_echoes[0]"),
     ];
@@ -1219,11 +1230,18 @@ fn receipt_for((head, body): &(String, String)) -> String {
         .lines()
         .find_map(|l| l.strip_prefix("toolgate-request-sha256: "))
         .unwrap_or_else(|| panic!("no digest in {head}"));
+    let key = head
+        .lines()
+        .find_map(|l| {
+            l.split_once(':').filter(|(k, _)| k.eq_ignore_ascii_case("idempotency-key")).map(|(_, v)| v.trim())
+        })
+        .unwrap_or_else(|| panic!("no key in {head}"));
     let args: Value = serde_json::from_str(body).unwrap();
     serde_json::json!({
         "receipt_id": "rcpt_scripted_0001",
         "request_id": "dreq_scripted_0001",
         "body_sha256": digest,
+        "key": key,
         "result": {
             "refund_id": "re_00000000000000aa",
             "order_ref": args["order_ref"],
@@ -1405,4 +1423,79 @@ fn an_oversize_receipt_is_not_read_past_the_limit_and_goes_to_review() {
     // The provider's lookup carries the ordinary receipt: a query settles it.
     let q = e.query_operation_status(&query_req(&env, "q-hugebody")).unwrap();
     assert_eq!(q.model_result.status, Status::Succeeded, "{q:?}");
+}
+
+/// A provider whose lookup answers another request's receipt, one that
+/// echoes the same arguments (a second refund of the same amount on the same
+/// order, under another key), behind a catalog that maps the key the
+/// provider echoes but no request digest. Before: taken as
+/// `receipt_reconciled` (the echoed arguments matched), binding another
+/// intent's refund to this operation. Now the receipt's key is another's:
+/// review, and no receipt is bound.
+#[test]
+fn a_lookup_answering_another_requests_receipt_is_not_evidence() {
+    let server = Scripted::start(vec![Then::Close, Then::Answer]);
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = write_catalog_with(dir.path(), &server.url, &|http| {
+        http.insert(
+            "reply".into(),
+            serde_json::json!({"receipt_id": "/receipt_id", "result": "/result", "key": "/key"}),
+        );
+    });
+    let ledger = dir.path().join("ledger.db");
+    let clock = ManualClock::new(T0);
+    let opts = || EngineOptions {
+        clock: Arc::new(clock.clone()),
+        toolset: toolgate::tools::load_toolset(Some(&catalog)).unwrap(),
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::create(&ledger, opts()).unwrap();
+    e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
+    let env = e.dispatch(&refund("http-foreign-receipt-1", 1500)).unwrap();
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown), "{env:?}");
+    // The same arguments, under another intent's key.
+    let (head, body) = server.wait_for_request(1);
+    let mut receipt: Value = serde_json::from_str(&receipt_for(&(head, body))).unwrap();
+    receipt["key"] = Value::from("dk3_0123456789abcdef0123456789abcdef");
+    server.reply(200, receipt.to_string());
+    let q = e.query_operation_status(&query_req(&env, "q-foreign")).unwrap();
+    assert_eq!(q.code(), Some(Code::StatusConflict), "{q:?}");
+    let d = detail(&mut e);
+    assert_eq!(d.operation.state.to_string(), "needs_review");
+    assert_eq!(d.operation.receipt_id, None, "the foreign receipt is not bound");
+    assert!(d.trace.iter().any(|t| t.fields.contains("under another key")), "{:?}", d.trace);
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+}
+
+/// A lookup that answers a receipt already recorded for another operation
+/// (a provider that keys lookups wrongly): the second operation is not
+/// settled by it; one receipt is never bound to two operations.
+#[test]
+fn a_receipt_already_bound_to_another_operation_is_not_evidence() {
+    let server = Scripted::start(vec![Then::Answer, Then::Close, Then::Answer]);
+    let dir = tempfile::tempdir().unwrap();
+    let (ledger, _clock, opts) = ledger_behind(dir.path(), &server.url, 1000);
+    let mut e = Engine::open(&ledger, opts()).unwrap();
+    let first = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            let mut e1 = Engine::open(&ledger, opts()).unwrap();
+            e1.dispatch(&refund("http-bound-twice-1", 1500)).unwrap()
+        });
+        let req = server.wait_for_request(1);
+        server.reply(200, receipt_for(&req));
+        h.join().unwrap()
+    });
+    assert_eq!(first.model_result.status, Status::Succeeded, "{first:?}");
+    let env = e.dispatch(&refund("http-bound-twice-2", 1500)).unwrap();
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown), "{env:?}");
+    // The lookup answers rcpt_scripted_0001 again, with the second request's digest.
+    let second = server.wait_for_request(2);
+    server.reply(200, receipt_for(&second));
+    let q = e.query_operation_status(&query_req(&env, "q-bound-twice")).unwrap();
+    assert_eq!(q.code(), Some(Code::StatusConflict), "{q:?}");
+    // Both were made at the same instant of the manual clock: by id.
+    let d = e.operation_detail(env.protected_audit.operation_id.as_deref().unwrap()).unwrap().unwrap();
+    assert_eq!(d.operation.state.to_string(), "needs_review");
+    assert_eq!(d.operation.receipt_id, None);
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
 }

@@ -6,6 +6,7 @@
 mod bench;
 mod canonical;
 mod cli;
+mod clock;
 mod console;
 mod crash;
 mod demo;

@@ -67,11 +67,21 @@ fn retention_counts_from_the_terminal_state_and_a_purge_leaves_a_tombstone(backe
         other => panic!("expected OPERATION_PURGED, got {other:?}"),
     }
     assert!(count(&fx, &format!("SELECT count(*) FROM trace_events WHERE operation_id = '{op}'")) > 0);
-    // The key is free again: a new intent, and its trace says a purged operation held it.
+    // The key stays taken: the same call is told how the first one ended and
+    // is never run again (no second refund), with the same body or another.
+    let effects = e.counts().unwrap().downstream_effects;
     let again = dispatch_with(&mut e, &refund("refund-retention-1", 100), "ok");
-    assert_eq!(again.model_result.execution.delivery, Delivery::Fresh);
-    assert_ne!(again.protected_audit.operation_id.as_deref(), Some(op.as_str()));
-    assert_eq!(count(&fx, "SELECT count(*) FROM trace_events WHERE reason = 'key_reused_after_purge'"), 1);
+    assert_eq!(code(&again), Some(Code::IdempotencyKeyExpired));
+    let detail = again.model_result.error.as_ref().unwrap().detail.clone().unwrap();
+    assert_eq!(detail["operation_id"], op.as_str());
+    assert_eq!(detail["ended"], "succeeded");
+    assert_eq!(detail["same_request"], true);
+    let other = dispatch_with(&mut e, &refund("refund-retention-1", 250), "ok");
+    assert_eq!(code(&other), Some(Code::IdempotencyKeyExpired));
+    assert_eq!(other.model_result.error.as_ref().unwrap().detail.as_ref().unwrap()["same_request"], false);
+    assert_eq!(e.counts().unwrap().downstream_effects, effects, "nothing was sent");
+    assert_eq!(count(&fx, "SELECT count(*) FROM operations"), 0);
+    assert_eq!(count(&fx, "SELECT count(*) FROM trace_events WHERE reason = 'key_expired'"), 2);
 }
 
 fn an_approved_operation_is_never_purged(backend: Backend) {

@@ -148,6 +148,10 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     if app.read_only {
         l1.push(Span::styled("  READ-ONLY", t.warn()));
     }
+    if app.header.clock_paused.is_some() {
+        // The reason is in `toolgate clock` and the log; the header only warns.
+        l1.push(Span::styled("  CLOCK: REAPER PAUSED", t.bad()));
+    }
     if let Some(x) = app.lab.toggle {
         l1.push(Span::styled(format!("  LAB: {} OFF", x.as_str()), t.bad()));
     }
