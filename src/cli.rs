@@ -633,6 +633,11 @@ pub struct ResolveArgs {
     /// (the status query the engine runs first); the audit entry records it.
     #[arg(long)]
     pub against_evidence: bool,
+    /// State that there is no evidence either way: needed to resolve as
+    /// failed a tool whose downstream has no lookup, where
+    /// nothing can show that the call had no effect; the operator log records it.
+    #[arg(long)]
+    pub no_evidence: bool,
     /// Note, version seen, action id.
     #[command(flatten)]
     pub act: OperatorActArgs,
@@ -1032,7 +1037,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 ResolveAs::Failed => Resolution::Failed,
                 ResolveAs::Compensated => Resolution::Compensated,
             };
-            let action = BulkAction::Resolve { resolution, note: a.act.note.clone() };
+            let action = BulkAction::Resolve { resolution, note: a.act.note.clone(), no_evidence: a.no_evidence };
             bulk_command(cli, &a.select, a.tenant.as_deref(), &action, &operator, a.act.json)
         }
         Command::Query(a) => {
@@ -1132,6 +1137,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 evidence: a.evidence.clone(),
                 seen_version: a.act.seen_version,
                 action_id: a.act.action_id.clone(),
+                no_evidence: a.no_evidence,
             };
             let out = if a.against_evidence { engine.resolve_against_evidence(&req)? } else { engine.resolve(&req)? };
             print_outcome(&out, a.act.json);

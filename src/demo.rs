@@ -144,6 +144,7 @@ pub fn generate(out: &Path, seed: u64) -> Result<(), EngineError> {
             evidence: None,
             seen_version: None,
             action_id: Some("demo-action-1".into()),
+            no_evidence: false,
         })?;
     }
     // Waiting to retry: Retry-After beyond the deadline.

@@ -955,6 +955,8 @@ struct ResolveBody {
     action_id: Option<String>,
     #[serde(default)]
     against_evidence: bool,
+    #[serde(default)]
+    no_evidence: bool,
 }
 
 async fn resolve(
@@ -976,6 +978,7 @@ async fn resolve(
                 evidence: b.evidence,
                 seen_version: b.seen_version,
                 action_id: b.action_id,
+                no_evidence: b.no_evidence,
             };
             let against = b.against_evidence;
             let out =

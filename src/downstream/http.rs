@@ -103,8 +103,10 @@ pub struct HttpConfig {
     pub base_url_env: Option<String>,
     /// Execute endpoint.
     pub execute: Endpoint,
-    /// Lookup-by-key endpoint.
-    pub lookup: Endpoint,
+    /// Lookup-by-key endpoint; `null` when the service has none (the field
+    /// must be there either way: a missing lookup is a mistake, no lookup is
+    /// a fact about the service).
+    pub lookup: Option<Endpoint>,
     /// The header that carries the downstream key (IETF httpapi
     /// Idempotency-Key draft, Stripe); empty for a downstream that takes none.
     #[serde(default = "default_key_header")]
@@ -143,6 +145,12 @@ impl HttpConfig {
         let Some(v) = &d.http else {
             return Err(("http".into(), "the http adapter needs an `http` section".into()));
         };
+        if v.get("lookup").is_none() {
+            return Err((
+                "http.lookup".into(),
+                "say how a call is looked up by its key ({\"method\": \"GET\", \"path\": \"/.../{key}\"}), or \"lookup\": null when the service has no lookup".into(),
+            ));
+        }
         let c: HttpConfig = serde_path_to_error::deserialize(v.clone())
             .map_err(|e| (format!("http.{}", e.path()), e.into_inner().to_string()))?;
         match (&c.base_url, &c.base_url_env) {
@@ -157,16 +165,19 @@ impl HttpConfig {
         if !matches!(c.execute.method.as_str(), "POST" | "PUT") {
             return Err(("http.execute.method".into(), "POST or PUT".into()));
         }
-        if c.lookup.method != "GET" {
-            return Err(("http.lookup.method".into(), "GET".into()));
+        if !c.execute.path.starts_with('/') {
+            return Err(("http.execute.path".into(), "starts with /".into()));
         }
-        for (f, p) in [("http.execute.path", &c.execute.path), ("http.lookup.path", &c.lookup.path)] {
-            if !p.starts_with('/') {
-                return Err((f.into(), "starts with /".into()));
+        if let Some(lookup) = &c.lookup {
+            if lookup.method != "GET" {
+                return Err(("http.lookup.method".into(), "GET".into()));
             }
-        }
-        if !c.lookup.path.contains("{key}") {
-            return Err(("http.lookup.path".into(), "looks a call up by its key: put {key} in it".into()));
+            if !lookup.path.starts_with('/') {
+                return Err(("http.lookup.path".into(), "starts with /".into()));
+            }
+            if !lookup.path.contains("{key}") {
+                return Err(("http.lookup.path".into(), "looks a call up by its key: put {key} in it".into()));
+            }
         }
         let pointers = [
             Some(&c.reply.receipt_id),
@@ -205,10 +216,21 @@ impl DownstreamFactory for HttpAdapter {
             // It cannot de-duplicate a key it is never sent.
             return Err(("dedupes_keys".into(), "claims key de-duplication but http.key_header is empty".into()));
         }
+        if c.lookup.is_some() && c.key_header.is_empty() {
+            // The service is never told the key: a lookup by it cannot match.
+            return Err((
+                "http.lookup".into(),
+                "the key is never sent (key_header is empty), so a lookup by {key} can never match: set key_header, or \"lookup\": null".into(),
+            ));
+        }
         // A lookup's answer is evidence only when something in it binds it to
         // this request; a receipt that merely came back from the lookup URL
         // may be another request's.
-        if c.reply.body_sha256.is_none() && c.reply.key.is_none() && contract.result_echoes.is_empty() {
+        if c.lookup.is_some()
+            && c.reply.body_sha256.is_none()
+            && c.reply.key.is_none()
+            && contract.result_echoes.is_empty()
+        {
             return Err((
                 "http.reply".into(),
                 "nothing binds a lookup's receipt to the request: map body_sha256 (the request digest the \
@@ -452,7 +474,8 @@ impl Downstream for HttpDownstream {
         if timeout_ms < MIN_ATTEMPT_MS {
             return Ok(Lookup::Unavailable);
         }
-        let url = self.url(&self.cfg.lookup.path, key);
+        let Some(lookup) = &self.cfg.lookup else { return Ok(Lookup::Unsupported) };
+        let url = self.url(&lookup.path, key);
         // The whole lookup, body included, within the caller's bound; the
         // connect within it, as for a call.
         let connect = self.cfg.connect_timeout_ms.min(timeout_ms - CONNECT_MARGIN_MS);

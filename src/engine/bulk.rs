@@ -30,6 +30,9 @@ pub enum BulkAction {
         resolution: Resolution,
         /// The shared note.
         note: String,
+        /// The operator states there is no evidence either way (needed for
+        /// `failed` on a downstream that cannot be asked).
+        no_evidence: bool,
     },
     /// Cancel each accepted / in-flight operation.
     Cancel {
@@ -219,7 +222,7 @@ impl Engine {
                 }
             }),
             BulkAction::Deny { note } => self.deny(id, operator, note).map(|o| outcome_item(id, &o, "denied")),
-            BulkAction::Resolve { resolution, note } => self
+            BulkAction::Resolve { resolution, note, no_evidence } => self
                 .resolve(&ResolveRequest {
                     operation_id: id.to_string(),
                     resolution: *resolution,
@@ -228,6 +231,7 @@ impl Engine {
                     evidence: None,
                     seen_version: t.seen_version,
                     action_id: None,
+                    no_evidence: *no_evidence,
                 })
                 .map(|o| outcome_item(id, &o, "resolved")),
             BulkAction::Cancel { note } => self

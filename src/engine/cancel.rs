@@ -67,6 +67,7 @@ impl Engine {
         super::check_operator_note(&r.note)?;
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
+        let contracts = self.contracts.clone();
         Ok(self.store.write(|tx| -> Result<OperatorOutcome, StoreError> {
             if let Some(id) = &r.action_id {
                 if let Some(prev) = tx.audit_by_action_id(id)? {
@@ -148,12 +149,12 @@ impl Engine {
             let open = attempts.iter().find(|a| a.outcome.is_none());
             let (state, code, outbox_state, reason, message) = if sent {
                 (
-                    OpState::Unknown,
+                    contracts.get(&op.tool).map_or(OpState::Unknown, |c| c.downstream.unknown_state()),
                     Code::OutcomeUnknown,
                     OutboxState::Parked,
                     "cancelled_after_send",
                     "an attempt may have reached the provider, so the effect cannot be undone: \
-                     moved to the unknown queue (query its status)",
+                     moved to the unknown queue (query its status), or to human review where the provider cannot be asked",
                 )
             } else {
                 (

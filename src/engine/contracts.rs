@@ -71,6 +71,24 @@ impl DownstreamRef {
     pub fn honours_keys(&self) -> bool {
         self.dedupes_keys
     }
+
+    /// Whether what happened under a key can be asked of the downstream. An
+    /// http downstream says `"lookup": null` when its service has no lookup;
+    /// then an unknown outcome goes straight to human review.
+    pub fn can_look_up(&self) -> bool {
+        !(self.adapter == "http" && self.http.as_ref().and_then(|h| h.get("lookup")).is_some_and(Value::is_null))
+    }
+
+    /// Where an operation whose outcome cannot be known waits: the unknown
+    /// queue (a status query settles it), or human review when the
+    /// downstream cannot be asked.
+    pub fn unknown_state(&self) -> crate::store::OpState {
+        if self.can_look_up() {
+            crate::store::OpState::Unknown
+        } else {
+            crate::store::OpState::NeedsReview
+        }
+    }
 }
 
 /// Retry policy of a tool (docs/design.md §11).

@@ -665,7 +665,7 @@ impl Engine {
                     // query (or a human) settles it.
                     tx.finish_attempt(&op.id, ob.attempt, AttemptOutcome::Unknown, Some(SENDER_DETACHED), now)?;
                     tx.close_outbox(&op.id, OutboxState::Parked, Some("OUTCOME_UNKNOWN"))?;
-                    op.state = crate::store::OpState::Unknown;
+                    op.state = contracts.get(&op.tool).map_or(OpState::Unknown, |c| c.downstream.unknown_state());
                     op.code = Some(Code::OutcomeUnknown.as_str().into());
                     ev.code = Some(Code::OutcomeUnknown);
                     ev.outcome = Some("unknown");
@@ -688,7 +688,7 @@ impl Engine {
             for id in tx.overdue_in_flight(now)? {
                 let Some(mut op) = tx.operation(&id)? else { continue };
                 tx.close_outbox(&id, OutboxState::Parked, Some("OUTCOME_UNKNOWN"))?;
-                op.state = crate::store::OpState::Unknown;
+                op.state = contracts.get(&op.tool).map_or(OpState::Unknown, |c| c.downstream.unknown_state());
                 op.code = Some(Code::OutcomeUnknown.as_str().into());
                 op.updated_at = now;
                 tx.update_operation(&op)?.or_stale()?;
@@ -1314,7 +1314,7 @@ fn claim(
             attempt > 1 && tx.attempts(op_id)?.iter().any(|a| a.attempt != attempt && !a.proven_not_received());
         if earlier {
             tx.close_outbox(op_id, OutboxState::Parked, Some(Code::OutcomeUnknown.as_str()))?;
-            op.state = crate::store::OpState::Unknown;
+            op.state = contract.downstream.unknown_state();
             op.code = Some(Code::OutcomeUnknown.as_str().into());
         } else {
             tx.close_outbox(op_id, OutboxState::Done, Some(code.as_str()))?;
@@ -1427,7 +1427,8 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
      -> Result<Persisted, EngineError> {
         tx.finish_attempt(op_id, c.attempt, AttemptOutcome::Unknown, Some(code.as_str()), c.now)?;
         tx.close_outbox(op_id, OutboxState::Parked, Some(code.as_str()))?;
-        op.state = if code == Code::StatusConflict { OpState::NeedsReview } else { OpState::Unknown };
+        op.state =
+            if code == Code::StatusConflict { OpState::NeedsReview } else { c.contract.downstream.unknown_state() };
         op.code = Some(code.as_str().into());
         tx.update_operation(op)?.or_stale()?;
         op.version += 1;
@@ -1497,7 +1498,7 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             // key with a conflict): not a definitive failure. Ask the provider.
             tx.finish_attempt(op_id, c.attempt, AttemptOutcome::Rejected, Some(Code::OutcomeUnknown.as_str()), c.now)?;
             tx.close_outbox(op_id, OutboxState::Parked, Some(Code::OutcomeUnknown.as_str()))?;
-            op.state = crate::store::OpState::Unknown;
+            op.state = c.contract.downstream.unknown_state();
             op.code = Some(Code::OutcomeUnknown.as_str().into());
             tx.update_operation(&op)?.or_stale()?;
             op.version += 1;

@@ -79,6 +79,10 @@ pub struct ResolveRequest {
     pub seen_version: Option<i64>,
     /// The action's own id: repeating it returns the first outcome.
     pub action_id: Option<String>,
+    /// The operator states that there is no evidence either way: required to
+    /// resolve as failed an operation whose downstream cannot be asked (no
+    /// lookup), and recorded as such in the operator log.
+    pub no_evidence: bool,
 }
 
 /// Who acts on a late reply's receipt, in the operator log.
@@ -416,6 +420,13 @@ impl Engine {
                 Lookup::Unavailable => {
                     cur.last_query_result = Some("unavailable".into());
                     ("unavailable", None, "lookup unavailable: still unknown")
+                }
+                // Nothing can be asked of this downstream: only a person can tell.
+                Lookup::Unsupported => {
+                    cur.state = OpState::NeedsReview;
+                    cur.last_query_result = Some("unsupported".into());
+                    tx.close_outbox(&cur.id, OutboxState::Parked, Some(Code::OutcomeUnknown.as_str()))?;
+                    ("unsupported", None, "the downstream has no lookup: a person must check and decide")
                 }
             };
             let _ = env;
@@ -800,6 +811,7 @@ impl Engine {
             Lookup::NotFound => (json!({"lookup": "not_found"}), None),
             // No evidence either way: the decision stands on the operator's word.
             Lookup::Unavailable => (json!({"lookup": "unavailable"}), None),
+            Lookup::Unsupported => (json!({"lookup": "unsupported"}), None),
         }))
     }
 
@@ -893,6 +905,18 @@ impl Engine {
                     );
                 }
             }
+            // A downstream that cannot be asked leaves nothing that shows "no
+            // effect": the operator has to say so, and it is recorded as such.
+            let lookupless = contracts.get(&op.tool).is_some_and(|c| !c.downstream.can_look_up());
+            if lookupless && r.resolution == Resolution::Failed && !r.no_evidence {
+                return refuse(
+                    "NO_EVIDENCE_STATEMENT_REQUIRED",
+                    format!(
+                        "this tool's downstream has no lookup, so nothing shows that the call had no effect: resolve as {} only stating that there is no evidence either way (--no-evidence)",
+                        r.resolution.as_str()
+                    ),
+                );
+            }
             let evidence = r.evidence.as_deref().map(str::trim).filter(|e| !e.is_empty());
             if r.resolution == Resolution::Succeeded && evidence.is_none() {
                 return refuse("EVIDENCE_REQUIRED", "resolving as succeeded needs a receipt id as evidence".into());
@@ -934,6 +958,7 @@ impl Engine {
                 "seen_version": r.seen_version, "before": snapshot, "resolution": r.resolution.as_str(), "evidence": evidence,
                 "provider_evidence": provider.as_ref().map(|(seen, _)| seen),
                 "against_evidence": contradiction,
+                "no_evidence_either_way": r.no_evidence,
             });
             tx.insert_audit(&audit_row(now, r.action_id.as_deref(), &r.operator, "resolve", op_ref, None, true, &r.note, &ev))?;
             let mut t = TraceEvent::of_operation("resolution", &op, &salt, now);
@@ -1131,8 +1156,8 @@ impl Engine {
                     reference: id,
                     detail: "the provider has no effect for this succeeded operation".into(),
                 }),
-                // Cannot ask now: no finding either way.
-                Lookup::Unavailable => {}
+                // Cannot ask (now, or ever): no finding either way.
+                Lookup::Unavailable | Lookup::Unsupported => {}
             }
         }
         Ok(out)

@@ -228,6 +228,8 @@ pub enum Lookup {
     NotFound,
     /// The lookup itself failed.
     Unavailable,
+    /// The downstream has no lookup (the catalog says so): nothing can be asked.
+    Unsupported,
 }
 
 /// Downstream errors that are not replies (the adapter's own storage or set-up failed).

@@ -729,6 +729,7 @@ impl ScenarioRun {
                     evidence,
                     seen_version: None,
                     action_id: None,
+                    no_evidence: false,
                 })?;
                 let sees = if out.applied {
                     format!("resolved as {}", resolution.as_str())

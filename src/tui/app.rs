@@ -276,6 +276,11 @@ pub enum EngineEvent {
     Walkthrough(WalkthroughView),
     /// The lab's state (with every refresh).
     Lab(LabView),
+    /// The tools whose downstream cannot be asked (sent once, at start).
+    Tools {
+        /// Their names.
+        unaskable: std::collections::BTreeSet<String>,
+    },
     /// Something failed in the engine thread.
     Error(String),
 }
@@ -379,6 +384,9 @@ pub enum Request {
         evidence: Option<String>,
         /// Version the operator saw.
         seen_version: i64,
+        /// The operator states that no evidence exists either way (a failed
+        /// decision on a tool whose downstream cannot be asked).
+        no_evidence: bool,
     },
     /// Cancel an operation.
     Cancel {
@@ -450,6 +458,9 @@ pub enum FormKind {
         seen_version: i64,
         /// Last query result, for the evidence line.
         last_query: String,
+        /// The tool's downstream cannot be asked: a failed decision states
+        /// that no evidence exists either way.
+        unaskable: bool,
     },
     /// Cancel an operation.
     Cancel {
@@ -571,6 +582,8 @@ pub struct App {
     pub clipboard: Option<String>,
     /// The lab's state.
     pub lab: LabView,
+    /// Tools whose downstream cannot be asked (from the engine, at start).
+    pub unaskable_tools: std::collections::BTreeSet<String>,
     /// The toggle selected in the lab panel.
     pub lab_selected: usize,
     /// A pane switch is waiting for its first page: keys that act on rows
@@ -634,6 +647,7 @@ impl App {
             quit: false,
             clipboard: None,
             lab: LabView::default(),
+            unaskable_tools: std::collections::BTreeSet::new(),
             lab_selected: 0,
             awaiting_page: false,
             queued: std::collections::VecDeque::new(),
@@ -1120,6 +1134,7 @@ impl App {
                 let kind = FormKind::Resolve {
                     operation_id: op.id.clone(),
                     seen_version: op.version,
+                    unaskable: self.unaskable_tools.contains(&op.tool),
                     last_query: format!(
                         "{} ({})",
                         op.last_query_result.clone().unwrap_or_else(|| "no query yet".into()),
@@ -1253,6 +1268,10 @@ impl App {
             EngineEvent::BulkDone { verb, summary, acted, ok } => Some(self.on_bulk_done(&verb, &summary, &acted, ok)),
             EngineEvent::Lab(v) => {
                 self.lab = v;
+                None
+            }
+            EngineEvent::Tools { unaskable } => {
+                self.unaskable_tools = unaskable;
                 None
             }
             EngineEvent::Walkthrough(w) => {
@@ -1532,7 +1551,7 @@ impl App {
                         evidence.iter().cloned().chain([format!("note        {}", f.note)]).collect(),
                         Request::Deny { approval_id: approval_id.clone(), note: f.note.clone() },
                     ),
-                    FormKind::Resolve { operation_id, seen_version, last_query } => {
+                    FormKind::Resolve { operation_id, seen_version, last_query, unaskable } => {
                         let Some(choice) = f.choice else {
                             if let Some(form) = self.form.as_mut() {
                                 form.error = Some("choose a decision with ←/→ first".into());
@@ -1549,12 +1568,18 @@ impl App {
                             }
                             return None;
                         }
+                        let no_evidence = *unaskable && resolution == Resolution::Failed;
+                        let evidence_line = if no_evidence {
+                            "none either way: this tool's downstream cannot be asked; confirming states that".into()
+                        } else {
+                            evidence.clone().unwrap_or_else(|| "-".into())
+                        };
                         (
                             "Resolve operation".to_string(),
                             vec![
                                 format!("operation   {operation_id} (version {seen_version})"),
                                 format!("resolve as  {}", resolution.as_str()),
-                                format!("evidence    {}", evidence.clone().unwrap_or_else(|| "-".into())),
+                                format!("evidence    {evidence_line}"),
                                 format!("last query  {last_query}"),
                                 format!("note        {}", f.note),
                             ],
@@ -1564,6 +1589,7 @@ impl App {
                                 note: f.note.clone(),
                                 evidence,
                                 seen_version: *seen_version,
+                                no_evidence,
                             },
                         )
                     }

@@ -72,6 +72,11 @@ pub fn spawn(opts: &BackendOptions, events: UnboundedSender<Action>) -> Result<B
             ..EngineOptions::default()
         },
     )?;
+    // The tools whose downstream cannot be asked: a failed decision on one
+    // states that no evidence exists either way, and the confirm says so.
+    let unaskable =
+        engine.contracts().all().iter().filter(|c| !c.downstream.can_look_up()).map(|c| c.name.clone()).collect();
+    let _ = events.send(Action::Engine(EngineEvent::Tools { unaskable }));
     let mut threads = Vec::new();
     let o = opts.clone();
     let ev = events.clone();
@@ -394,7 +399,7 @@ fn handle(
                 .map(|o| (o.applied, format!("deny {approval_id}: {}", o.message)));
             (Some(done(r)), true)
         }
-        Request::Resolve { operation_id, resolution, note, evidence, seen_version } => {
+        Request::Resolve { operation_id, resolution, note, evidence, seen_version, no_evidence } => {
             let r = engine
                 .resolve(&ResolveRequest {
                     operation_id: operation_id.clone(),
@@ -404,6 +409,7 @@ fn handle(
                     evidence,
                     seen_version: Some(seen_version),
                     action_id: None,
+                    no_evidence,
                 })
                 .map(|o| {
                     (

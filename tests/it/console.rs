@@ -404,6 +404,38 @@ fn approve_sends_the_id_the_operator_saw_and_confirm_defaults_to_cancel() {
 }
 
 #[test]
+fn failed_on_a_tool_that_cannot_be_asked_states_no_evidence_in_the_confirm() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 140, 40);
+    let Rows::Ops(rows) = &app.rows else { panic!() };
+    let op = rows[0].clone();
+    app.update(Action::Engine(EngineEvent::Tools { unaskable: [op.tool.clone()].into_iter().collect() }));
+    app.update(key('r'));
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Tab);
+    for c in "no way to ask".chars() {
+        press(&mut app, KeyCode::Char(c));
+    }
+    press(&mut app, KeyCode::Enter);
+    assert_eq!(app.mode, Mode::Confirm);
+    let dialog = text(&draw(&app, 140, 40));
+    assert!(dialog.contains("none either way"), "the confirm states what confirming means:\n{dialog}");
+    press(&mut app, KeyCode::Tab);
+    assert_eq!(
+        press(&mut app, KeyCode::Enter),
+        Some(Request::Resolve {
+            operation_id: op.id.clone(),
+            resolution: Resolution::Failed,
+            note: "no way to ask".into(),
+            evidence: None,
+            seen_version: op.version,
+            no_evidence: true,
+        })
+    );
+}
+
+#[test]
 fn query_and_resolve_send_what_was_shown() {
     let mut d = demo();
     let mut app = app_on(&mut d, Pane::Unknown, 140, 40);
@@ -433,6 +465,7 @@ fn query_and_resolve_send_what_was_shown() {
             note: "provider has no record".into(),
             evidence: None,
             seen_version: op.version,
+            no_evidence: false,
         })
     );
     // Succeeded needs a receipt id.
@@ -1834,7 +1867,8 @@ fn bulk_deny_resolve_and_cancel_ask_for_one_shared_note_and_skip_what_does_not_a
         action,
         toolgate::engine::BulkAction::Resolve {
             resolution: Resolution::Failed,
-            note: "no effect, per provider".into()
+            note: "no effect, per provider".into(),
+            no_evidence: false,
         }
     );
     // Run it: each resolved with the shared note in its own audit entry; one

@@ -190,6 +190,7 @@ fn recover(db: &Path, tool: Tool) -> toolgate::engine::envelope::Envelope {
                     evidence: None,
                     seen_version: None,
                     action_id: None,
+                    no_evidence: false,
                 })
                 .unwrap();
             assert!(out.applied, "{out:?}");

@@ -249,6 +249,7 @@ fn each_hold_is_kept_converted_or_released_where_it_must(backend: Backend) {
             evidence: None,
             seen_version: None,
             action_id: None,
+            no_evidence: false,
         })
         .unwrap();
     assert!(out.applied, "{out:?}");
@@ -328,6 +329,7 @@ fn the_audit_finds_money_paid_for_an_operation_resolved_as_failed(backend: Backe
             evidence: None,
             seen_version: None,
             action_id: None,
+            no_evidence: false,
         })
         .unwrap();
     assert!(out.applied, "{out:?}");
@@ -361,6 +363,7 @@ fn a_failed_resolution_with_evidence_is_checked_as_no_effect() {
             evidence: Some("rcpt_from_operator".into()),
             seen_version: None,
             action_id: None,
+            no_evidence: false,
         })
         .unwrap();
     assert!(out.applied, "{out:?}");

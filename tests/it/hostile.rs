@@ -405,6 +405,7 @@ fn operator_and_caller_text_cannot_forge_output(backend: Backend) {
         evidence: None,
         seen_version: None,
         action_id: None,
+        no_evidence: false,
     };
     // Control characters in a name, an over-long name, a reserved shape, an OSC in a note: refused, nothing stored.
     for (operator, note, code) in [

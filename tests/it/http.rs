@@ -720,6 +720,26 @@ fn the_catalog_is_loaded_strictly_and_a_refusal_writes_nothing() {
             }),
             "field downstream.http.reply",
         ),
+        (
+            "an http section that says nothing of a lookup",
+            Box::new(|v| {
+                v["downstream"] = serde_json::json!({"name": "payments", "adapter": "http", "dedupes_keys": true, "http": {
+                    "base_url": "http://127.0.0.1:1", "execute": {"method": "POST", "path": "/x"},
+                    "reply": {"receipt_id": "/id", "key": "/key"}}});
+            }),
+            "field downstream.http.lookup",
+        ),
+        (
+            "a lookup by a key that is never sent",
+            Box::new(|v| {
+                v["effect"] = "external".into();
+                v["downstream"] = serde_json::json!({"name": "payments", "adapter": "http", "dedupes_keys": false, "http": {
+                    "base_url": "http://127.0.0.1:1", "key_header": "",
+                    "execute": {"method": "POST", "path": "/x"}, "lookup": {"method": "GET", "path": "/x/{key}"},
+                    "reply": {"receipt_id": "/id", "key": "/key"}}});
+            }),
+            "field downstream.http.lookup",
+        ),
         ("bad revision", Box::new(|v| v["revisions"]["output"] = 0.into()), "field revisions"),
         ("unknown echo", Box::new(|v| v["result_echoes"] = serde_json::json!(["nope"])), "field result_echoes[0]"),
     ];
@@ -1497,5 +1517,72 @@ fn a_receipt_already_bound_to_another_operation_is_not_evidence() {
     let d = e.operation_detail(env.protected_audit.operation_id.as_deref().unwrap()).unwrap().unwrap();
     assert_eq!(d.operation.state.to_string(), "needs_review");
     assert_eq!(d.operation.receipt_id, None);
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+}
+
+/// A service with no lookup, said honestly in the catalog (`"lookup": null`).
+/// Before: the loader demanded a lookup, and an unknown outcome waited for a
+/// status query that could never answer, then `resolve --as failed` marked a
+/// call that may have happened as "no effect". Now the unknown outcome goes
+/// straight to human review, a status query asks nothing and says so, and
+/// "failed" needs the operator's statement that there is no evidence either
+/// way, recorded as such.
+#[test]
+fn a_downstream_without_a_lookup_goes_to_review_and_failed_needs_a_statement() {
+    let server = Scripted::start(vec![Then::Close]);
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = write_catalog_with(dir.path(), &server.url, &|http| {
+        http.insert("lookup".into(), Value::Null);
+    });
+    let ledger = dir.path().join("ledger.db");
+    let clock = ManualClock::new(T0);
+    let opts = || EngineOptions {
+        clock: Arc::new(clock.clone()),
+        toolset: toolgate::tools::load_toolset(Some(&catalog)).unwrap(),
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::create(&ledger, opts()).unwrap();
+    e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
+    let env = e.dispatch(&refund("http-no-lookup-1", 1500)).unwrap();
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown), "{env:?}");
+    let op = env.protected_audit.operation_id.clone().unwrap();
+    let state = |e: &mut Engine| e.operation_detail(&op).unwrap().unwrap().operation.state.to_string();
+    assert_eq!(state(&mut e), "needs_review", "straight to a person: nothing can be asked");
+    let q = e.query_operation_status(&query_req(&env, "q-no-lookup")).unwrap();
+    assert_eq!(q.code(), Some(Code::OutcomeUnknown), "{q:?}");
+    assert_eq!(server.seen().len(), 1, "no lookup was sent: {:?}", server.seen());
+    let d = e.operation_detail(&op).unwrap().unwrap();
+    assert_eq!(d.operation.last_query_result.as_deref(), Some("unsupported"));
+    let req = |no_evidence: bool| toolgate::engine::ResolveRequest {
+        operation_id: op.clone(),
+        resolution: toolgate::engine::Resolution::Failed,
+        operator: "alice".into(),
+        note: "the service has no record we can reach".into(),
+        evidence: None,
+        seen_version: None,
+        action_id: None,
+        no_evidence,
+    };
+    let refused = e.resolve(&req(false)).unwrap();
+    assert_eq!((refused.applied, refused.code.as_str()), (false, "NO_EVIDENCE_STATEMENT_REQUIRED"), "{refused:?}");
+    let bulk = e
+        .bulk(
+            &toolgate::engine::BulkAction::Resolve {
+                resolution: toolgate::engine::Resolution::Failed,
+                note: "all of them".into(),
+                no_evidence: false,
+            },
+            &[toolgate::engine::BulkTarget { id: op.clone(), seen_version: None }],
+            "alice",
+            |_, _| {},
+        )
+        .unwrap();
+    assert_eq!(bulk.items[0].code, "NO_EVIDENCE_STATEMENT_REQUIRED", "{bulk:?}");
+    let done = e.resolve(&req(true)).unwrap();
+    assert!(done.applied, "{done:?}");
+    assert_eq!(state(&mut e), "resolved");
+    let log = e.audit_log(10).unwrap();
+    let entry = log.iter().find(|a| a.action == "resolve" && a.result == "applied").unwrap();
+    assert!(entry.evidence.contains("\"no_evidence_either_way\":true"), "{}", entry.evidence);
     assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
 }

@@ -57,6 +57,7 @@ fn resolve_failed(e: &mut Engine, op: &str) -> toolgate::engine::OperatorOutcome
         evidence: None,
         seen_version: None,
         action_id: None,
+        no_evidence: false,
     })
     .unwrap()
 }
@@ -127,6 +128,7 @@ fn a_late_receipt_reopens_a_failed_decision_as_a_contradiction(backend: Backend)
             evidence: receipt["receipt_id"].as_str().map(str::to_string),
             seen_version: None,
             action_id: None,
+            no_evidence: false,
         })
         .unwrap();
     assert!(again.applied, "{again:?}");

@@ -183,6 +183,7 @@ fn a_planted_canary_appears_in_no_table_log_or_export() {
                 evidence: None,
                 seen_version: None,
                 action_id: Some("act-canary-1".into()),
+                no_evidence: false,
             })
             .unwrap();
         assert!(out.applied, "{out:?}");

@@ -452,6 +452,7 @@ impl Machine {
                         evidence: Some("rcpt_from_operator".into()),
                         seen_version: Some(op.version),
                         action_id: None,
+                        no_evidence: false,
                     };
                     let mut out = self.engine.resolve(&req).unwrap();
                     if out.code == "STATUS_CONFLICT" {

@@ -217,6 +217,7 @@ fn human_resolution_needs_a_note_evidence_and_a_fresh_snapshot(backend: Backend)
         evidence: evidence.map(str::to_string),
         seen_version: seen,
         action_id: None,
+        no_evidence: false,
     };
     assert_eq!(e.resolve(&req(Resolution::Failed, " ", None, Some(seen))).unwrap().code, "NOTE_REQUIRED");
     assert_eq!(e.resolve(&req(Resolution::Succeeded, "saw it", None, Some(seen))).unwrap().code, "EVIDENCE_REQUIRED");
@@ -253,6 +254,7 @@ fn operator_actions_are_idempotent_by_action_id(backend: Backend) {
         evidence: Some("rcpt_from_dashboard".into()),
         seen_version: None,
         action_id: Some("act-1".into()),
+        no_evidence: false,
     };
     assert!(e.resolve(&r).unwrap().applied);
     let again = e.resolve(&r).unwrap();
@@ -355,6 +357,7 @@ fn resolve_req(op: &str, resolution: Resolution, evidence: Option<&str>, action:
         evidence: evidence.map(str::to_string),
         seen_version: None,
         action_id: Some(action.into()),
+        no_evidence: false,
     }
 }
 

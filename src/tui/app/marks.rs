@@ -340,8 +340,8 @@ impl App {
                         0,
                     ))
                 }
-                Some(1) => BulkAction::Resolve { resolution: Resolution::Failed, note },
-                Some(_) => BulkAction::Resolve { resolution: Resolution::Compensated, note },
+                Some(1) => BulkAction::Resolve { resolution: Resolution::Failed, note, no_evidence: false },
+                Some(_) => BulkAction::Resolve { resolution: Resolution::Compensated, note, no_evidence: false },
             },
             BulkKey::Query | BulkKey::Approve => return Ok(None),
         };

@@ -169,7 +169,7 @@ pub fn form(app: &App, frame: &mut Frame, t: Theme) {
             };
             format!(" {verb} {n} marked ")
         }
-        FormKind::Resolve { operation_id, seen_version, last_query } => {
+        FormKind::Resolve { operation_id, seen_version, last_query, unaskable } => {
             lines.push(Line::from(format!(" {operation_id} (version {seen_version})")));
             lines.push(Line::from(Span::styled(format!(" last query: {last_query}"), t.dim())));
             let choices = ["succeeded", "failed", "compensated"];
@@ -183,6 +183,9 @@ pub fn form(app: &App, frame: &mut Frame, t: Theme) {
             let needs = match f.choice {
                 None => "no decision yet: ←/→ to choose (nothing is pre-selected)",
                 Some(0) => "succeeded: the effect happened; needs the receipt id and a note",
+                Some(1) if *unaskable => {
+                    "failed: this downstream cannot be asked; you state no evidence either way, and a note"
+                }
                 Some(1) => "failed: no effect happened; needs a note",
                 _ => "compensated: the effect was undone elsewhere; needs a note",
             };
