@@ -1859,7 +1859,7 @@ fn print_detail(d: &crate::engine::OperationDetail) {
         );
     }
     if let Some(ob) = &d.outbox {
-        outln!("  outbox          {} attempt {}/{}", ob.state, ob.attempt, ob.max_attempts);
+        outln!("  outbox          {} attempt {} (at most {} per call)", ob.state, ob.attempt, ob.max_attempts);
     }
     outln!("attempts:");
     for a in &d.attempts {

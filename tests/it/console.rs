@@ -2167,3 +2167,41 @@ fn a_call_through_serve_appears_live_in_the_console() {
     }
     t.quit();
 }
+
+/// Issue 32 §1.6: `max_attempts` caps one call's automatic retries; an agent
+/// that calls again with the same key starts another round, so the
+/// operation's count passes the cap. The screens said "attempt 8/3".
+#[test]
+fn an_operations_attempts_past_the_per_call_cap_are_not_shown_as_n_of_m() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = toolgate::demo::working_copy(dir.path(), NOW).unwrap();
+    let clock = toolgate::engine::clock::ManualClock::new(NOW);
+    let engine =
+        Engine::open(&path, EngineOptions { clock: std::sync::Arc::new(clock.clone()), ..EngineOptions::default() })
+            .unwrap();
+    let mut d = Demo { dir, engine, _pg: None };
+    let faults = vec!["unavailable(1)"; 40].join(",");
+    d.engine.set_faults(toolgate::engine::faults::FaultPlan::parse(&faults).unwrap());
+    let req = crate::support::refund("attempts-past-cap-1", 100);
+    let mut op = None;
+    for _ in 0..4 {
+        let env = d.engine.dispatch(&req).unwrap();
+        op = env.protected_audit.operation_id.clone().or(op);
+        // Past the backoff and the breaker's cool-down: the next call sends again.
+        clock.advance(60_000);
+    }
+    let op = op.expect("the refund was accepted");
+    let detail = d.engine.operation_detail(&op).unwrap().unwrap();
+    let ob = detail.outbox.clone().unwrap();
+    assert!(ob.attempt > ob.max_attempts, "the fixture passes the cap: {} of {}", ob.attempt, ob.max_attempts);
+    let mut app = app_on(&mut d, Pane::Live, 140, 40);
+    let pane = text(&draw(&app, 140, 40));
+    assert!(!pane.contains(&format!("{}/{}", ob.attempt, ob.max_attempts)), "the pane counts attempts:\n{pane}");
+    app.update(Action::Engine(EngineEvent::Found { asked: op.clone(), prefix: Some(op.clone()), ids: vec![op] }));
+    app.update(Action::Engine(EngineEvent::Detail(Box::new(detail))));
+    assert_eq!(app.mode, Mode::Detail);
+    let screen = text(&draw(&app, 140, 40));
+    let wrong = format!("{}/{}", ob.attempt, ob.max_attempts);
+    assert!(!screen.contains(&wrong), "no '{wrong}' on the detail:\n{screen}");
+    assert!(screen.contains(&format!("attempt {} (at most {} per call)", ob.attempt, ob.max_attempts)), "{screen}");
+}

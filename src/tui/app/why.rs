@@ -209,7 +209,7 @@ fn queued(d: &OperationDetail, now: i64, code: &str) -> Why {
         },
         ("pending", _, _) if ob.available_at > now => Why {
             sentence: format!(
-                "Attempt {} of {} ended {}; the next waits until {} ({}).",
+                "Attempt {} (at most {} per call) ended {}; the next waits until {} ({}).",
                 ob.attempt,
                 ob.max_attempts,
                 short(ob.last_code.as_deref().unwrap_or(code), 30),

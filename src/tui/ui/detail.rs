@@ -131,7 +131,7 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         lines.push(kv(
             "outbox",
             format!(
-                "{} · attempt {}/{} · {}",
+                "{} · attempt {} (at most {} per call) · {}",
                 ob.state,
                 ob.attempt,
                 ob.max_attempts,

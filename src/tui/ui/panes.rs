@@ -189,7 +189,9 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 id_cell(app, &r.operation_id, id_w, t),
                 Cell::from(short(&r.tool, 14)),
                 Cell::from(Span::styled(short(&r.state, 10), t.state(&r.state))),
-                Cell::from(format!("{}/{}", r.attempt, r.max_attempts)),
+                // The operation's attempts so far; `max_attempts` caps one
+                // call's automatic retries, not the operation (detail says so).
+                Cell::from(r.attempt.to_string()),
                 lease,
                 Cell::from(next),
                 Cell::from(short(r.last_code.as_deref().unwrap_or("-"), 22)),
