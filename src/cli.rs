@@ -82,6 +82,10 @@ pub enum ProviderCommand {
         /// (`rate_limit(2000),ok`) or a rate (`random(0.05,seed=7)`).
         #[arg(long, value_name = "SPEC")]
         faults: Option<String>,
+        /// Answer 401 to every request without `Authorization: Bearer TOKEN`
+        /// (a simulated rotated API key).
+        #[arg(long, value_name = "TOKEN")]
+        require_bearer: Option<String>,
     },
 }
 
@@ -1198,7 +1202,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 Ok(0)
             }
         },
-        Command::Provider { what: ProviderCommand::Serve { listen, provider_db, public, faults } } => {
+        Command::Provider { what: ProviderCommand::Serve { listen, provider_db, public, faults, require_bearer } } => {
             let faults = match faults {
                 Some(spec) => {
                     crate::downstream::FaultPlan::parse(spec).map_err(|e| CliError::new("BAD_FAULT", e.to_string()))?
@@ -1207,7 +1211,12 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             };
             let provider_db = provider_serve_db(cli.db.as_deref(), provider_db.as_deref())?;
             crate::telemetry::logging::init_for_db(provider_db);
-            let opts = crate::downstream::serve::ServeOptions { listen: *listen, public: *public, faults };
+            let opts = crate::downstream::serve::ServeOptions {
+                listen: *listen,
+                public: *public,
+                faults,
+                require_bearer: require_bearer.clone(),
+            };
             crate::downstream::serve::serve(provider_db, opts, |addr| {
                 outln!("listening on {addr}");
             })

@@ -43,7 +43,9 @@ pub fn of_code(code: Code, op_state: Option<OpState>) -> StatusCode {
         // the workers run it. Not a success: the model_result says failed.
         Code::ApprovalRequired => StatusCode::ACCEPTED,
         Code::RateLimit => StatusCode::TOO_MANY_REQUESTS,
-        Code::TimeoutBeforeExecute | Code::ToolUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+        Code::TimeoutBeforeExecute | Code::ToolUnavailable | Code::DownstreamAuthFailed => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
         // The draft's "request still in progress": retry later with the same key.
         Code::OutcomeUnknown if matches!(op_state, Some(OpState::Accepted | OpState::InFlight)) => StatusCode::CONFLICT,
         // Parked: the provider's answer did not come back. Only a status query

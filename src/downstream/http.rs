@@ -21,7 +21,8 @@ use crate::engine::canonical::{canonical_string, parse_strict};
 use crate::engine::contracts::{Contract, DownstreamRef};
 use crate::engine::faults::Fault;
 use crate::engine::tool::{
-    Downstream, DownstreamContext, DownstreamError, DownstreamFactory, DownstreamRequest, Lookup, Receipt, Reply,
+    Downstream, DownstreamContext, DownstreamError, DownstreamFactory, DownstreamRequest, Lookup, Receipt, Refusal,
+    Reply,
 };
 
 /// The header that carries the request digest, so that a provider that
@@ -393,6 +394,15 @@ impl HttpDownstream {
     fn read_body(&self, resp: &mut ureq::http::Response<ureq::Body>) -> Result<Vec<u8>, ureq::Error> {
         resp.body_mut().with_config().limit(self.cfg.max_body_bytes).read_to_vec()
     }
+
+    /// A refusal's status, body digest and redacted excerpt. A body that
+    /// cannot be read whole (too large, cut off) is described by what was
+    /// read: the refusal itself is certain from the status.
+    fn refusal(&self, status: u16, resp: &mut ureq::http::Response<ureq::Body>) -> Refusal {
+        let body = self.read_body(resp).unwrap_or_default();
+        let secrets: Vec<&str> = self.secrets.iter().map(|(_, v)| v.as_str()).collect();
+        Refusal::of_body(status, &body, &secrets)
+    }
 }
 
 fn header(resp: &ureq::http::Response<ureq::Body>, name: &str) -> Option<String> {
@@ -463,7 +473,22 @@ impl Downstream for HttpDownstream {
             500..=599 if self.cfg.server_error_means_not_committed => {
                 Reply::Unavailable { retry_after_ms: retry_after }
             }
-            400..=499 => Reply::Rejected { reason: format!("http {status}") },
+            401 | 403 => {
+                let refusal = self.refusal(status, &mut resp);
+                // Loud: the operator's configuration is wrong (a rotated or
+                // missing secret); every call to this downstream will meet it.
+                tracing::error!(
+                    downstream = %self.name,
+                    status,
+                    body_sha256 = %refusal.body_sha256,
+                    "downstream refused toolgate's credentials: check its secret_headers"
+                );
+                Reply::AuthRefused(refusal)
+            }
+            400..=499 => {
+                let refusal = self.refusal(status, &mut resp);
+                Reply::Rejected { reason: format!("http {status}"), refusal: Some(refusal) }
+            }
             // 5xx after the request was sent, or a status this adapter does not
             // expect (a redirect): it may have committed.
             _ => Reply::ServerError,

@@ -235,7 +235,7 @@ impl Downstream for Simulated {
         Ok(match fault {
             Fault::Ok => match self.commit(key, req, 0, false)? {
                 Ok(r) => Reply::Committed(r),
-                Err(reason) => Reply::Rejected { reason },
+                Err(reason) => Reply::Rejected { reason, refusal: None },
             },
             Fault::Latency(ms) if ms > req.timeout_ms => {
                 // The caller waits no longer than its timeout (the attempt timeout
@@ -250,10 +250,10 @@ impl Downstream for Simulated {
                 self.clock.sleep_ms(ms);
                 match self.commit(key, req, 0, false)? {
                     Ok(r) => Reply::Committed(r),
-                    Err(reason) => Reply::Rejected { reason },
+                    Err(reason) => Reply::Rejected { reason, refusal: None },
                 }
             }
-            Fault::Reject(reason) => Reply::Rejected { reason },
+            Fault::Reject(reason) => Reply::Rejected { reason, refusal: None },
             Fault::EchoCredential { value, in_result } => match self.commit(key, req, 0, false)? {
                 Ok(mut r) => {
                     // Only the reply on the wire carries it: the stored effect is clean.
@@ -265,7 +265,7 @@ impl Downstream for Simulated {
                     }
                     Reply::Committed(r)
                 }
-                Err(reason) => Reply::Rejected { reason },
+                Err(reason) => Reply::Rejected { reason, refusal: None },
             },
             Fault::RateLimit(ra) => Reply::RateLimited { retry_after_ms: ra.ms },
             Fault::Unavailable(ra) => Reply::Unavailable { retry_after_ms: ra.map(|r| r.ms) },
@@ -314,7 +314,7 @@ impl Downstream for Simulated {
                 self.clock.sleep_ms(ms);
                 match committed {
                     Ok(r) => Reply::Committed(r),
-                    Err(reason) => Reply::Rejected { reason },
+                    Err(reason) => Reply::Rejected { reason, refusal: None },
                 }
             }
             Fault::HugeBody(_) => {

@@ -108,12 +108,16 @@ pub struct ServeOptions {
     pub public: bool,
     /// The fault plan for requests without a `Toolgate-Fault` header.
     pub faults: FaultPlan,
+    /// When set, every `/v1` request must carry `Authorization: Bearer
+    /// TOKEN`; others are answered 401, as a real API answers a rotated key.
+    pub require_bearer: Option<String>,
 }
 
 struct State {
     payments: Mutex<Simulated>,
     notifications: Mutex<Simulated>,
     faults: Mutex<FaultPlan>,
+    require_bearer: Option<String>,
 }
 
 impl State {
@@ -147,6 +151,7 @@ pub fn serve(db: &Path, opts: ServeOptions, ready: impl FnOnce(SocketAddr)) -> R
         payments: Mutex::new(open(SimKind::Payments)?),
         notifications: Mutex::new(open(SimKind::Notifications)?),
         faults: Mutex::new(opts.faults),
+        require_bearer: opts.require_bearer,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -343,6 +348,17 @@ async fn handle(
     let path = req.uri().path().to_string();
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let kind = |name: &str| SimKind::of(name);
+    if let (Some(want), ["v1", ..]) = (&state.require_bearer, parts.as_slice()) {
+        let presented = header(&req, "authorization").unwrap_or("");
+        if presented != format!("Bearer {want}") {
+            // As real APIs do, the refusal names what was presented: the
+            // gateway must redact it before it records the body.
+            return Ok(reply(
+                StatusCode::UNAUTHORIZED,
+                &json!({"error": "invalid_api_key", "message": format!("Invalid API key provided: {presented}")}),
+            ));
+        }
+    }
     Ok(match (req.method().as_str(), parts.as_slice()) {
         ("GET", ["healthz"]) => reply(StatusCode::OK, &json!({"status": "ok"})),
         ("GET", ["v1", provider, "calls", key]) => match kind(provider) {

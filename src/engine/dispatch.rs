@@ -1492,7 +1492,8 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             p.because("committed").from_envelope(&env).answering(c.answer).write(tx, c.now)?;
             Ok(Persisted::Done(env))
         }
-        Ok(Reply::Rejected { reason: _ }) if earlier_possibly_received(tx, op_id, c.attempt)? => {
+        Ok(Reply::Rejected { reason: _, refusal }) if earlier_possibly_received(tx, op_id, c.attempt)? => {
+            ev.refusal = refusal.as_ref().map(Into::into);
             // A refusal of this re-send says nothing about the earlier attempt
             // that may have committed (a provider that drifted answers a re-sent
             // key with a conflict): not a definitive failure. Ask the provider.
@@ -1507,7 +1508,8 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             ev.because("rejected_after_possible_send").from_envelope(&env).answering(c.answer).write(tx, c.now)?;
             Ok(Persisted::Done(env))
         }
-        Ok(Reply::Rejected { reason: _ }) => {
+        Ok(Reply::Rejected { reason: _, refusal }) => {
+            ev.refusal = refusal.as_ref().map(Into::into);
             tx.finish_attempt(
                 op_id,
                 c.attempt,
@@ -1538,6 +1540,18 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
         }
         Ok(Reply::ConnectTimeout) => {
             refused(tx, c, &mut op, ev, Code::TimeoutBeforeExecute, c.backoff_ms, Some("connect"))
+        }
+        Ok(Reply::AuthRefused(refusal)) => {
+            // Not processed, so not an effect: the key stays usable. Not
+            // retried within this call either (no retry helps before an
+            // operator fixes the secret); the breaker counts it.
+            ev.refusal = Some((&refusal).into());
+            ev.note = Some(format!(
+                "downstream refused the gateway's credentials (HTTP {}): fix the downstream's secret headers, then retry with the same key",
+                refusal.status
+            ));
+            let wait = c.contract.circuit.cool_down_ms.max(c.backoff_ms);
+            refused(tx, c, &mut op, ev, Code::DownstreamAuthFailed, wait, None)
         }
         Ok(Reply::TimedOut) if c.naive_timeout_retry => {
             // Lab only: the naive policy this defense exists to prevent. The
@@ -1619,14 +1633,24 @@ fn refused(
     ev.retry_after_ms = Some(delay);
     ev.downstream_committed = Some(false);
     let within_deadline = c.now + (delay as i64) < op.deadline_at;
-    if c.may_retry && within_deadline {
+    // A credentials refusal is not retried by this call: nothing changes until
+    // an operator fixes the configuration.
+    let automatic = code != Code::DownstreamAuthFailed;
+    if c.may_retry && automatic && within_deadline {
         ev.note = Some("provably not received: retry after backoff".into());
         ev.because("retry_scheduled").write(tx, c.now)?;
         return Ok(Persisted::RetryAfter(delay));
     }
-    ev.note =
-        Some(if within_deadline { "attempt cap reached".into() } else { "next retry would pass the deadline".into() });
-    ev.reason = Some(if within_deadline { "attempts_exhausted" } else { "deadline_exhausted" });
+    if automatic {
+        ev.note = Some(if within_deadline {
+            "attempt cap reached".into()
+        } else {
+            "next retry would pass the deadline".into()
+        });
+        ev.reason = Some(if within_deadline { "attempts_exhausted" } else { "deadline_exhausted" });
+    } else {
+        ev.reason = Some("downstream_auth_failed");
+    }
     let env =
         with_retry_after(op_envelope(op, Delivery::Fresh, c.principal_ref.to_string(), Some(code.as_str())), delay);
     ev.from_envelope(&env).answering(c.answer).write(tx, c.now)?;

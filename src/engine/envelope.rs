@@ -33,6 +33,9 @@ pub enum Code {
     RateLimit,
     /// The downstream refused before accepting, or the circuit is open.
     ToolUnavailable,
+    /// The downstream refused toolgate's own credentials (401/403): an
+    /// operator must fix the configuration; nothing was done.
+    DownstreamAuthFailed,
     /// The downstream may have committed; only a status query or a human can tell.
     OutcomeUnknown,
     /// A write tool's reply did not match its output contract.
@@ -108,7 +111,7 @@ pub enum Status {
 
 impl Code {
     /// All codes, in catalog order.
-    pub const ALL: [Code; 19] = [
+    pub const ALL: [Code; 20] = [
         Code::UnknownTool,
         Code::InvalidArguments,
         Code::IdempotencyKeyRequired,
@@ -122,6 +125,7 @@ impl Code {
         Code::TimeoutBeforeExecute,
         Code::RateLimit,
         Code::ToolUnavailable,
+        Code::DownstreamAuthFailed,
         Code::OutcomeUnknown,
         Code::OutputContractViolation,
         Code::StatusConflict,
@@ -146,6 +150,7 @@ impl Code {
             Code::TimeoutBeforeExecute => "TIMEOUT_BEFORE_EXECUTE",
             Code::RateLimit => "RATE_LIMIT",
             Code::ToolUnavailable => "TOOL_UNAVAILABLE",
+            Code::DownstreamAuthFailed => "DOWNSTREAM_AUTH_FAILED",
             Code::OutcomeUnknown => "OUTCOME_UNKNOWN",
             Code::OutputContractViolation => "OUTPUT_CONTRACT_VIOLATION",
             Code::StatusConflict => "STATUS_CONFLICT",
@@ -177,6 +182,9 @@ impl Code {
             Code::TimeoutBeforeExecute | Code::RateLimit | Code::ToolUnavailable => {
                 ("transient", NotStarted, Recovery::RetryAfter)
             }
+            // The operator's configuration, not the request: retried later with
+            // the same key once fixed (the breaker holds callers off meanwhile).
+            Code::DownstreamAuthFailed => ("configuration", NotStarted, Recovery::RetryAfter),
             Code::OutcomeUnknown => ("outcome_unknown", Unknown, Recovery::QueryStatus),
             Code::OutputContractViolation | Code::StatusConflict => ("conflict", Unknown, Recovery::HumanReview),
             Code::ToolError => ("tool_error", NotStarted, Recovery::HumanReview),
@@ -207,6 +215,9 @@ impl Code {
             Code::TimeoutBeforeExecute => "The deadline expired before the request was sent; nothing was done.",
             Code::RateLimit => "The downstream service is rate limiting; nothing was done. Retry later.",
             Code::ToolUnavailable => "The downstream service is unavailable; nothing was done. Retry later.",
+            Code::DownstreamAuthFailed => {
+                "The downstream service refused this gateway's credentials; nothing was done. An operator must fix the configuration; retry later with the same idempotency key."
+            }
             Code::OutcomeUnknown => "The outcome is unknown. Do not retry: query the status with the status reference.",
             Code::OutputContractViolation => {
                 "The downstream reply broke the output contract; the outcome needs human review."

@@ -99,7 +99,12 @@ pub(crate) fn health(reply: &Result<Reply, String>) -> Health {
             | Reply::KeyConflict,
         ) => Health::Healthy,
         Ok(
-            Reply::Unavailable { .. } | Reply::ConnectTimeout | Reply::TimedOut | Reply::ServerError | Reply::Malformed,
+            Reply::Unavailable { .. }
+            | Reply::ConnectTimeout
+            | Reply::TimedOut
+            | Reply::ServerError
+            | Reply::Malformed
+            | Reply::AuthRefused(_),
         ) => Health::Failing,
         Err(_) => Health::Neutral,
     }
@@ -285,7 +290,7 @@ mod tests {
     #[test]
     fn health_of_replies() {
         let check = |r: Result<Reply, String>, h: Health| assert_eq!(health(&r), h, "{r:?}");
-        check(Ok(Reply::Rejected { reason: "x".into() }), Health::Healthy);
+        check(Ok(Reply::Rejected { reason: "x".into(), refusal: None }), Health::Healthy);
         check(Ok(Reply::RateLimited { retry_after_ms: 5 }), Health::Healthy);
         check(Ok(Reply::Unavailable { retry_after_ms: None }), Health::Failing);
         check(Ok(Reply::ConnectTimeout), Health::Failing);

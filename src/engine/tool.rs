@@ -175,6 +175,58 @@ impl std::fmt::Debug for Receipt {
     }
 }
 
+/// What a downstream said when it refused a request: its HTTP status, the
+/// digest of its body, and a bounded, redacted excerpt of it (see
+/// [`Refusal::of_body`]). Recorded in the trace so that `ops show` tells the
+/// operator why, without a packet capture.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The HTTP status.
+    pub status: u16,
+    /// SHA-256 of the whole body as received (hex).
+    pub body_sha256: String,
+    /// At most [`Refusal::EXCERPT_CHARS`] characters of the body, redacted.
+    pub excerpt: String,
+}
+
+impl Refusal {
+    /// The longest excerpt kept.
+    pub const EXCERPT_CHARS: usize = 200;
+
+    /// A refusal from a body. Redaction: every `secrets` value (the
+    /// downstream's secret header values) is replaced by `[redacted]`, as is
+    /// any word after `Bearer `/`Basic `; control characters become spaces;
+    /// the text is cut at a character boundary with `…`.
+    pub fn of_body(status: u16, body: &[u8], secrets: &[&str]) -> Self {
+        let mut text = String::from_utf8_lossy(body).into_owned();
+        for s in secrets.iter().filter(|s| s.len() >= 4) {
+            text = text.replace(s, "[redacted]");
+        }
+        for scheme in ["Bearer ", "bearer ", "Basic ", "basic "] {
+            let mut out = String::with_capacity(text.len());
+            let mut rest = text.as_str();
+            while let Some(i) = rest.find(scheme) {
+                out.push_str(&rest[..i + scheme.len()]);
+                rest = &rest[i + scheme.len()..];
+                let end =
+                    rest.find(|c: char| c.is_whitespace() || c == '"' || c == '\\' || c == '\'').unwrap_or(rest.len());
+                if end > 0 {
+                    out.push_str("[redacted]");
+                }
+                rest = &rest[end..];
+            }
+            out.push_str(rest);
+            text = out;
+        }
+        let cleaned: String = text.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
+        let mut excerpt: String = cleaned.chars().take(Self::EXCERPT_CHARS).collect();
+        if cleaned.chars().count() > Self::EXCERPT_CHARS {
+            excerpt.push('…');
+        }
+        Refusal { status, body_sha256: crate::engine::canonical::sha256_hex(body), excerpt: excerpt.trim().to_string() }
+    }
+}
+
 /// What an `execute` returned, as far as the caller can tell: classified by
 /// the evidence of docs/design.md §7 (was the request provably not received, or
 /// may it have committed?).
@@ -186,7 +238,15 @@ pub enum Reply {
     Rejected {
         /// Provider's reason (never stored or traced: it is raw reply text).
         reason: String,
+        /// What an HTTP downstream's refusal said (status, body digest and
+        /// redacted excerpt): traced.
+        refusal: Option<Refusal>,
     },
+    /// The downstream refused toolgate's own credentials (HTTP 401/403): the
+    /// request was not processed, and no retry helps until an operator fixes
+    /// the configuration (a rotated secret). Not received: the key stays
+    /// usable.
+    AuthRefused(Refusal),
     /// 429 with Retry-After: provably not accepted.
     RateLimited {
         /// Retry-After.

@@ -130,6 +130,27 @@ pub struct TraceEvent {
     /// or a caller's text).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// What a downstream's refusal said: its HTTP status, body digest and a
+    /// bounded, redacted excerpt ([`crate::engine::tool::Refusal::of_body`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refusal: Option<RefusalFields>,
+}
+
+/// The trace form of a downstream refusal.
+#[derive(Debug, Clone, Serialize)]
+pub struct RefusalFields {
+    /// HTTP status.
+    pub status: u16,
+    /// SHA-256 of the body.
+    pub body_sha256: String,
+    /// Redacted excerpt of the body.
+    pub excerpt: String,
+}
+
+impl From<&crate::engine::tool::Refusal> for RefusalFields {
+    fn from(r: &crate::engine::tool::Refusal) -> Self {
+        RefusalFields { status: r.status, body_sha256: r.body_sha256.clone(), excerpt: r.excerpt.clone() }
+    }
 }
 
 /// The call an event answers and when that call started.
@@ -341,6 +362,11 @@ impl TraceEvent {
         o.int("policy_revision", self.policy_revision);
         o.str("receipt_id", self.receipt_id.as_deref());
         o.str("recovery", self.recovery.as_deref());
+        o.object("refusal", self.refusal.as_ref(), |r, f| {
+            r.str("body_sha256", Some(&f.body_sha256));
+            r.str("excerpt", Some(&f.excerpt));
+            r.uint("status", Some(u64::from(f.status)));
+        });
         o.str("request_sha256", self.request_sha256.as_deref());
         o.str("result_sha256", self.result_sha256.as_deref());
         o.uint("retry_after_ms", self.retry_after_ms);

@@ -91,6 +91,9 @@ pub fn describe(t: &TraceRow) -> String {
             parts.push(format!("{label} {v}"));
         }
     }
+    if let Some(r) = refusal_of(&f) {
+        parts.push(r);
+    }
     if let Some(v) = f.get("retry_after_ms").and_then(Value::as_u64) {
         parts.push(format!("retry after {v} ms"));
     }
@@ -103,6 +106,24 @@ pub fn describe(t: &TraceRow) -> String {
         parts.push(format!("took {}", human_us(v)));
     }
     parts.join("  ")
+}
+
+/// What a downstream's refusal said, for people: `downstream said HTTP 401,
+/// body sha256 3f2a…: "invalid api key"` (the excerpt is already bounded and
+/// redacted when it is recorded).
+pub fn refusal(t: &TraceRow) -> Option<String> {
+    match serde_json::from_str::<Value>(&t.fields) {
+        Ok(Value::Object(m)) => refusal_of(&m),
+        _ => None,
+    }
+}
+
+fn refusal_of(f: &Map<String, Value>) -> Option<String> {
+    let r = f.get("refusal")?.as_object()?;
+    let status = r.get("status").and_then(Value::as_u64).unwrap_or(0);
+    let sha = r.get("body_sha256").and_then(Value::as_str).unwrap_or("");
+    let excerpt = r.get("excerpt").and_then(Value::as_str).unwrap_or("");
+    Some(format!("downstream said HTTP {status}, body sha256 {}…: {excerpt:?}", sha.get(..12).unwrap_or(sha)))
 }
 
 fn human_us(us: i64) -> String {

@@ -216,7 +216,9 @@ fn timeout_before_execute_only_when_nothing_left(backend: Backend) {
     // connect_timeout with no time left: TIMEOUT_BEFORE_EXECUTE, retryable, nothing done.
     let mut r = refund("refund-tbe-002", 300);
     r.deadline_ms = Some(1);
-    let env = dispatch_with(&mut e, &r, "connect_timeout");
+    // Every attempt meets the fault: a backoff drawn as 0 ms fits the 1 ms
+    // deadline and retries at once (about one run in 200 drew it).
+    let env = dispatch_with(&mut e, &r, &["connect_timeout"; 8].join(","));
     assert_eq!(code(&env), Some(Code::TimeoutBeforeExecute));
     assert_eq!(env.model_result.execution.outcome, Outcome::NotStarted);
     assert!(env.model_result.error.as_ref().unwrap().retryable);

@@ -1586,3 +1586,60 @@ fn a_downstream_without_a_lookup_goes_to_review_and_failed_needs_a_statement() {
     assert!(entry.evidence.contains("\"no_evidence_either_way\":true"), "{}", entry.evidence);
     assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
 }
+
+/// Issue 32 §1.5: a downstream that refuses the gateway's credentials (a
+/// rotated secret) refused nothing the agent asked for. Before: a permanent
+/// BUSINESS_RULE_VIOLATION with a fixed message, the status and body recorded
+/// nowhere, and the same key replayed the failure after the secret was fixed.
+#[test]
+fn a_rotated_secret_is_a_configuration_refusal_the_same_key_survives() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("provider.token");
+    std::fs::write(&secret, "sk_old_rotated_9f3e1a\n").unwrap();
+    let fx = HttpFixture::with(&["--require-bearer", "sk_new_current_7b2c4d"], Some(&secret));
+    let mut e = fx.engine();
+    let req = refund("http-rotated-secret-1", 1500);
+    let env = e.dispatch(&req).unwrap();
+    assert_eq!(env.code(), Some(Code::DownstreamAuthFailed), "{env:?}");
+    let err = env.model_result.error.as_ref().unwrap();
+    assert!(err.retryable && err.retry_after_ms.is_some(), "{err:?}");
+    assert_eq!(fx.server.effects(), 0);
+    let op = e.list_operations(None, 1).unwrap()[0].clone();
+    assert_eq!(op.state, "accepted", "nothing was processed: the key stays usable");
+    let detail = e.operation_detail(&op.id).unwrap().unwrap();
+    assert_eq!(detail.attempts.len(), 1, "not retried within the call: no retry helps before the fix");
+    assert!(detail.attempts[0].proven_not_received(), "{:?}", detail.attempts);
+    // The trace says what the downstream said: status, body digest, excerpt,
+    // with the presented secret redacted.
+    let said: Vec<String> = detail.trace.iter().filter_map(toolgate::telemetry::export::refusal).collect();
+    assert_eq!(said.len(), 1, "{said:?}");
+    assert!(said[0].contains("HTTP 401") && said[0].contains("invalid_api_key"), "{}", said[0]);
+    assert!(said[0].contains("[redacted]"), "{}", said[0]);
+    let all: String = detail.trace.iter().map(|t| t.fields.clone()).collect();
+    assert!(!all.contains("sk_old_rotated_9f3e1a"), "the presented secret is not recorded");
+
+    // The operator fixes the secret; the same key runs once.
+    std::fs::write(&secret, "sk_new_current_7b2c4d\n").unwrap();
+    let mut e = fx.engine();
+    fx.clock.advance(10_000);
+    let env = e.dispatch(&req).unwrap();
+    assert_eq!(env.model_result.status, Status::Succeeded, "{env:?}");
+    assert_eq!(fx.server.effects(), 1);
+    assert!(e.audit().unwrap().is_empty());
+}
+
+#[test]
+fn a_refusal_records_its_status_and_a_redacted_bounded_excerpt() {
+    use toolgate::engine::tool::Refusal;
+    let body = format!(
+        "{{\"error\":\"card_closed\",\"detail\":\"token sk_live_abcd1234 and Authorization: Bearer eyJabc.def\\n{}\"}}",
+        "x".repeat(400)
+    );
+    let r = Refusal::of_body(402, body.as_bytes(), &["sk_live_abcd1234"]);
+    assert_eq!(r.status, 402);
+    assert_eq!(r.body_sha256, toolgate::engine::canonical::sha256_hex(body.as_bytes()));
+    assert!(!r.excerpt.contains("sk_live_abcd1234") && !r.excerpt.contains("eyJabc"), "{}", r.excerpt);
+    assert!(r.excerpt.contains("card_closed") && r.excerpt.ends_with('…'), "{}", r.excerpt);
+    assert!(r.excerpt.chars().count() <= Refusal::EXCERPT_CHARS + 1);
+    assert!(!r.excerpt.chars().any(char::is_control), "{}", r.excerpt);
+}

@@ -175,6 +175,11 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             Span::raw(format!("{} {}", e.outcome.as_deref().unwrap_or(""), e.delivery.as_deref().unwrap_or(""))),
             Span::styled(e.attempt.map(|a| format!("  attempt {a}")).unwrap_or_default(), t.dim()),
         ]));
+        // A downstream's refusal says why on the next line (status, body
+        // digest, redacted excerpt): the operator needs it to fix a secret.
+        if let Some(said) = crate::telemetry::export::refusal(e) {
+            lines.push(Line::from(Span::styled(format!("      {said}"), t.dim())));
+        }
     }
     if !d.audit.is_empty() {
         lines.push(Line::from(Span::styled("  operator log", t.accent())));
