@@ -1193,7 +1193,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                     let trace: Vec<Value> = d.trace.iter().map(trace_json).collect();
                     print_json(&json!({
                         "operation": d.operation, "outbox": d.outbox, "attempts": d.attempts, "trace": trace,
-                        "audit": d.audit, "may_land_until": d.may_land_until,
+                        "audit": d.audit, "may_land_until": d.may_land_until, "receipt_window_until": d.receipt_window_until,
                         "context": d.context.iter().map(|(k, v)| json!({"label": k, "value": v})).collect::<Vec<_>>(),
                     }));
                 } else {
@@ -1856,6 +1856,9 @@ fn print_detail(d: &crate::engine::OperationDetail) {
     }
     if let Some(until) = d.may_land_until {
         outln!("  may still land  until {} (a decision of no effect waits for it)", rfc3339(until));
+    }
+    if let Some(until) = d.receipt_window_until {
+        outln!("  receipt window  until {} (a receipt may still appear: query again after it)", rfc3339(until));
     }
     for (label, value) in &d.context {
         outln!("  {:<15} {}", crate::display::escape(label), crate::display::escape(value));

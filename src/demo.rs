@@ -134,9 +134,11 @@ pub fn generate(out: &Path, seed: u64) -> Result<(), EngineError> {
     let lost =
         g.run(refund("acme", "agent_ana", "ord_1004", 300, "EUR", "demo-refund-0009"), "timeout_before_commit")?;
     g.query(&lost, "acme", "agent_ana")?;
-    g.clock.advance(60_000);
+    // Past the receipt window (attempt timeout + receipt_visible_within_ms):
+    // before it, "no record" proves nothing and failed is refused.
+    g.clock.advance(66_000);
     if let Some(op) = lost.protected_audit.operation_id.clone() {
-        g.engine.resolve(&ResolveRequest {
+        let out = g.engine.resolve(&ResolveRequest {
             operation_id: op,
             resolution: Resolution::Failed,
             operator: "oncall-kim".into(),
@@ -146,6 +148,9 @@ pub fn generate(out: &Path, seed: u64) -> Result<(), EngineError> {
             action_id: Some("demo-action-1".into()),
             no_evidence: false,
         })?;
+        if !out.applied {
+            return Err(EngineError::invalid("DEMO_STEP_REFUSED", format!("the demo's resolution: {}", out.message)));
+        }
     }
     // Waiting to retry: Retry-After beyond the deadline.
     let mut waiting = refund("acme", "agent_ana", "ord_1001", 700, "EUR", "demo-refund-0010");

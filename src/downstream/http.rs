@@ -350,7 +350,54 @@ fn not_received(e: &ureq::Error) -> Option<Reply> {
         {
             Some(Reply::Unavailable { retry_after_ms: None })
         }
+        // TLS set-up refused before the handshake completed (a certificate
+        // that does not verify, no common protocol): TLS sends no application
+        // data before the handshake ends (ureq uses no early data), so the
+        // request was never written. Retried with the same key like a refused
+        // connection; the breaker counts it and the log says why.
+        ureq::Error::Tls(_) | ureq::Error::TlsRequired | ureq::Error::Pem(_) => {
+            Some(Reply::Unavailable { retry_after_ms: None })
+        }
+        ureq::Error::Rustls(e) if handshake_refusal(e) => Some(Reply::Unavailable { retry_after_ms: None }),
+        ureq::Error::Io(io)
+            if io.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()).is_some_and(handshake_refusal) =>
+        {
+            Some(Reply::Unavailable { retry_after_ms: None })
+        }
         _ => None,
+    }
+}
+
+/// The rustls errors that can only happen during the handshake, before any
+/// request byte is sent. Errors that can also arise later on the connection
+/// (a bad record, a closed connection) are not here: those stay ambiguous.
+fn handshake_refusal(e: &rustls::Error) -> bool {
+    use rustls::{AlertDescription as A, Error as E};
+    match e {
+        E::InvalidCertificate(_)
+        | E::NoCertificatesPresented
+        | E::UnsupportedNameType
+        | E::PeerIncompatible(_)
+        | E::InappropriateHandshakeMessage { .. }
+        | E::InvalidCertRevocationList(_)
+        | E::NoApplicationProtocol => true,
+        E::AlertReceived(a) => matches!(
+            a,
+            A::HandshakeFailure
+                | A::BadCertificate
+                | A::UnsupportedCertificate
+                | A::CertificateRevoked
+                | A::CertificateExpired
+                | A::CertificateUnknown
+                | A::UnknownCA
+                | A::ProtocolVersion
+                | A::InsufficientSecurity
+                | A::IllegalParameter
+                | A::CertificateRequired
+                | A::NoApplicationProtocol
+                | A::UnrecognisedName
+        ),
+        _ => false,
     }
 }
 

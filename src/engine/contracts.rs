@@ -59,7 +59,19 @@ pub struct DownstreamRef {
     /// The HTTP adapter's settings (only with `adapter: http`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub http: Option<Value>,
+    /// How long after a commit its receipt may take to become visible to a
+    /// lookup (replication lag, a provider's queue). Default
+    /// [`DEFAULT_RECEIPT_VISIBLE_WITHIN_MS`]; at most
+    /// [`MAX_RECEIPT_VISIBLE_WITHIN_MS`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipt_visible_within_ms: Option<u64>,
 }
+
+/// The default of `downstream.receipt_visible_within_ms`: a minute, longer
+/// than the replication lag of the providers we know of.
+pub const DEFAULT_RECEIPT_VISIBLE_WITHIN_MS: u64 = 60_000;
+/// The largest `downstream.receipt_visible_within_ms` accepted (a day).
+pub const MAX_RECEIPT_VISIBLE_WITHIN_MS: u64 = 86_400_000;
 
 impl DownstreamRef {
     /// The downstream's name.
@@ -70,6 +82,11 @@ impl DownstreamRef {
     /// Whether the downstream honours idempotency keys (same key → same effect).
     pub fn honours_keys(&self) -> bool {
         self.dedupes_keys
+    }
+
+    /// How long a committed call's receipt may take to show in a lookup.
+    pub fn receipt_visible_within_ms(&self) -> u64 {
+        self.receipt_visible_within_ms.unwrap_or(DEFAULT_RECEIPT_VISIBLE_WITHIN_MS)
     }
 
     /// Whether what happened under a key can be asked of the downstream. An
@@ -381,6 +398,12 @@ impl Contracts {
                 return Err(invalid(
                     "retry",
                     "max_attempts, attempt_timeout_ms and deadline_ms must be positive".into(),
+                ));
+            }
+            if c.downstream.receipt_visible_within_ms.is_some_and(|ms| ms > MAX_RECEIPT_VISIBLE_WITHIN_MS) {
+                return Err(invalid(
+                    "downstream.receipt_visible_within_ms",
+                    format!("at most {MAX_RECEIPT_VISIBLE_WITHIN_MS} (a day)"),
                 ));
             }
             if c.effect != Effect::Read && c.retention_ms == 0 {

@@ -534,7 +534,9 @@ impl Engine {
                 Ok(Ok(r)) => Ok(r),
                 Ok(Err(e)) => {
                     tracing::error!(op = op_id, attempt, error = %e, "downstream storage failed");
-                    Err("downstream storage error".to_string())
+                    // The real cause, for the trace and the detail (never
+                    // "no reply"): the adapter's own storage failed mid-call.
+                    Err(format!("{e}: the downstream may or may not have committed"))
                 }
                 Err(_) => {
                     tracing::error!(op = op_id, attempt, "downstream handler panicked");

@@ -13,7 +13,7 @@ use super::operation::{
 use super::tool::Lookup;
 use super::tool::ToolCall;
 use super::trace::{Answering, TraceEvent};
-use super::{error_envelope, fresh_call_identity, with_detail, Engine, EngineError};
+use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, Engine, EngineError};
 use crate::failpoint;
 use crate::store::{
     ApprovalState, AttemptOutcome, AuditRow, CallIdentityRow, OpState, OperationRow, OutboxState, ReceiptRow,
@@ -132,9 +132,32 @@ pub struct OperationDetail {
     /// the call or was detached from it, and the attempt's bound has not
     /// passed): "no effect" cannot be decided before then. `None` otherwise.
     pub may_land_until: Option<i64>,
+    /// Until when a receipt may still appear in a lookup (a send that may
+    /// have been received, plus the tool's attempt timeout and its
+    /// downstream's `receipt_visible_within_ms`): a `not_found` before then
+    /// is not proof of absence. `None` when that has passed.
+    pub receipt_window_until: Option<i64>,
     /// What the resource the call touches looks like now, as its tool's domain
     /// describes it ((label, value) lines; an order's capture, refunds, holds).
     pub context: Vec<(String, String)>,
+}
+
+/// Until when a receipt of the operation may still appear in a lookup (its
+/// attempts that may have been received, plus the attempt timeout and the
+/// downstream's `receipt_visible_within_ms`), when that is after `now`.
+fn receipt_window(
+    tx: &crate::store::Tx<'_>,
+    op: &OperationRow,
+    contract: &super::contracts::Contract,
+    now: i64,
+) -> Result<Option<i64>, StoreError> {
+    let (timeout, visible) = (contract.retry.attempt_timeout_ms, contract.downstream.receipt_visible_within_ms());
+    Ok(tx
+        .attempts(&op.id)?
+        .iter()
+        .filter_map(|a| a.receipt_may_appear_until(timeout, visible))
+        .max()
+        .filter(|until| *until > now))
 }
 
 fn refused(code: &str, message: impl Into<String>, op: Option<&str>, approval: Option<&str>) -> OperatorOutcome {
@@ -357,6 +380,7 @@ impl Engine {
             cur.updated_at = now;
             cur.last_query_at = Some(now);
             let mut anomaly = None;
+            let mut query_again_at = None;
             let (result, env, reason) = match lookup.clone() {
                 Lookup::Found(r) => {
                     ev.receipt_id = Some(r.receipt_id.clone());
@@ -415,7 +439,19 @@ impl Engine {
                 }
                 Lookup::NotFound => {
                     cur.last_query_result = Some("not_found".into());
-                    ("not_found", None, "no receipt (yet): still unknown")
+                    match receipt_window(tx, &cur, contract, now)? {
+                        // Receipts can lag: within the window "none" is not
+                        // "no effect", and the answer says when to ask again.
+                        Some(until) => {
+                            query_again_at = Some(until);
+                            (
+                                "not_found",
+                                None,
+                                "no receipt yet, and one may still appear: query again after the receipt window",
+                            )
+                        }
+                        None => ("not_found", None, "no receipt (yet): still unknown"),
+                    }
                 }
                 Lookup::Unavailable => {
                     cur.last_query_result = Some("unavailable".into());
@@ -433,7 +469,14 @@ impl Engine {
             tx.update_operation(&cur)?.or_stale()?;
             cur.version += 1;
             let delivery = if result == "reconciled" { Delivery::ReceiptReconciled } else { Delivery::LocalReplay };
-            let env = op_envelope(&cur, delivery, pref.clone(), None);
+            let mut env = op_envelope(&cur, delivery, pref.clone(), None);
+            if let Some(until) = query_again_at {
+                env = with_detail(
+                    with_retry_after(env, (until - now).max(1) as u64),
+                    json!({"query_again_after": super::clock::rfc3339(until), "receipt_visible_within_ms": contract.downstream.receipt_visible_within_ms()}),
+                );
+                ev.retry_after_ms = Some((until - now).max(1) as u64);
+            }
             ev.note = Some(match anomaly {
                 Some(a) => format!("{reason}; {a}"),
                 None => reason.into(),
@@ -930,6 +973,26 @@ impl Engine {
                     );
                 }
             }
+            // "The provider has no record" is not proof of absence while a
+            // receipt may still appear: failed waits for the window, unless
+            // decided against the evidence (recorded as such).
+            let receipt_open = match contracts.get(&op.tool) {
+                Some(c) if r.resolution == Resolution::Failed && c.downstream.can_look_up() => {
+                    receipt_window(tx, &op, c, now)?
+                }
+                _ => None,
+            };
+            if let Some(until) = receipt_open.filter(|_| !against_evidence) {
+                return refuse(
+                    "RECEIPT_MAY_STILL_APPEAR",
+                    format!(
+                        "the provider's receipts can take up to {}s to appear: query again after {} (in {}s) before deciding failed, or decide against the evidence (--against-evidence)",
+                        contracts.get(&op.tool).map_or(0, |c| c.downstream.receipt_visible_within_ms() / 1000),
+                        super::clock::rfc3339(until),
+                        (until - now + 999) / 1000
+                    ),
+                );
+            }
             let result = json!({"resolution": r.resolution.as_str(), "receipt_id": evidence, "resolved_by": r.operator});
             let result_json = canonical_string(&result);
             op.result_sha256 = Some(sha256_hex(result_json.as_bytes()));
@@ -959,6 +1022,7 @@ impl Engine {
                 "provider_evidence": provider.as_ref().map(|(seen, _)| seen),
                 "against_evidence": contradiction,
                 "no_evidence_either_way": r.no_evidence,
+                "receipt_window_open_until": receipt_open,
             });
             tx.insert_audit(&audit_row(now, r.action_id.as_deref(), &r.operator, "resolve", op_ref, None, true, &r.note, &ev))?;
             let mut t = TraceEvent::of_operation("resolution", &op, &salt, now);
@@ -994,6 +1058,10 @@ impl Engine {
             let timeout = contracts.get(&operation.tool).map_or(0, |c| c.retry.attempt_timeout_ms);
             let may_land_until =
                 attempts.iter().filter_map(|a| a.may_land_until(timeout)).max().filter(|until| *until > now);
+            let receipt_window_until = match contracts.get(&operation.tool) {
+                Some(c) => receipt_window(tx, &operation, c, now)?,
+                None => None,
+            };
             let args = args_of(&operation.request_json);
             let context = toolset.domain(&operation.tool).context(tx, &domain_call(&operation, &args))?;
             Ok(Some(Ok(OperationDetail {
@@ -1003,6 +1071,7 @@ impl Engine {
                 audit: tx.audit_for(id)?,
                 operation,
                 may_land_until,
+                receipt_window_until,
                 context,
             })))
         })?;

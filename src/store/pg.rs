@@ -208,7 +208,21 @@ pub(crate) fn transaction<T, E: From<StoreError>>(
         tries += 1;
         pg.failed.set(None);
         pg.ensure_connected()?;
-        pg.client.borrow_mut().batch_execute(begin).map_err(|e| pg_error(&e))?;
+        let began = pg.client.borrow_mut().batch_execute(begin);
+        if let Err(e) = began {
+            match pg_error(&e) {
+                // A connection the server dropped (a restart) fails its first
+                // statement: nothing of this transaction ran, so a new
+                // connection begins it. A caller is never told "unavailable"
+                // (and an attempt never parked as unknown) for a connection
+                // that could be replaced.
+                StoreError::Unavailable => {
+                    pg.reconnect()?;
+                    pg.client.borrow_mut().batch_execute(begin).map_err(|e| pg_error(&e))?;
+                }
+                other => return Err(other.into()),
+            }
+        }
         let out = f(&Tx { conn: neutral });
         let failed = pg.failed.get();
         let retry = match (&out, failed) {

@@ -275,6 +275,16 @@ impl AttemptRow {
         self.sent_at.is_none() || matches!(self.outcome, Some(AttemptOutcome::Refused | AttemptOutcome::NotSent))
     }
 
+    /// Until when a receipt of this attempt may still appear in a lookup: it
+    /// may have been received (sent, not refused), the provider may commit it
+    /// up to `sent_at + attempt_timeout_ms`, and a commit may take
+    /// `visible_within_ms` to show. `None` when it was provably not received.
+    pub fn receipt_may_appear_until(&self, attempt_timeout_ms: u64, visible_within_ms: u64) -> Option<i64> {
+        let sent = self.sent_at?;
+        (!self.proven_not_received())
+            .then(|| sent.saturating_add(attempt_timeout_ms as i64).saturating_add(visible_within_ms as i64))
+    }
+
     /// Until when this attempt may still land downstream: it was written to
     /// the wire and no answer ended it, because its sender is still in the call
     /// (no outcome yet) or was detached from it by a cancel or the reaper

@@ -78,6 +78,12 @@ impl PgConn {
         if !self.client.borrow().is_closed() {
             return Ok(());
         }
+        self.reconnect()
+    }
+
+    /// Replaces the connection whatever the client believes: a server that
+    /// restarted is noticed only when a statement fails.
+    pub(crate) fn reconnect(&self) -> R<()> {
         let mut client = self.config.connect(postgres::NoTls).map_err(|_| StoreError::Unavailable)?;
         client.batch_execute(&self.session).map_err(|e| pg_error(&e))?;
         *self.client.borrow_mut() = client;

@@ -181,6 +181,8 @@ fn recover(db: &Path, tool: Tool) -> toolgate::engine::envelope::Envelope {
             // Nothing downstream under its key: only a human can close it.
             let (v, _) = check(db, Expect { settled: true, queried: true });
             assert!(v.is_empty(), "before the resolution: {v:#?}");
+            // "No record" is proof of nothing until the receipt window passed.
+            clock.advance(66_000);
             let out = e
                 .resolve(&ResolveRequest {
                     operation_id: a.operation_id.clone().unwrap(),

@@ -240,6 +240,8 @@ fn each_hold_is_kept_converted_or_released_where_it_must(backend: Backend) {
     assert_eq!(second.code(), Some(Code::OutcomeUnknown));
     assert_eq!(held(&mut e), 3_000);
     let op2 = second.protected_audit.operation_id.clone().unwrap();
+    // "No record" is proof of nothing until the receipt window passed.
+    fx.clock.advance(66_000);
     let out = e
         .resolve(&ResolveRequest {
             operation_id: op2,
@@ -320,8 +322,10 @@ fn the_audit_finds_money_paid_for_an_operation_resolved_as_failed(backend: Backe
     let op = env.protected_audit.operation_id.clone().unwrap();
     let q = e.operator_query(&op, "alice").unwrap();
     assert_eq!(q.code(), Some(Code::OutcomeUnknown), "no receipt yet");
+    // Inside the receipt window "failed" is refused; a person who insists
+    // decides against the evidence (as the operator log records).
     let out = e
-        .resolve(&ResolveRequest {
+        .resolve_against_evidence(&ResolveRequest {
             operation_id: op.clone(),
             resolution: Resolution::Failed,
             operator: "alice".into(),
@@ -354,6 +358,7 @@ fn a_failed_resolution_with_evidence_is_checked_as_no_effect() {
     let mut e = fx.engine();
     let env = dispatch_with(&mut e, &refund_of(700, "no-effect-00001"), "timeout_before_commit");
     assert_eq!(env.code(), Some(Code::OutcomeUnknown));
+    fx.clock.advance(66_000);
     let out = e
         .resolve(&ResolveRequest {
             operation_id: env.protected_audit.operation_id.clone().unwrap(),

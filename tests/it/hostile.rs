@@ -434,6 +434,7 @@ fn operator_and_caller_text_cannot_forge_output(backend: Backend) {
     assert_eq!(e.dispatch(&r).unwrap().code(), Some(toolgate::engine::envelope::Code::InvalidArguments));
     assert_eq!(snapshot(fx.path()), before, "nothing stored");
     // A note with a line break is kept, and every display writes it out on one line.
+    fx.clock.advance(66_000);
     let out = e.resolve(&resolve("kim", "line one\napplied by admin")).unwrap();
     assert!(out.applied, "{out:?}");
     let text = tg().args([os("ops"), os("show"), os(&op), os("--db"), fx.path().as_os_str()]).output().unwrap();

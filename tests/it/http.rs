@@ -1643,3 +1643,64 @@ fn a_refusal_records_its_status_and_a_redacted_bounded_excerpt() {
     assert!(r.excerpt.chars().count() <= Refusal::EXCERPT_CHARS + 1);
     assert!(!r.excerpt.chars().any(char::is_control), "{}", r.excerpt);
 }
+
+/// A TLS server whose certificate nobody trusts (a throwaway self-signed
+/// one): it counts the connections it saw and the application bytes that
+/// reached it through TLS (none can, as the handshake never completes).
+fn tls_server_nobody_trusts() -> (String, Arc<std::sync::atomic::AtomicUsize>, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let ck = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(ck.key_pair.serialize_der().into());
+    let config = Arc::new(
+        rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(vec![ck.cert.der().clone()], key)
+            .unwrap(),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("https://{}", listener.local_addr().unwrap());
+    let (connections, bytes) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (c, b) = (connections.clone(), bytes.clone());
+    std::thread::spawn(move || {
+        for tcp in listener.incoming() {
+            let Ok(tcp) = tcp else { break };
+            c.fetch_add(1, Ordering::SeqCst);
+            let mut tls = rustls::StreamOwned::new(rustls::ServerConnection::new(config.clone()).unwrap(), tcp);
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = tls.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                b.fetch_add(n, Ordering::SeqCst);
+            }
+        }
+    });
+    (url, connections, bytes)
+}
+
+/// Issue 32 §1.4: a certificate that does not verify fails the handshake,
+/// before any byte of the request. Before: OUTCOME_UNKNOWN, "may have
+/// committed", parked for a human.
+#[test]
+fn a_tls_handshake_refused_is_provably_not_received_and_retried_with_the_same_key() {
+    let (url, connections, bytes) = tls_server_nobody_trusts();
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = write_catalog(dir.path(), &url, None);
+    let ledger = dir.path().join("ledger.db");
+    let clock = ManualClock::new(T0);
+    let opts = EngineOptions {
+        clock: Arc::new(clock.clone()),
+        toolset: toolgate::tools::load_toolset(Some(&catalog)).unwrap(),
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::create(&ledger, opts).unwrap();
+    e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
+    let env = e.dispatch(&refund("http-tls-untrusted-1", 1500)).unwrap();
+    assert_eq!(env.code(), Some(Code::ToolUnavailable), "{env:?}");
+    let op = &e.list_operations(None, 1).unwrap()[0];
+    assert_eq!(op.state, "accepted", "nothing was sent: the same key may run again");
+    let detail = e.operation_detail(&op.id).unwrap().unwrap();
+    assert!(detail.attempts.iter().all(toolgate::store::AttemptRow::proven_not_received), "{:?}", detail.attempts);
+    assert!(connections.load(std::sync::atomic::Ordering::SeqCst) >= 1, "the client did connect");
+    assert_eq!(bytes.load(std::sync::atomic::Ordering::SeqCst), 0, "no request byte got through TLS");
+}

@@ -100,8 +100,11 @@ fn a_late_receipt_reopens_a_failed_decision_as_a_contradiction(backend: Backend)
     let mut e = fx.engine();
     cancel(&mut e, &op);
     fx.clock.advance(ATTEMPT_TIMEOUT_MS + 1);
+    let early = resolve_failed(&mut e, &op);
+    assert_eq!(early.code, "RECEIPT_MAY_STILL_APPEAR", "a receipt may still appear: {early:?}");
+    fx.clock.advance(toolgate::engine::contracts::DEFAULT_RECEIPT_VISIBLE_WITHIN_MS as i64);
     let out = resolve_failed(&mut e, &op);
-    assert!(out.applied, "past the attempt's bound: {out:?}");
+    assert!(out.applied, "past the attempt's bound and the receipt window: {out:?}");
     gate.open();
     sender.join().unwrap();
     let reopened = row(&mut e, &op);

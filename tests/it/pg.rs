@@ -307,8 +307,11 @@ fn every_cli_command_works_on_a_postgres_url() {
     // A human decision on an unknown one.
     let (_, lost2, _) = dispatch("pg-cli-0003", "c5", &["--fault", "timeout_before_commit"]);
     let op = lost2["protected_audit"]["operation_id"].as_str().unwrap().to_string();
-    let (rc, _, all) =
-        tg(url, &["resolve", &op, "--as", "failed", "--note", "provider confirms nothing", "--operator", "kim"]);
+    let failed = ["resolve", &op, "--as", "failed", "--note", "provider confirms nothing", "--operator", "kim"];
+    let (rc, _, all) = tg(url, &failed);
+    assert_eq!(rc, 1, "a receipt may still appear: {all}");
+    assert!(all.contains("RECEIPT_MAY_STILL_APPEAR"), "{all}");
+    let (rc, _, all) = tg(url, &[&failed[..], &["--against-evidence"]].concat());
     assert_eq!(rc, 0, "{all}");
     let (rc, v, all) = tg(url, &["ops", "show", &op, "--json"]);
     assert_eq!(rc, 0, "{all}");
@@ -464,4 +467,44 @@ fn a_schema_3_ledger_keeps_its_counts_through_the_slot_migration() {
     assert_eq!(e.counts().unwrap().operations.get("succeeded"), Some(&1));
     let findings: Vec<String> = e.audit().unwrap().into_iter().map(|f| format!("{} {}", f.check, f.detail)).collect();
     assert!(!findings.iter().any(|f| f.starts_with("trace")), "{findings:?}");
+}
+
+/// Issue 32 §1.4: after a server restart the connections of a running
+/// process are stale, and their first statement fails. Before: the simulated
+/// provider's next commit failed at its BEGIN (nothing ran) and the call was
+/// parked OUTCOME_UNKNOWN, "may have committed", blamed on a lost reply (or
+/// the ledger's own write answered DB_UNAVAILABLE). A connection that can be
+/// replaced before its transaction begins is replaced.
+#[test]
+fn connections_a_restart_dropped_are_replaced_before_a_transaction_begins() {
+    if crate::support::pg_base().is_none() {
+        return;
+    }
+    let cluster = OwnCluster::start();
+    let db = cluster.url.replace("/postgres", "/ledger");
+    postgres::Client::connect(&cluster.url, postgres::NoTls).unwrap().batch_execute("CREATE DATABASE ledger").unwrap();
+    let path = PathBuf::from(&db);
+    let clock = ManualClock::new(T0);
+    {
+        let mut e = Engine::create(&path, opts(&clock, "init")).unwrap();
+        e.load_world(&toolgate::engine::world::World::parse(toolgate::engine::world::DEMO_WORLD.as_bytes()).unwrap())
+            .unwrap();
+    }
+    let mut e = Engine::open(&path, opts(&clock, "w-restart")).unwrap();
+    let first = e.dispatch(&crate::support::refund("pg-stale-conn-01", 100)).unwrap();
+    assert_eq!(first.model_result.status, Status::Succeeded, "{first:?}");
+    cluster.ctl(&[
+        "restart",
+        "-m",
+        "immediate",
+        "-w",
+        "-t",
+        "60",
+        "-l",
+        &cluster.dir.path().join("pg/server2.log").to_string_lossy(),
+    ]);
+    let next = e.dispatch(&crate::support::refund("pg-stale-conn-02", 100)).unwrap();
+    assert_eq!(next.model_result.status, Status::Succeeded, "{next:?}");
+    assert_eq!(e.counts().unwrap().downstream_effects, 2);
+    assert!(e.list_operations(Some(toolgate::store::OpState::Unknown), 10).unwrap().is_empty());
 }

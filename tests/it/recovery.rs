@@ -228,6 +228,11 @@ fn human_resolution_needs_a_note_evidence_and_a_fresh_snapshot(backend: Backend)
         "STALE_VERSION"
     );
     let seen = e.operation_detail(&op).unwrap().unwrap().operation.version;
+    // No record right after the send is not proof of absence: wait out the
+    // receipt window (attempt timeout + receipt_visible_within_ms).
+    let early = e.resolve(&req(Resolution::Failed, "provider has no record", None, Some(seen))).unwrap();
+    assert_eq!(early.code, "RECEIPT_MAY_STILL_APPEAR", "{early:?}");
+    fx.clock.advance(66_000);
     let ok = e.resolve(&req(Resolution::Failed, "provider has no record", None, Some(seen))).unwrap();
     assert!(ok.applied, "{ok:?}");
     let r = e.dispatch(&refund("refund-human-01", 500)).unwrap();
@@ -236,7 +241,7 @@ fn human_resolution_needs_a_note_evidence_and_a_fresh_snapshot(backend: Backend)
     // Resolving a resolved operation is refused and logged.
     assert_eq!(e.resolve(&req(Resolution::Succeeded, "x", Some("rcpt_1"), None)).unwrap().code, "NOT_RESOLVABLE");
     let log = e.audit_log(100).unwrap();
-    assert_eq!(log.iter().filter(|r| r.action == "resolve" && r.result == "refused").count(), 4);
+    assert_eq!(log.iter().filter(|r| r.action == "resolve" && r.result == "refused").count(), 5);
     assert_eq!(log.iter().filter(|r| r.action == "resolve" && r.result == "applied").count(), 1);
 }
 
@@ -392,6 +397,8 @@ fn a_human_decision_the_evidence_supports_is_applied_and_records_what_the_provid
     // Nothing reached the provider: "failed" agrees with the lookup.
     let u = dispatch_with(&mut e, &refund("refund-evidence-2", 700), "timeout_before_commit");
     let op = u.protected_audit.operation_id.clone().unwrap();
+    // Past the window in which a receipt of the send could still appear.
+    fx.clock.advance(66_000);
     let out = e.resolve(&resolve_req(&op, Resolution::Failed, None, "ev-4")).unwrap();
     assert!(out.applied, "{}", out.message);
     let entry = e.audit_log(10).unwrap().into_iter().find(|a| a.action_id.as_deref() == Some("ev-4")).unwrap();
@@ -400,7 +407,50 @@ fn a_human_decision_the_evidence_supports_is_applied_and_records_what_the_provid
     assert!(evidence["against_evidence"].is_null());
 }
 
+/// Issue 32 §1.3: a receipt can appear late (replication lag). Before: a
+/// `not_found` right after the send read "needs a human decision", `failed`
+/// was applied, and the refund that happened stayed recorded as no effect.
+fn no_receipt_inside_the_visibility_window_is_not_proof_of_absence(backend: Backend) {
+    let fx = Fixture::on(backend);
+    let mut e = fx.engine();
+    let u = dispatch_with(&mut e, &refund("refund-lagging-1", 700), "receipt_delay(40000)");
+    let op = u.protected_audit.operation_id.clone().unwrap();
+    let q = e.query_operation_status(&query_for(&u)).unwrap();
+    assert_eq!(code(&q), Some(Code::OutcomeUnknown));
+    let err = q.model_result.error.as_ref().unwrap();
+    assert!(err.retry_after_ms.is_some_and(|ms| ms > 40_000), "query again after the window: {err:?}");
+    assert!(err.detail.as_ref().unwrap()["query_again_after"].is_string(), "{err:?}");
+    let detail = e.operation_detail(&op).unwrap().unwrap();
+    assert!(detail.receipt_window_until.is_some());
+    // failed is refused while the window is open...
+    let out = e.resolve(&resolve_req(&op, Resolution::Failed, None, "lag-1")).unwrap();
+    assert_eq!((out.applied, out.code.as_str()), (false, "RECEIPT_MAY_STILL_APPEAR"), "{}", out.message);
+    assert_eq!(state(&mut e, &op), "unknown");
+    // ...and the receipt does appear: the query settles it.
+    fx.clock.advance(40_000);
+    let q = e.query_operation_status(&query_for(&u)).unwrap();
+    assert_eq!(q.model_result.execution.delivery, Delivery::ReceiptReconciled, "{q:?}");
+    assert_eq!(effects(&mut e), 1);
+
+    // Decided against the evidence inside the window: applied, recorded as
+    // such, and the audit later finds the receipt that appeared.
+    let u = dispatch_with(&mut e, &refund("refund-lagging-2", 300), "receipt_delay(40000)");
+    let op = u.protected_audit.operation_id.clone().unwrap();
+    let out = e.resolve_against_evidence(&resolve_req(&op, Resolution::Failed, None, "lag-2")).unwrap();
+    assert!(out.applied, "{}", out.message);
+    let entry = e.audit_log(10).unwrap().into_iter().find(|a| a.action_id.as_deref() == Some("lag-2")).unwrap();
+    let evidence: serde_json::Value = serde_json::from_str(&entry.evidence).unwrap();
+    assert!(evidence["receipt_window_open_until"].is_i64(), "{evidence}");
+    fx.clock.advance(70_000);
+    let findings = e.audit().unwrap();
+    assert!(
+        findings.iter().any(|f| f.check == "money" && f.reference == op),
+        "the receipt that appeared after a failed decision is reported: {findings:?}"
+    );
+}
+
 crate::on_both_backends!(
+    no_receipt_inside_the_visibility_window_is_not_proof_of_absence,
     the_audit_log_is_append_only_and_counts_every_operator_state_change,
     audit_finds_an_orphan_receipt_and_a_zeroed_digest_without_naming_anyone,
     unknown_then_query_reconciles_then_replays_with_one_effect,

@@ -98,6 +98,21 @@ pub fn explain(d: &OperationDetail, now: i64) -> Option<Why> {
                         next: "Press q to ask the provider (a status query never executes the tool).".into(),
                     }
                 }
+                Some("not_found") if d.receipt_window_until.is_some() => {
+                    let until = d.receipt_window_until.unwrap_or_default();
+                    Why {
+                        sentence: format!(
+                            "Queried {}{last_query}: no receipt yet, but receipts can lag and one may still appear until {} ({}). No record is not proof of no effect.",
+                            times(queries.max(1)),
+                            clock(until),
+                            relative(now, until)
+                        ),
+                        next: format!(
+                            "Press q again after {} before deciding; failed is refused until then (unless against the evidence).",
+                            clock(until)
+                        ),
+                    }
+                }
                 Some("not_found") => Why {
                     sentence: format!(
                         "Queried {}{last_query}, the provider does not know the key: needs a human decision.",
