@@ -829,12 +829,19 @@ fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
             "the console needs a terminal; see `toolgate --help` for the commands",
         ));
     }
-    let scratch = tempfile_dir()?;
-    let (db, label) = if let (Some(p), true) = (&cli.db, agents > 0) {
+    let (db, label, scratch) = if let (Some(p), true) = (&cli.db, agents > 0) {
         // `toolgate demo --db PATH`: the demo runs there.
         let name = p.file_name().map_or_else(|| "demo".into(), |n| n.to_string_lossy().into_owned());
         if Location::is_postgres(p) || p.exists() {
-            let demo = Engine::open(p, EngineOptions::default())?.is_demo();
+            // Looked at without writing: a refused command changes nothing
+            // (an empty file or database is not made a ledger to be refused).
+            let demo = match Engine::open_read_only(p, EngineOptions::default()) {
+                Ok(e) => e.is_demo(),
+                // An older demo database is migrated by the console, as any ledger.
+                Err(e) if e.code() == "DB_SCHEMA_OLD" => Engine::open(p, EngineOptions::default())?.is_demo(),
+                Err(e) if e.code() == "DB_NOT_TOOLGATE" => false,
+                Err(e) => return Err(e.into()),
+            };
             if !demo {
                 return Err(CliError::new(
                     "NOT_A_DEMO_DB",
@@ -844,20 +851,34 @@ fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
         } else {
             crate::demo::working_copy_at(p, chrono::Utc::now().timestamp_millis())?;
         }
-        (p.clone(), name)
+        (p.clone(), name, tempfile_dir()?)
     } else if let (Some(p), 0) = (&cli.db, agents) {
         if !Location::is_postgres(p) && !p.exists() {
             return Err(CliError::new("DB_NOT_FOUND", "no database at the given path (run `toolgate init` first)"));
         }
-        (p.clone(), Location::of(p).label())
+        // A file that is not a ledger is refused before anything is made
+        // beside it (no working directory, no log file).
+        match Engine::open_read_only(p, EngineOptions::default()) {
+            Err(e) if e.code() != "DB_SCHEMA_OLD" => return Err(e.into()),
+            _ => {}
+        }
+        (p.clone(), Location::of(p).label(), tempfile_dir()?)
     } else {
         let now = chrono::Utc::now().timestamp_millis();
-        (crate::demo::working_copy(&scratch, now)?, "demo.db (working copy)".to_string())
+        let scratch = tempfile_dir()?;
+        match crate::demo::working_copy(&scratch, now) {
+            Ok(copy) => (copy, "demo.db (working copy)".to_string(), scratch),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&scratch);
+                return Err(e.into());
+            }
+        }
     };
     let operator = cli.operator.clone().or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into());
     // The console owns the terminal: diagnostics go to the database's log file only.
     crate::telemetry::logging::init_for_db(&db);
     let load = (agents > 0).then(|| crate::load::spawn_agents(&db, agents)).transpose()?;
+    let in_scratch = db.starts_with(&scratch);
     let result = crate::tui::run(&crate::tui::ConsoleOptions {
         db,
         db_label: label,
@@ -871,7 +892,14 @@ fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
     if let Some(l) = load {
         l.stop();
     }
+    let discarded = in_scratch && result.is_ok();
     let _ = std::fs::remove_dir_all(&scratch);
+    if discarded {
+        // Said once the terminal is back: what was done in the copy is gone.
+        outln!(
+            "toolgate: the working copy of demo.db was discarded with what you did in it; `toolgate demo --db FILE` keeps one at FILE"
+        );
+    }
     result.map_err(|e| match e {
         crate::tui::ConsoleError::Engine(e) => CliError::from(e),
         crate::tui::ConsoleError::Terminal(e) => CliError::new("TERMINAL", format!("terminal error: {}", e.kind())),
@@ -2205,6 +2233,17 @@ fn load_command(cli: &Cli, a: &LoadArgs) -> Result<i32, CliError> {
         print_json(&report);
     } else {
         write_stdout(&crate::load::render(&report));
+    }
+    // A run whose every call was refused for what it asked (an unknown tool,
+    // a missing grant, arguments the catalog refuses) measured nothing.
+    let refused_as_asked = ["UNKNOWN_TOOL", "POLICY_DENIED", "INVALID_ARGUMENTS", "NOT_FOUND"];
+    if report.calls > 0 && report.answers.keys().all(|code| refused_as_asked.contains(&code.as_str())) {
+        let said: Vec<String> = report.answers.iter().map(|(c, n)| format!("{c} {n}")).collect();
+        eprintln!(
+            "load: every call was refused for what it asked ({}): the catalog or the world does not fit this load",
+            said.join(", ")
+        );
+        return Ok(1);
     }
     // With every defense on, a duplicate or a silently wrong result is a failure.
     Ok(i32::from(lab.is_none() && (report.duplicates > 0 || report.silently_wrong > 0)))

@@ -180,6 +180,15 @@ impl HttpConfig {
                 return Err(("http.lookup.path".into(), "looks a call up by its key: put {key} in it".into()));
             }
         }
+        // `{key}` is the one placeholder filled in; any other would be sent
+        // literally (a path the service never serves, or worse, one it does).
+        let paths =
+            [("http.execute.path", Some(&c.execute.path)), ("http.lookup.path", c.lookup.as_ref().map(|l| &l.path))];
+        for (field, path) in paths {
+            if let Some(other) = path.and_then(|p| unknown_placeholder(p)) {
+                return Err((field.into(), format!("{{{other}}} is not filled in: {{key}} is the only placeholder")));
+            }
+        }
         let pointers = [
             Some(&c.reply.receipt_id),
             c.reply.request_id.as_ref(),
@@ -203,6 +212,21 @@ impl HttpConfig {
         }
         Ok(c)
     }
+}
+
+/// The first `{name}` in a path that is not `{key}`.
+fn unknown_placeholder(path: &str) -> Option<&str> {
+    let mut rest = path;
+    while let Some(open) = rest.find('{') {
+        let after = &rest[open + 1..];
+        let close = after.find('}')?;
+        let name = &after[..close];
+        if name != "key" {
+            return Some(name);
+        }
+        rest = &after[close + 1..];
+    }
+    None
 }
 
 /// The `http` adapter factory.

@@ -219,6 +219,11 @@ pub struct Contract {
     pub retention_ms: u64,
     /// The input schema as written (the MCP server lists it).
     pub input_schema: Value,
+    /// SHA-256 of what an operation accepted under these revisions depends on
+    /// (effect, approval policy, schemas, result echoes, key de-duplication),
+    /// in RFC 8785 form: a ledger records it per (tool, revisions) and refuses
+    /// a catalog that changed them without a revision bump.
+    pub semantic_sha256: String,
     input: jsonschema::Validator,
     output: jsonschema::Validator,
 }
@@ -415,6 +420,16 @@ impl Contracts {
                     return Err(invalid(&format!("result_echoes[{i}]"), format!("{k:?} is not an input property")));
                 }
             }
+            // Over MCP a tool with an effect takes its key as the argument
+            // `idempotency_key` (MCP has no header): a tool argument of that
+            // name would be taken away from the tool.
+            if c.effect != Effect::Read && props.is_some_and(|p| p.get("idempotency_key").is_some()) {
+                return Err(invalid(
+                    "input_schema.properties.idempotency_key",
+                    "the name is toolgate's: over MCP it carries the call's idempotency key; rename the argument"
+                        .into(),
+                ));
+            }
             if c.approval.policy == ApprovalPolicy::AboveThreshold {
                 // The amount at stake is the integer argument `amount_minor`
                 // (minor currency units), compared with the tenant's threshold.
@@ -426,6 +441,13 @@ impl Contracts {
                     ));
                 }
             }
+            let semantic = serde_json::json!({
+                "name": c.name, "effect": c.effect, "approval": format!("{:?}", c.approval.policy),
+                "input_schema": c.input_schema, "output_schema": c.output_schema,
+                "result_echoes": c.result_echoes, "dedupes_keys": c.downstream.dedupes_keys,
+            });
+            let semantic_sha256 =
+                super::canonical::sha256_hex(super::canonical::canonical_string(&semantic).as_bytes());
             let input =
                 jsonschema::validator_for(&c.input_schema).map_err(|e| invalid("input_schema", e.to_string()))?;
             let output =
@@ -445,6 +467,7 @@ impl Contracts {
                 result_echoes: c.result_echoes,
                 retention_ms: c.retention_ms,
                 input_schema: c.input_schema,
+                semantic_sha256,
                 input,
                 output,
             });

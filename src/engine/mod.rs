@@ -299,6 +299,11 @@ impl Engine {
             read_only,
         })?;
         let now = clock.now_ms();
+        let contracts = match opts.contracts {
+            Some(c) => c,
+            None => opts.toolset.catalog().clone(),
+        };
+        let revisions = contract_revision_entries(&contracts);
         let (secret, salt, demo) = if store.is_read_only() {
             store.read(|tx| -> Result<_, StoreError> {
                 let (Some(secret), Some(salt)) = (tx.meta("status_ref_secret")?, tx.meta("export_salt")?) else {
@@ -307,16 +312,13 @@ impl Engine {
                 Ok((secret, salt, tx.meta("demo")?.as_deref() == Some("1")))
             })?
         } else {
-            store.write(|tx| -> Result<_, StoreError> {
+            store.write(|tx| -> Result<_, EngineError> {
                 let secret = tx.meta_init("status_ref_secret", &hex::encode(ids.bytes::<32>()))?;
                 let salt = tx.meta_init("export_salt", &hex::encode(ids.bytes::<16>()))?;
                 tx.meta_init("created_at", &now.to_string())?;
+                check_contract_revisions(tx, &revisions)?;
                 Ok((secret, salt, tx.meta("demo")?.as_deref() == Some("1")))
             })?
-        };
-        let contracts = match opts.contracts {
-            Some(c) => c,
-            None => opts.toolset.catalog().clone(),
         };
         Ok(Self {
             store,
@@ -477,6 +479,45 @@ impl Engine {
 }
 
 /// Builds an envelope for a code, with no operation.
+/// Each tool's meta key `contract:NAME:I.O.E`, its
+/// [`contracts::Contract::semantic_sha256`] and its name.
+fn contract_revision_entries(contracts: &Contracts) -> Vec<(String, String, String)> {
+    contracts
+        .all()
+        .iter()
+        .map(|c| {
+            let r = c.revisions;
+            (
+                format!("contract:{}:{}.{}.{}", c.name, r.input, r.output, r.effect),
+                c.semantic_sha256.clone(),
+                c.name.clone(),
+            )
+        })
+        .collect()
+}
+
+/// One meaning per (tool, revisions) on a ledger: the first process that
+/// opens it for writing with a catalog records each tool's semantic digest
+/// under its revisions; a catalog whose tool says something else under the
+/// same revisions (another approval policy, schema or effect) is refused at
+/// open, so two replicas can never disagree about what an operation accepted
+/// under those revisions means. Read-only opens (which accept nothing) are
+/// not checked. Runs in the open's own write transaction.
+fn check_contract_revisions(tx: &Tx<'_>, entries: &[(String, String, String)]) -> Result<(), EngineError> {
+    for (key, digest, name) in entries {
+        if tx.meta_init(key, digest)? != *digest {
+            return Err(EngineError::invalid(
+                "CATALOG_REVISION_REUSED",
+                format!(
+                    "tool {name}: this catalog changes its effect, approval policy, schemas, result echoes or key \
+                     de-duplication under revisions this ledger recorded with another meaning; bump the tool's revisions"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn error_envelope(code: Code, audit: ProtectedAudit) -> Envelope {
     let (_, outcome, _) = code.catalog();
     Envelope {

@@ -82,6 +82,36 @@ pub struct World {
     pub orders: Vec<OrderSpec>,
 }
 
+impl Engine {
+    /// A world that cannot work with this catalog is refused whole, naming
+    /// the record: a grant of a tool the catalog lacks (the `grant` command
+    /// refuses it too), or an order whose ref the catalog's `order_ref`
+    /// schema never accepts (no call could ever name it).
+    fn check_world_against_catalog(&self, world: &World) -> Result<(), EngineError> {
+        for (i, g) in world.grants.iter().enumerate() {
+            if self.contracts.get(&g.tool).is_none() {
+                return Err(bad(format!(
+                    "grants[{i}]: tool {:?} is not in the catalog (granted to {} in {})",
+                    g.tool, g.subject, g.tenant
+                )));
+            }
+        }
+        for c in self.contracts.all() {
+            let Some(schema) = c.input_schema.get("properties").and_then(|p| p.get("order_ref")) else { continue };
+            let Ok(v) = jsonschema::validator_for(schema) else { continue };
+            for (i, o) in world.orders.iter().enumerate() {
+                if !v.is_valid(&serde_json::Value::String(o.order_ref.clone())) {
+                    return Err(bad(format!(
+                        "orders[{i}]: order_ref {:?} never fits {}'s input schema (properties.order_ref), so no call could name it",
+                        o.order_ref, c.name
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 fn bad(message: impl Into<String>) -> EngineError {
     EngineError::invalid("WORLD_INVALID", message)
 }
@@ -197,6 +227,7 @@ impl World {
 impl Engine {
     /// Loads a world into an empty database (one transaction: all or nothing).
     pub fn load_world(&mut self, world: &World) -> Result<(), EngineError> {
+        self.check_world_against_catalog(world)?;
         let now = self.clock.now_ms();
         self.store.write(|tx| -> Result<(), EngineError> {
             if tx.meta("world_loaded")?.is_some() {

@@ -316,6 +316,25 @@ impl std::fmt::Debug for Store {
     }
 }
 
+/// A SQLite file that is not a ledger is never made one by a command that
+/// did not ask to create one (an existing empty file, e.g. a mistyped
+/// `--db`), and never by any command when it holds tables of its own (another
+/// program's database): a ledger's version is set by its first migration.
+fn refuse_foreign(conn: &Connection, create: bool) -> Result<(), StoreError> {
+    let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(|e| match e {
+        rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::NotADatabase => StoreError::NotToolgate,
+        other => open_error(&other),
+    })?;
+    if version != 0 {
+        return Ok(());
+    }
+    let tables: i64 = conn.query_row("SELECT count(*) FROM sqlite_schema", [], |r| r.get(0))?;
+    if tables > 0 || !create {
+        return Err(StoreError::NotToolgate);
+    }
+    Ok(())
+}
+
 fn open_error(e: &rusqlite::Error) -> StoreError {
     // rusqlite's messages for open failures do not include the path; keep only the
     // SQLite description.
@@ -437,10 +456,12 @@ impl Store {
             flags |= OpenFlags::SQLITE_OPEN_CREATE;
         }
         let conn = Connection::open_with_flags(path, flags).map_err(|e| open_error(&e))?;
+        refuse_foreign(&conn, opts.create)?;
         Self::setup(conn, opts.sync, writer_lock(path))
     }
 
     fn setup(conn: Connection, sync: Sync, writer: Arc<group::Writer>) -> Result<Self, StoreError> {
+        // (The caller has refused a file that is someone else's: see `refuse_foreign`.)
         conn.busy_timeout(BUSY_TIMEOUT)?;
         // A file that is not SQLite fails on the first read.
         let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(|e| match e {

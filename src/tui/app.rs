@@ -584,6 +584,9 @@ pub struct App {
     pub lab: LabView,
     /// Tools whose downstream cannot be asked (from the engine, at start).
     pub unaskable_tools: std::collections::BTreeSet<String>,
+    /// `n` was pressed once past the walkthrough's last step: the next `n`
+    /// starts the scenario over.
+    pub walk_restart_armed: bool,
     /// The toggle selected in the lab panel.
     pub lab_selected: usize,
     /// A pane switch is waiting for its first page: keys that act on rows
@@ -648,6 +651,7 @@ impl App {
             clipboard: None,
             lab: LabView::default(),
             unaskable_tools: std::collections::BTreeSet::new(),
+            walk_restart_armed: false,
             lab_selected: 0,
             awaiting_page: false,
             queued: std::collections::VecDeque::new(),
@@ -997,12 +1001,12 @@ impl App {
                     Mode::Confirm => {
                         self.confirm = None;
                         self.mode = self.dialog_return;
-                        self.say("cancelled", false);
+                        self.say("went back: nothing was done", false);
                     }
                     Mode::Form => {
                         self.form = None;
                         self.mode = self.dialog_return;
-                        self.say("cancelled", false);
+                        self.say("went back: nothing was done", false);
                     }
                     Mode::Normal => {
                         if !self.marks.is_empty() {
@@ -1160,6 +1164,15 @@ impl App {
                 if self.pane != Pane::Walkthrough {
                     return None;
                 }
+                // Past the last step, one `n` says so; a second starts over
+                // (a silent restart lost the finished run from the screen).
+                let finished = !self.walkthrough.more && !self.walkthrough.steps.is_empty();
+                if finished && !self.walk_restart_armed {
+                    self.walk_restart_armed = true;
+                    self.say("the scenario is finished: n again starts it over on a new database", false);
+                    return None;
+                }
+                self.walk_restart_armed = false;
                 Some(Request::ScenarioStep)
             }
             Action::ScenarioPick(d) => {
@@ -1502,7 +1515,7 @@ impl App {
                     }
                     Some(c.request)
                 } else {
-                    self.say("cancelled", false);
+                    self.say("went back: nothing was done", false);
                     None
                 }
             }

@@ -177,6 +177,36 @@ fn a_hostile_world_file_is_refused_and_no_database_is_left() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown field"));
 }
 
+/// Issue 32 §3: a world that cannot work with the catalog loaded silently
+/// (a grant of a tool the catalog lacks; an order the catalog's order_ref
+/// schema never accepts). Refused, naming the record; no ledger is left.
+#[test]
+fn a_world_that_does_not_fit_the_catalog_is_refused_naming_the_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let world = dir.path().join("world.json");
+    let db = dir.path().join("w.db");
+    let base = r#"{"tenants":[{"id":"acme","approvers":["alice"],"approval_threshold_minor":100}],
+        "subjects":[{"id":"agent_ana","tenant":"acme"}],"#;
+    for (rest, says) in [
+        (
+            r#""grants":[{"tenant":"acme","subject":"agent_ana","tool":"create_refnud"}],"orders":[]}"#,
+            "grants[0]: tool \"create_refnud\" is not in the catalog",
+        ),
+        (
+            r#""grants":[{"tenant":"acme","subject":"agent_ana","tool":"create_refund"}],
+               "orders":[{"order_ref":"ORDER-1001","tenant":"acme","owner":"agent_ana","currency":"EUR","captured_minor":100,"refunded_minor":0,"status":"paid"}]}"#,
+            "orders[0]: order_ref \"ORDER-1001\" never fits",
+        ),
+    ] {
+        std::fs::write(&world, format!("{base}{rest}")).unwrap();
+        let out = tg().args(["init", "--db"]).arg(&db).arg("--world").arg(&world).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.starts_with("error[WORLD_INVALID]") && err.contains(says), "{err}");
+        assert!(!db.exists(), "nothing is left behind: {err}");
+    }
+}
+
 #[test]
 fn approvals_grant_revoke_and_read_only() {
     let dir = tempfile::tempdir().unwrap();
@@ -437,3 +467,71 @@ fn bulk_selection_from_the_cli_dry_run_and_one_audit_entry_each(backend: crate::
 }
 
 crate::on_both_backends!(bulk_selection_from_the_cli_dry_run_and_one_audit_entry_each);
+
+/// A file that is not a ledger is never made one by a command that did not
+/// ask to create one: an empty file (a mistyped --db) or another program's
+/// SQLite database. Refused DB_NOT_TOOLGATE, the file unchanged.
+#[test]
+fn a_write_command_never_turns_a_file_that_is_no_ledger_into_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.db");
+    std::fs::write(&empty, b"").unwrap();
+    let foreign = dir.path().join("foreign.db");
+    {
+        let c = rusqlite::Connection::open(&foreign).unwrap();
+        c.execute_batch(
+            "CREATE TABLE notes (id INTEGER PRIMARY KEY, body TEXT); INSERT INTO notes (body) VALUES ('mine');",
+        )
+        .unwrap();
+    }
+    let before = std::fs::read(&foreign).unwrap();
+    for db in [&empty, &foreign] {
+        for args in [
+            &["reap", "--json"][..],
+            &["work", "--json"],
+            &["grant", "--tenant", "acme", "--subject", "agent_ana", "--tool", "get_order"],
+        ] {
+            let out = tg().args(args).arg("--db").arg(db).env("TOOLGATE_LOG", "off").output().unwrap();
+            let err = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            assert_eq!(out.status.code(), Some(2), "{args:?} on {}: {err}", db.display());
+            assert!(err.contains("DB_NOT_TOOLGATE"), "{args:?}: {err}");
+        }
+    }
+    assert_eq!(std::fs::metadata(&empty).unwrap().len(), 0);
+    assert_eq!(std::fs::read(&foreign).unwrap(), before, "another program's database is untouched");
+}
+
+/// Issue 33 Medium 10 / issue 32 §3: two catalogs with the same revisions and
+/// different policies on one ledger (one `approval: always`) let one replica
+/// run what the other held for approval; an edit without a revision bump was
+/// accepted silently. The ledger records what each (tool, revisions) means.
+#[test]
+fn a_catalog_that_changes_a_tool_under_the_same_revisions_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("l.db");
+    tg().args(["init", "--db"]).arg(&db).assert().success();
+    let cat = dir.path().join("cat");
+    std::fs::create_dir(&cat).unwrap();
+    for f in ["get_order.json", "notify_customer.json"] {
+        std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog").join(f), cat.join(f)).unwrap();
+    }
+    let mut refund: Value = serde_json::from_str(include_str!("../../assets/catalog/create_refund.json")).unwrap();
+    refund["approval"]["policy"] = "always".into();
+    std::fs::write(cat.join("create_refund.json"), refund.to_string()).unwrap();
+    let reap =
+        |catalog: &Path| tg().args(["reap", "--json", "--catalog"]).arg(catalog).arg("--db").arg(&db).output().unwrap();
+    let out = reap(&cat);
+    let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(2), "{all}");
+    assert!(all.contains("CATALOG_REVISION_REUSED") && all.contains("create_refund"), "{all}");
+    // A description or a retry setting is not a change of meaning; a bump is the way to change one.
+    refund["revisions"]["effect"] = 2.into();
+    std::fs::write(cat.join("create_refund.json"), refund.to_string()).unwrap();
+    let out = reap(&cat);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let mut described = refund.clone();
+    described["description"] = "Refund part of an order (reworded).".into();
+    described["retry"]["max_attempts"] = 3.into();
+    std::fs::write(cat.join("create_refund.json"), described.to_string()).unwrap();
+    assert_eq!(reap(&cat).status.code(), Some(0));
+}

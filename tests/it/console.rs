@@ -435,6 +435,62 @@ fn failed_on_a_tool_that_cannot_be_asked_states_no_evidence_in_the_confirm() {
     );
 }
 
+/// Issue 32 §2: `toolgate demo --db EMPTY` answered NOT_A_DEMO_DB after
+/// making the empty file a ledger, and `toolgate --db EMPTY` opened it as one;
+/// a refused run left an empty working directory (and a `.log` beside a
+/// foreign file). A refused command changes nothing.
+#[cfg(unix)]
+#[test]
+fn a_console_refused_on_a_file_that_is_no_ledger_changes_and_leaves_nothing() {
+    let config = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.db");
+    std::fs::write(&empty, b"").unwrap();
+    for (args, says) in [
+        (vec!["demo".as_ref(), "--db".as_ref(), empty.as_os_str()], "NOT_A_DEMO_DB"),
+        (vec!["--db".as_ref(), empty.as_os_str()], "DB_NOT_TOOLGATE"),
+    ] {
+        let mut t = Pty::spawn(&args, config.path());
+        t.wait_for(says);
+        let _ = t.child.wait();
+        assert_eq!(std::fs::metadata(&empty).unwrap().len(), 0, "{says}: the file is untouched");
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["empty.db"], "{says}: nothing beside it");
+        let scratch = std::fs::read_dir(config.path())
+            .unwrap()
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().starts_with("toolgate-console-"));
+        assert_eq!(scratch.count(), 0, "{says}: no working directory left");
+    }
+}
+
+/// Issue 32 §2: the Cancel dialog's abort button was called "Cancel" and
+/// aborting printed "cancelled".
+#[test]
+fn the_cancel_dialog_names_its_buttons_by_what_they_do_and_going_back_says_nothing_happened() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Live, 140, 40);
+    app.update(key('c'));
+    if app.mode == Mode::Form {
+        for ch in "stuck".chars() {
+            press(&mut app, KeyCode::Char(ch));
+        }
+        press(&mut app, KeyCode::Enter);
+    }
+    assert_eq!(app.mode, Mode::Confirm);
+    let dialog = text(&draw(&app, 140, 40));
+    assert!(dialog.contains("[ Keep it ]") && dialog.contains("[ Cancel operation ]"), "{dialog}");
+    assert!(!dialog.contains("[ Cancel ]"), "{dialog}");
+    assert_eq!(press(&mut app, KeyCode::Enter), None, "the default keeps it");
+    let after = text(&draw(&app, 140, 40));
+    assert!(after.contains("went back: nothing was done"), "{after}");
+    assert!(!after.contains("cancelled"), "{after}");
+}
+
 #[test]
 fn query_and_resolve_send_what_was_shown() {
     let mut d = demo();
@@ -557,6 +613,12 @@ fn walkthrough_steps_scenario_4_to_the_end() {
         app.walkthrough.steps.last().unwrap().effects,
         app.walkthrough.steps.iter().map(|s| s.effects).max().unwrap()
     );
+    // Issue 32 §2: one `n` past the end restarted it silently. Now it says so,
+    // and only a second `n` starts over.
+    assert_eq!(app.update(key('n')), None, "the first n past the end sends nothing");
+    let screen = text(&draw(&app, 140, 40));
+    assert!(screen.contains("the scenario is finished"), "{screen}");
+    assert_eq!(app.update(key('n')), Some(Request::ScenarioStep));
 }
 
 /// The real binary in a pseudo-terminal, its screen parsed as a terminal would.
@@ -579,6 +641,8 @@ impl Pty {
         cmd.args(args);
         cmd.env("TERM", "xterm-256color");
         cmd.env("XDG_CONFIG_HOME", config);
+        // Working copies and scratch directories go there too (a test can look).
+        cmd.env("TMPDIR", config);
         let child = pair.slave.spawn_command(cmd).unwrap();
         drop(pair.slave);
         let parser = std::sync::Arc::new(std::sync::Mutex::new(vt100::Parser::new(40, 140, 0)));
@@ -691,7 +755,7 @@ fn smoke_the_real_binary_in_a_pseudo_terminal() {
     t.keys(b"q");
     t.wait_for("Status query");
     t.keys(b"\r");
-    t.wait_for("cancelled");
+    t.wait_for("nothing was done");
     // issue 19: the command bar opens a prefix into a detail (with why it is stuck).
     t.keys(b":op op_5706\r");
     t.wait_for("Operation detail");

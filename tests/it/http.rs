@@ -740,6 +740,36 @@ fn the_catalog_is_loaded_strictly_and_a_refusal_writes_nothing() {
             }),
             "field downstream.http.lookup",
         ),
+        (
+            "a path placeholder that is never filled in",
+            Box::new(|v| {
+                v["downstream"] = serde_json::json!({"name": "payments", "adapter": "http", "dedupes_keys": true, "http": {
+                    "base_url": "http://127.0.0.1:1",
+                    "execute": {"method": "POST", "path": "/orders/{order_ref}/refunds"}, "lookup": {"method": "GET", "path": "/x/{key}"},
+                    "reply": {"receipt_id": "/id", "key": "/key"}}});
+            }),
+            "field downstream.http.execute.path",
+        ),
+        (
+            "a lookup path with a second placeholder",
+            Box::new(|v| {
+                v["downstream"] = serde_json::json!({"name": "payments", "adapter": "http", "dedupes_keys": true, "http": {
+                    "base_url": "http://127.0.0.1:1",
+                    "execute": {"method": "POST", "path": "/x"}, "lookup": {"method": "GET", "path": "/x/{key}/{tenant}"},
+                    "reply": {"receipt_id": "/id", "key": "/key"}}});
+            }),
+            "field downstream.http.lookup.path",
+        ),
+        (
+            "a receipt window longer than a day",
+            Box::new(|v| v["downstream"]["receipt_visible_within_ms"] = 86_400_001.into()),
+            "field downstream.receipt_visible_within_ms",
+        ),
+        (
+            "an argument named like toolgate's MCP key argument",
+            Box::new(|v| v["input_schema"]["properties"]["idempotency_key"] = serde_json::json!({"type": "string"})),
+            "field input_schema.properties.idempotency_key",
+        ),
         ("bad revision", Box::new(|v| v["revisions"]["output"] = 0.into()), "field revisions"),
         ("unknown echo", Box::new(|v| v["result_echoes"] = serde_json::json!(["nope"])), "field result_echoes[0]"),
     ];

@@ -211,6 +211,28 @@ fn load_prints_a_table_or_json_and_passes_with_every_defense_on() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("error[UNKNOWN_TOGGLE]"));
 }
 
+/// Issue 32 §3: `load` exited 0 after every call was UNKNOWN_TOOL.
+#[test]
+fn a_load_whose_every_call_is_refused_for_what_it_asked_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("load.db");
+    tg().args(["init", "--db"]).arg(&db).assert().success();
+    let cat = dir.path().join("cat");
+    std::fs::create_dir(&cat).unwrap();
+    std::fs::write(cat.join("get_order.json"), include_str!("../../assets/catalog/get_order.json")).unwrap();
+    let out = tg()
+        .args(["load", "--agents", "1", "--ops", "5", "--json", "--now", "2026-01-01T00:00:00Z", "--catalog"])
+        .arg(&cat)
+        .arg("--db")
+        .arg(&db)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["answers"]["UNKNOWN_TOOL"].as_u64(), Some(5), "{v}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("every call was refused for what it asked"));
+}
+
 #[test]
 fn cancel_from_the_cli_needs_an_operator_and_reports_what_happened() {
     let dir = tempfile::tempdir().unwrap();

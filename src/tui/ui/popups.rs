@@ -8,7 +8,7 @@ use ratatui::widgets::{Block, Borders, Clear, Paragraph, Wrap};
 use ratatui::Frame;
 
 use super::Theme;
-use crate::tui::app::{App, BulkKey, FormKind, Mode, COMMANDS};
+use crate::tui::app::{App, BulkKey, FormKind, Mode, Request, COMMANDS};
 use crate::tui::keymap;
 
 fn centered(area: Rect, w: u16, h: u16) -> Rect {
@@ -93,12 +93,34 @@ pub fn command_candidates(app: &App, frame: &mut Frame, footer: Rect, t: Theme) 
     );
 }
 
-fn buttons(on_confirm: bool, t: Theme) -> Line<'static> {
+fn buttons(request: &Request, on_confirm: bool, t: Theme) -> Line<'static> {
     let b = |label: &str, focused: bool| {
         let style = if focused { t.accent().add_modifier(Modifier::REVERSED) } else { t.dim() };
         Span::styled(format!("[ {label} ]"), style)
     };
-    Line::from(vec![Span::raw("   "), b("Cancel", !on_confirm), Span::raw("   "), b("Confirm", on_confirm)])
+    let (back, act) = button_labels(request);
+    Line::from(vec![Span::raw("   "), b(back, !on_confirm), Span::raw("   "), b(&act, on_confirm)])
+}
+
+/// The two buttons, named by what they do: "Cancel" on a dialog that
+/// cancels an operation read both ways.
+fn button_labels(request: &Request) -> (&'static str, String) {
+    match request {
+        Request::Cancel { .. } => ("Keep it", "Cancel operation".into()),
+        Request::Query { .. } => ("Go back", "Query the provider".into()),
+        Request::Approve { .. } => ("Go back", "Approve".into()),
+        Request::Deny { .. } => ("Go back", "Deny".into()),
+        Request::Resolve { resolution, .. } => ("Go back", format!("Resolve as {}", resolution.as_str())),
+        Request::SetLab(Some(_)) => ("Go back", "Turn the defense off".into()),
+        Request::SetLab(None) => ("Go back", "Turn every defense on".into()),
+        Request::Bulk { action, targets } => ("Go back", format!("{} {}", capitalized(action.verb()), targets.len())),
+        _ => ("Go back", "Confirm".into()),
+    }
+}
+
+fn capitalized(s: &str) -> String {
+    let mut c = s.chars();
+    c.next().map_or_else(String::new, |f| f.to_uppercase().collect::<String>() + c.as_str())
 }
 
 /// A confirm dialog.
@@ -106,7 +128,7 @@ pub fn confirm(app: &App, frame: &mut Frame, t: Theme) {
     let Some(c) = &app.confirm else { return };
     let mut lines: Vec<Line> = c.evidence.iter().map(|e| Line::from(format!(" {e}"))).collect();
     lines.push(Line::from(""));
-    lines.push(buttons(c.on_confirm, t));
+    lines.push(buttons(&c.request, c.on_confirm, t));
     let area = centered(frame.area(), 76, lines.len() as u16 + 2);
     frame.render_widget(Clear, area);
     frame.render_widget(
