@@ -150,6 +150,9 @@ pub struct LoadStats {
     pub wrong_beliefs: AtomicU64,
     /// Dispatcher restarts.
     pub restarts: AtomicU64,
+    /// Calls that met the environment (a replica or the database gone) and
+    /// were made again with the same key.
+    pub transport_errors: AtomicU64,
 }
 
 impl LoadStats {
@@ -225,6 +228,9 @@ pub struct LoadReport {
     pub silently_wrong: u64,
     /// Dispatcher restarts.
     pub restarts: u64,
+    /// Calls that could not reach their target (a killed replica, a
+    /// restarting database) and were made again with the same key.
+    pub transport_errors: u64,
     /// Dispatch latency.
     pub latency: Latency,
     /// Wall time of the run, ms.
@@ -568,8 +574,25 @@ impl Agent<'_> {
 
     /// Carries one intent through, like a careful harness (or, with
     /// `error_codes_dropped`, like one that only sees "error").
+    /// A careful harness survives its target's faults: a call that could not
+    /// reach a replica or the database is made again, with the same key, until
+    /// it gets through (bounded: [`SURVIVE_FOR`]); the report counts them.
+    fn survive<T>(&mut self, mut call: impl FnMut(&mut Self) -> Result<T, EngineError>) -> Result<T, EngineError> {
+        let started = Instant::now();
+        loop {
+            match call(self) {
+                Err(e) if is_transport(&e) && started.elapsed() < SURVIVE_FOR => {
+                    LoadStats::bump(&self.shared.stats.transport_errors);
+                    // Real time, whatever the run's clock: the target has to come back.
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                other => return other,
+            }
+        }
+    }
+
     fn drive(&mut self, p: &Principal, req: &DispatchRequest) -> Result<(Belief, Option<Value>), EngineError> {
-        let mut answer = self.dispatch(req)?;
+        let mut answer = self.survive(|s| s.dispatch(req))?;
         let (mut retries, mut queries, mut approved) = (0u32, 0u32, false);
         loop {
             answer = match answer {
@@ -577,19 +600,19 @@ impl Agent<'_> {
                 Seen::Approval(id) if !approved => {
                     // A human on the tenant's allowlist approves at once.
                     approved = true;
-                    self.approve(&id, p.approver)?
+                    self.survive(|s| s.approve(&id, p.approver))?
                 }
                 Seen::Retry(ms) if retries < 6 => {
                     retries += 1;
                     self.sleep(ms.max(10));
-                    self.dispatch(req)?
+                    self.survive(|s| s.dispatch(req))?
                 }
                 // Still queued: the outbox (or a later call) runs it.
                 Seen::Retry(_) => return Ok((Belief::Pending, None)),
                 Seen::Unknown { status_ref, sha } if queries < 3 => {
                     self.sleep(500 << queries);
                     queries += 1;
-                    self.query(p, &status_ref, &sha)?
+                    self.survive(|s| s.query(p, &status_ref, &sha))?
                 }
                 Seen::Unknown { .. } => return Ok((Belief::Unknown, None)),
                 Seen::Review => return Ok((Belief::Review, None)),
@@ -598,7 +621,7 @@ impl Agent<'_> {
                 Seen::Error if retries < 3 => {
                     retries += 1;
                     self.sleep(100);
-                    self.dispatch(req)?
+                    self.survive(|s| s.dispatch(req))?
                 }
                 Seen::Approval(_) | Seen::Failed | Seen::Error => return Ok((Belief::Failed, None)),
             };
@@ -635,12 +658,11 @@ impl Agent<'_> {
         *self.tally.beliefs.entry(belief.label().to_string()).or_default() += 1;
         if belief == Belief::Failed {
             // The referee peeks: did the provider do it anyway?
-            if effects_for_intent(
-                &mut self.replicas[0],
-                self.shared.opts.provider_db.as_deref(),
-                [p.tenant, p.subject, tool, &key],
-            )? > 0
-            {
+            let provider_db = self.shared.opts.provider_db.clone();
+            let found = self.survive(|s| {
+                effects_for_intent(&mut s.replicas[0], provider_db.as_deref(), [p.tenant, p.subject, tool, &key])
+            })?;
+            if found > 0 {
                 LoadStats::bump(&self.shared.stats.wrong_beliefs);
             }
             self.tally.believed_failed.push((p.tenant.into(), p.subject.into(), tool.into(), key.clone()));
@@ -650,11 +672,11 @@ impl Agent<'_> {
             (o.replay_percent.min(100), o.conflict_percent.min(100), o.restart_percent.min(100))
         };
         if self.rng.gen_ratio(restart, 100) {
-            self.restart()?;
+            self.survive(Self::restart)?;
         }
         // The model replays the finished call: same key, same arguments, new call id.
         if belief == Belief::Succeeded && self.rng.gen_ratio(replay, 100) {
-            if let Seen::Succeeded(again) = self.dispatch(&req)? {
+            if let Seen::Succeeded(again) = self.survive(|s| s.dispatch(&req))? {
                 if again != data {
                     LoadStats::bump(&self.shared.stats.replay_mismatches);
                 }
@@ -664,7 +686,7 @@ impl Agent<'_> {
         if tool == "create_refund" && self.rng.gen_ratio(conflict, 100) {
             let mut other = req.clone();
             other.arguments = args.replacen("\"amount_minor\":", "\"amount_minor\":1", 1).into_bytes();
-            if let Seen::Succeeded(d) = self.dispatch(&other)? {
+            if let Seen::Succeeded(d) = self.survive(|s| s.dispatch(&other))? {
                 let asked = serde_json::from_str::<Value>(&String::from_utf8_lossy(&other.arguments))
                     .ok()
                     .and_then(|v| v.get("amount_minor").cloned());
@@ -675,6 +697,15 @@ impl Agent<'_> {
         }
         Ok(())
     }
+}
+
+/// How long a harness keeps making a call again while its target is away.
+const SURVIVE_FOR: Duration = Duration::from_secs(60);
+
+/// The target could not be reached (a killed replica, a restarting database):
+/// the call may be made again with the same key.
+fn is_transport(e: &EngineError) -> bool {
+    matches!(e.code(), "LOAD_HTTP" | "DB_UNAVAILABLE" | "DB_OPEN_FAILED")
 }
 
 fn start(path: &Path, opts: &LoadOptions, stats: Arc<LoadStats>) -> Result<Arc<Shared>, EngineError> {
@@ -980,6 +1011,7 @@ pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) 
         silently_wrong: masked + mismatches + wrong_beliefs + over_captured.len() as u64,
         over_captured_by_order: over_captured,
         restarts: stats.restarts.load(Ordering::Relaxed),
+        transport_errors: stats.transport_errors.load(Ordering::Relaxed),
         latency: Latency {
             p50_us: percentile(l, 50.0),
             p95_us: percentile(l, 95.0),
@@ -1046,6 +1078,7 @@ pub fn render(r: &LoadReport) -> String {
         let _ = writeln!(s, "    {order:<32} {above:>8}");
     }
     let _ = writeln!(s, "  {:<34} {:>8}", "dispatcher restarts", r.restarts);
+    let _ = writeln!(s, "  {:<34} {:>8}", "calls made again after a transport error", r.transport_errors);
     let _ = writeln!(
         s,
         "  {:<34} p50 {}  p95 {}  p99 {}  max {}",

@@ -1319,6 +1319,35 @@ fn the_load_generator_through_two_serve_replicas(backend: Backend) {
     assert_eq!(b.terminate().code(), Some(0));
 }
 
+/// Issue 33 Medium 9: `load` stopped with exit 2 and no report at the first
+/// killed replica. A harness survives its target's faults: a call that cannot
+/// reach a replica is made again with the same key (on whichever replica the
+/// balancer picks), counted, and the run ends with its report.
+#[test]
+fn the_load_generator_survives_a_killed_replica_and_reports() {
+    let f = Fixture::new();
+    f.engine().mark_demo(crate::support::T0).unwrap();
+    let mut a = Server::start(f.path(), &[]);
+    let mut b = Server::start(f.path(), &[]);
+    let dead = b.url.clone();
+    b.kill();
+    let out = Command::new(bin())
+        .arg("--db")
+        .arg(f.path())
+        .args(["load", "--agents", "2", "--ops", "30", "--seed", "9", "--json"])
+        .args(["--url", &a.url, "--url", &dead])
+        .output()
+        .unwrap();
+    let report: Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!(out.status.code(), Some(0), "{report}");
+    assert_eq!(report["ops"], 30, "{report}");
+    assert!(report["transport_errors"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(report["duplicates"], 0, "{report}");
+    assert_eq!(report["silently_wrong"], 0, "{report}");
+    assert_eq!(a.terminate().code(), Some(0));
+}
+
 crate::on_both_backends!(the_load_generator_through_two_serve_replicas);
 crate::on_both_backends!(an_approval_expires_exactly_at_its_boundary_over_http);
 
