@@ -644,6 +644,14 @@ impl Engine {
             let Some(mut a) = tx.approval(approval_id)? else {
                 return invalid("no such approval request", "no_such_approval", None);
             };
+            // The same approver again (its reply was lost): the call it
+            // started answers, as a retried dispatch would (a replay of the
+            // outcome, or the run itself when it never got to run).
+            if let (ApprovalState::Approved, Some(op_id)) = (a.state, a.operation_id.as_ref()) {
+                if a.decided_by.as_deref() == Some(approver) {
+                    return Ok(Ok(op_id.clone()));
+                }
+            }
             if a.state != ApprovalState::Pending {
                 let why = format!("approval is {}", a.state);
                 return invalid(&why, "not_pending", Some(&a));

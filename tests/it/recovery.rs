@@ -146,8 +146,15 @@ fn approval_required_pending_approved_executes_once(backend: Backend) {
     // A later dispatch of the same intent sees the operation: a replay, no approval.
     let r = e.dispatch(&big_refund("refund-big-0001")).unwrap();
     assert_eq!(r.model_result.execution.delivery, Delivery::LocalReplay);
-    // Approving again: invalid, nothing runs.
-    assert_eq!(code(&e.approve(&id, "bob").unwrap()), Some(Code::ApprovalInvalid));
+    // The same approver again (issue 33: its reply was lost and it retried,
+    // and got 403 "approval is approved"): the call it started answers, a
+    // replay of the same refund; nothing runs twice.
+    let again = e.approve(&id, "bob").unwrap();
+    assert_eq!(again.model_result.status, Status::Succeeded, "{again:?}");
+    assert_eq!(again.model_result.data, done.model_result.data);
+    assert_eq!(effects(&mut e), 1);
+    // Another approver: invalid, nothing runs.
+    assert_eq!(code(&e.approve(&id, "alice").unwrap()), Some(Code::ApprovalInvalid));
     assert_eq!(effects(&mut e), 1);
 }
 
