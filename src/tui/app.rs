@@ -63,6 +63,11 @@ impl Pane {
     }
 }
 
+/// How long an informational status message stays (errors: three times as long).
+pub const STATUS_TTL_MS: i64 = 8_000;
+/// Status messages kept for `:messages`.
+pub const MESSAGE_LOG: usize = 200;
+
 /// Input modes: each has its own keymap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Mode {
@@ -587,6 +592,13 @@ pub struct App {
     /// `n` was pressed once past the walkthrough's last step: the next `n`
     /// starts the scenario over.
     pub walk_restart_armed: bool,
+    /// When the status line was last set (it expires: [`STATUS_TTL_MS`]).
+    pub status_at: i64,
+    /// Every status message of the session, oldest first, at most
+    /// [`MESSAGE_LOG`] (`:messages` lists them).
+    pub messages: std::collections::VecDeque<(i64, String, bool)>,
+    /// The help overlay shows the message log instead of the keys.
+    pub help_messages: bool,
     /// The toggle selected in the lab panel.
     pub lab_selected: usize,
     /// A pane switch is waiting for its first page: keys that act on rows
@@ -652,6 +664,9 @@ impl App {
             lab: LabView::default(),
             unaskable_tools: std::collections::BTreeSet::new(),
             walk_restart_armed: false,
+            status_at: now_ms,
+            messages: std::collections::VecDeque::new(),
+            help_messages: false,
             lab_selected: 0,
             awaiting_page: false,
             queued: std::collections::VecDeque::new(),
@@ -781,7 +796,13 @@ impl App {
     }
 
     fn say(&mut self, text: impl Into<String>, error: bool) {
-        self.status = Some((text.into(), error));
+        let text = text.into();
+        if self.messages.len() == MESSAGE_LOG {
+            self.messages.pop_front();
+        }
+        self.messages.push_back((self.now_ms, text.clone(), error));
+        self.status = Some((text, error));
+        self.status_at = self.now_ms;
     }
 
     /// An action that does not apply: in the detail view, to this operation's
@@ -875,6 +896,15 @@ impl App {
             }
             Action::Tick(now) => {
                 self.now_ms = now;
+                // A message says what just happened: once the state moved on,
+                // it goes (the log keeps it).
+                let ttl = match &self.status {
+                    Some((_, true)) => STATUS_TTL_MS * 3,
+                    _ => STATUS_TTL_MS,
+                };
+                if self.status.is_some() && now.saturating_sub(self.status_at) > ttl {
+                    self.status = None;
+                }
                 None
             }
             Action::Resize(w, h) => {
@@ -896,6 +926,7 @@ impl App {
                 } else {
                     self.help_return = self.mode;
                     self.help_scroll = 0;
+                    self.help_messages = false;
                     self.mode = Mode::Help;
                 }
                 None

@@ -2269,3 +2269,30 @@ fn an_operations_attempts_past_the_per_call_cap_are_not_shown_as_n_of_m() {
     assert!(!screen.contains(&wrong), "no '{wrong}' on the detail:\n{screen}");
     assert!(screen.contains(&format!("attempt {} (at most {} per call)", ob.attempt, ob.max_attempts)), "{screen}");
 }
+
+/// Issue 32 §2: status messages were cut at 80 columns with no ellipsis and
+/// stayed after the state changed. Now: cut with `…`, gone after a while, and
+/// every one of them in `:messages`.
+#[test]
+fn status_messages_are_cut_with_an_ellipsis_expire_and_stay_in_the_message_log() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    let long = "x".repeat(120);
+    app.update(Action::Engine(EngineEvent::Done { ok: true, summary: format!("first {long}") }));
+    let screen = text(&draw(&app, 80, 24));
+    let status = screen.lines().find(|l| l.contains("first")).unwrap_or_default().to_string();
+    assert!(status.trim_end().ends_with('…'), "{status:?}");
+    // Gone once it is old news; the log keeps it.
+    app.update(Action::Tick(NOW + 60_000));
+    assert!(app.status.is_none(), "{:?}", app.status);
+    app.update(Action::Engine(EngineEvent::Done { ok: false, summary: "second".into() }));
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "messages");
+    press(&mut app, KeyCode::Enter);
+    let log = text(&draw(&app, 80, 24));
+    assert!(log.contains("Messages, newest first (2;"), "{log}");
+    let line_of = |w: &str| log.lines().position(|l| l.contains(w) && !l.contains("Messages")).unwrap();
+    assert!(line_of("second") < line_of("first"), "newest first:\n{log}");
+    press(&mut app, KeyCode::Esc);
+    assert_eq!(app.mode, Mode::Normal);
+}

@@ -45,6 +45,7 @@ pub const COMMANDS: &[CommandSpec] = &[
     },
     CommandSpec { name: "filter", args: "save NAME", help: "save this pane's filter under a name (kept across restarts)" },
     CommandSpec { name: "filter", args: "NAME", help: "apply a saved filter" },
+    CommandSpec { name: "messages", args: "", help: "every status message of this session, newest first" },
     CommandSpec { name: "help", args: "", help: "keys and commands" },
     CommandSpec { name: "q", args: "", help: "quit" },
 ];
@@ -76,6 +77,8 @@ pub enum Command {
     SaveFilter(String),
     /// The help overlay.
     Help,
+    /// The message log.
+    Messages,
     /// Leave the console.
     Quit,
 }
@@ -110,6 +113,7 @@ pub fn parse(line: &str) -> Result<Command, String> {
     match name {
         "q" | "quit" => no_args(Command::Quit),
         "help" => no_args(Command::Help),
+        "messages" => no_args(Command::Messages),
         "op" => {
             let mut words = rest.split_whitespace();
             match (words.next(), words.next()) {
@@ -361,6 +365,14 @@ impl App {
             }
             Command::Help => {
                 self.help_return = Mode::Normal;
+                self.help_scroll = 0;
+                self.help_messages = false;
+                self.mode = Mode::Help;
+                None
+            }
+            Command::Messages => {
+                self.help_return = Mode::Normal;
+                self.help_messages = true;
                 self.help_scroll = 0;
                 self.mode = Mode::Help;
                 None

@@ -293,9 +293,22 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     if !app.marks.is_empty() {
         line.push(Span::styled(format!("[{} marked] ", app.marks.len()), t.warn().add_modifier(Modifier::BOLD)));
     }
+    // What is left of the line after the markers, cut with an ellipsis (the
+    // whole text is in `:messages`).
+    let used: usize = line.iter().map(|s| s.content.chars().count()).sum();
+    let room = usize::from(status_area.width).saturating_sub(used);
+    let fit = |s: &str| -> String {
+        if s.chars().count() <= room {
+            s.to_string()
+        } else {
+            let mut cut: String = s.chars().take(room.saturating_sub(1)).collect();
+            cut.push('…');
+            cut
+        }
+    };
     match &app.status {
-        Some((s, true)) => line.push(Span::styled(s.clone(), t.bad())),
-        Some((s, false)) => line.push(Span::styled(s.clone(), t.ok())),
+        Some((s, true)) => line.push(Span::styled(fit(s), t.bad())),
+        Some((s, false)) => line.push(Span::styled(fit(s), t.ok())),
         None => {}
     }
     frame.render_widget(Paragraph::new(Line::from(line)), status_area);

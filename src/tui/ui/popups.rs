@@ -22,6 +22,9 @@ fn centered(area: Rect, w: u16, h: u16) -> Rect {
 /// (nothing is cut). Scrolls with j/k when it is taller than the terminal.
 pub fn help(app: &App, frame: &mut Frame, t: Theme) {
     const KEYS: usize = 27;
+    if app.help_messages {
+        return messages(app, frame, t);
+    }
     let w = frame.area().width.min(120);
     let text_w = usize::from(w.saturating_sub(2)).saturating_sub(KEYS).max(10);
     let mut entries: Vec<(String, String)> = keymap::help_lines(app.help_return, app.read_only)
@@ -63,6 +66,36 @@ pub fn help(app: &App, frame: &mut Frame, t: Theme) {
     frame.render_widget(Clear, area);
     frame.render_widget(
         Paragraph::new(lines).scroll((scroll, 0)).block(Block::default().borders(Borders::ALL).title(title)),
+        area,
+    );
+}
+
+/// The message log (`:messages`): every status message of the session.
+fn messages(app: &App, frame: &mut Frame, t: Theme) {
+    let w = frame.area().width.min(120);
+    let text_w = usize::from(w.saturating_sub(2)).saturating_sub(11).max(10);
+    let mut lines: Vec<Line> = Vec::new();
+    for (at, text, error) in app.messages.iter().rev() {
+        let stamp = crate::engine::clock::rfc3339(*at).chars().skip(11).take(8).collect::<String>();
+        let style = if *error { t.bad() } else { t.ok() };
+        for (i, part) in super::lab::wrap(text, text_w).into_iter().enumerate() {
+            let head = if i == 0 { format!(" {stamp}  ") } else { " ".repeat(11) };
+            lines.push(Line::from(vec![Span::styled(head, t.dim()), Span::styled(part, style)]));
+        }
+    }
+    if lines.is_empty() {
+        lines.push(Line::from(Span::styled(" no messages yet", t.dim())));
+    }
+    let h = (lines.len() as u16 + 2).min(frame.area().height);
+    let max_scroll = (lines.len() as u16).saturating_sub(h.saturating_sub(2));
+    let scroll = app.help_scroll.min(max_scroll);
+    let title = format!(" Messages, newest first ({}; Esc to close, j/k scroll) ", app.messages.len());
+    let area = centered(frame.area(), w, h);
+    frame.render_widget(Clear, area);
+    frame.render_widget(
+        Paragraph::new(super::escaped(lines))
+            .scroll((scroll, 0))
+            .block(Block::default().borders(Borders::ALL).title(Span::styled(title, t.accent()))),
         area,
     );
 }
