@@ -110,6 +110,14 @@ pub enum Command {
         /// An agent's (subject) bearer token from `token create`.
         #[arg(long, env = "TOOLGATE_TOKEN", hide_env_values = true)]
         token: String,
+        /// Calls the session runs at once (one engine each, 1 to 64); a
+        /// cancellation has an engine of its own and never waits behind them.
+        #[arg(long, default_value_t = 2)]
+        concurrency: usize,
+        /// Calls that may wait for a free engine (0 to 4096); beyond it a call
+        /// is answered SERVER_BUSY at once.
+        #[arg(long, default_value_t = 64)]
+        queue: usize,
     },
     /// Create a database and load a world file (the demo world by default).
     Init {
@@ -932,10 +940,17 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Cancel(a) => cancel_command(cli, a),
         Command::Token { what } => token_command(cli, what),
         Command::Serve(a) => serve_command(cli, a),
-        Command::Mcp { token } => {
+        Command::Mcp { token, concurrency, queue } => {
             refuse_read_only(cli)?;
+            if !(1..=64).contains(concurrency) || *queue > 4096 {
+                return Err(CliError::new("USAGE", "--concurrency must be 1 to 64 and --queue 0 to 4096"));
+            }
             let path = db_path(cli)?;
-            let opts = [engine_options(cli)?, engine_options(cli)?];
+            let opts = crate::mcp::StdioOptions {
+                workers: (0..*concurrency).map(|_| engine_options(cli)).collect::<Result<_, _>>()?,
+                lane: engine_options(cli)?,
+                queue: *queue,
+            };
             // Diagnostics go to `<db>.log`: standard output is the protocol.
             crate::telemetry::logging::init_for_db(path);
             crate::mcp::serve_stdio(path, token, opts).map_err(|e| CliError::new(e.code(), e.to_string()))?;

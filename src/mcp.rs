@@ -47,12 +47,15 @@ use crate::engine::envelope::{Envelope, Status};
 use crate::engine::faults::FaultPlan;
 use crate::engine::projection::QUERY_STATUS_TOOL;
 use crate::engine::tokens::Principal;
-use crate::engine::{DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest};
+use crate::engine::{CancelSignal, DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest};
 
+/// Cancellations that may wait for the cancellation lane's engine.
+pub(crate) const LANE_QUEUE: usize = 256;
 /// How often a call in flight reports progress.
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 /// How long a client's cancellation keeps looking for the operation of a
-/// call that has not been accepted yet.
+/// call whose accept is being committed (a call not at its accept yet
+/// cancels itself there, through its [`CancelSignal`]).
 const CANCEL_LOOKUP: Duration = Duration::from_secs(5);
 /// Who the operator log names for a caller's own cancellation.
 const CANCELLED_BY: &str = "mcp-client";
@@ -89,26 +92,48 @@ impl McpError {
     }
 }
 
+/// How `toolgate mcp` runs its session's calls.
+pub struct StdioOptions {
+    /// One engine per call the session runs at once.
+    pub workers: Vec<EngineOptions>,
+    /// The cancellation lane's engine: a client's cancellation never waits
+    /// behind the calls it cancels.
+    pub lane: EngineOptions,
+    /// Calls that may wait for a free engine; more are `SERVER_BUSY`.
+    pub queue: usize,
+}
+
 /// Serves MCP on standard input and output until the client closes it. The
 /// token is checked once here (a bad one never starts the server) and again
-/// at every call. Two engines (`opts`): a client's cancellation must not
-/// queue behind the call it cancels.
-pub fn serve_stdio(db: &Path, token: &str, opts: [EngineOptions; 2]) -> Result<(), McpError> {
+/// at every call.
+pub fn serve_stdio(db: &Path, token: &str, opts: StdioOptions) -> Result<(), McpError> {
     let authorization = format!("Bearer {token}").into_bytes();
-    let [first, second] = opts;
+    let StdioOptions { workers, lane, queue } = opts;
+    let runtime = |e: std::io::Error| McpError::Runtime(e.to_string());
     // Opened here, on a plain thread, before any runtime exists.
-    let mut engine = Engine::open(db, first)?;
+    let mut engines = Vec::with_capacity(workers.len());
+    for o in workers {
+        engines.push(Engine::open(db, o)?);
+    }
+    let Some(engine) = engines.first_mut() else { return Err(McpError::Runtime("no engine".into())) };
     match engine.authenticate(Some(&authorization))? {
         Ok(Principal::Subject { .. }) => {}
         Ok(Principal::Operator { .. }) => return Err(McpError::OperatorToken),
         Err(f) => return Err(McpError::Token(f.code())),
     }
-    let tools = tools_of(&engine);
-    let second = Engine::open(db, second)?;
-    let pool = Pool::start(vec![engine, second], 64).map_err(|e| McpError::Runtime(e.to_string()))?;
+    let tools = tools_of(engine);
+    let lane = Pool::start(vec![Engine::open(db, lane)?], LANE_QUEUE).map_err(runtime)?;
+    let pool = Pool::start(engines, queue).map_err(runtime)?;
     let session = crate::engine::ids::Ids::default().id("mcps");
-    let gate = Gate { pool: Arc::new(pool), tools, auth: Auth::Fixed(Arc::new(authorization)), demo: false, session };
-    let pool = gate.pool.clone();
+    let gate = Gate {
+        pool: Arc::new(pool),
+        lane: Arc::new(lane),
+        tools,
+        auth: Auth::Fixed(Arc::new(authorization)),
+        demo: false,
+        session,
+    };
+    let (pool, lane) = (gate.pool.clone(), gate.lane.clone());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -120,6 +145,7 @@ pub fn serve_stdio(db: &Path, token: &str, opts: [EngineOptions; 2]) -> Result<(
     });
     drop(rt);
     pool.close();
+    lane.close();
     served
 }
 
@@ -138,6 +164,7 @@ pub(crate) fn tools_of(engine: &Engine) -> Arc<Vec<Tool>> {
 /// is what admits a caller.
 pub(crate) fn http_service(
     pool: Arc<Pool>,
+    lane: Arc<Pool>,
     tools: Arc<Vec<Tool>>,
     demo: bool,
     public: bool,
@@ -152,6 +179,7 @@ pub(crate) fn http_service(
     let factory = move || {
         Ok(Gate {
             pool: pool.clone(),
+            lane: lane.clone(),
             tools: tools.clone(),
             auth: Auth::PerRequest,
             demo,
@@ -240,6 +268,9 @@ enum Auth {
 #[derive(Clone)]
 pub(crate) struct Gate {
     pool: Arc<Pool>,
+    /// Cancellations only, on an engine of their own: a cancellation never
+    /// queues behind the calls (possibly the very one) it cancels.
+    lane: Arc<Pool>,
     tools: Arc<Vec<Tool>>,
     auth: Auth,
     /// A demo ledger behind HTTP: a request's `Toolgate-Fault` header is
@@ -348,8 +379,10 @@ impl Gate {
             Some(Value::String(_)) => args.remove(KEY_ARGUMENT).and_then(|v| v.as_str().map(str::to_string)),
             _ => None,
         };
+        let signal = CancelSignal::default();
         let job = {
             let (authorization, name, key) = (authorization.clone(), name.clone(), key.clone());
+            let signal = signal.clone();
             move |e: &mut Engine| -> Result<CallToolResult, EngineError> {
                 let (tenant, subject, token_id) = match e.authenticate(Some(&authorization))? {
                     Ok(Principal::Subject { tenant, subject, token_id }) => (tenant, subject, token_id),
@@ -378,7 +411,8 @@ impl Gate {
                     if let Some(f) = faults {
                         e.set_faults(f);
                     }
-                    let env = e.dispatch(&DispatchRequest {
+                    let note = format!("notifications/cancelled from the caller {subject}");
+                    let req = DispatchRequest {
                         tenant,
                         subject,
                         tool: name,
@@ -388,7 +422,8 @@ impl Gate {
                         approval_id: None,
                         deadline_ms: None,
                         token_id: Some(token_id),
-                    });
+                    };
+                    let env = e.dispatch_cancellable(&req, &signal, CANCELLED_BY, &note);
                     e.set_faults(FaultPlan::none());
                     env?
                 };
@@ -422,7 +457,7 @@ impl Gate {
         };
         let Some(answered) = answered else {
             let key = key.filter(|_| name != QUERY_STATUS_TOOL);
-            return self.cancel(authorization, name, key, answer).await;
+            return self.cancel(&signal, authorization, name, key, answer).await;
         };
         match answered {
             Ok(Ok(r)) => r,
@@ -443,18 +478,25 @@ impl Gate {
         }
     }
 
-    /// The client cancelled its call: cancel the operation its key names, as
-    /// soon as there is one, unless the call finishes first. The client
-    /// expects no answer to a cancelled request (rmcp drops it); the result
-    /// says what happened, for the logs.
+    /// The client cancelled its call. A call that has not reached its accept
+    /// (still queued for an engine, or checking its arguments) cancels
+    /// itself there ([`CancelSignal`]); one past it has its operation
+    /// cancelled on the cancellation lane, unless it finishes first. The
+    /// client expects no answer to a cancelled request (rmcp drops it); the
+    /// result says what happened, for the logs.
     async fn cancel(
         &self,
+        signal: &CancelSignal,
         authorization: Arc<Vec<u8>>,
         tool: String,
         key: Option<String>,
         mut answer: tokio::sync::oneshot::Receiver<Result<CallToolResult, EngineError>>,
     ) -> CallToolResult {
         let Some(key) = key else { return self.finish(answer).await };
+        if signal.cancel() {
+            tracing::info!("MCP call cancelled by its client before its accept");
+            return self.finish(answer).await;
+        }
         let started = tokio::time::Instant::now();
         loop {
             let (authorization, tool, key) = (authorization.clone(), tool.clone(), key.clone());
@@ -468,7 +510,7 @@ impl Gate {
                     None => Cancelled::NotYet,
                 })
             };
-            let done = match self.pool.submit(job) {
+            let done = match self.lane.submit(job) {
                 Ok(rx) => rx.await.ok(),
                 Err(_) => None,
             };

@@ -210,10 +210,13 @@ pub fn serve_until(
         None => Arc::new(Vec::new()),
     };
     let worker = Engine::open(db, engine_opts("worker".into()))?;
+    // MCP cancellations run on an engine of their own (src/mcp.rs).
+    let lane = Engine::open(db, engine_opts("mcp-cancel".into()))?;
+    let lane = Arc::new(Pool::start(vec![lane], crate::mcp::LANE_QUEUE).map_err(|e| ServeError::Runtime(e.kind()))?);
     let pool =
         Arc::new(Pool::start(engines, opts.threads * QUEUE_PER_THREAD).map_err(|e| ServeError::Runtime(e.kind()))?);
     let mcp_stop = tokio_util::sync::CancellationToken::new();
-    let mcp = crate::mcp::http_service(pool.clone(), tools, demo, opts.public, mcp_stop.clone());
+    let mcp = crate::mcp::http_service(pool.clone(), lane.clone(), tools, demo, opts.public, mcp_stop.clone());
     let app = Arc::new(App { pool, demo, mcp, mcp_stop, mcp_owners: std::sync::Mutex::default() });
     let (stop_worker, stopped) = std::sync::mpsc::channel::<()>();
     let run_worker = opts.worker;
@@ -235,6 +238,7 @@ pub fn serve_until(
     drop(rt);
     // Requests have drained: the engine threads finish what is queued, then the worker stops.
     app.pool.close();
+    lane.close();
     drop(stop_worker);
     let _ = worker.join();
     tracing::info!("serve stopped");

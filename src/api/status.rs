@@ -52,6 +52,8 @@ pub fn of_code(code: Code, op_state: Option<OpState>) -> StatusCode {
         Code::OutputContractViolation | Code::ToolError => StatusCode::BAD_GATEWAY,
         Code::StatusConflict => StatusCode::CONFLICT,
         Code::Cancelled => StatusCode::GONE,
+        // The draft's "request still in progress".
+        Code::InProgress => StatusCode::CONFLICT,
     }
 }
 
