@@ -312,6 +312,81 @@ fn result_of(env: &Envelope) -> CallToolResult {
     r
 }
 
+/// An environment failure: the ledger is the truth, the outcome unknown to
+/// us; a retry with the same key is safe.
+fn environment(e: &EngineError) -> CallToolResult {
+    let env = crate::api::status::envelope_json(
+        e.code(),
+        "environment",
+        "retry_after",
+        crate::api::status::INTERNAL.message,
+        Some(1000),
+        true,
+    );
+    CallToolResult::structured_error(env["model_result"].clone())
+}
+
+/// One `tools/call`, ready to run on an engine (by a worker, or by the
+/// cancellation lane when its client cancelled it before its accept).
+struct Prepared {
+    authorization: Vec<u8>,
+    name: String,
+    args: JsonObject,
+    key: Option<String>,
+    call: CallIdentity,
+    /// A demo ledger's `Toolgate-Fault` header (checked by the server before rmcp saw it).
+    faults: Option<String>,
+}
+
+impl Prepared {
+    fn run(&self, e: &mut Engine, signal: &CancelSignal) -> Result<CallToolResult, EngineError> {
+        let (tenant, subject, token_id) = match e.authenticate(Some(&self.authorization))? {
+            Ok(Principal::Subject { tenant, subject, token_id }) => (tenant, subject, token_id),
+            Ok(Principal::Operator { .. }) => {
+                let c = crate::api::status::SUBJECT_TOKEN_REQUIRED;
+                return Ok(refusal(c.code, c.category, c.recovery, c.message));
+            }
+            Err(f) => return Ok(refusal(f.code(), "authentication", "request_authorization", f.message())),
+        };
+        let text = |k: &str| match self.args.get(k) {
+            Some(Value::String(s)) => s.clone(),
+            _ => String::new(),
+        };
+        let env = if self.name == QUERY_STATUS_TOOL {
+            e.query_operation_status(&QueryRequest {
+                tenant,
+                subject,
+                status_ref: text("status_ref"),
+                expected_request_sha256: text("expected_request_sha256"),
+                idempotency_key: None,
+                call: Some(self.call.clone()),
+                operator: None,
+            })?
+        } else {
+            let arguments = serde_json::to_vec(&self.args).unwrap_or_default();
+            if let Some(f) = self.faults.as_deref().and_then(|spec| FaultPlan::parse(spec).ok()) {
+                e.set_faults(f);
+            }
+            let note = format!("notifications/cancelled from the caller {subject}");
+            let req = DispatchRequest {
+                tenant,
+                subject,
+                tool: self.name.clone(),
+                arguments,
+                idempotency_key: self.key.clone(),
+                call: Some(self.call.clone()),
+                approval_id: None,
+                deadline_ms: None,
+                token_id: Some(token_id),
+            };
+            let env = e.dispatch_cancellable(&req, signal, CANCELLED_BY, &note);
+            e.set_faults(FaultPlan::none());
+            env?
+        };
+        Ok(result_of(&env))
+    }
+}
+
 /// What the client's `notifications/cancelled` did.
 enum Cancelled {
     /// The call's operation was cancelled (or moved to the unknown queue).
@@ -354,7 +429,6 @@ impl Gate {
             Ok(v) => v.to_string(),
             Err(_) => String::new(),
         };
-        let authorization = Arc::new(self.authorization(ctx));
         let call = CallIdentity {
             provider: "mcp".into(),
             api_family: "tools/call".into(),
@@ -367,7 +441,7 @@ impl Gate {
                 .get::<Parts>()
                 .and_then(|p| p.headers.get("toolgate-fault"))
                 .and_then(|v| v.to_str().ok())
-                .and_then(|spec| FaultPlan::parse(spec).ok())
+                .map(str::to_string)
         } else {
             None
         };
@@ -379,60 +453,15 @@ impl Gate {
             Some(Value::String(_)) => args.remove(KEY_ARGUMENT).and_then(|v| v.as_str().map(str::to_string)),
             _ => None,
         };
+        let prepared = Arc::new(Prepared { authorization: self.authorization(ctx), name, args, key, call, faults });
         let signal = CancelSignal::default();
-        let job = {
-            let (authorization, name, key) = (authorization.clone(), name.clone(), key.clone());
-            let signal = signal.clone();
-            move |e: &mut Engine| -> Result<CallToolResult, EngineError> {
-                let (tenant, subject, token_id) = match e.authenticate(Some(&authorization))? {
-                    Ok(Principal::Subject { tenant, subject, token_id }) => (tenant, subject, token_id),
-                    Ok(Principal::Operator { .. }) => {
-                        let c = crate::api::status::SUBJECT_TOKEN_REQUIRED;
-                        return Ok(refusal(c.code, c.category, c.recovery, c.message));
-                    }
-                    Err(f) => return Ok(refusal(f.code(), "authentication", "request_authorization", f.message())),
-                };
-                let text = |v: Option<Value>| match v {
-                    Some(Value::String(s)) => s,
-                    _ => String::new(),
-                };
-                let env = if name == QUERY_STATUS_TOOL {
-                    e.query_operation_status(&QueryRequest {
-                        tenant,
-                        subject,
-                        status_ref: text(args.remove("status_ref")),
-                        expected_request_sha256: text(args.remove("expected_request_sha256")),
-                        idempotency_key: None,
-                        call: Some(call),
-                        operator: None,
-                    })?
-                } else {
-                    let arguments = serde_json::to_vec(&args).unwrap_or_default();
-                    if let Some(f) = faults {
-                        e.set_faults(f);
-                    }
-                    let note = format!("notifications/cancelled from the caller {subject}");
-                    let req = DispatchRequest {
-                        tenant,
-                        subject,
-                        tool: name,
-                        arguments,
-                        idempotency_key: key,
-                        call: Some(call),
-                        approval_id: None,
-                        deadline_ms: None,
-                        token_id: Some(token_id),
-                    };
-                    let env = e.dispatch_cancellable(&req, &signal, CANCELLED_BY, &note);
-                    e.set_faults(FaultPlan::none());
-                    env?
-                };
-                Ok(result_of(&env))
-            }
-        };
         let busy = || {
             let c = crate::api::status::SERVER_BUSY;
             refusal(c.code, c.category, c.recovery, c.message)
+        };
+        let job = {
+            let (prepared, signal) = (prepared.clone(), signal.clone());
+            move |e: &mut Engine| prepared.run(e, &signal)
         };
         let Ok(mut answer) = self.pool.submit(job) else { return busy() };
         // While the engine works: progress for a client that asked for it,
@@ -456,50 +485,51 @@ impl Gate {
             }
         };
         let Some(answered) = answered else {
-            let key = key.filter(|_| name != QUERY_STATUS_TOOL);
-            return self.cancel(&signal, authorization, name, key, answer).await;
+            return self.cancel(&signal, prepared, answer).await;
         };
         match answered {
             Ok(Ok(r)) => r,
-            // An environment failure: the ledger is the truth, the outcome
-            // unknown to us; a retry with the same key is safe.
-            Ok(Err(e)) => {
-                let env = crate::api::status::envelope_json(
-                    e.code(),
-                    "environment",
-                    "retry_after",
-                    crate::api::status::INTERNAL.message,
-                    Some(1000),
-                    true,
-                );
-                CallToolResult::structured_error(env["model_result"].clone())
-            }
+            Ok(Err(e)) => environment(&e),
             Err(_) => busy(),
         }
     }
 
     /// The client cancelled its call. A call that has not reached its accept
-    /// (still queued for an engine, or checking its arguments) cancels
-    /// itself there ([`CancelSignal`]); one past it has its operation
-    /// cancelled on the cancellation lane, unless it finishes first. The
-    /// client expects no answer to a cancelled request (rmcp drops it); the
-    /// result says what happened, for the logs.
+    /// (still queued for an engine, or checking its arguments) is settled at
+    /// once on the cancellation lane: accepted and cancelled in one
+    /// transaction (`CANCELLED`, no effect, in the operator log as the
+    /// client's), so when its queued job runs it only replays that. A call
+    /// past its accept has its operation cancelled on the lane (after send:
+    /// the unknown path), unless it finishes first. The client expects no
+    /// answer to a cancelled request (rmcp drops it); the result says what
+    /// happened, for the logs.
     async fn cancel(
         &self,
         signal: &CancelSignal,
-        authorization: Arc<Vec<u8>>,
-        tool: String,
-        key: Option<String>,
+        prepared: Arc<Prepared>,
         mut answer: tokio::sync::oneshot::Receiver<Result<CallToolResult, EngineError>>,
     ) -> CallToolResult {
-        let Some(key) = key else { return self.finish(answer).await };
+        let Some(key) = prepared.key.clone().filter(|_| prepared.name != QUERY_STATUS_TOOL) else {
+            return self.finish(answer).await;
+        };
         if signal.cancel() {
             tracing::info!("MCP call cancelled by its client before its accept");
-            return self.finish(answer).await;
+            let job = {
+                let (prepared, signal) = (prepared.clone(), signal.clone());
+                move |e: &mut Engine| prepared.run(e, &signal)
+            };
+            return match self.lane.submit(job) {
+                Ok(rx) => match rx.await {
+                    Ok(Ok(r)) => r,
+                    Ok(Err(e)) => environment(&e),
+                    Err(_) => self.finish(answer).await,
+                },
+                Err(_) => self.finish(answer).await,
+            };
         }
         let started = tokio::time::Instant::now();
         loop {
-            let (authorization, tool, key) = (authorization.clone(), tool.clone(), key.clone());
+            let (authorization, tool, key) = (prepared.authorization.clone(), prepared.name.clone(), key.clone());
             let job = move |e: &mut Engine| -> Result<Cancelled, EngineError> {
                 let Ok(Principal::Subject { tenant, subject, .. }) = e.authenticate(Some(&authorization))? else {
                     return Ok(Cancelled::Nothing);
@@ -524,7 +554,7 @@ impl Gate {
                 Some(Ok(Cancelled::NotYet)) => {}
                 None => tracing::warn!("MCP cancellation: engine busy"),
             }
-            // Not accepted yet: wait a little for the call (or its end).
+            // Its accept is being committed: look again in a moment (or take its end).
             if let Ok(done) = tokio::time::timeout(Duration::from_millis(50), &mut answer).await {
                 return done.ok().and_then(Result::ok).unwrap_or_else(|| {
                     let c = crate::api::status::INTERNAL;

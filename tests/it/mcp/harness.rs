@@ -1,0 +1,279 @@
+//! `toolgate mcp` and `/mcp` as agent harnesses use them (issue 43), driven
+//! with raw JSON-RPC (what a harness's own client sends, malformed lines
+//! included) over a child's stdio and over streamable HTTP, against a slow
+//! provider (`toolgate provider serve --faults latency(..)`) or a demo
+//! ledger's `Toolgate-Fault` header.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::http::HttpFixture;
+
+/// A `toolgate mcp` child spoken to line by line; killed on drop.
+pub(crate) struct Raw {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    /// Messages read while waiting for another id.
+    stash: Vec<Value>,
+}
+
+impl Raw {
+    pub(crate) fn start(db: &Path, catalog: Option<&Path>, token: &str, extra: &[&str]) -> Self {
+        let mut cmd = Command::new(assert_cmd::cargo::cargo_bin("toolgate"));
+        cmd.arg("--db").arg(db);
+        if let Some(c) = catalog {
+            cmd.arg("--catalog").arg(c);
+        }
+        let mut child = cmd
+            .args(["mcp", "--token", token])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { return };
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        Self { stdin: child.stdin.take(), child, lines, stash: Vec::new() }
+    }
+
+    pub(crate) fn send_line(&mut self, line: &[u8]) {
+        let stdin = self.stdin.as_mut().expect("stdin open");
+        stdin.write_all(line).unwrap();
+        stdin.write_all(b"\n").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    pub(crate) fn send(&mut self, v: &Value) {
+        self.send_line(v.to_string().as_bytes());
+    }
+
+    /// The next message the server writes, or `None` after `within`.
+    fn next(&mut self, within: Duration) -> Option<Value> {
+        let line = self.lines.recv_timeout(within).ok()?;
+        Some(
+            serde_json::from_str(&line)
+                .unwrap_or_else(|e| panic!("the server wrote a line that is not JSON ({e}): {line}")),
+        )
+    }
+
+    /// The response to request `id`, or `None` after `within`.
+    pub(crate) fn try_answer(&mut self, id: &Value, within: Duration) -> Option<Value> {
+        if let Some(i) = self.stash.iter().position(|m| m.get("id") == Some(id) && m.get("method").is_none()) {
+            return Some(self.stash.remove(i));
+        }
+        let end = Instant::now() + within;
+        loop {
+            let left = end.checked_duration_since(Instant::now())?;
+            let m = self.next(left)?;
+            if m.get("id") == Some(id) && m.get("method").is_none() {
+                return Some(m);
+            }
+            self.stash.push(m);
+        }
+    }
+
+    pub(crate) fn answer(&mut self, id: &Value, within: Duration) -> Value {
+        self.try_answer(id, within).unwrap_or_else(|| panic!("no answer to id {id} within {within:?}"))
+    }
+
+    pub(crate) fn initialize(&mut self) -> Value {
+        self.send(&json!({"jsonrpc": "2.0", "id": "init", "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}}));
+        let a = self.answer(&json!("init"), Duration::from_secs(10));
+        self.send(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+        a
+    }
+}
+
+impl Drop for Raw {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub(crate) fn tools_call(id: &Value, tool: &str, args: &Value) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {"name": tool, "arguments": args}})
+}
+
+pub(crate) fn refund(order: &str, amount: i64, key: &str) -> Value {
+    json!({"order_ref": order, "amount_minor": amount, "currency": "EUR", "reason": "damaged", "idempotency_key": key})
+}
+
+/// A call's model result (structured content), checked to be the text the model reads too.
+pub(crate) fn model(answer: &Value) -> Value {
+    let r = &answer["result"];
+    let structured = r["structuredContent"].clone();
+    assert!(structured.is_object(), "a tool result with structured content: {answer}");
+    let text = r["content"][0]["text"].as_str().unwrap_or_else(|| panic!("a text block: {answer}"));
+    assert_eq!(serde_json::from_str::<Value>(text).unwrap(), structured, "the text is the model result");
+    structured
+}
+
+/// A ledger whose tools run behind a provider that answers each request
+/// after `latency_ms` (attempt timeout 10 s), and an agent's token.
+pub(crate) struct Slow {
+    pub(crate) fx: HttpFixture,
+    pub(crate) token: String,
+}
+
+impl Slow {
+    pub(crate) fn new(latency_ms: u64, requests: usize) -> Self {
+        let faults = vec![format!("latency({latency_ms})"); requests].join(",");
+        let fx = HttpFixture::with(&["--faults", &faults], None);
+        for entry in std::fs::read_dir(&fx.catalog).unwrap() {
+            let path = entry.unwrap().path();
+            let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            if v["retry"].is_object() {
+                v["retry"]["attempt_timeout_ms"] = Value::from(10_000);
+            }
+            std::fs::write(&path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+        }
+        let out = Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
+            .arg("--db")
+            .arg(&fx.ledger)
+            .arg("--catalog")
+            .arg(&fx.catalog)
+            .args(["token", "create", "--tenant", "acme", "--subject", "agent_ana", "--json"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let token = serde_json::from_slice::<Value>(&out.stdout).unwrap()["token"].as_str().unwrap().to_string();
+        Self { fx, token }
+    }
+
+    pub(crate) fn mcp(&self, extra: &[&str]) -> Raw {
+        let mut c = Raw::start(&self.fx.ledger, Some(&self.fx.catalog), &self.token, extra);
+        c.initialize();
+        c
+    }
+
+    /// (state, code) of the operation of `key`, if there is one.
+    pub(crate) fn op(&self, key: &str) -> Option<(String, Option<String>)> {
+        let c = rusqlite::Connection::open(&self.fx.ledger).unwrap();
+        c.busy_timeout(Duration::from_secs(10)).unwrap();
+        c.query_row("SELECT state, code FROM operations WHERE idem_key = ?1", [key], |r| Ok((r.get(0)?, r.get(1)?)))
+            .ok()
+    }
+
+    /// Operator-log rows: (actor, action, result) of the operation of `key`.
+    pub(crate) fn audit(&self, key: &str) -> Vec<(String, String, String)> {
+        let c = rusqlite::Connection::open(&self.fx.ledger).unwrap();
+        c.busy_timeout(Duration::from_secs(10)).unwrap();
+        let mut st = c
+            .prepare(
+                "SELECT a.actor, a.action, a.result FROM audit_log a JOIN operations o ON o.id = a.operation_id \
+                 WHERE o.idem_key = ?1 ORDER BY a.seq",
+            )
+            .unwrap();
+        st.query_map([key], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap().map(Result::unwrap).collect()
+    }
+}
+
+/// Waits (bounded) until `f` holds; how long it took.
+pub(crate) fn within(limit: Duration, what: &str, mut f: impl FnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    t.elapsed()
+}
+
+/// §1: six calls in one session that runs two at a time against a provider
+/// that takes 3 s each, then `notifications/cancelled` for the sixth (still
+/// queued) at 0.5 s: the cancellation acts at once (not after the calls
+/// ahead of it), the sixth ends `CANCELLED` with no effect and the operator
+/// log names the client; the five others succeed, five effects.
+#[test]
+fn a_cancel_of_a_queued_call_wins_at_once_over_stdio() {
+    let slow = Slow::new(3000, 8);
+    let mut c = slow.mcp(&["--concurrency", "2"]);
+    let key = |i: i64| format!("mcp43-cancel-{i:04}");
+    for i in 1..=6 {
+        c.send(&tools_call(&json!(i), "create_refund", &refund("ord_1002", 100 + i, &key(i))));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    c.send(&json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+        "params": {"requestId": 6, "reason": "the user gave up"}}));
+    let took = within(Duration::from_millis(1500), "the sixth call cancelled", || {
+        slow.op(&key(6)) == Some(("failed".into(), Some("CANCELLED".into())))
+    });
+    eprintln!("cancel of a queued call applied {took:?} after the notification");
+    for i in 1..=5 {
+        let m = model(&c.answer(&json!(i), Duration::from_secs(20)));
+        assert_eq!(m["status"], "succeeded", "call {i}: {m}");
+    }
+    assert_eq!(
+        slow.op(&key(6)),
+        Some(("failed".into(), Some("CANCELLED".into()))),
+        "still cancelled after the queue drained"
+    );
+    let log = slow.audit(&key(6));
+    assert!(log.contains(&("mcp-client".into(), "cancel".into(), "applied".into())), "{log:?}");
+    assert_eq!(slow.fx.server.effects(), 5, "no effect for the cancelled call");
+    assert_eq!(slow.fx.server.duplicates(), 0);
+}
+
+/// §1: the queue is bounded: one engine, one waiting call, the third is
+/// `SERVER_BUSY` at once.
+#[test]
+fn a_full_session_queue_is_server_busy_over_stdio() {
+    let slow = Slow::new(1500, 4);
+    let mut c = slow.mcp(&["--concurrency", "1", "--queue", "1"]);
+    for i in 1..=2 {
+        c.send(&tools_call(&json!(i), "create_refund", &refund("ord_1002", 100 + i, &format!("mcp43-busy-{i:04}"))));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    c.send(&tools_call(&json!(3), "create_refund", &refund("ord_1002", 103, "mcp43-busy-0003")));
+    let busy = model(&c.answer(&json!(3), Duration::from_secs(1)));
+    assert!(t.elapsed() < Duration::from_secs(1));
+    assert_eq!(busy["error"]["code"], "SERVER_BUSY", "{busy}");
+    for i in 1..=2 {
+        assert_eq!(model(&c.answer(&json!(i), Duration::from_secs(10)))["status"], "succeeded");
+    }
+}
+
+/// §2: the same key while its first call runs: `IN_PROGRESS` at once, with
+/// a retry-after and the status reference in the text the model reads and
+/// in `_meta`; the first call then succeeds, one effect.
+#[test]
+fn a_key_in_flight_elsewhere_is_in_progress_over_stdio() {
+    let slow = Slow::new(2500, 4);
+    let mut c = slow.mcp(&["--concurrency", "2"]);
+    let args = refund("ord_1002", 700, "mcp43-inprogress-01");
+    c.send(&tools_call(&json!(1), "create_refund", &args));
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    c.send(&tools_call(&json!(2), "create_refund", &args));
+    let second = c.answer(&json!(2), Duration::from_secs(2));
+    assert!(t.elapsed() < Duration::from_secs(1), "answered at once, not after the first call");
+    let m = model(&second);
+    assert_eq!(m["status"], "unknown", "{m}");
+    assert_eq!(m["error"]["code"], "IN_PROGRESS", "{m}");
+    assert_eq!(m["error"]["recovery"], "retry_after", "{m}");
+    assert!(m["error"]["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0), "{m}");
+    let status_ref = m["error"]["detail"]["status_ref"].as_str().expect("the status reference for the model");
+    assert!(status_ref.starts_with("sr1_"), "{m}");
+    assert_eq!(second["result"]["_meta"]["toolgate/status_ref"], status_ref, "{second}");
+    assert_eq!(second["result"]["isError"], true);
+    let first = model(&c.answer(&json!(1), Duration::from_secs(10)));
+    assert_eq!(first["status"], "succeeded", "{first}");
+    assert_eq!(slow.fx.server.effects(), 1);
+}
