@@ -435,6 +435,23 @@ async fn mcp(State(app): State<Arc<App>>, req: Request<Body>) -> Response {
         }
     }
     let delete = req.method() == axum::http::Method::DELETE;
+    // Every request with an id gets an answer by that id, before rmcp (which
+    // drops what it cannot read): the same screen as on stdio (src/mcp/wire.rs).
+    let req = if req.method() == axum::http::Method::POST && is_json(req.headers()) {
+        let (parts, body) = req.into_parts();
+        let bytes = match read_body(&parts.headers, body, false).await {
+            Ok(b) => b,
+            Err(refused) => return refused,
+        };
+        if let crate::mcp::wire::Screened::Answer(v) = crate::mcp::wire::screen(&bytes, true) {
+            // With an id, the answer to that request; without one, the body was unreadable.
+            let st = if v["id"].is_null() { StatusCode::BAD_REQUEST } else { StatusCode::OK };
+            return json_reply(st, &v);
+        }
+        Request::from_parts(parts, Body::from(bytes))
+    } else {
+        req
+    };
     let r = match app.mcp.clone().oneshot(req).await {
         Ok(r) => r.map(Body::new),
         Err(never) => match never {},

@@ -277,3 +277,182 @@ fn a_key_in_flight_elsewhere_is_in_progress_over_stdio() {
     assert_eq!(first["status"], "succeeded", "{first}");
     assert_eq!(slow.fx.server.effects(), 1);
 }
+
+/// A raw MCP session on `/mcp` of a `toolgate serve` child (ureq, no SDK).
+pub(crate) struct HttpSession {
+    http: ureq::Agent,
+    url: String,
+    token: String,
+    sid: Option<String>,
+}
+
+impl HttpSession {
+    /// A client that has not initialized yet.
+    pub(crate) fn new(url: &str, token: &str) -> Self {
+        let http: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build()
+            .into();
+        Self { http, url: format!("{url}/mcp"), token: token.to_string(), sid: None }
+    }
+
+    pub(crate) fn open(url: &str, token: &str) -> Self {
+        let mut s = Self::new(url, token);
+        let (st, msgs) = s.post(
+            json!({"jsonrpc": "2.0", "id": "init", "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}})
+            .to_string()
+            .as_bytes(),
+        );
+        assert_eq!(st, 200, "{msgs:?}");
+        assert!(s.sid.is_some(), "a session id");
+        let (st, _) = s.post(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}).to_string().as_bytes());
+        assert!(st == 202 || st == 200, "{st}");
+        s
+    }
+
+    /// POSTs `body`; the HTTP status and the JSON-RPC messages of the answer
+    /// (a JSON body, or the `data:` lines of an event stream).
+    pub(crate) fn post(&mut self, body: &[u8]) -> (u16, Vec<Value>) {
+        let mut r = self
+            .http
+            .post(&self.url)
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .header("mcp-protocol-version", "2025-06-18")
+            .header("authorization", &format!("Bearer {}", self.token));
+        if let Some(s) = &self.sid {
+            r = r.header("mcp-session-id", s);
+        }
+        let mut resp = r.send(body).unwrap();
+        if self.sid.is_none() {
+            self.sid = resp.headers().get("mcp-session-id").and_then(|v| v.to_str().ok()).map(str::to_string);
+        }
+        let text = resp.body_mut().read_to_string().unwrap_or_default();
+        let msgs = match serde_json::from_str::<Value>(&text) {
+            Ok(v) => vec![v],
+            Err(_) => text
+                .lines()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .filter_map(|d| serde_json::from_str::<Value>(d.trim()).ok())
+                .collect(),
+        };
+        (resp.status().as_u16(), msgs)
+    }
+
+    /// The answer to one request (by its id) among the messages of its POST.
+    pub(crate) fn request(&mut self, body: &Value) -> Value {
+        let (st, msgs) = self.post(body.to_string().as_bytes());
+        let id = &body["id"];
+        msgs.into_iter()
+            .find(|m| m.get("id") == Some(id) && m.get("method").is_none())
+            .unwrap_or_else(|| panic!("no answer to {id} ({st})"))
+    }
+}
+
+/// The malformed requests a harness sends (a model's broken output, an old
+/// client), each with the JSON-RPC error it must get, by its id.
+fn malformed() -> Vec<(&'static str, Vec<u8>, i64, Value)> {
+    let call = |id: &str, args: &str| {
+        format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"create_refund","arguments":{args}}}}}"#)
+            .into_bytes()
+    };
+    vec![
+        ("not JSON", br#"{"jsonrpc":"2.0","id":21,"method":"tools/ca"#.to_vec(), -32700, Value::Null),
+        ("jsonrpc 1.0", br#"{"jsonrpc":"1.0","id":22,"method":"tools/list"}"#.to_vec(), -32600, json!(22)),
+        (
+            "a lone surrogate in an argument",
+            call(
+                "23",
+                r#"{"order_ref":"ord_1001","amount_minor":100,"currency":"EUR","reason":"broken \ud800","idempotency_key":"mcp43-surrogate-01"}"#,
+            ),
+            -32602,
+            json!(23),
+        ),
+        (
+            "bytes that are not UTF-8",
+            {
+                let mut b = call(
+                    "\"u24\"",
+                    r#"{"order_ref":"ord_1001","amount_minor":100,"currency":"EUR","reason":"XX","idempotency_key":"mcp43-notutf8-01"}"#,
+                );
+                let at = b.windows(2).position(|w| w == b"XX").unwrap();
+                b[at] = 0xff;
+                b
+            },
+            -32602,
+            json!("u24"),
+        ),
+        ("arguments as an array", call("25", r#"["ord_1001", 100]"#), -32602, json!(25)),
+        (
+            "tools/call without a name",
+            br#"{"jsonrpc":"2.0","id":26,"method":"tools/call","params":{}}"#.to_vec(),
+            -32602,
+            json!(26),
+        ),
+    ]
+}
+
+/// §3, §4 over stdio: an initialize without a protocol version is refused
+/// by its id and the session lives on; every malformed request is answered
+/// by its id (-32700 with id null when none can be read); nothing of them
+/// reaches the ledger; JSON-RPC ids 10 and "10" are two calls.
+#[test]
+fn every_request_with_an_id_is_answered_over_stdio() {
+    let f = crate::support::Fixture::on(crate::support::Backend::Sqlite);
+    let created =
+        super::toolgate(f.path(), &["token", "create", "--tenant", "acme", "--subject", "agent_ana", "--json"]);
+    let mut c = Raw::start(f.path(), None, created["token"].as_str().unwrap(), &[]);
+    c.send(&json!({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}}));
+    let bad = c.answer(&json!(1), Duration::from_secs(10));
+    assert_eq!(bad["error"]["code"], -32602, "{bad}");
+    let init = c.initialize();
+    assert_eq!(init["result"]["serverInfo"]["name"], "toolgate", "the session survived: {init}");
+    for (what, line, code, id) in malformed() {
+        c.send_line(&line);
+        let a = c.try_answer(&id, Duration::from_secs(5)).unwrap_or_else(|| panic!("{what}: no answer"));
+        assert_eq!(a["error"]["code"], code, "{what}: {a}");
+    }
+    c.send(&json!({"jsonrpc": "2.0", "id": 30, "method": "tools/list"}));
+    let list = c.answer(&json!(30), Duration::from_secs(5));
+    assert!(list["result"]["tools"].as_array().is_some_and(|t| !t.is_empty()), "{list}");
+    assert_eq!(f.query_i64("SELECT count(*) FROM operations"), 0, "nothing malformed reached the ledger");
+    // §4: ids 10 and "10" are two requests, two calls.
+    for (id, key) in [(json!(10), "mcp43-id-number-10"), (json!("10"), "mcp43-id-string-10")] {
+        c.send(&tools_call(&id, "create_refund", &refund("ord_1002", 150, key)));
+        let m = model(&c.answer(&id, Duration::from_secs(10)));
+        assert_eq!(m["status"], "succeeded", "id {id}: {m}");
+    }
+    assert_eq!(f.query_i64("SELECT count(*) FROM operations"), 2);
+}
+
+/// §3 over streamable HTTP: the same malformed requests on `/mcp` are
+/// answered by their id (a parse error with id null is a 400), and an
+/// initialize without a protocol version is refused by its id.
+fn every_request_with_an_id_is_answered_over_http(backend: crate::support::Backend) {
+    use crate::serve::{agent_token, Server};
+    let f = crate::support::Fixture::on(backend);
+    let token = agent_token(f.path(), "acme", "agent_ana");
+    let server = Server::start(f.path(), &[]);
+    let mut s = HttpSession::open(&server.url, &token);
+    let mut fresh = HttpSession::new(&server.url, &token);
+    let bad = fresh.request(&json!({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}}));
+    assert_eq!(bad["error"]["code"], -32602, "{bad}");
+    for (what, body, code, id) in malformed() {
+        let (st, msgs) = s.post(&body);
+        let a = msgs
+            .iter()
+            .find(|m| m.get("id") == Some(&id))
+            .unwrap_or_else(|| panic!("{what}: no answer ({st}) {msgs:?}"));
+        assert_eq!(a["error"]["code"], code, "{what}: {a}");
+        assert_eq!(st, if id.is_null() { 400 } else { 200 }, "{what}");
+    }
+    let list = s.request(&json!({"jsonrpc": "2.0", "id": 30, "method": "tools/list"}));
+    assert!(list["result"]["tools"].as_array().is_some_and(|t| !t.is_empty()), "{list}");
+    assert_eq!(f.query_i64("SELECT count(*) FROM operations"), 0, "nothing malformed reached the ledger");
+}
+
+crate::on_both_backends!(every_request_with_an_id_is_answered_over_http);

@@ -24,6 +24,8 @@
 //! `OUTCOME_UNKNOWN` later (`status_ref`, `request_sha256`, the operation
 //! id); the model-facing content never does.
 
+pub(crate) mod wire;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -139,7 +141,9 @@ pub fn serve_stdio(db: &Path, token: &str, opts: StdioOptions) -> Result<(), Mcp
         .build()
         .map_err(|e| McpError::Runtime(e.to_string()))?;
     let served = rt.block_on(async move {
-        let running = gate.serve(rmcp::transport::stdio()).await.map_err(|e| McpError::Runtime(e.to_string()))?;
+        let stop = tokio_util::sync::CancellationToken::new();
+        let transport = wire::Stdio::start(stop.clone()).map_err(|e| McpError::Runtime(e.to_string()))?;
+        let running = gate.serve(transport).await.map_err(|e| McpError::Runtime(e.to_string()))?;
         running.waiting().await.map_err(|e| McpError::Runtime(e.to_string()))?;
         Ok::<_, McpError>(())
     });
