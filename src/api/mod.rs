@@ -127,6 +127,8 @@ struct App {
     pool: Arc<Pool>,
     /// The ledger is marked as a demo: `Toolgate-Fault` is honoured.
     demo: bool,
+    /// `/mcp`'s token checks and MCP cancellations: one engine of their own.
+    mcp_lane: Arc<Pool>,
     /// `/mcp`: MCP over streamable HTTP on the same engine pool.
     mcp: StreamableHttpService<crate::mcp::Gate, LocalSessionManager>,
     /// Ends every MCP session at shutdown (an open event stream would
@@ -217,7 +219,8 @@ pub fn serve_until(
         Arc::new(Pool::start(engines, opts.threads * QUEUE_PER_THREAD).map_err(|e| ServeError::Runtime(e.kind()))?);
     let mcp_stop = tokio_util::sync::CancellationToken::new();
     let mcp = crate::mcp::http_service(pool.clone(), lane.clone(), tools, demo, opts.public, mcp_stop.clone());
-    let app = Arc::new(App { pool, demo, mcp, mcp_stop, mcp_owners: std::sync::Mutex::default() });
+    let app =
+        Arc::new(App { pool, mcp_lane: lane.clone(), demo, mcp, mcp_stop, mcp_owners: std::sync::Mutex::default() });
     let (stop_worker, stopped) = std::sync::mpsc::channel::<()>();
     let run_worker = opts.worker;
     let worker = std::thread::Builder::new()
@@ -411,8 +414,11 @@ async fn one_of_each_identity_header(req: Request<Body>, next: axum::middleware:
 /// mid-session stops working at its next call.
 async fn mcp(State(app): State<Arc<App>>, req: Request<Body>) -> Response {
     use tower::ServiceExt as _;
-    let principal = match subject_of(&app, req.headers()).await {
-        Ok(p) => p,
+    // On the MCP lane's engine, not the calls' pool: a `notifications/cancelled`
+    // comes in a request of its own, and must not wait behind the calls it cancels.
+    let principal = match authenticate_on(&app.mcp_lane, req.headers()).await {
+        Ok(Principal::Subject { tenant, subject, .. }) => (tenant, subject),
+        Ok(Principal::Operator { .. }) => return refuse(status::SUBJECT_TOKEN_REQUIRED),
         Err(refused) => return refused,
     };
     // Faults only on a demo ledger, and only well-formed ones (as on the call endpoint).
@@ -564,7 +570,14 @@ async fn on_engine<T: Send + 'static>(
     app: &App,
     f: impl FnOnce(&mut Engine) -> T + Send + 'static,
 ) -> Result<T, Response> {
-    match app.pool.submit(f) {
+    on_pool(&app.pool, f).await
+}
+
+async fn on_pool<T: Send + 'static>(
+    pool: &Pool,
+    f: impl FnOnce(&mut Engine) -> T + Send + 'static,
+) -> Result<T, Response> {
+    match pool.submit(f) {
         Ok(answer) => answer.await.map_err(|_| refuse(status::INTERNAL)),
         Err(Refused::Busy | Refused::Closed) => Err(refuse(status::SERVER_BUSY)),
     }
@@ -572,8 +585,12 @@ async fn on_engine<T: Send + 'static>(
 
 /// Resolves the request's token, before anything else.
 async fn authenticate(app: &App, headers: &HeaderMap) -> Result<Principal, Response> {
+    authenticate_on(&app.pool, headers).await
+}
+
+async fn authenticate_on(pool: &Pool, headers: &HeaderMap) -> Result<Principal, Response> {
     let header = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes().to_vec());
-    match on_engine(app, move |e| e.authenticate(header.as_deref())).await? {
+    match on_pool(pool, move |e| e.authenticate(header.as_deref())).await? {
         Ok(Ok(p)) => Ok(p),
         Ok(Err(f)) => Err(unauthorized(f)),
         Err(e) => Err(engine_failure(&e)),

@@ -284,6 +284,8 @@ pub(crate) struct HttpSession {
     url: String,
     token: String,
     sid: Option<String>,
+    /// A `Toolgate-Fault` header for every request (a demo ledger's).
+    fault: Option<String>,
 }
 
 impl HttpSession {
@@ -294,7 +296,7 @@ impl HttpSession {
             .timeout_global(Some(Duration::from_secs(30)))
             .build()
             .into();
-        Self { http, url: format!("{url}/mcp"), token: token.to_string(), sid: None }
+        Self { http, url: format!("{url}/mcp"), token: token.to_string(), sid: None, fault: None }
     }
 
     pub(crate) fn open(url: &str, token: &str) -> Self {
@@ -315,6 +317,15 @@ impl HttpSession {
     /// POSTs `body`; the HTTP status and the JSON-RPC messages of the answer
     /// (a JSON body, or the `data:` lines of an event stream).
     pub(crate) fn post(&mut self, body: &[u8]) -> (u16, Vec<Value>) {
+        let (st, sid, msgs) = self.exchange(body);
+        if self.sid.is_none() {
+            self.sid = sid;
+        }
+        (st, msgs)
+    }
+
+    /// [`HttpSession::post`] on a shared session (from several threads).
+    pub(crate) fn exchange(&self, body: &[u8]) -> (u16, Option<String>, Vec<Value>) {
         let mut r = self
             .http
             .post(&self.url)
@@ -325,10 +336,11 @@ impl HttpSession {
         if let Some(s) = &self.sid {
             r = r.header("mcp-session-id", s);
         }
-        let mut resp = r.send(body).unwrap();
-        if self.sid.is_none() {
-            self.sid = resp.headers().get("mcp-session-id").and_then(|v| v.to_str().ok()).map(str::to_string);
+        if let Some(f) = &self.fault {
+            r = r.header("toolgate-fault", f);
         }
+        let mut resp = r.send(body).unwrap();
+        let sid = resp.headers().get("mcp-session-id").and_then(|v| v.to_str().ok()).map(str::to_string);
         let text = resp.body_mut().read_to_string().unwrap_or_default();
         let msgs = match serde_json::from_str::<Value>(&text) {
             Ok(v) => vec![v],
@@ -338,12 +350,12 @@ impl HttpSession {
                 .filter_map(|d| serde_json::from_str::<Value>(d.trim()).ok())
                 .collect(),
         };
-        (resp.status().as_u16(), msgs)
+        (resp.status().as_u16(), sid, msgs)
     }
 
     /// The answer to one request (by its id) among the messages of its POST.
-    pub(crate) fn request(&mut self, body: &Value) -> Value {
-        let (st, msgs) = self.post(body.to_string().as_bytes());
+    pub(crate) fn request(&self, body: &Value) -> Value {
+        let (st, _, msgs) = self.exchange(body.to_string().as_bytes());
         let id = &body["id"];
         msgs.into_iter()
             .find(|m| m.get("id") == Some(id) && m.get("method").is_none())
@@ -437,7 +449,7 @@ fn every_request_with_an_id_is_answered_over_http(backend: crate::support::Backe
     let token = agent_token(f.path(), "acme", "agent_ana");
     let server = Server::start(f.path(), &[]);
     let mut s = HttpSession::open(&server.url, &token);
-    let mut fresh = HttpSession::new(&server.url, &token);
+    let fresh = HttpSession::new(&server.url, &token);
     let bad = fresh.request(&json!({"jsonrpc": "2.0", "id": 1, "method": "initialize",
         "params": {"capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}}));
     assert_eq!(bad["error"]["code"], -32602, "{bad}");
@@ -456,3 +468,121 @@ fn every_request_with_an_id_is_answered_over_http(backend: crate::support::Backe
 }
 
 crate::on_both_backends!(every_request_with_an_id_is_answered_over_http);
+
+/// §1 and §2 over streamable HTTP (`toolgate serve --threads 2`, a demo
+/// ledger whose calls take 3 s by their `Toolgate-Fault` header): six calls
+/// in one session, the sixth cancelled while queued ends `CANCELLED` at once
+/// with the client's operator-log entry and no effect; a second call with a
+/// key in flight is `IN_PROGRESS` (status reference in the model's text),
+/// and on the HTTP API the same is a 409 `IN_PROGRESS` with Retry-After.
+fn cancel_and_in_progress_over_http(backend: crate::support::Backend) {
+    use crate::serve::{agent_token, Server};
+    let f = crate::support::Fixture::on(backend);
+    f.engine().mark_demo(crate::support::T0).unwrap();
+    let token = agent_token(f.path(), "acme", "agent_ana");
+    let server = Server::start(f.path(), &[]);
+    let mut s = HttpSession::open(&server.url, &token);
+    s.fault = Some("latency(3000)".into());
+    let op = |key: &str| {
+        f.query_text(&format!("SELECT state || ':' || coalesce(code, '') FROM operations WHERE idem_key = '{key}'"))
+    };
+    let key = |i: i64| format!("mcp43-hcancel-{i:04}");
+    let victim = std::thread::scope(|scope| {
+        let calls: Vec<_> = (1..=6)
+            .map(|i| {
+                let (s, key) = (&s, key(i));
+                let h = scope.spawn(move || {
+                    let (_, _, msgs) = s.exchange(
+                        tools_call(&json!(i), "create_refund", &refund("ord_1002", 100 + i, &key))
+                            .to_string()
+                            .as_bytes(),
+                    );
+                    msgs
+                });
+                std::thread::sleep(Duration::from_millis(50));
+                h
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(500));
+        // Two engines, six calls of 3 s: four wait. Which ones is the HTTP
+        // server's business (the requests race); cancel one still waiting.
+        let victim: i64 = (1..=6).rev().find(|&i| op(&key(i)).is_none()).expect("a call still queued");
+        let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+            "params": {"requestId": victim, "reason": "gave up"}});
+        let (st, _, _) = s.exchange(cancel.to_string().as_bytes());
+        assert!(st < 300, "{st}");
+        let took = within(Duration::from_millis(1500), "the queued call cancelled", || {
+            op(&key(victim)).as_deref() == Some("failed:CANCELLED")
+        });
+        eprintln!("HTTP: cancel of a queued call applied {took:?} after the notification");
+
+        for (i, h) in (1..=6).zip(calls) {
+            let msgs = h.join().unwrap();
+            if i != victim {
+                let a = msgs
+                    .iter()
+                    .find(|m| m.get("id") == Some(&json!(i)))
+                    .unwrap_or_else(|| panic!("call {i}: {msgs:?}"));
+                assert_eq!(model(a)["status"], "succeeded", "{a}");
+            }
+        }
+        victim
+    });
+    std::thread::scope(|scope| {
+        // §2: a call with a key in flight elsewhere.
+        let args = refund("ord_1002", 990, "mcp43-hinprogress-1");
+        let first = {
+            let (s, args) = (&s, args.clone());
+            scope.spawn(move || s.request(&tools_call(&json!(40), "create_refund", &args)))
+        };
+        within(Duration::from_secs(5), "the first call in flight", || op("mcp43-hinprogress-1").is_some());
+        let second = s.request(&tools_call(&json!(41), "create_refund", &args));
+        let m = model(&second);
+        assert_eq!(m["error"]["code"], "IN_PROGRESS", "{m}");
+        assert!(m["error"]["detail"]["status_ref"].as_str().is_some_and(|r| r.starts_with("sr1_")), "{m}");
+        assert_eq!(second["result"]["_meta"]["toolgate/status_ref"], m["error"]["detail"]["status_ref"]);
+        assert_eq!(model(&first.join().unwrap())["status"], "succeeded");
+    });
+    assert_eq!(op(&key(victim)).as_deref(), Some("failed:CANCELLED"));
+    let cancelled = f.query_i64(&format!(
+        "SELECT count(*) FROM audit_log a JOIN operations o ON o.id = a.operation_id \
+         WHERE o.idem_key = '{}' AND a.action = 'cancel' AND a.actor = 'mcp-client' AND a.result = 'applied'",
+        key(victim)
+    ));
+    assert_eq!(cancelled, 1, "the client's cancellation in the operator log");
+    assert_eq!(
+        f.engine().counts().unwrap().downstream_effects,
+        6,
+        "five calls and the in-progress one; none for the cancelled"
+    );
+
+    // The HTTP API: the same key while its first request runs is a 409 IN_PROGRESS.
+    let http: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let post = |key: &str| {
+        let mut resp = http
+            .post(&format!("{}/v1/tools/create_refund/calls", server.url))
+            .header("content-type", "application/json")
+            .header("authorization", &format!("Bearer {token}"))
+            .header("idempotency-key", key)
+            .header("toolgate-fault", "latency(2000)")
+            .send(r#"{"order_ref":"ord_1002","amount_minor":777,"currency":"EUR","reason":"damaged"}"#)
+            .unwrap();
+        let retry = resp.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
+        (
+            resp.status().as_u16(),
+            retry,
+            serde_json::from_str::<Value>(&resp.body_mut().read_to_string().unwrap()).unwrap(),
+        )
+    };
+    std::thread::scope(|scope| {
+        let first = scope.spawn(|| post("api43-inprogress-1"));
+        within(Duration::from_secs(5), "the API call in flight", || op("api43-inprogress-1").is_some());
+        let (st, retry, body) = post("api43-inprogress-1");
+        assert_eq!(st, 409, "{body}");
+        assert_eq!(body["model_result"]["error"]["code"], "IN_PROGRESS", "{body}");
+        assert!(retry.is_some(), "a Retry-After");
+        assert_eq!(first.join().unwrap().0, 200);
+    });
+}
+
+crate::on_both_backends!(cancel_and_in_progress_over_http);
