@@ -114,7 +114,7 @@ pub enum Command {
         /// cancellation has an engine of its own and never waits behind them.
         #[arg(long, default_value_t = 2)]
         concurrency: usize,
-        /// Calls that may wait for a free engine (0 to 4096); beyond it a call
+        /// Calls that may wait for a free engine (1 to 4096); beyond it a call
         /// is answered SERVER_BUSY at once.
         #[arg(long, default_value_t = 64)]
         queue: usize,
@@ -942,8 +942,10 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Serve(a) => serve_command(cli, a),
         Command::Mcp { token, concurrency, queue } => {
             refuse_read_only(cli)?;
-            if !(1..=64).contains(concurrency) || *queue > 4096 {
-                return Err(CliError::new("USAGE", "--concurrency must be 1 to 64 and --queue 0 to 4096"));
+            // A queue of 0 would refuse a call whenever no engine happens to be
+            // waiting at that instant, even between two calls of a calm session.
+            if !(1..=64).contains(concurrency) || !(1..=4096).contains(queue) {
+                return Err(CliError::new("USAGE", "--concurrency must be 1 to 64 and --queue 1 to 4096"));
             }
             let path = db_path(cli)?;
             let opts = crate::mcp::StdioOptions {

@@ -202,6 +202,9 @@ pub struct Contract {
     pub retention_ms: u64,
     /// The input schema as written (the MCP server lists it).
     pub input_schema: Value,
+    /// The output schema as written (the MCP server lists it inside its
+    /// result's schema).
+    pub output_schema: Value,
     input: jsonschema::Validator,
     output: jsonschema::Validator,
 }
@@ -422,6 +425,7 @@ impl Contracts {
                 result_echoes: c.result_echoes,
                 retention_ms: c.retention_ms,
                 input_schema: c.input_schema,
+                output_schema: c.output_schema,
                 input,
                 output,
             });

@@ -229,7 +229,63 @@ fn mcp_tool(c: &Contract) -> Tool {
     };
     let mut tool = Tool::new(c.name.clone(), description, Arc::new(schema));
     tool.annotations = Some(annotations);
+    tool.output_schema = Some(Arc::new(result_schema(Some(&c.output_schema))));
     tool
+}
+
+/// The schema of a call's structured content: the model result, whose
+/// `data` on a success (not a person's resolution) is the contract's output
+/// (`output`; any object when `None`: the status query answers for any tool).
+/// Every result, refusals of the server's own included, has this shape.
+fn result_schema(output: Option<&Value>) -> JsonObject {
+    let recoveries = [
+        "correct_input",
+        "none",
+        "request_authorization",
+        "human_review",
+        "request_approval",
+        "retry_after",
+        "query_status",
+    ];
+    let error = json!({
+        "type": "object",
+        "required": ["code", "category", "recovery", "retryable", "message"],
+        "additionalProperties": false,
+        "properties": {
+            "code": {"type": "string"},
+            "category": {"type": "string"},
+            "recovery": {"enum": recoveries},
+            "retryable": {"type": "boolean"},
+            "retry_after_ms": {"type": ["integer", "null"], "minimum": 0},
+            "message": {"type": "string"},
+            "detail": {},
+        },
+    });
+    let schema = json!({
+        "type": "object",
+        "required": ["status", "data", "error", "execution"],
+        "additionalProperties": false,
+        "properties": {
+            "status": {"enum": ["succeeded", "failed", "unknown"]},
+            "data": {"type": ["object", "null"]},
+            "error": {"anyOf": [{"type": "null"}, error]},
+            "execution": {
+                "type": "object",
+                "required": ["outcome", "delivery"],
+                "additionalProperties": false,
+                "properties": {
+                    "outcome": {"enum": ["committed", "not_started", "unknown"]},
+                    "delivery": {"enum": ["fresh", "local_replay", "receipt_reconciled", "human_resolved"]},
+                },
+            },
+        },
+        "if": {"properties": {
+            "status": {"const": "succeeded"},
+            "execution": {"properties": {"delivery": {"not": {"const": "human_resolved"}}}},
+        }},
+        "then": {"properties": {"data": output.cloned().unwrap_or_else(|| json!({"type": "object"}))}},
+    });
+    schema.as_object().cloned().unwrap_or_default()
 }
 
 const KEY_DESCRIPTION: &str =
@@ -256,6 +312,7 @@ fn query_tool() -> Tool {
         Arc::new(schema),
     );
     tool.annotations = Some(ToolAnnotations::new().read_only(true));
+    tool.output_schema = Some(Arc::new(result_schema(None)));
     tool
 }
 

@@ -125,6 +125,89 @@ pub(crate) fn model(answer: &Value) -> Value {
     structured
 }
 
+/// Each tool's advertised `outputSchema`, compiled (§5).
+pub(crate) struct Schemas(std::collections::HashMap<String, jsonschema::Validator>);
+
+impl Schemas {
+    /// From a `tools/list` answer; every tool must advertise one.
+    pub(crate) fn of(list: &Value) -> Self {
+        let tools = list["result"]["tools"].as_array().unwrap_or_else(|| panic!("a tools/list answer: {list}"));
+        Self(
+            tools
+                .iter()
+                .map(|t| {
+                    let name = t["name"].as_str().unwrap().to_string();
+                    let schema = t.get("outputSchema").unwrap_or_else(|| panic!("{name} advertises no outputSchema"));
+                    (name, jsonschema::validator_for(schema).unwrap())
+                })
+                .collect(),
+        )
+    }
+
+    /// The model result of `answer` (a `tools/call` of `tool`), checked against the tool's outputSchema.
+    pub(crate) fn model(&self, tool: &str, answer: &Value) -> Value {
+        let m = model(answer);
+        let v = self.0.get(tool).unwrap_or_else(|| panic!("no tool {tool}"));
+        let errors: Vec<String> = v.iter_errors(&m).map(|e| format!("{} at {}", e, e.instance_path())).collect();
+        assert!(errors.is_empty(), "{tool}: structuredContent breaks its outputSchema: {errors:?}\n{m:#}");
+        m
+    }
+}
+
+impl Raw {
+    pub(crate) fn schemas(&mut self) -> Schemas {
+        self.send(&json!({"jsonrpc": "2.0", "id": "list", "method": "tools/list"}));
+        Schemas::of(&self.answer(&json!("list"), Duration::from_secs(10)))
+    }
+}
+
+/// §5 over stdio: every tool advertises an outputSchema, and the structured
+/// content of each kind of result (success, replay, conflicts, refusals,
+/// reads, the status query, the server's own SERVER_BUSY) matches it.
+#[test]
+fn structured_content_matches_the_advertised_output_schema_over_stdio() {
+    let f = crate::support::Fixture::on(crate::support::Backend::Sqlite);
+    let created =
+        super::toolgate(f.path(), &["token", "create", "--tenant", "acme", "--subject", "agent_ana", "--json"]);
+    let mut c = Raw::start(f.path(), None, created["token"].as_str().unwrap(), &["--concurrency", "1"]);
+    c.initialize();
+    let schemas = c.schemas();
+    let mut id = 100;
+    let mut call = |c: &mut Raw, tool: &str, args: Value| {
+        id += 1;
+        c.send(&tools_call(&json!(id), tool, &args));
+        schemas.model(tool, &c.answer(&json!(id), Duration::from_secs(10)))
+    };
+    let ok = call(&mut c, "create_refund", refund("ord_1001", 1000, "mcp43-schema-0001"));
+    assert_eq!(ok["status"], "succeeded", "{ok}");
+    let codes = [
+        ("create_refund", refund("ord_1001", 1000, "mcp43-schema-0001"), None),
+        ("create_refund", refund("ord_1001", 1200, "mcp43-schema-0001"), Some("IDEMPOTENCY_CONFLICT")),
+        (
+            "create_refund",
+            json!({"order_ref": "ord_1001", "amount_minor": 5, "currency": "EUR", "reason": "damaged"}),
+            Some("IDEMPOTENCY_KEY_REQUIRED"),
+        ),
+        ("create_refund", refund("ord_1001", -5, "mcp43-schema-0002"), Some("INVALID_ARGUMENTS")),
+        ("create_refund", refund("ord_1003", 5, "mcp43-schema-0003"), Some("BUSINESS_RULE_VIOLATION")),
+        ("get_order", json!({"order_ref": "ord_1001"}), None),
+        ("get_order", json!({"order_ref": "ord_9999"}), Some("NOT_FOUND")),
+        (
+            "query_operation_status",
+            json!({"status_ref": "sr1_forged", "expected_request_sha256": "0".repeat(64)}),
+            Some(""),
+        ),
+    ];
+    for (tool, args, code) in codes {
+        let m = call(&mut c, tool, args);
+        match code {
+            None => assert_eq!(m["status"], "succeeded", "{tool}: {m}"),
+            Some("") => assert!(m["error"]["code"].is_string(), "{tool}: {m}"),
+            Some(code) => assert_eq!(m["error"]["code"], code, "{tool}: {m}"),
+        }
+    }
+}
+
 /// A ledger whose tools run behind a provider that answers each request
 /// after `latency_ms` (attempt timeout 10 s), and an agent's token.
 pub(crate) struct Slow {
@@ -236,13 +319,14 @@ fn a_cancel_of_a_queued_call_wins_at_once_over_stdio() {
 fn a_full_session_queue_is_server_busy_over_stdio() {
     let slow = Slow::new(1500, 4);
     let mut c = slow.mcp(&["--concurrency", "1", "--queue", "1"]);
+    let schemas = c.schemas();
     for i in 1..=2 {
         c.send(&tools_call(&json!(i), "create_refund", &refund("ord_1002", 100 + i, &format!("mcp43-busy-{i:04}"))));
     }
     std::thread::sleep(Duration::from_millis(300));
     let t = Instant::now();
     c.send(&tools_call(&json!(3), "create_refund", &refund("ord_1002", 103, "mcp43-busy-0003")));
-    let busy = model(&c.answer(&json!(3), Duration::from_secs(1)));
+    let busy = schemas.model("create_refund", &c.answer(&json!(3), Duration::from_secs(1)));
     assert!(t.elapsed() < Duration::from_secs(1));
     assert_eq!(busy["error"]["code"], "SERVER_BUSY", "{busy}");
     for i in 1..=2 {
@@ -257,6 +341,7 @@ fn a_full_session_queue_is_server_busy_over_stdio() {
 fn a_key_in_flight_elsewhere_is_in_progress_over_stdio() {
     let slow = Slow::new(2500, 4);
     let mut c = slow.mcp(&["--concurrency", "2"]);
+    let schemas = c.schemas();
     let args = refund("ord_1002", 700, "mcp43-inprogress-01");
     c.send(&tools_call(&json!(1), "create_refund", &args));
     std::thread::sleep(Duration::from_millis(500));
@@ -264,7 +349,7 @@ fn a_key_in_flight_elsewhere_is_in_progress_over_stdio() {
     c.send(&tools_call(&json!(2), "create_refund", &args));
     let second = c.answer(&json!(2), Duration::from_secs(2));
     assert!(t.elapsed() < Duration::from_secs(1), "answered at once, not after the first call");
-    let m = model(&second);
+    let m = schemas.model("create_refund", &second);
     assert_eq!(m["status"], "unknown", "{m}");
     assert_eq!(m["error"]["code"], "IN_PROGRESS", "{m}");
     assert_eq!(m["error"]["recovery"], "retry_after", "{m}");
@@ -273,7 +358,7 @@ fn a_key_in_flight_elsewhere_is_in_progress_over_stdio() {
     assert!(status_ref.starts_with("sr1_"), "{m}");
     assert_eq!(second["result"]["_meta"]["toolgate/status_ref"], status_ref, "{second}");
     assert_eq!(second["result"]["isError"], true);
-    let first = model(&c.answer(&json!(1), Duration::from_secs(10)));
+    let first = schemas.model("create_refund", &c.answer(&json!(1), Duration::from_secs(10)));
     assert_eq!(first["status"], "succeeded", "{first}");
     assert_eq!(slow.fx.server.effects(), 1);
 }
@@ -482,6 +567,7 @@ fn cancel_and_in_progress_over_http(backend: crate::support::Backend) {
     let token = agent_token(f.path(), "acme", "agent_ana");
     let server = Server::start(f.path(), &[]);
     let mut s = HttpSession::open(&server.url, &token);
+    let schemas = Schemas::of(&s.request(&json!({"jsonrpc": "2.0", "id": "list", "method": "tools/list"})));
     s.fault = Some("latency(3000)".into());
     let op = |key: &str| {
         f.query_text(&format!("SELECT state || ':' || coalesce(code, '') FROM operations WHERE idem_key = '{key}'"))
@@ -537,7 +623,7 @@ fn cancel_and_in_progress_over_http(backend: crate::support::Backend) {
         };
         within(Duration::from_secs(5), "the first call in flight", || op("mcp43-hinprogress-1").is_some());
         let second = s.request(&tools_call(&json!(41), "create_refund", &args));
-        let m = model(&second);
+        let m = schemas.model("create_refund", &second);
         assert_eq!(m["error"]["code"], "IN_PROGRESS", "{m}");
         assert!(m["error"]["detail"]["status_ref"].as_str().is_some_and(|r| r.starts_with("sr1_")), "{m}");
         assert_eq!(second["result"]["_meta"]["toolgate/status_ref"], m["error"]["detail"]["status_ref"]);
