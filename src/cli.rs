@@ -118,6 +118,11 @@ pub enum Command {
         /// is answered SERVER_BUSY at once.
         #[arg(long, default_value_t = 64)]
         queue: usize,
+        /// At SIGTERM, SIGINT or the end of input: how long (ms, up to 60000)
+        /// calls in flight may run on before they are detached (moved out of
+        /// in_flight: cancelled before send, or to the unknown queue).
+        #[arg(long, default_value_t = 3000)]
+        grace_ms: u64,
     },
     /// Create a database and load a world file (the demo world by default).
     Init {
@@ -940,18 +945,22 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Cancel(a) => cancel_command(cli, a),
         Command::Token { what } => token_command(cli, what),
         Command::Serve(a) => serve_command(cli, a),
-        Command::Mcp { token, concurrency, queue } => {
+        Command::Mcp { token, concurrency, queue, grace_ms } => {
             refuse_read_only(cli)?;
             // A queue of 0 would refuse a call whenever no engine happens to be
             // waiting at that instant, even between two calls of a calm session.
-            if !(1..=64).contains(concurrency) || !(1..=4096).contains(queue) {
-                return Err(CliError::new("USAGE", "--concurrency must be 1 to 64 and --queue 1 to 4096"));
+            if !(1..=64).contains(concurrency) || !(1..=4096).contains(queue) || *grace_ms > 60_000 {
+                return Err(CliError::new(
+                    "USAGE",
+                    "--concurrency must be 1 to 64, --queue 1 to 4096, --grace-ms at most 60000",
+                ));
             }
             let path = db_path(cli)?;
             let opts = crate::mcp::StdioOptions {
                 workers: (0..*concurrency).map(|_| engine_options(cli)).collect::<Result<_, _>>()?,
                 lane: engine_options(cli)?,
                 queue: *queue,
+                grace: std::time::Duration::from_millis(*grace_ms),
             };
             // Diagnostics go to `<db>.log`: standard output is the protocol.
             crate::telemetry::logging::init_for_db(path);

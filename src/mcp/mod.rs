@@ -31,6 +31,8 @@ use std::sync::Arc;
 
 use std::time::Duration;
 
+use tokio::signal::unix::{signal, SignalKind};
+
 use axum::http::request::Parts;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, JsonObject, ListToolsResult, MetaObject,
@@ -51,6 +53,11 @@ use crate::engine::projection::QUERY_STATUS_TOOL;
 use crate::engine::tokens::Principal;
 use crate::engine::{CancelSignal, DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest};
 
+/// `/mcp` inside `serve`: the grace of a call in flight at shutdown (within
+/// the server's drain timeout).
+const HTTP_GRACE: Duration = Duration::from_secs(3);
+/// Who the operator log names when a stopping server detaches a call.
+const DETACHED_BY: &str = "mcp-shutdown";
 /// Cancellations that may wait for the cancellation lane's engine.
 pub(crate) const LANE_QUEUE: usize = 256;
 /// How often a call in flight reports progress.
@@ -103,6 +110,9 @@ pub struct StdioOptions {
     pub lane: EngineOptions,
     /// Calls that may wait for a free engine; more are `SERVER_BUSY`.
     pub queue: usize,
+    /// At a shutdown, how long a call in flight may take to reach its next
+    /// durable step before it is detached (see [`Gate::stop`]).
+    pub grace: Duration,
 }
 
 /// Serves MCP on standard input and output until the client closes it. The
@@ -110,7 +120,7 @@ pub struct StdioOptions {
 /// at every call.
 pub fn serve_stdio(db: &Path, token: &str, opts: StdioOptions) -> Result<(), McpError> {
     let authorization = format!("Bearer {token}").into_bytes();
-    let StdioOptions { workers, lane, queue } = opts;
+    let StdioOptions { workers, lane, queue, grace } = opts;
     let runtime = |e: std::io::Error| McpError::Runtime(e.to_string());
     // Opened here, on a plain thread, before any runtime exists.
     let mut engines = Vec::with_capacity(workers.len());
@@ -134,22 +144,57 @@ pub fn serve_stdio(db: &Path, token: &str, opts: StdioOptions) -> Result<(), Mcp
         auth: Auth::Fixed(Arc::new(authorization)),
         demo: false,
         session,
+        shutdown: tokio_util::sync::CancellationToken::new(),
+        grace,
     };
     let (pool, lane) = (gate.pool.clone(), gate.lane.clone());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| McpError::Runtime(e.to_string()))?;
+    let stop = gate.shutdown.clone();
+    let queued = pool.clone();
     let served = rt.block_on(async move {
-        let stop = tokio_util::sync::CancellationToken::new();
-        let transport = wire::Stdio::start(stop.clone()).map_err(|e| McpError::Runtime(e.to_string()))?;
-        let running = gate.serve(transport).await.map_err(|e| McpError::Runtime(e.to_string()))?;
-        running.waiting().await.map_err(|e| McpError::Runtime(e.to_string()))?;
+        let runtime = |e: &dyn std::fmt::Display| McpError::Runtime(e.to_string());
+        // SIGTERM or SIGINT (a harness stopping its server: the Python SDK
+        // closes stdin, then sends SIGTERM 2 s later) is a shutdown, as the end
+        // of input is: stop reading, let calls in flight reach their next
+        // durable step within the grace period, start nothing queued.
+        let mut term = signal(SignalKind::terminate()).map_err(|e| runtime(&e))?;
+        let mut int = signal(SignalKind::interrupt()).map_err(|e| runtime(&e))?;
+        tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                tokio::select! {
+                    _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+                    _ = int.recv() => tracing::info!("SIGINT: stopping"),
+                    () = stop.cancelled() => {}
+                }
+                stop.cancel();
+            }
+        });
+        tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                stop.cancelled().await;
+                queued.discard_queued();
+            }
+        });
+        let transport = wire::Stdio::start(stop.clone()).map_err(|e| runtime(&e))?;
+        let running = match gate.serve(transport).await {
+            Ok(r) => r,
+            // Stopped before the client initialized: nothing to serve.
+            Err(_) if stop.is_cancelled() => return Ok(()),
+            Err(e) => return Err(runtime(&e)),
+        };
+        running.waiting().await.map_err(|e| runtime(&e))?;
         Ok::<_, McpError>(())
     });
-    drop(rt);
-    pool.close();
-    lane.close();
+    rt.shutdown_timeout(Duration::from_millis(500));
+    // The handlers waited out the grace period and detached what still ran:
+    // whatever a thread is still doing is recorded already.
+    pool.close_within(Duration::from_millis(250));
+    lane.close_within(Duration::from_millis(250));
     served
 }
 
@@ -175,7 +220,7 @@ pub(crate) fn http_service(
     ct: tokio_util::sync::CancellationToken,
 ) -> StreamableHttpService<Gate, LocalSessionManager> {
     let mut config = StreamableHttpServerConfig::default()
-        .with_cancellation_token(ct)
+        .with_cancellation_token(ct.clone())
         .with_max_request_body_bytes(crate::api::MAX_BODY_BYTES);
     if public {
         config = config.disable_allowed_hosts();
@@ -188,6 +233,8 @@ pub(crate) fn http_service(
             auth: Auth::PerRequest,
             demo,
             session: crate::engine::ids::Ids::default().id("mcph"),
+            shutdown: ct.clone(),
+            grace: HTTP_GRACE,
         })
     };
     StreamableHttpService::new(factory, Arc::new(LocalSessionManager::default()), config)
@@ -340,6 +387,12 @@ pub(crate) struct Gate {
     demo: bool,
     /// The call identity's `response_id` when the transport has no session id.
     session: String,
+    /// The server is stopping (stdio: a signal or the end of input; HTTP:
+    /// `serve`'s shutdown): a call's request ending now is not its client's
+    /// cancellation.
+    shutdown: tokio_util::sync::CancellationToken,
+    /// How long a call in flight may run on once the server is stopping.
+    grace: Duration,
 }
 
 /// A failure of the server's own (a refused token, a busy engine), in the
@@ -534,6 +587,7 @@ impl Gate {
         let answered = loop {
             tokio::select! {
                 a = &mut answer => break Some(a),
+                () = self.shutdown.cancelled() => break None,
                 () = ctx.ct.cancelled() => break None,
                 _ = tick.tick(), if progress.is_some() => {
                     if let Some(token) = progress.clone() {
@@ -546,6 +600,9 @@ impl Gate {
             }
         };
         let Some(answered) = answered else {
+            if self.shutdown.is_cancelled() {
+                return self.stop(prepared, answer).await;
+            }
             return self.cancel(&signal, prepared, answer).await;
         };
         match answered {
@@ -626,6 +683,50 @@ impl Gate {
                 return self.finish(answer).await;
             }
         }
+    }
+
+    /// The server is stopping while this call runs: its answer if it comes
+    /// within the grace period (a call still queued is never started: the
+    /// pool drops it); else the call is detached: its operation leaves
+    /// `in_flight` now, through the cancellation path (before send:
+    /// `CANCELLED`; after send: the unknown queue, settled by a status query),
+    /// recorded in the operator log under `mcp-shutdown`, so nothing is left
+    /// in flight for a lease expiry and a reap to find.
+    async fn stop(
+        &self,
+        prepared: Arc<Prepared>,
+        mut answer: tokio::sync::oneshot::Receiver<Result<CallToolResult, EngineError>>,
+    ) -> CallToolResult {
+        let nothing_done = || {
+            let c = crate::api::status::SERVER_BUSY;
+            refusal(c.code, c.category, c.recovery, c.message)
+        };
+        match tokio::time::timeout(self.grace, &mut answer).await {
+            Ok(Ok(Ok(r))) => return r,
+            Ok(Ok(Err(e))) => return environment(&e),
+            Ok(Err(_)) => return nothing_done(),
+            Err(_) => {}
+        }
+        let Some(key) = prepared.key.clone().filter(|_| prepared.name != QUERY_STATUS_TOOL) else {
+            return nothing_done();
+        };
+        let (authorization, tool) = (prepared.authorization.clone(), prepared.name.clone());
+        let job = move |e: &mut Engine| -> Result<Option<String>, EngineError> {
+            let Ok(Principal::Subject { tenant, subject, .. }) = e.authenticate(Some(&authorization))? else {
+                return Ok(None);
+            };
+            let note = "the MCP server stopped (a signal or the end of its input) before the call finished";
+            Ok(e.cancel_own_call(&tenant, &subject, &tool, &key, DETACHED_BY, note)?.map(|o| o.code))
+        };
+        let detached = match self.lane.submit(job) {
+            Ok(rx) => rx.await.ok(),
+            Err(_) => None,
+        };
+        tracing::warn!(?detached, "MCP call detached at shutdown");
+        let c = crate::engine::envelope::Code::OutcomeUnknown;
+        let (category, _, _) = c.catalog();
+        let env = crate::api::status::envelope_json(c.as_str(), category, "query_status", c.message(), None, true);
+        CallToolResult::structured_error(env["model_result"].clone())
     }
 
     /// The call's own answer, whenever the engine gives it.

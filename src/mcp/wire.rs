@@ -197,7 +197,8 @@ pub(crate) fn screen(raw: &[u8], initialized: bool) -> Screened {
 /// MCP over standard input and output, with [`screen`] in front of rmcp.
 /// Standard input is read on a plain thread of its own (a read of Tokio's
 /// stdin cannot be cancelled, and would hold the runtime's shutdown until the
-/// client writes or closes); `stop` ends the session as end of input does.
+/// client writes or closes); `stop` ends the session as end of input does,
+/// and the end of input cancels `stop`.
 pub(crate) struct Stdio {
     incoming: tokio::sync::mpsc::Receiver<ClientJsonRpcMessage>,
     outgoing: tokio::sync::mpsc::UnboundedSender<Vec<u8>>,
@@ -272,10 +273,15 @@ impl Transport<RoleServer> for Stdio {
     }
 
     async fn receive(&mut self) -> Option<RxJsonRpcMessage<RoleServer>> {
-        tokio::select! {
+        let m = tokio::select! {
             m = self.incoming.recv() => m,
             () = self.stop.cancelled() => None,
+        };
+        if m.is_none() {
+            // The end of input is a shutdown too (the calls in flight get their grace).
+            self.stop.cancel();
         }
+        m
     }
 
     async fn close(&mut self) -> Result<(), Self::Error> {

@@ -100,6 +100,31 @@ impl Raw {
     }
 }
 
+impl Raw {
+    /// Sends SIGTERM.
+    pub(crate) fn terminate(&self) {
+        let ok = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        assert!(ok.success());
+    }
+
+    /// Closes standard input (what a harness does first when it stops a server).
+    pub(crate) fn close_stdin(&mut self) {
+        self.stdin.take();
+    }
+
+    /// Waits (bounded) for the child to exit.
+    pub(crate) fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + within;
+        while Instant::now() < end {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
 impl Drop for Raw {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -217,8 +242,12 @@ pub(crate) struct Slow {
 
 impl Slow {
     pub(crate) fn new(latency_ms: u64, requests: usize) -> Self {
-        let faults = vec![format!("latency({latency_ms})"); requests].join(",");
-        let fx = HttpFixture::with(&["--faults", &faults], None);
+        Self::with_faults(&vec![format!("latency({latency_ms})"); requests].join(","))
+    }
+
+    /// The provider answers its requests as `faults` says, one fault each, in order.
+    pub(crate) fn with_faults(faults: &str) -> Self {
+        let fx = HttpFixture::with(&["--faults", faults], None);
         for entry in std::fs::read_dir(&fx.catalog).unwrap() {
             let path = entry.unwrap().path();
             let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
@@ -672,3 +701,60 @@ fn cancel_and_in_progress_over_http(backend: crate::support::Backend) {
 }
 
 crate::on_both_backends!(cancel_and_in_progress_over_http);
+
+/// §6: SIGTERM with three calls: one that finishes within the grace period
+/// (answered, succeeded), one that does not (detached: out of `in_flight`
+/// into the unknown queue, the operator log naming `mcp-shutdown`), one
+/// still queued (never started: no operation, no effect). The process exits
+/// within the grace period and a second; nothing is left `in_flight`, no
+/// lease is left held.
+#[test]
+fn sigterm_lets_calls_reach_a_durable_step_and_leaves_nothing_in_flight() {
+    // The provider's first request takes 1 s, its second 8 s.
+    let slow = Slow::with_faults("latency(1000),latency(8000)");
+    let mut c = slow.mcp(&["--concurrency", "2", "--grace-ms", "2000"]);
+    c.send(&tools_call(&json!(1), "create_refund", &refund("ord_1002", 101, "mcp43-term-0001")));
+    std::thread::sleep(Duration::from_millis(200));
+    c.send(&tools_call(&json!(2), "create_refund", &refund("ord_1002", 102, "mcp43-term-0002")));
+    c.send(&tools_call(&json!(3), "create_refund", &refund("ord_1002", 103, "mcp43-term-0003")));
+    within(Duration::from_secs(5), "two calls in flight", || slow.op("mcp43-term-0002").is_some());
+    let t = Instant::now();
+    c.terminate();
+    let first = model(&c.answer(&json!(1), Duration::from_secs(3)));
+    assert_eq!(first["status"], "succeeded", "a call that ends within the grace period is answered: {first}");
+    let st = c.wait_exit(Duration::from_secs(4)).expect("the server exits within its grace period");
+    let took = t.elapsed();
+    eprintln!("SIGTERM to exit: {took:?}");
+    assert_eq!(st.code(), Some(0), "{st:?}");
+    assert_eq!(slow.op("mcp43-term-0001"), Some(("succeeded".into(), None)));
+    let (state, _) = slow.op("mcp43-term-0002").unwrap();
+    assert_ne!(state, "in_flight", "nothing left in flight");
+    assert_eq!(state, "unknown", "detached after send: the unknown queue");
+    let log = slow.audit("mcp43-term-0002");
+    assert!(log.contains(&("mcp-shutdown".into(), "cancel".into(), "applied".into())), "{log:?}");
+    assert_eq!(slow.op("mcp43-term-0003"), None, "the queued call never started");
+    let c = rusqlite::Connection::open(&slow.fx.ledger).unwrap();
+    let leased: i64 = c
+        .query_row("SELECT count(*) FROM outbox WHERE lease_owner IS NOT NULL AND state = 'leased'", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(leased, 0, "no lease left held");
+}
+
+/// §6: the end of input (a harness closing stdin before its SIGTERM) is a
+/// shutdown too: the call in flight is detached after the grace period, the
+/// process exits before the SIGTERM the Python SDK would send 2 s later.
+#[test]
+fn closing_stdin_detaches_a_call_still_in_flight_after_the_grace_period() {
+    let slow = Slow::with_faults("latency(8000)");
+    let mut c = slow.mcp(&["--grace-ms", "1000"]);
+    c.send(&tools_call(&json!(1), "create_refund", &refund("ord_1002", 111, "mcp43-eof-0001")));
+    within(Duration::from_secs(5), "the call in flight", || slow.op("mcp43-eof-0001").is_some());
+    let t = Instant::now();
+    c.close_stdin();
+    let unknown = model(&c.answer(&json!(1), Duration::from_secs(3)));
+    assert_eq!(unknown["error"]["code"], "OUTCOME_UNKNOWN", "{unknown}");
+    let st = c.wait_exit(Duration::from_secs(2)).expect("exits before the SDK's SIGTERM");
+    eprintln!("end of input to exit: {:?}", t.elapsed());
+    assert_eq!(st.code(), Some(0));
+    assert_eq!(slow.op("mcp43-eof-0001").map(|o| o.0).as_deref(), Some("unknown"));
+}
