@@ -371,7 +371,15 @@ fn the_same_key_while_in_flight_is_409_with_retry_after(backend: Backend) {
     // The provider has the request: the sent-marker committed before it was sent.
     provider.received.recv_timeout(Duration::from_secs(60)).unwrap();
     let dup = c.call(&ana, "create_refund", Some("refund-http-held-1"), &args, &[("toolgate-call-id", "call_dup")]);
-    assert_eq!((dup.status, dup.code()), (409, Some("OUTCOME_UNKNOWN")), "{:#}", dup.body);
+    // Running, not unknown (issue 43 §2): IN_PROGRESS, with what a status query needs.
+    assert_eq!((dup.status, dup.code()), (409, Some("IN_PROGRESS")), "{:#}", dup.body);
+    assert_eq!(dup.body["model_result"]["error"]["recovery"], "retry_after", "{:#}", dup.body);
+    assert_eq!(
+        dup.body["model_result"]["error"]["detail"]["status_ref"].as_str(),
+        Some(dup.status_ref()),
+        "{:#}",
+        dup.body
+    );
     assert!(dup.retry_after.as_deref().is_some_and(|s| s.parse::<u64>().is_ok()), "{:?}", dup.retry_after);
     assert_eq!(f.query_i64("SELECT count(*) FROM operations"), 1);
     assert_eq!(f.query_i64("SELECT count(*) FROM attempts"), 1, "the duplicate sent nothing");
