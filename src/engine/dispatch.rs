@@ -121,6 +121,34 @@ impl SeenSent {
     }
 }
 
+/// The operations an engine of this process is running right now (inside
+/// `run_operation_from`): a lease whose holder is known to be alive. A
+/// duplicate of one is `IN_PROGRESS`. A lease held by another process, or by
+/// one that died with it (a crash before the result was stored), is not
+/// known to be running: that duplicate is `OUTCOME_UNKNOWN`, as before.
+static RUNNING: std::sync::Mutex<std::collections::BTreeSet<String>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// One entry of [`RUNNING`], removed when the run ends (or unwinds).
+struct Running(String);
+
+impl Running {
+    fn start(op_id: &str) -> Self {
+        RUNNING.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(op_id.to_string());
+        Self(op_id.to_string())
+    }
+
+    fn holds(op_id: &str) -> bool {
+        RUNNING.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(op_id)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        RUNNING.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&self.0);
+    }
+}
+
 /// What the accept transaction decided.
 enum Decision {
     /// Answer now.
@@ -514,6 +542,7 @@ impl Engine {
         answer: Option<Answering>,
         mut claimed: Option<(i64, Box<OperationRow>)>,
     ) -> Result<Envelope, EngineError> {
+        let _running = Running::start(op_id);
         let mut attempts_this_call: u32 = 0;
         let salt = self.salt.clone();
         loop {
@@ -900,14 +929,13 @@ fn accept(
             let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), last_code.as_deref());
             return Ok(Decision::Answer(with_retry_after(env, (due_at - c.now) as u64), ev));
         }
-        // Running elsewhere right now (a live lease on its outbox row): say
-        // so, with when to look again and the status reference, instead of
+        // Running right now in this process, under a live lease: say so,
+        // with when to look again and the status reference, instead of
         // OUTCOME_UNKNOWN, which sends a model to human review for a call
         // that is merely running.
-        let live = outbox
-            .as_ref()
-            .and_then(|o| o.lease_until)
-            .filter(|&until| until > c.now && matches!(op.state, OpState::Accepted | OpState::InFlight));
+        let live = outbox.as_ref().and_then(|o| o.lease_until).filter(|&until| {
+            until > c.now && matches!(op.state, OpState::Accepted | OpState::InFlight) && Running::holds(&op.id)
+        });
         if let Some(until) = live {
             ev.note = Some("running under a live lease: in progress, never re-executed".into());
             ev.reason = Some("in_progress");
