@@ -758,3 +758,46 @@ fn closing_stdin_detaches_a_call_still_in_flight_after_the_grace_period() {
     assert_eq!(st.code(), Some(0));
     assert_eq!(slow.op("mcp43-eof-0001").map(|o| o.0).as_deref(), Some("unknown"));
 }
+
+/// §1, §2, §5, §6 with the official Python MCP SDK (`pip install mcp`, which
+/// `.ci/run` installs): the SDK's own cancellation of a queued call wins at
+/// once (`CANCELLED`, no effect, the client's operator-log entry); the same
+/// key while its first call runs is `IN_PROGRESS` with the status reference
+/// in the text the model reads; the SDK's own outputSchema validation of
+/// every success passes; leaving the session stops the server with nothing
+/// left in flight.
+#[test]
+fn the_python_sdk_drives_cancel_in_progress_and_output_schema() {
+    let slow = Slow::new(3000, 8);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it/fixtures/mcp_sdk_harness.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(assert_cmd::cargo::cargo_bin("toolgate"))
+        .arg(&slow.fx.ledger)
+        .arg(&slow.fx.catalog)
+        .arg(&slow.token)
+        .output()
+        .expect("python3 (with the `mcp` package: .ci/run installs it)");
+    assert!(out.status.success(), "the SDK run failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let seen: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(seen["output_schema"].as_object().unwrap().values().all(|v| v == true), "{seen:#}");
+    for i in 1..=5 {
+        let c = &seen["calls"][i.to_string()];
+        assert_eq!(c["is_error"], false, "call {i}: {c:#}");
+        assert_eq!(c["structured"]["status"], "succeeded", "call {i}: {c:#}");
+    }
+    assert!(seen["calls"].get("6").is_none(), "the cancelled call has no answer");
+    assert_eq!(slow.op("py43-cancel-0006"), Some(("failed".into(), Some("CANCELLED".into()))));
+    let log = slow.audit("py43-cancel-0006");
+    assert!(log.contains(&("mcp-client".into(), "cancel".into(), "applied".into())), "{log:?}");
+    let dup = &seen["duplicate"];
+    assert_eq!(dup["structured"]["error"]["code"], "IN_PROGRESS", "{dup:#}");
+    let status_ref = dup["structured"]["error"]["detail"]["status_ref"].as_str().unwrap();
+    assert!(dup["text"].as_str().unwrap().contains(status_ref), "the model's text carries the status reference");
+    assert_eq!(seen["first"]["structured"]["status"], "succeeded");
+    assert_eq!(slow.fx.server.effects(), 6, "five calls and the in-progress one; none for the cancelled");
+    let c = rusqlite::Connection::open(&slow.fx.ledger).unwrap();
+    let in_flight: i64 =
+        c.query_row("SELECT count(*) FROM operations WHERE state = 'in_flight'", [], |r| r.get(0)).unwrap();
+    assert_eq!(in_flight, 0);
+}
