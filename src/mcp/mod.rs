@@ -31,8 +31,6 @@ use std::sync::Arc;
 
 use std::time::Duration;
 
-use tokio::signal::unix::{signal, SignalKind};
-
 use axum::http::request::Parts;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, Implementation, JsonObject, ListToolsResult, MetaObject,
@@ -160,14 +158,12 @@ pub fn serve_stdio(db: &Path, token: &str, opts: StdioOptions) -> Result<(), Mcp
         // closes stdin, then sends SIGTERM 2 s later) is a shutdown, as the end
         // of input is: stop reading, let calls in flight reach their next
         // durable step within the grace period, start nothing queued.
-        let mut term = signal(SignalKind::terminate()).map_err(|e| runtime(&e))?;
-        let mut int = signal(SignalKind::interrupt()).map_err(|e| runtime(&e))?;
+        let signalled = crate::api::shutdown_signal().map_err(|e| runtime(&e))?;
         tokio::spawn({
             let stop = stop.clone();
             async move {
                 tokio::select! {
-                    _ = term.recv() => tracing::info!("SIGTERM: stopping"),
-                    _ = int.recv() => tracing::info!("SIGINT: stopping"),
+                    () = signalled => tracing::info!("signal: stopping"),
                     () = stop.cancelled() => {}
                 }
                 stop.cancel();
