@@ -801,3 +801,41 @@ fn the_python_sdk_drives_cancel_in_progress_and_output_schema() {
         c.query_row("SELECT count(*) FROM operations WHERE state = 'in_flight'", [], |r| r.get(0)).unwrap();
     assert_eq!(in_flight, 0);
 }
+
+/// §6 over streamable HTTP: SIGTERM to `serve` while an MCP call is in
+/// flight ends its session, and that is not the client's cancellation: the
+/// call reaches its durable end (succeeded, one effect), no `mcp-client`
+/// cancellation is logged, the server exits 0, nothing is left in flight.
+/// A guard, not a reproduction: `serve` already drained this way before issue
+/// 43 (rmcp's session stop does not end a request in flight); it holds the
+/// HTTP side to what the stdio fix promises.
+fn sigterm_to_serve_is_not_a_clients_cancellation(backend: crate::support::Backend) {
+    use crate::serve::{agent_token, Server};
+    let f = crate::support::Fixture::on(backend);
+    f.engine().mark_demo(crate::support::T0).unwrap();
+    let token = agent_token(f.path(), "acme", "agent_ana");
+    let mut server = Server::start(f.path(), &[]);
+    let mut s = HttpSession::open(&server.url, &token);
+    s.fault = Some("latency(1500)".into());
+    let key = "mcp43-serve-term-1";
+    let state = || f.query_text(&format!("SELECT state FROM operations WHERE idem_key = '{key}'"));
+    std::thread::scope(|scope| {
+        let s = &s;
+        let call = scope.spawn(move || {
+            s.exchange(tools_call(&json!(1), "create_refund", &refund("ord_1002", 321, key)).to_string().as_bytes())
+        });
+        within(Duration::from_secs(5), "the call in flight", || state().is_some());
+        assert_eq!(server.terminate().code(), Some(0));
+        let _ = call.join();
+    });
+    assert_eq!(state().as_deref(), Some("succeeded"), "the call reached its durable end");
+    let by_client = f.query_i64(&format!(
+        "SELECT count(*) FROM audit_log a JOIN operations o ON o.id = a.operation_id \
+         WHERE o.idem_key = '{key}' AND a.actor = 'mcp-client'"
+    ));
+    assert_eq!(by_client, 0, "a shutdown is not the client's cancellation");
+    assert_eq!(f.engine().counts().unwrap().downstream_effects, 1);
+    assert_eq!(f.query_i64("SELECT count(*) FROM operations WHERE state = 'in_flight'"), 0);
+}
+
+crate::on_both_backends!(sigterm_to_serve_is_not_a_clients_cancellation);
