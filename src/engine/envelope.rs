@@ -220,7 +220,7 @@ impl Code {
             }
             Code::StatusConflict => "The downstream evidence does not match this request; a human must review it.",
             Code::ToolError => "The tool failed while reading; nothing was changed.",
-            Code::Cancelled => "An operator cancelled this call before it was sent; nothing was done.",
+            Code::Cancelled => "This call was cancelled (by its caller or an operator) before anything was sent; nothing was done.",
             Code::IdempotencyKeyExpired => {
                 "This idempotency key was used by an earlier operation whose record has expired; it is not run again. Do not retry under a new key without checking how the earlier one ended."
             }
