@@ -698,7 +698,7 @@ fn threads(
                         match (env.model_result.execution.delivery, env.code()) {
                             (Delivery::Fresh, None) => tally.fresh += 1,
                             (Delivery::LocalReplay, None) => tally.replayed += 1,
-                            (_, Some(Code::OutcomeUnknown)) => tally.in_flight += 1,
+                            (_, Some(Code::OutcomeUnknown | Code::InProgress)) => tally.in_flight += 1,
                             (d, c) => {
                                 return Err(BenchError::Check(format!(
                                     "contention: unexpected answer {d:?} / {}",

@@ -114,6 +114,19 @@ pub enum Command {
         /// An agent's (subject) bearer token from `token create`.
         #[arg(long, env = "TOOLGATE_TOKEN", hide_env_values = true)]
         token: String,
+        /// Calls the session runs at once (one engine each, 1 to 64); a
+        /// cancellation has an engine of its own and never waits behind them.
+        #[arg(long, default_value_t = 2)]
+        concurrency: usize,
+        /// Calls that may wait for a free engine (1 to 4096); beyond it a call
+        /// is answered SERVER_BUSY at once.
+        #[arg(long, default_value_t = 64)]
+        queue: usize,
+        /// At SIGTERM, SIGINT or the end of input: how long (ms, up to 60000)
+        /// calls in flight may run on before they are detached (moved out of
+        /// in_flight: cancelled before send, or to the unknown queue).
+        #[arg(long, default_value_t = 3000)]
+        grace_ms: u64,
     },
     /// Create a database and load a world file (the demo world by default).
     Init {
@@ -964,10 +977,23 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Cancel(a) => cancel_command(cli, a),
         Command::Token { what } => token_command(cli, what),
         Command::Serve(a) => serve_command(cli, a),
-        Command::Mcp { token } => {
+        Command::Mcp { token, concurrency, queue, grace_ms } => {
             refuse_read_only(cli)?;
+            // A queue of 0 would refuse a call whenever no engine happens to be
+            // waiting at that instant, even between two calls of a calm session.
+            if !(1..=64).contains(concurrency) || !(1..=4096).contains(queue) || *grace_ms > 60_000 {
+                return Err(CliError::new(
+                    "USAGE",
+                    "--concurrency must be 1 to 64, --queue 1 to 4096, --grace-ms at most 60000",
+                ));
+            }
             let path = db_path(cli)?;
-            let opts = [engine_options(cli)?, engine_options(cli)?];
+            let opts = crate::mcp::StdioOptions {
+                workers: (0..*concurrency).map(|_| engine_options(cli)).collect::<Result<_, _>>()?,
+                lane: engine_options(cli)?,
+                queue: *queue,
+                grace: std::time::Duration::from_millis(*grace_ms),
+            };
             // Diagnostics go to `<db>.log`: standard output is the protocol.
             crate::telemetry::logging::init_for_db(path);
             crate::mcp::serve_stdio(path, token, opts).map_err(|e| CliError::new(e.code(), e.to_string()))?;

@@ -127,6 +127,8 @@ struct App {
     pool: Arc<Pool>,
     /// The ledger is marked as a demo: `Toolgate-Fault` is honoured.
     demo: bool,
+    /// `/mcp`'s token checks and MCP cancellations: one engine of their own.
+    mcp_lane: Arc<Pool>,
     /// `/mcp`: MCP over streamable HTTP on the same engine pool.
     mcp: StreamableHttpService<crate::mcp::Gate, LocalSessionManager>,
     /// Ends every MCP session at shutdown (an open event stream would
@@ -210,11 +212,15 @@ pub fn serve_until(
         None => Arc::new(Vec::new()),
     };
     let worker = Engine::open(db, engine_opts("worker".into()))?;
+    // MCP cancellations run on an engine of their own (src/mcp.rs).
+    let lane = Engine::open(db, engine_opts("mcp-cancel".into()))?;
+    let lane = Arc::new(Pool::start(vec![lane], crate::mcp::LANE_QUEUE).map_err(|e| ServeError::Runtime(e.kind()))?);
     let pool =
         Arc::new(Pool::start(engines, opts.threads * QUEUE_PER_THREAD).map_err(|e| ServeError::Runtime(e.kind()))?);
     let mcp_stop = tokio_util::sync::CancellationToken::new();
-    let mcp = crate::mcp::http_service(pool.clone(), tools, demo, opts.public, mcp_stop.clone());
-    let app = Arc::new(App { pool, demo, mcp, mcp_stop, mcp_owners: std::sync::Mutex::default() });
+    let mcp = crate::mcp::http_service(pool.clone(), lane.clone(), tools, demo, opts.public, mcp_stop.clone());
+    let app =
+        Arc::new(App { pool, mcp_lane: lane.clone(), demo, mcp, mcp_stop, mcp_owners: std::sync::Mutex::default() });
     let (stop_worker, stopped) = std::sync::mpsc::channel::<()>();
     let run_worker = opts.worker;
     let worker = std::thread::Builder::new()
@@ -235,6 +241,7 @@ pub fn serve_until(
     drop(rt);
     // Requests have drained: the engine threads finish what is queued, then the worker stops.
     app.pool.close();
+    lane.close();
     drop(stop_worker);
     let _ = worker.join();
     tracing::info!("serve stopped");
@@ -342,7 +349,7 @@ async fn accept_loop(
 
 /// SIGTERM or SIGINT (Ctrl-C). Registered when called, not when first polled.
 #[cfg(unix)]
-fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+pub(crate) fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
@@ -356,7 +363,7 @@ fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
 
 /// Ctrl-C.
 #[cfg(not(unix))]
-fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+pub(crate) fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
     Ok(async {
         let _ = tokio::signal::ctrl_c().await;
     })
@@ -407,8 +414,11 @@ async fn one_of_each_identity_header(req: Request<Body>, next: axum::middleware:
 /// mid-session stops working at its next call.
 async fn mcp(State(app): State<Arc<App>>, req: Request<Body>) -> Response {
     use tower::ServiceExt as _;
-    let principal = match subject_of(&app, req.headers()).await {
-        Ok(p) => p,
+    // On the MCP lane's engine, not the calls' pool: a `notifications/cancelled`
+    // comes in a request of its own, and must not wait behind the calls it cancels.
+    let principal = match authenticate_on(&app.mcp_lane, req.headers()).await {
+        Ok(Principal::Subject { tenant, subject, .. }) => (tenant, subject),
+        Ok(Principal::Operator { .. }) => return refuse(status::SUBJECT_TOKEN_REQUIRED),
         Err(refused) => return refused,
     };
     // Faults only on a demo ledger, and only well-formed ones (as on the call endpoint).
@@ -431,6 +441,23 @@ async fn mcp(State(app): State<Arc<App>>, req: Request<Body>) -> Response {
         }
     }
     let delete = req.method() == axum::http::Method::DELETE;
+    // Every request with an id gets an answer by that id, before rmcp (which
+    // drops what it cannot read): the same screen as on stdio (src/mcp/wire.rs).
+    let req = if req.method() == axum::http::Method::POST && is_json(req.headers()) {
+        let (parts, body) = req.into_parts();
+        let bytes = match read_body(&parts.headers, body, false).await {
+            Ok(b) => b,
+            Err(refused) => return refused,
+        };
+        if let crate::mcp::wire::Screened::Answer(v) = crate::mcp::wire::screen(&bytes, true) {
+            // With an id, the answer to that request; without one, the body was unreadable.
+            let st = if v["id"].is_null() { StatusCode::BAD_REQUEST } else { StatusCode::OK };
+            return json_reply(st, &v);
+        }
+        Request::from_parts(parts, Body::from(bytes))
+    } else {
+        req
+    };
     let r = match app.mcp.clone().oneshot(req).await {
         Ok(r) => r.map(Body::new),
         Err(never) => match never {},
@@ -538,12 +565,46 @@ fn outcome_reply(o: &OperatorOutcome) -> Response {
 
 // ------------------------------------------------------------------ plumbing
 
+/// A flag an engine job reads: set when the request's handler is dropped
+/// before it was answered (the client closed the connection), so a queued
+/// call whose client went away is not accepted.
+#[derive(Default)]
+struct ClientGone {
+    flag: Arc<std::sync::atomic::AtomicBool>,
+    answered: bool,
+}
+
+impl ClientGone {
+    fn watch(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        self.flag.clone()
+    }
+
+    fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for ClientGone {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
 /// Runs `f` on an engine thread and waits for it.
 async fn on_engine<T: Send + 'static>(
     app: &App,
     f: impl FnOnce(&mut Engine) -> T + Send + 'static,
 ) -> Result<T, Response> {
-    match app.pool.submit(f) {
+    on_pool(&app.pool, f).await
+}
+
+async fn on_pool<T: Send + 'static>(
+    pool: &Pool,
+    f: impl FnOnce(&mut Engine) -> T + Send + 'static,
+) -> Result<T, Response> {
+    match pool.submit(f) {
         Ok(answer) => answer.await.map_err(|_| refuse(status::INTERNAL)),
         Err(Refused::Busy | Refused::Closed) => Err(refuse(status::SERVER_BUSY)),
     }
@@ -551,8 +612,12 @@ async fn on_engine<T: Send + 'static>(
 
 /// Resolves the request's token, before anything else.
 async fn authenticate(app: &App, headers: &HeaderMap) -> Result<Principal, Response> {
+    authenticate_on(&app.pool, headers).await
+}
+
+async fn authenticate_on(pool: &Pool, headers: &HeaderMap) -> Result<Principal, Response> {
     let header = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes().to_vec());
-    match on_engine(app, move |e| e.authenticate(header.as_deref())).await? {
+    match on_pool(pool, move |e| e.authenticate(header.as_deref())).await? {
         Ok(Ok(p)) => Ok(p),
         Ok(Err(f)) => Err(unauthorized(f)),
         Err(e) => Err(engine_failure(&e)),
@@ -701,6 +766,9 @@ async fn call_tool(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    // When the request arrived: its deadline counts from here, not from when
+    // an engine thread takes it.
+    let arrived = std::time::Instant::now();
     reply(
         async move {
             // The token's shape first, with nothing read; a malformed or
@@ -740,7 +808,14 @@ async fn call_tool(
                 deadline_ms,
                 token_id: None,
             };
+            // Set when this handler is dropped before its answer (the client
+            // hung up): a call not yet accepted then is never accepted.
+            let gone = ClientGone::default();
+            let watch = gone.watch();
             let answered = on_engine(&app, move |e| {
+                if watch.load(std::sync::atomic::Ordering::SeqCst) {
+                    return Ok(Err(refuse(status::CLIENT_GONE)));
+                }
                 match e.authenticate(authorization.as_deref())? {
                     Ok(Principal::Subject { tenant, subject, token_id }) => {
                         (req.tenant, req.subject, req.token_id) = (tenant, subject, Some(token_id));
@@ -751,7 +826,7 @@ async fn call_tool(
                 if let Some(f) = faults {
                     e.set_faults(f);
                 }
-                let env = e.dispatch(&req);
+                let env = e.dispatch_arrived(&req, arrived);
                 e.set_faults(FaultPlan::none());
                 let env = env?;
                 let state = match (env.code(), env.protected_audit.operation_id.as_deref()) {
@@ -761,6 +836,7 @@ async fn call_tool(
                 Ok::<_, EngineError>(Ok((env, state)))
             })
             .await?;
+            gone.answered();
             match answered {
                 Ok(Ok((env, state))) => Ok(envelope_reply(&env, state, view.as_ref())),
                 Ok(Err(refused)) => Err(refused),

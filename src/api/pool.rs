@@ -13,9 +13,11 @@
 //! instead of an unbounded backlog of blocked tasks.
 
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crate::engine::Engine;
 
@@ -34,6 +36,9 @@ pub enum Refused {
 pub struct Pool {
     tx: Mutex<Option<SyncSender<Job>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Set at a shutdown that must not start queued work: the threads drop
+    /// the jobs still queued (their callers see the answer channel closed).
+    discard: Arc<AtomicBool>,
 }
 
 impl Pool {
@@ -41,15 +46,16 @@ impl Pool {
     pub fn start(engines: Vec<Engine>, queue: usize) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::sync_channel::<Job>(queue);
         let rx = Arc::new(Mutex::new(rx));
+        let discard = Arc::new(AtomicBool::new(false));
         let threads = engines
             .into_iter()
             .enumerate()
             .map(|(i, engine)| {
-                let rx = rx.clone();
-                std::thread::Builder::new().name(format!("toolgate-api-{i}")).spawn(move || run(engine, &rx))
+                let (rx, discard) = (rx.clone(), discard.clone());
+                std::thread::Builder::new().name(format!("toolgate-api-{i}")).spawn(move || run(engine, &rx, &discard))
             })
             .collect::<std::io::Result<Vec<_>>>()?;
-        Ok(Self { tx: Mutex::new(Some(tx)), threads: Mutex::new(threads) })
+        Ok(Self { tx: Mutex::new(Some(tx)), threads: Mutex::new(threads), discard })
     }
 
     /// Queues `f` for the next free engine; its answer comes on the receiver.
@@ -72,6 +78,36 @@ impl Pool {
         }
     }
 
+    /// Stops taking jobs and drops the queued ones unstarted; the running
+    /// ones go on (see [`Pool::close_within`]).
+    pub fn discard_queued(&self) {
+        self.discard.store(true, Ordering::SeqCst);
+        if let Ok(mut tx) = self.tx.lock() {
+            tx.take();
+        }
+    }
+
+    /// Stops taking jobs and waits at most `limit` for the threads; `false`
+    /// when some job was still running then (its thread is left to the
+    /// process's exit).
+    pub fn close_within(&self, limit: Duration) -> bool {
+        if let Ok(mut tx) = self.tx.lock() {
+            tx.take();
+        }
+        let end = Instant::now() + limit;
+        let mut threads = self.threads.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
+        while !threads.iter().all(JoinHandle::is_finished) {
+            if Instant::now() >= end {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for t in threads.drain(..) {
+            let _ = t.join();
+        }
+        true
+    }
+
     /// Stops taking jobs, lets the queued and running ones finish, and waits
     /// for the threads.
     pub fn close(&self) {
@@ -85,7 +121,7 @@ impl Pool {
     }
 }
 
-fn run(mut engine: Engine, rx: &Mutex<Receiver<Job>>) {
+fn run(mut engine: Engine, rx: &Mutex<Receiver<Job>>, discard: &AtomicBool) {
     loop {
         // The lock is held only while waiting for the next job, never while running it.
         let job = match rx.lock() {
@@ -93,6 +129,10 @@ fn run(mut engine: Engine, rx: &Mutex<Receiver<Job>>) {
             Err(_) => return,
         };
         let Ok(job) = job else { return };
+        if discard.load(Ordering::SeqCst) {
+            // Shutting down: a job not started is not started now.
+            continue;
+        }
         // A job that panics (a bug) answers nothing (its caller sees INTERNAL);
         // the thread and its engine keep serving.
         if std::panic::catch_unwind(AssertUnwindSafe(|| job(&mut engine))).is_err() {

@@ -54,6 +54,8 @@ pub fn of_code(code: Code, op_state: Option<OpState>) -> StatusCode {
         Code::OutputContractViolation | Code::ToolError => StatusCode::BAD_GATEWAY,
         Code::StatusConflict => StatusCode::CONFLICT,
         Code::Cancelled => StatusCode::GONE,
+        // The draft's "request still in progress".
+        Code::InProgress => StatusCode::CONFLICT,
     }
 }
 
@@ -120,6 +122,8 @@ server_codes! {
         "This endpoint does not take that method.";
     SERVER_BUSY = "SERVER_BUSY", SERVICE_UNAVAILABLE, "transient", "retry_after",
         "The server is at capacity; nothing was done. Retry later.";
+    CLIENT_GONE = "CLIENT_GONE", REQUEST_TIMEOUT, "transient", "retry_after",
+        "The client closed the connection before the call was accepted; nothing was done.";
     INTERNAL = "INTERNAL", INTERNAL_SERVER_ERROR, "internal", "retry_after",
         "The server failed to answer; retrying with the same idempotency key is safe.";
 }

@@ -219,6 +219,9 @@ pub struct Contract {
     pub retention_ms: u64,
     /// The input schema as written (the MCP server lists it).
     pub input_schema: Value,
+    /// The output schema as written (the MCP server lists it inside its
+    /// result's schema).
+    pub output_schema: Value,
     /// SHA-256 of what an operation accepted under these revisions depends on
     /// (effect, approval policy, schemas, result echoes, key de-duplication),
     /// in RFC 8785 form: a ledger records it per (tool, revisions) and refuses
@@ -467,6 +470,7 @@ impl Contracts {
                 result_echoes: c.result_echoes,
                 retention_ms: c.retention_ms,
                 input_schema: c.input_schema,
+                output_schema: c.output_schema,
                 semantic_sha256,
                 input,
                 output,

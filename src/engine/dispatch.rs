@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
+use super::cancel::{CancelRequest, CancelSignal};
 use super::canonical::{
     canonical_string, parse_strict, request_object, sha256_hex, CallIdentity, MAX_DEPTH, MAX_INPUT_BYTES,
 };
@@ -120,6 +121,34 @@ impl SeenSent {
     }
 }
 
+/// The operations an engine of this process is running right now (inside
+/// `run_operation_from`): a lease whose holder is known to be alive. A
+/// duplicate of one is `IN_PROGRESS`. A lease held by another process, or by
+/// one that died with it (a crash before the result was stored), is not
+/// known to be running: that duplicate is `OUTCOME_UNKNOWN`, as before.
+static RUNNING: std::sync::Mutex<std::collections::BTreeSet<String>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// One entry of [`RUNNING`], removed when the run ends (or unwinds).
+struct Running(String);
+
+impl Running {
+    fn start(op_id: &str) -> Self {
+        RUNNING.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(op_id.to_string());
+        Self(op_id.to_string())
+    }
+
+    fn holds(op_id: &str) -> bool {
+        RUNNING.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(op_id)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        RUNNING.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&self.0);
+    }
+}
+
 /// What the accept transaction decided.
 enum Decision {
     /// Answer now.
@@ -135,6 +164,9 @@ enum Decision {
     Sending { attempt: i64, op: Box<OperationRow> },
     /// The claim in the accept's transaction answered (its trace event written).
     Answered(Envelope),
+    /// Accepted and, its caller having cancelled it first, cancelled in the
+    /// same transaction: nothing was sent.
+    CancelledBeforeSend(String),
     /// Found under the write lock of a relaxed transaction: this call changes
     /// state after all. Nothing was written; run `accept` again, synced.
     Synced,
@@ -183,7 +215,41 @@ impl Engine {
     /// Dispatches one tool call through the whole pipeline (docs/design.md §5). Expected
     /// outcomes, including every error of the catalog, come back as an [`Envelope`].
     pub fn dispatch(&mut self, req: &DispatchRequest) -> Result<Envelope, EngineError> {
-        let t0 = Instant::now();
+        self.dispatch_with(req, None, None)
+    }
+
+    /// [`Engine::dispatch`] for a call that arrived at `arrived` and waited
+    /// for an engine since (a server's queue): its deadline counts from its
+    /// arrival, and a new intent whose deadline passed while it waited is
+    /// refused before accept (`TIMEOUT_BEFORE_EXECUTE`, nothing stored but
+    /// the trace event); its latency counts the wait.
+    pub fn dispatch_arrived(&mut self, req: &DispatchRequest, arrived: Instant) -> Result<Envelope, EngineError> {
+        self.dispatch_with(req, None, Some(arrived))
+    }
+
+    /// [`Engine::dispatch`] for a caller that may cancel the call while it
+    /// waits for an engine: if `signal` was cancelled before the accept, the
+    /// call is accepted and cancelled in one transaction (`CANCELLED`, no
+    /// effect, the operator log naming `who` with `note`).
+    pub fn dispatch_cancellable(
+        &mut self,
+        req: &DispatchRequest,
+        signal: &CancelSignal,
+        who: &str,
+        note: &str,
+    ) -> Result<Envelope, EngineError> {
+        super::check_operator(who)?;
+        super::check_operator_note(note)?;
+        self.dispatch_with(req, Some((signal, who, note)), None)
+    }
+
+    fn dispatch_with(
+        &mut self,
+        req: &DispatchRequest,
+        cancel: Option<(&CancelSignal, &str, &str)>,
+        arrived: Option<Instant>,
+    ) -> Result<Envelope, EngineError> {
+        let t0 = arrived.unwrap_or_else(Instant::now);
         self.clock_tick();
         let contracts = self.contracts.clone();
         let call = req.call.clone().unwrap_or_else(fresh_call_identity);
@@ -263,7 +329,11 @@ impl Engine {
         audit.binding.request_sha256 = Some(request_sha256.clone());
 
         let now = self.clock.now_ms();
-        let deadline_ms = req.deadline_ms.unwrap_or(contract.retry.deadline_ms).min(24 * 3_600_000);
+        // The deadline counts from the call's arrival (t0), not from when an
+        // engine took it: what it waited in a queue is spent.
+        let waited_ms = t0.elapsed().as_millis() as u64;
+        let deadline_ms =
+            req.deadline_ms.unwrap_or(contract.retry.deadline_ms).min(24 * 3_600_000).saturating_sub(waited_ms);
         let domain = self.domain(&req.tool);
         let ctx = AcceptCtx {
             req,
@@ -312,6 +382,16 @@ impl Engine {
                 // nothing lies between them that a crash could tell apart
                 // (ARCHITECTURE.md, "Which commits wait for the disk").
                 Decision::Execute { op_id, built } => {
+                    if let Some((_, who, note)) = cancel.filter(|(s, _, _)| s.accepting()) {
+                        let r = CancelRequest {
+                            operation_id: op_id.clone(),
+                            operator: who.to_string(),
+                            note: note.to_string(),
+                            ..CancelRequest::default()
+                        };
+                        super::cancel::cancel_in(tx, &r, now, &salt, &contracts)?;
+                        return Ok(Decision::CancelledBeforeSend(op_id));
+                    }
                     let built = built.map(|op| *op);
                     Ok(match claim_to_send(tx, &op_id, built, contract, &*domain, &worker, now, lease_ms, &caller)? {
                         Claim::Claimed { attempt, op } => Decision::Sending { attempt, op },
@@ -353,6 +433,11 @@ impl Engine {
                 self.run_operation_from(&op_id, &contracts, answering, Some((attempt, op)))?
             }
             Decision::Execute { op_id, .. } => self.run_operation(&op_id, &contracts, answering)?,
+            Decision::CancelledBeforeSend(op_id) => {
+                let op = self.store.read(|tx| tx.operation(&op_id))?;
+                let op = op.ok_or_else(|| EngineError::invalid("NO_SUCH_OPERATION", "cancelled operation vanished"))?;
+                op_envelope(&op, Delivery::Fresh, principal_ref.clone(), None)
+            }
             Decision::Synced => {
                 return Err(EngineError::invalid("ACCEPT_RELAXED", "a synced accept asked for a synced accept"))
             }
@@ -471,6 +556,7 @@ impl Engine {
         answer: Option<Answering>,
         mut claimed: Option<(i64, Box<OperationRow>)>,
     ) -> Result<Envelope, EngineError> {
+        let _running = Running::start(op_id);
         let mut attempts_this_call: u32 = 0;
         let salt = self.salt.clone();
         loop {
@@ -859,6 +945,22 @@ fn accept(
             let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), last_code.as_deref());
             return Ok(Decision::Answer(with_retry_after(env, (due_at - c.now) as u64), ev));
         }
+        // Running right now in this process, under a live lease: say so,
+        // with when to look again and the status reference, instead of
+        // OUTCOME_UNKNOWN, which sends a model to human review for a call
+        // that is merely running.
+        let live = outbox.as_ref().and_then(|o| o.lease_until).filter(|&until| {
+            until > c.now && matches!(op.state, OpState::Accepted | OpState::InFlight) && Running::holds(&op.id)
+        });
+        if let Some(until) = live {
+            ev.note = Some("running under a live lease: in progress, never re-executed".into());
+            ev.reason = Some("in_progress");
+            let mut env = op_envelope(&op, Delivery::LocalReplay, c.principal_ref.to_string(), None);
+            let info = in_progress_info(&op, (until - c.now).clamp(100, 1_000) as u64);
+            env.model_result.status = Status::Unknown;
+            env.model_result.error = Some(info);
+            return Ok(Decision::Answer(env, ev));
+        }
         ev.note = Some("not terminal and possibly sent: unknown, never re-executed".into());
         ev.reason = Some("in_progress");
         return Ok(Decision::Answer(op_envelope(&op, Delivery::LocalReplay, c.principal_ref.to_string(), None), ev));
@@ -905,6 +1007,14 @@ fn accept(
         return Ok(Decision::Answer(env, ev));
     }
     ev.checks.push("idempotency");
+    // A new execution whose deadline was spent before it was accepted (it
+    // waited in a server's queue): refused before accept, nothing sent.
+    if c.deadline_ms == 0 {
+        ev.step = "deadline";
+        ev.reason = Some("deadline_before_accept");
+        ev.note = Some("the caller's deadline passed before the call was accepted: nothing was stored or sent".into());
+        return Ok(Decision::Answer(error_envelope(Code::TimeoutBeforeExecute, audit), ev));
+    }
     // A new execution while the downstream's circuit is open: refused before
     // accept, nothing stored but this call's trace event.
     if let Some(wait) = policy::admit_new(tx, &c.contract.downstream.name, c.now)? {
@@ -956,6 +1066,16 @@ fn bind_call(tx: &Tx<'_>, ck: &CallKey<'_>, c: &AcceptCtx<'_>, op: Option<&str>)
         },
         c.now,
     )
+}
+
+/// The model's answer for an intent running elsewhere: `IN_PROGRESS`, when
+/// to look again, and what a status query needs (in the model's own result:
+/// most MCP adapters never pass `_meta` on to the model).
+fn in_progress_info(op: &OperationRow, retry_after_ms: u64) -> super::envelope::ErrorInfo {
+    let mut e = super::envelope::ErrorInfo::new(Code::InProgress);
+    e.retry_after_ms = Some(retry_after_ms);
+    e.detail = Some(json!({"status_ref": op.status_ref, "expected_request_sha256": op.request_sha256}));
+    e
 }
 
 /// A fresh ledger row for an accepted dispatch.

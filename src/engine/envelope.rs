@@ -49,6 +49,10 @@ pub enum Code {
     /// The key was used by an operation that has since been purged: it is
     /// never run again (its tombstone keeps the key taken).
     IdempotencyKeyExpired,
+    /// The same intent (key and arguments) is running right now under a live
+    /// lease: not an unknown outcome, just not finished. Retry the same key
+    /// after the given time (the IETF idempotency draft's 409).
+    InProgress,
 }
 
 /// What a failure allows next.
@@ -111,7 +115,7 @@ pub enum Status {
 
 impl Code {
     /// All codes, in catalog order.
-    pub const ALL: [Code; 20] = [
+    pub const ALL: [Code; 21] = [
         Code::UnknownTool,
         Code::InvalidArguments,
         Code::IdempotencyKeyRequired,
@@ -132,6 +136,7 @@ impl Code {
         Code::ToolError,
         Code::Cancelled,
         Code::IdempotencyKeyExpired,
+        Code::InProgress,
     ];
 
     /// The stable string form, e.g. `OUTCOME_UNKNOWN`.
@@ -157,6 +162,7 @@ impl Code {
             Code::ToolError => "TOOL_ERROR",
             Code::Cancelled => "CANCELLED",
             Code::IdempotencyKeyExpired => "IDEMPOTENCY_KEY_EXPIRED",
+            Code::InProgress => "IN_PROGRESS",
         }
     }
 
@@ -189,6 +195,7 @@ impl Code {
             Code::OutputContractViolation | Code::StatusConflict => ("conflict", Unknown, Recovery::HumanReview),
             Code::ToolError => ("tool_error", NotStarted, Recovery::HumanReview),
             Code::Cancelled => ("cancelled", NotStarted, Recovery::None),
+            Code::InProgress => ("in_progress", Unknown, Recovery::RetryAfter),
         }
     }
 
@@ -224,9 +231,12 @@ impl Code {
             }
             Code::StatusConflict => "The downstream evidence does not match this request; a human must review it.",
             Code::ToolError => "The tool failed while reading; nothing was changed.",
-            Code::Cancelled => "An operator cancelled this call before it was sent; nothing was done.",
+            Code::Cancelled => "This call was cancelled (by its caller or an operator) before anything was sent; nothing was done.",
             Code::IdempotencyKeyExpired => {
                 "This idempotency key was used by an earlier operation whose record has expired; it is not run again. Do not retry under a new key without checking how the earlier one ended."
+            }
+            Code::InProgress => {
+                "This call (the same idempotency key and arguments) is still running. Wait retry_after_ms, then call again with the same key and arguments, or query its status with the status reference below; never use a new key for it."
             }
         }
     }

@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use serde_json::Value;
 
 pub use bulk::{BulkAction, BulkItem, BulkReport, BulkTarget};
-pub use cancel::CancelRequest;
+pub use cancel::{CancelRequest, CancelSignal};
 pub use dispatch::{DispatchRequest, ReapReport};
 pub use lab::{LabSide, LabState, LabToggle};
 pub use operation::approval_amount;

@@ -1043,6 +1043,9 @@ fn money(minor: i64, currency: &str) -> String {
 pub fn sees(env: &Envelope) -> String {
     let m = &env.model_result;
     if let Some(e) = &m.error {
+        if e.code == Code::InProgress {
+            return format!("{}: still running, retry later with the same key", e.code);
+        }
         let next = match e.recovery {
             Recovery::QueryStatus => "query the status",
             Recovery::RetryAfter => "nothing done, retry later",

@@ -13,6 +13,8 @@ use serde_json::{json, Value};
 
 use crate::support::{Backend, Fixture};
 
+mod harness;
+
 fn toolgate(db: &Path, args: &[&str]) -> Value {
     let out = Command::new(assert_cmd::cargo::cargo_bin("toolgate")).arg("--db").arg(db).args(args).output().unwrap();
     // 1 is a call whose result is a failure or unknown (still an answer); 2 is an error.

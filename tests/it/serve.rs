@@ -371,7 +371,15 @@ fn the_same_key_while_in_flight_is_409_with_retry_after(backend: Backend) {
     // The provider has the request: the sent-marker committed before it was sent.
     provider.received.recv_timeout(Duration::from_secs(60)).unwrap();
     let dup = c.call(&ana, "create_refund", Some("refund-http-held-1"), &args, &[("toolgate-call-id", "call_dup")]);
-    assert_eq!((dup.status, dup.code()), (409, Some("OUTCOME_UNKNOWN")), "{:#}", dup.body);
+    // Running, not unknown (issue 43 §2): IN_PROGRESS, with what a status query needs.
+    assert_eq!((dup.status, dup.code()), (409, Some("IN_PROGRESS")), "{:#}", dup.body);
+    assert_eq!(dup.body["model_result"]["error"]["recovery"], "retry_after", "{:#}", dup.body);
+    assert_eq!(
+        dup.body["model_result"]["error"]["detail"]["status_ref"].as_str(),
+        Some(dup.status_ref()),
+        "{:#}",
+        dup.body
+    );
     assert!(dup.retry_after.as_deref().is_some_and(|s| s.parse::<u64>().is_ok()), "{:?}", dup.retry_after);
     assert_eq!(f.query_i64("SELECT count(*) FROM operations"), 1);
     assert_eq!(f.query_i64("SELECT count(*) FROM attempts"), 1, "the duplicate sent nothing");
@@ -1317,6 +1325,48 @@ fn the_load_generator_through_two_serve_replicas(backend: Backend) {
     assert!(f.query_i64("SELECT count(*) FROM api_tokens WHERE name LIKE 'load-%'") >= 6);
     assert_eq!(a.terminate().code(), Some(0));
     assert_eq!(b.terminate().code(), Some(0));
+}
+
+/// Issue 33 Medium 5: a caller's deadline started when an engine thread took
+/// the call, so calls queued behind slow ones ran up to 27 s late. It counts
+/// from the request's arrival: a new call whose deadline passed in the queue
+/// is TIMEOUT_BEFORE_EXECUTE and not accepted (no operation, nothing sent).
+#[test]
+fn a_deadline_counts_from_arrival_and_a_call_that_spent_it_queued_is_not_accepted() {
+    let f = Fixture::new();
+    f.engine().mark_demo(crate::support::T0).unwrap();
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let server = Server::start(f.path(), &[]);
+    let c = std::sync::Arc::new(Client::new(&server));
+    // Both engine threads busy for 2.5 s.
+    let slow: Vec<_> = (0..2)
+        .map(|i| {
+            let (c, ana) = (c.clone(), ana.clone());
+            std::thread::spawn(move || {
+                let args = refund_args("ord_1001", 100 + i);
+                c.call(
+                    &ana,
+                    "create_refund",
+                    Some(&format!("refund-slow-{i:04}")),
+                    &args,
+                    &[("toolgate-fault", "latency(2500)")],
+                )
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let args = refund_args("ord_1002", 300);
+    let late = c.call(&ana, "create_refund", Some("refund-queued-0001"), &args, &[("toolgate-deadline-ms", "800")]);
+    assert_eq!(late.code(), Some("TIMEOUT_BEFORE_EXECUTE"), "{:#}", late.body);
+    assert_eq!(late.body["model_result"]["execution"]["outcome"], "not_started");
+    for s in slow {
+        assert_eq!(s.join().unwrap().code(), None, "the slow calls succeed");
+    }
+    assert_eq!(f.query_i64("SELECT count(*) FROM operations WHERE idem_key = 'refund-queued-0001'"), 0, "not accepted");
+    assert_eq!(f.query_i64("SELECT count(*) FROM operations"), 2);
+    // The same key later, in time: it runs once.
+    let again = c.call(&ana, "create_refund", Some("refund-queued-0001"), &args, &[]);
+    assert_eq!(again.code(), None, "{:#}", again.body);
 }
 
 /// Issue 33 Medium 9: `load` stopped with exit 2 and no report at the first

@@ -24,6 +24,8 @@
 //! `OUTCOME_UNKNOWN` later (`status_ref`, `request_sha256`, the operation
 //! id); the model-facing content never does.
 
+pub(crate) mod wire;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -47,12 +49,20 @@ use crate::engine::envelope::{Envelope, Status};
 use crate::engine::faults::FaultPlan;
 use crate::engine::projection::QUERY_STATUS_TOOL;
 use crate::engine::tokens::Principal;
-use crate::engine::{DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest};
+use crate::engine::{CancelSignal, DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest};
 
+/// `/mcp` inside `serve`: the grace of a call in flight at shutdown (within
+/// the server's drain timeout).
+const HTTP_GRACE: Duration = Duration::from_secs(3);
+/// Who the operator log names when a stopping server detaches a call.
+const DETACHED_BY: &str = "mcp-shutdown";
+/// Cancellations that may wait for the cancellation lane's engine.
+pub(crate) const LANE_QUEUE: usize = 256;
 /// How often a call in flight reports progress.
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 /// How long a client's cancellation keeps looking for the operation of a
-/// call that has not been accepted yet.
+/// call whose accept is being committed (a call not at its accept yet
+/// cancels itself there, through its [`CancelSignal`]).
 const CANCEL_LOOKUP: Duration = Duration::from_secs(5);
 /// Who the operator log names for a caller's own cancellation.
 const CANCELLED_BY: &str = "mcp-client";
@@ -89,37 +99,98 @@ impl McpError {
     }
 }
 
+/// How `toolgate mcp` runs its session's calls.
+pub struct StdioOptions {
+    /// One engine per call the session runs at once.
+    pub workers: Vec<EngineOptions>,
+    /// The cancellation lane's engine: a client's cancellation never waits
+    /// behind the calls it cancels.
+    pub lane: EngineOptions,
+    /// Calls that may wait for a free engine; more are `SERVER_BUSY`.
+    pub queue: usize,
+    /// At a shutdown, how long a call in flight may take to reach its next
+    /// durable step before it is detached (see [`Gate::stop`]).
+    pub grace: Duration,
+}
+
 /// Serves MCP on standard input and output until the client closes it. The
 /// token is checked once here (a bad one never starts the server) and again
-/// at every call. Two engines (`opts`): a client's cancellation must not
-/// queue behind the call it cancels.
-pub fn serve_stdio(db: &Path, token: &str, opts: [EngineOptions; 2]) -> Result<(), McpError> {
+/// at every call.
+pub fn serve_stdio(db: &Path, token: &str, opts: StdioOptions) -> Result<(), McpError> {
     let authorization = format!("Bearer {token}").into_bytes();
-    let [first, second] = opts;
+    let StdioOptions { workers, lane, queue, grace } = opts;
+    let runtime = |e: std::io::Error| McpError::Runtime(e.to_string());
     // Opened here, on a plain thread, before any runtime exists.
-    let mut engine = Engine::open(db, first)?;
+    let mut engines = Vec::with_capacity(workers.len());
+    for o in workers {
+        engines.push(Engine::open(db, o)?);
+    }
+    let Some(engine) = engines.first_mut() else { return Err(McpError::Runtime("no engine".into())) };
     match engine.authenticate(Some(&authorization))? {
         Ok(Principal::Subject { .. }) => {}
         Ok(Principal::Operator { .. }) => return Err(McpError::OperatorToken),
         Err(f) => return Err(McpError::Token(f.code())),
     }
-    let tools = tools_of(&engine);
-    let second = Engine::open(db, second)?;
-    let pool = Pool::start(vec![engine, second], 64).map_err(|e| McpError::Runtime(e.to_string()))?;
+    let tools = tools_of(engine);
+    let lane = Pool::start(vec![Engine::open(db, lane)?], LANE_QUEUE).map_err(runtime)?;
+    let pool = Pool::start(engines, queue).map_err(runtime)?;
     let session = crate::engine::ids::Ids::default().id("mcps");
-    let gate = Gate { pool: Arc::new(pool), tools, auth: Auth::Fixed(Arc::new(authorization)), demo: false, session };
-    let pool = gate.pool.clone();
+    let gate = Gate {
+        pool: Arc::new(pool),
+        lane: Arc::new(lane),
+        tools,
+        auth: Auth::Fixed(Arc::new(authorization)),
+        demo: false,
+        session,
+        shutdown: tokio_util::sync::CancellationToken::new(),
+        grace,
+    };
+    let (pool, lane) = (gate.pool.clone(), gate.lane.clone());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| McpError::Runtime(e.to_string()))?;
+    let stop = gate.shutdown.clone();
+    let queued = pool.clone();
     let served = rt.block_on(async move {
-        let running = gate.serve(rmcp::transport::stdio()).await.map_err(|e| McpError::Runtime(e.to_string()))?;
-        running.waiting().await.map_err(|e| McpError::Runtime(e.to_string()))?;
+        let runtime = |e: &dyn std::fmt::Display| McpError::Runtime(e.to_string());
+        // SIGTERM or SIGINT (a harness stopping its server: the Python SDK
+        // closes stdin, then sends SIGTERM 2 s later) is a shutdown, as the end
+        // of input is: stop reading, let calls in flight reach their next
+        // durable step within the grace period, start nothing queued.
+        let signalled = crate::api::shutdown_signal().map_err(|e| runtime(&e))?;
+        tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                tokio::select! {
+                    () = signalled => tracing::info!("signal: stopping"),
+                    () = stop.cancelled() => {}
+                }
+                stop.cancel();
+            }
+        });
+        tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                stop.cancelled().await;
+                queued.discard_queued();
+            }
+        });
+        let transport = wire::Stdio::start(stop.clone()).map_err(|e| runtime(&e))?;
+        let running = match gate.serve(transport).await {
+            Ok(r) => r,
+            // Stopped before the client initialized: nothing to serve.
+            Err(_) if stop.is_cancelled() => return Ok(()),
+            Err(e) => return Err(runtime(&e)),
+        };
+        running.waiting().await.map_err(|e| runtime(&e))?;
         Ok::<_, McpError>(())
     });
-    drop(rt);
-    pool.close();
+    rt.shutdown_timeout(Duration::from_millis(500));
+    // The handlers waited out the grace period and detached what still ran:
+    // whatever a thread is still doing is recorded already.
+    pool.close_within(Duration::from_millis(250));
+    lane.close_within(Duration::from_millis(250));
     served
 }
 
@@ -138,13 +209,14 @@ pub(crate) fn tools_of(engine: &Engine) -> Arc<Vec<Tool>> {
 /// is what admits a caller.
 pub(crate) fn http_service(
     pool: Arc<Pool>,
+    lane: Arc<Pool>,
     tools: Arc<Vec<Tool>>,
     demo: bool,
     public: bool,
     ct: tokio_util::sync::CancellationToken,
 ) -> StreamableHttpService<Gate, LocalSessionManager> {
     let mut config = StreamableHttpServerConfig::default()
-        .with_cancellation_token(ct)
+        .with_cancellation_token(ct.clone())
         .with_max_request_body_bytes(crate::api::MAX_BODY_BYTES);
     if public {
         config = config.disable_allowed_hosts();
@@ -152,10 +224,13 @@ pub(crate) fn http_service(
     let factory = move || {
         Ok(Gate {
             pool: pool.clone(),
+            lane: lane.clone(),
             tools: tools.clone(),
             auth: Auth::PerRequest,
             demo,
             session: crate::engine::ids::Ids::default().id("mcph"),
+            shutdown: ct.clone(),
+            grace: HTTP_GRACE,
         })
     };
     StreamableHttpService::new(factory, Arc::new(LocalSessionManager::default()), config)
@@ -197,7 +272,63 @@ fn mcp_tool(c: &Contract) -> Tool {
     };
     let mut tool = Tool::new(c.name.clone(), description, Arc::new(schema));
     tool.annotations = Some(annotations);
+    tool.output_schema = Some(Arc::new(result_schema(Some(&c.output_schema))));
     tool
+}
+
+/// The schema of a call's structured content: the model result, whose
+/// `data` on a success (not a person's resolution) is the contract's output
+/// (`output`; any object when `None`: the status query answers for any tool).
+/// Every result, refusals of the server's own included, has this shape.
+fn result_schema(output: Option<&Value>) -> JsonObject {
+    let recoveries = [
+        "correct_input",
+        "none",
+        "request_authorization",
+        "human_review",
+        "request_approval",
+        "retry_after",
+        "query_status",
+    ];
+    let error = json!({
+        "type": "object",
+        "required": ["code", "category", "recovery", "retryable", "message"],
+        "additionalProperties": false,
+        "properties": {
+            "code": {"type": "string"},
+            "category": {"type": "string"},
+            "recovery": {"enum": recoveries},
+            "retryable": {"type": "boolean"},
+            "retry_after_ms": {"type": ["integer", "null"], "minimum": 0},
+            "message": {"type": "string"},
+            "detail": {},
+        },
+    });
+    let schema = json!({
+        "type": "object",
+        "required": ["status", "data", "error", "execution"],
+        "additionalProperties": false,
+        "properties": {
+            "status": {"enum": ["succeeded", "failed", "unknown"]},
+            "data": {"type": ["object", "null"]},
+            "error": {"anyOf": [{"type": "null"}, error]},
+            "execution": {
+                "type": "object",
+                "required": ["outcome", "delivery"],
+                "additionalProperties": false,
+                "properties": {
+                    "outcome": {"enum": ["committed", "not_started", "unknown"]},
+                    "delivery": {"enum": ["fresh", "local_replay", "receipt_reconciled", "human_resolved"]},
+                },
+            },
+        },
+        "if": {"properties": {
+            "status": {"const": "succeeded"},
+            "execution": {"properties": {"delivery": {"not": {"const": "human_resolved"}}}},
+        }},
+        "then": {"properties": {"data": output.cloned().unwrap_or_else(|| json!({"type": "object"}))}},
+    });
+    schema.as_object().cloned().unwrap_or_default()
 }
 
 const KEY_DESCRIPTION: &str =
@@ -224,6 +355,7 @@ fn query_tool() -> Tool {
         Arc::new(schema),
     );
     tool.annotations = Some(ToolAnnotations::new().read_only(true));
+    tool.output_schema = Some(Arc::new(result_schema(None)));
     tool
 }
 
@@ -240,6 +372,9 @@ enum Auth {
 #[derive(Clone)]
 pub(crate) struct Gate {
     pool: Arc<Pool>,
+    /// Cancellations only, on an engine of their own: a cancellation never
+    /// queues behind the calls (possibly the very one) it cancels.
+    lane: Arc<Pool>,
     tools: Arc<Vec<Tool>>,
     auth: Auth,
     /// A demo ledger behind HTTP: a request's `Toolgate-Fault` header is
@@ -248,6 +383,12 @@ pub(crate) struct Gate {
     demo: bool,
     /// The call identity's `response_id` when the transport has no session id.
     session: String,
+    /// The server is stopping (stdio: a signal or the end of input; HTTP:
+    /// `serve`'s shutdown): a call's request ending now is not its client's
+    /// cancellation.
+    shutdown: tokio_util::sync::CancellationToken,
+    /// How long a call in flight may run on once the server is stopping.
+    grace: Duration,
 }
 
 /// A failure of the server's own (a refused token, a busy engine), in the
@@ -279,6 +420,81 @@ fn result_of(env: &Envelope) -> CallToolResult {
         r.meta = Some(MetaObject(meta));
     }
     r
+}
+
+/// An environment failure: the ledger is the truth, the outcome unknown to
+/// us; a retry with the same key is safe.
+fn environment(e: &EngineError) -> CallToolResult {
+    let env = crate::api::status::envelope_json(
+        e.code(),
+        "environment",
+        "retry_after",
+        crate::api::status::INTERNAL.message,
+        Some(1000),
+        true,
+    );
+    CallToolResult::structured_error(env["model_result"].clone())
+}
+
+/// One `tools/call`, ready to run on an engine (by a worker, or by the
+/// cancellation lane when its client cancelled it before its accept).
+struct Prepared {
+    authorization: Vec<u8>,
+    name: String,
+    args: JsonObject,
+    key: Option<String>,
+    call: CallIdentity,
+    /// A demo ledger's `Toolgate-Fault` header (checked by the server before rmcp saw it).
+    faults: Option<String>,
+}
+
+impl Prepared {
+    fn run(&self, e: &mut Engine, signal: &CancelSignal) -> Result<CallToolResult, EngineError> {
+        let (tenant, subject, token_id) = match e.authenticate(Some(&self.authorization))? {
+            Ok(Principal::Subject { tenant, subject, token_id }) => (tenant, subject, token_id),
+            Ok(Principal::Operator { .. }) => {
+                let c = crate::api::status::SUBJECT_TOKEN_REQUIRED;
+                return Ok(refusal(c.code, c.category, c.recovery, c.message));
+            }
+            Err(f) => return Ok(refusal(f.code(), "authentication", "request_authorization", f.message())),
+        };
+        let text = |k: &str| match self.args.get(k) {
+            Some(Value::String(s)) => s.clone(),
+            _ => String::new(),
+        };
+        let env = if self.name == QUERY_STATUS_TOOL {
+            e.query_operation_status(&QueryRequest {
+                tenant,
+                subject,
+                status_ref: text("status_ref"),
+                expected_request_sha256: text("expected_request_sha256"),
+                idempotency_key: None,
+                call: Some(self.call.clone()),
+                operator: None,
+            })?
+        } else {
+            let arguments = serde_json::to_vec(&self.args).unwrap_or_default();
+            if let Some(f) = self.faults.as_deref().and_then(|spec| FaultPlan::parse(spec).ok()) {
+                e.set_faults(f);
+            }
+            let note = format!("notifications/cancelled from the caller {subject}");
+            let req = DispatchRequest {
+                tenant,
+                subject,
+                tool: self.name.clone(),
+                arguments,
+                idempotency_key: self.key.clone(),
+                call: Some(self.call.clone()),
+                approval_id: None,
+                deadline_ms: None,
+                token_id: Some(token_id),
+            };
+            let env = e.dispatch_cancellable(&req, signal, CANCELLED_BY, &note);
+            e.set_faults(FaultPlan::none());
+            env?
+        };
+        Ok(result_of(&env))
+    }
 }
 
 /// What the client's `notifications/cancelled` did.
@@ -323,7 +539,6 @@ impl Gate {
             Ok(v) => v.to_string(),
             Err(_) => String::new(),
         };
-        let authorization = Arc::new(self.authorization(ctx));
         let call = CallIdentity {
             provider: "mcp".into(),
             api_family: "tools/call".into(),
@@ -336,7 +551,7 @@ impl Gate {
                 .get::<Parts>()
                 .and_then(|p| p.headers.get("toolgate-fault"))
                 .and_then(|v| v.to_str().ok())
-                .and_then(|spec| FaultPlan::parse(spec).ok())
+                .map(str::to_string)
         } else {
             None
         };
@@ -348,56 +563,15 @@ impl Gate {
             Some(Value::String(_)) => args.remove(KEY_ARGUMENT).and_then(|v| v.as_str().map(str::to_string)),
             _ => None,
         };
-        let job = {
-            let (authorization, name, key) = (authorization.clone(), name.clone(), key.clone());
-            move |e: &mut Engine| -> Result<CallToolResult, EngineError> {
-                let (tenant, subject, token_id) = match e.authenticate(Some(&authorization))? {
-                    Ok(Principal::Subject { tenant, subject, token_id }) => (tenant, subject, token_id),
-                    Ok(Principal::Operator { .. }) => {
-                        let c = crate::api::status::SUBJECT_TOKEN_REQUIRED;
-                        return Ok(refusal(c.code, c.category, c.recovery, c.message));
-                    }
-                    Err(f) => return Ok(refusal(f.code(), "authentication", "request_authorization", f.message())),
-                };
-                let text = |v: Option<Value>| match v {
-                    Some(Value::String(s)) => s,
-                    _ => String::new(),
-                };
-                let env = if name == QUERY_STATUS_TOOL {
-                    e.query_operation_status(&QueryRequest {
-                        tenant,
-                        subject,
-                        status_ref: text(args.remove("status_ref")),
-                        expected_request_sha256: text(args.remove("expected_request_sha256")),
-                        idempotency_key: None,
-                        call: Some(call),
-                        operator: None,
-                    })?
-                } else {
-                    let arguments = serde_json::to_vec(&args).unwrap_or_default();
-                    if let Some(f) = faults {
-                        e.set_faults(f);
-                    }
-                    let env = e.dispatch(&DispatchRequest {
-                        tenant,
-                        subject,
-                        tool: name,
-                        arguments,
-                        idempotency_key: key,
-                        call: Some(call),
-                        approval_id: None,
-                        deadline_ms: None,
-                        token_id: Some(token_id),
-                    });
-                    e.set_faults(FaultPlan::none());
-                    env?
-                };
-                Ok(result_of(&env))
-            }
-        };
+        let prepared = Arc::new(Prepared { authorization: self.authorization(ctx), name, args, key, call, faults });
+        let signal = CancelSignal::default();
         let busy = || {
             let c = crate::api::status::SERVER_BUSY;
             refusal(c.code, c.category, c.recovery, c.message)
+        };
+        let job = {
+            let (prepared, signal) = (prepared.clone(), signal.clone());
+            move |e: &mut Engine| prepared.run(e, &signal)
         };
         let Ok(mut answer) = self.pool.submit(job) else { return busy() };
         // While the engine works: progress for a client that asked for it,
@@ -409,6 +583,7 @@ impl Gate {
         let answered = loop {
             tokio::select! {
                 a = &mut answer => break Some(a),
+                () = self.shutdown.cancelled() => break None,
                 () = ctx.ct.cancelled() => break None,
                 _ = tick.tick(), if progress.is_some() => {
                     if let Some(token) = progress.clone() {
@@ -421,43 +596,54 @@ impl Gate {
             }
         };
         let Some(answered) = answered else {
-            let key = key.filter(|_| name != QUERY_STATUS_TOOL);
-            return self.cancel(authorization, name, key, answer).await;
+            if self.shutdown.is_cancelled() {
+                return self.stop(prepared, answer).await;
+            }
+            return self.cancel(&signal, prepared, answer).await;
         };
         match answered {
             Ok(Ok(r)) => r,
-            // An environment failure: the ledger is the truth, the outcome
-            // unknown to us; a retry with the same key is safe.
-            Ok(Err(e)) => {
-                let env = crate::api::status::envelope_json(
-                    e.code(),
-                    "environment",
-                    "retry_after",
-                    crate::api::status::INTERNAL.message,
-                    Some(1000),
-                    true,
-                );
-                CallToolResult::structured_error(env["model_result"].clone())
-            }
+            Ok(Err(e)) => environment(&e),
             Err(_) => busy(),
         }
     }
 
-    /// The client cancelled its call: cancel the operation its key names, as
-    /// soon as there is one, unless the call finishes first. The client
-    /// expects no answer to a cancelled request (rmcp drops it); the result
-    /// says what happened, for the logs.
+    /// The client cancelled its call. A call that has not reached its accept
+    /// (still queued for an engine, or checking its arguments) is settled at
+    /// once on the cancellation lane: accepted and cancelled in one
+    /// transaction (`CANCELLED`, no effect, in the operator log as the
+    /// client's), so when its queued job runs it only replays that. A call
+    /// past its accept has its operation cancelled on the lane (after send:
+    /// the unknown path), unless it finishes first. The client expects no
+    /// answer to a cancelled request (rmcp drops it); the result says what
+    /// happened, for the logs.
     async fn cancel(
         &self,
-        authorization: Arc<Vec<u8>>,
-        tool: String,
-        key: Option<String>,
+        signal: &CancelSignal,
+        prepared: Arc<Prepared>,
         mut answer: tokio::sync::oneshot::Receiver<Result<CallToolResult, EngineError>>,
     ) -> CallToolResult {
-        let Some(key) = key else { return self.finish(answer).await };
+        let Some(key) = prepared.key.clone().filter(|_| prepared.name != QUERY_STATUS_TOOL) else {
+            return self.finish(answer).await;
+        };
+        if signal.cancel() {
+            tracing::info!("MCP call cancelled by its client before its accept");
+            let job = {
+                let (prepared, signal) = (prepared.clone(), signal.clone());
+                move |e: &mut Engine| prepared.run(e, &signal)
+            };
+            return match self.lane.submit(job) {
+                Ok(rx) => match rx.await {
+                    Ok(Ok(r)) => r,
+                    Ok(Err(e)) => environment(&e),
+                    Err(_) => self.finish(answer).await,
+                },
+                Err(_) => self.finish(answer).await,
+            };
+        }
         let started = tokio::time::Instant::now();
         loop {
-            let (authorization, tool, key) = (authorization.clone(), tool.clone(), key.clone());
+            let (authorization, tool, key) = (prepared.authorization.clone(), prepared.name.clone(), key.clone());
             let job = move |e: &mut Engine| -> Result<Cancelled, EngineError> {
                 let Ok(Principal::Subject { tenant, subject, .. }) = e.authenticate(Some(&authorization))? else {
                     return Ok(Cancelled::Nothing);
@@ -468,7 +654,7 @@ impl Gate {
                     None => Cancelled::NotYet,
                 })
             };
-            let done = match self.pool.submit(job) {
+            let done = match self.lane.submit(job) {
                 Ok(rx) => rx.await.ok(),
                 Err(_) => None,
             };
@@ -482,7 +668,7 @@ impl Gate {
                 Some(Ok(Cancelled::NotYet)) => {}
                 None => tracing::warn!("MCP cancellation: engine busy"),
             }
-            // Not accepted yet: wait a little for the call (or its end).
+            // Its accept is being committed: look again in a moment (or take its end).
             if let Ok(done) = tokio::time::timeout(Duration::from_millis(50), &mut answer).await {
                 return done.ok().and_then(Result::ok).unwrap_or_else(|| {
                     let c = crate::api::status::INTERNAL;
@@ -493,6 +679,50 @@ impl Gate {
                 return self.finish(answer).await;
             }
         }
+    }
+
+    /// The server is stopping while this call runs: its answer if it comes
+    /// within the grace period (a call still queued is never started: the
+    /// pool drops it); else the call is detached: its operation leaves
+    /// `in_flight` now, through the cancellation path (before send:
+    /// `CANCELLED`; after send: the unknown queue, settled by a status query),
+    /// recorded in the operator log under `mcp-shutdown`, so nothing is left
+    /// in flight for a lease expiry and a reap to find.
+    async fn stop(
+        &self,
+        prepared: Arc<Prepared>,
+        mut answer: tokio::sync::oneshot::Receiver<Result<CallToolResult, EngineError>>,
+    ) -> CallToolResult {
+        let nothing_done = || {
+            let c = crate::api::status::SERVER_BUSY;
+            refusal(c.code, c.category, c.recovery, c.message)
+        };
+        match tokio::time::timeout(self.grace, &mut answer).await {
+            Ok(Ok(Ok(r))) => return r,
+            Ok(Ok(Err(e))) => return environment(&e),
+            Ok(Err(_)) => return nothing_done(),
+            Err(_) => {}
+        }
+        let Some(key) = prepared.key.clone().filter(|_| prepared.name != QUERY_STATUS_TOOL) else {
+            return nothing_done();
+        };
+        let (authorization, tool) = (prepared.authorization.clone(), prepared.name.clone());
+        let job = move |e: &mut Engine| -> Result<Option<String>, EngineError> {
+            let Ok(Principal::Subject { tenant, subject, .. }) = e.authenticate(Some(&authorization))? else {
+                return Ok(None);
+            };
+            let note = "the MCP server stopped (a signal or the end of its input) before the call finished";
+            Ok(e.cancel_own_call(&tenant, &subject, &tool, &key, DETACHED_BY, note)?.map(|o| o.code))
+        };
+        let detached = match self.lane.submit(job) {
+            Ok(rx) => rx.await.ok(),
+            Err(_) => None,
+        };
+        tracing::warn!(?detached, "MCP call detached at shutdown");
+        let c = crate::engine::envelope::Code::OutcomeUnknown;
+        let (category, _, _) = c.catalog();
+        let env = crate::api::status::envelope_json(c.as_str(), category, "query_status", c.message(), None, true);
+        CallToolResult::structured_error(env["model_result"].clone())
     }
 
     /// The call's own answer, whenever the engine gives it.
