@@ -405,6 +405,11 @@ async fn one_of_each_identity_header(req: Request<Body>, next: axum::middleware:
     if h.keys().any(|name| names_an_identity(name.as_str()) && h.get_all(name).iter().nth(1).is_some()) {
         return refuse(status::DUPLICATE_HEADER);
     }
+    // An identity header is text: bytes that are not UTF-8 would be read
+    // lossily, and two different byte strings would become one call id.
+    if h.iter().any(|(name, v)| names_an_identity(name.as_str()) && std::str::from_utf8(v.as_bytes()).is_err()) {
+        return refuse(status::INVALID_HEADER);
+    }
     next.run(req).await
 }
 
@@ -675,12 +680,18 @@ async fn read_body(headers: &HeaderMap, body: Body, empty_ok: bool) -> Result<By
 fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Response> {
     let bytes: &[u8] = if bytes.is_empty() { b"{}" } else { bytes };
     let value = parse_strict(bytes, MAX_BODY_BYTES, MAX_DEPTH).map_err(|_| refuse(status::INVALID_BODY))?;
+    // Bodies are objects: serde would also fill a struct from an array by
+    // position (`["compensated", "note"]` resolved an operation).
+    if !value.is_object() {
+        return Err(refuse(status::INVALID_BODY));
+    }
     serde_json::from_value(value).map_err(|_| refuse(status::INVALID_BODY))
 }
 
 fn header_text(headers: &HeaderMap, name: &str) -> Option<String> {
-    // Lossy on purpose: the engine checks every part (length, control
-    // characters) and refuses with its own code, so a bad byte is not lost.
+    // Identity headers that are not UTF-8 were refused before any route
+    // (`one_of_each_identity_header`); the engine checks every part (length,
+    // control characters) and refuses with its own code.
     headers.get(name).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
 }
 

@@ -565,6 +565,36 @@ fn an_identity_header_sent_twice_is_refused_and_changes_nothing(backend: Backend
         let a = c.send("POST", path, Some(&ana), &headers, Some(args.as_bytes()));
         assert_eq!((a.status, a.code()), (400, Some("DUPLICATE_HEADER")), "{what}: {:?}", a.body);
     }
+    // Issue 33 Low: bytes that are not UTF-8 in an identity header were read
+    // lossily (two byte strings, one call id): refused.
+    for bad in [&b"call-\xff"[..], &b"call-\xfe"[..]] {
+        use std::io::Write as _;
+        let addr = server.url.trim_start_matches("http://");
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        let mut req = format!(
+            "POST {path} HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer {ana}\r\ncontent-type: application/json\r\nidempotency-key: bad-bytes-key-1\r\ncontent-length: {}\r\ntoolgate-call-id: ",
+            args.len()
+        )
+        .into_bytes();
+        req.extend_from_slice(bad);
+        req.extend_from_slice(b"\r\nconnection: close\r\n\r\n");
+        req.extend_from_slice(args.as_bytes());
+        s.write_all(&req).unwrap();
+        let mut answer = String::new();
+        std::io::Read::read_to_string(&mut s, &mut answer).unwrap();
+        assert!(answer.starts_with("HTTP/1.1 400") && answer.contains("INVALID_HEADER"), "{answer}");
+    }
+    // Issue 33 Low: bodies are objects (an array was read by position, and
+    // `["compensated", "note"]` resolved an operation).
+    let kim = operator_token(f.path(), "kim");
+    let positional = c.send(
+        "POST",
+        "/v1/operations/op_000000000000000000000000/resolve",
+        Some(&kim),
+        &[json],
+        Some(br#"["compensated", "a note"]"#),
+    );
+    assert_eq!((positional.status, positional.code()), (400, Some("INVALID_BODY")), "{:?}", positional.body);
     let mut e = f.engine();
     assert!(e.list_operations(None, 10).unwrap().is_empty(), "nothing accepted");
     assert_eq!(effects(&f), 0);
