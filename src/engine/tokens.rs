@@ -277,13 +277,73 @@ impl Engine {
             }
         };
         if let Err(f) = verdict {
-            let mut ev = TraceEvent::step("authentication");
-            ev.reason = Some(f.reason());
             let now = self.clock.now_ms();
-            // A refusal changes no state: only how it was answered is recorded.
-            self.store.write_relaxed(|tx| ev.write(tx, now))?;
+            // Counted in memory (every one, for the metrics); a sample of at
+            // most one a second reaches the ledger, saying how many it stands
+            // for: a flood of bad tokens must not grow the ledger.
+            if let Some(since) = AUTH_REFUSALS.count(f, now) {
+                let mut ev = TraceEvent::step("authentication");
+                ev.reason = Some(f.reason());
+                ev.note = Some(format!("sampled: {since} refusal(s) in this process since the last sample"));
+                // A refusal changes no state: only how it was answered is recorded.
+                self.store.write_relaxed(|tx| ev.write(tx, now))?;
+            }
         }
         Ok(verdict)
+    }
+}
+
+/// This process's authentication refusals: counted by reason in memory
+/// (`toolgate_auth_refusals_total`), sampled into the ledger's trace at most
+/// once per [`AuthRefusals::SAMPLE_MS`].
+#[derive(Debug, Default)]
+pub struct AuthRefusals {
+    by_reason: [std::sync::atomic::AtomicU64; 5],
+    since_sample: std::sync::atomic::AtomicU64,
+    last_sample_ms: std::sync::atomic::AtomicI64,
+}
+
+/// The process's refusal counters.
+pub static AUTH_REFUSALS: AuthRefusals = AuthRefusals {
+    by_reason: [const { std::sync::atomic::AtomicU64::new(0) }; 5],
+    since_sample: std::sync::atomic::AtomicU64::new(0),
+    last_sample_ms: std::sync::atomic::AtomicI64::new(i64::MIN),
+};
+
+impl AuthRefusals {
+    /// At most one sampled trace row per this many milliseconds.
+    pub const SAMPLE_MS: i64 = 1_000;
+    const ALL: [AuthFailure; 5] = [
+        AuthFailure::Missing,
+        AuthFailure::Malformed,
+        AuthFailure::Unknown,
+        AuthFailure::Expired,
+        AuthFailure::Revoked,
+    ];
+
+    /// Counts a refusal; `Some(n)` when this one is to be sampled into the
+    /// ledger (n: the refusals it stands for, itself included).
+    fn count(&self, f: AuthFailure, now: i64) -> Option<u64> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let i = Self::ALL.iter().position(|x| *x == f).unwrap_or(0);
+        self.by_reason[i].fetch_add(1, SeqCst);
+        self.since_sample.fetch_add(1, SeqCst);
+        let last = self.last_sample_ms.load(SeqCst);
+        if now.saturating_sub(last) < Self::SAMPLE_MS
+            || self.last_sample_ms.compare_exchange(last, now, SeqCst, SeqCst).is_err()
+        {
+            return None;
+        }
+        Some(self.since_sample.swap(0, SeqCst))
+    }
+
+    /// (reason, refusals) since the process started.
+    pub fn totals(&self) -> Vec<(&'static str, u64)> {
+        Self::ALL
+            .iter()
+            .zip(&self.by_reason)
+            .map(|(f, n)| (f.reason(), n.load(std::sync::atomic::Ordering::SeqCst)))
+            .collect()
     }
 }
 

@@ -743,6 +743,23 @@ pub fn snapshot(engine: &mut Engine, window: Window, slice: &Slice) -> Result<Me
         samples,
     });
 
+    // This process's authentication refusals: counted in memory, not in the
+    // ledger (a flood of bad tokens is sampled there at most once a second).
+    families.push(Family {
+        name: "toolgate_auth_refusals_total",
+        help: "Requests refused for their token (missing, malformed, unknown, expired, revoked), by this process since it started.",
+        kind: Kind::Counter,
+        samples: crate::engine::tokens::AUTH_REFUSALS
+            .totals()
+            .into_iter()
+            .map(|(reason, n)| Sample {
+                labels: [("reason", reason.to_string())].into_iter().collect(),
+                value: n as f64,
+                histogram: None,
+            })
+            .collect(),
+    });
+
     // The window: rates per bucket and percentiles.
     let buckets = (window.span_minutes / window.bucket_minutes).max(1) as usize;
     let mut rates: Vec<Rate> =
