@@ -182,7 +182,8 @@ pub(crate) fn cancel_in(
         })
     };
     let refuse = |code: &str, why: String| -> Result<OperatorOutcome, StoreError> {
-        audit(false, &why, &json!({"seen_version": r.seen_version, "current": snapshot}))?;
+        // The operator's own note is kept with the refusal: what they meant to do.
+        audit(false, &why, &json!({"seen_version": r.seen_version, "current": snapshot, "note": r.note}))?;
         if let Some(op) = &cur {
             let mut t = TraceEvent::of_operation("cancel", op, salt, now);
             t.note = Some(format!("refused: {}", code.to_ascii_lowercase()));

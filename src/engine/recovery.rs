@@ -753,7 +753,7 @@ impl Engine {
                     Some(approval_id),
                     false,
                     why,
-                    &json!({}),
+                    &json!({"note": note}),
                 ))?;
                 Ok(refused(code, why, None, Some(approval_id)))
             };
@@ -905,6 +905,7 @@ impl Engine {
             let refuse = |code: &str, why: String| -> Result<OperatorOutcome, StoreError> {
                 let ev = json!({
                     "seen_version": r.seen_version, "current": snapshot, "resolution": r.resolution.as_str(), "evidence": r.evidence,
+                    "note": r.note,
                     "provider_evidence": provider.as_ref().map(|(seen, _)| seen),
                 });
                 let op_exists = cur.is_some();

@@ -2296,3 +2296,32 @@ fn status_messages_are_cut_with_an_ellipsis_expire_and_stay_in_the_message_log()
     press(&mut app, KeyCode::Esc);
     assert_eq!(app.mode, Mode::Normal);
 }
+
+/// Issue 32 §2: at 80 columns the Audit pane dropped its result column and a
+/// refused action looked like an applied one.
+#[test]
+fn a_refused_action_is_told_apart_in_the_audit_pane_at_80_columns() {
+    let mut d = demo();
+    let op = d.engine.list_operations(Some(toolgate::store::OpState::Unknown), 1).unwrap()[0].id.clone();
+    let out = d
+        .engine
+        .resolve(&toolgate::engine::ResolveRequest {
+            operation_id: op,
+            resolution: Resolution::Failed,
+            operator: "kim".into(),
+            note: " ".into(),
+            evidence: None,
+            seen_version: None,
+            action_id: None,
+            no_evidence: false,
+        })
+        .unwrap();
+    assert!(!out.applied);
+    let app = app_on(&mut d, Pane::Audit, 80, 24);
+    let screen = text(&draw(&app, 80, 24));
+    assert!(!screen.contains("result"), "the result column is dropped at 80 columns:\n{screen}");
+    assert!(screen.contains("✗resolve"), "the refused resolve is marked:\n{screen}");
+    let wide = app_on(&mut d, Pane::Audit, 140, 40);
+    let screen = text(&draw(&wide, 140, 40));
+    assert!(screen.contains("refused") && !screen.contains("✗resolve"), "{screen}");
+}

@@ -239,6 +239,15 @@ fn human_resolution_needs_a_note_evidence_and_a_fresh_snapshot(backend: Backend)
     // receipt window (attempt timeout + receipt_visible_within_ms).
     let early = e.resolve(&req(Resolution::Failed, "provider has no record", None, Some(seen))).unwrap();
     assert_eq!(early.code, "RECEIPT_MAY_STILL_APPEAR", "{early:?}");
+    // The refusal's log entry keeps what the operator wrote (issue 32 §2).
+    let refusal = e
+        .audit_log(100)
+        .unwrap()
+        .into_iter()
+        .find(|a| a.result == "refused" && a.reason.contains("receipts can take"))
+        .unwrap();
+    let evidence: serde_json::Value = serde_json::from_str(&refusal.evidence).unwrap();
+    assert_eq!(evidence["note"], "provider has no record", "{evidence}");
     fx.clock.advance(66_000);
     let ok = e.resolve(&req(Resolution::Failed, "provider has no record", None, Some(seen))).unwrap();
     assert!(ok.applied, "{ok:?}");

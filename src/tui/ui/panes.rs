@@ -405,15 +405,23 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let id_w = widen_id(&mut widths, area.width, &[0, 4], 5);
     // Actors are ids too (a provider subject, `pr_…`).
     let actor_w = widen_id(&mut widths, area.width, &[0, 4], 2);
+    // Where the result column does not fit (80 columns), the action says it:
+    // a refused action is marked and coloured, never shown like an applied one.
+    let result_shown = kept(&widths, area.width, &[0, 4]).get(4).copied().unwrap_or(true);
     let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|r| {
             let res = if r.result == "applied" { t.ok() } else { t.bad() };
+            let action = if result_shown || r.result == "applied" {
+                Cell::from(short(&r.action, 8))
+            } else {
+                Cell::from(Span::styled(short(&format!("✗{}", r.action), 8), res))
+            };
             vec![
                 Cell::from(r.seq.to_string()),
                 Cell::from(when(r.at, app.now_ms)),
                 Cell::from(short(&r.actor, actor_w)),
-                Cell::from(short(&r.action, 8)),
+                action,
                 Cell::from(Span::styled(short(&r.result, 8), res)),
                 Cell::from(short(r.operation_id.as_deref().or(r.approval_id.as_deref()).unwrap_or("-"), id_w)),
                 Cell::from(short(&r.reason, 40)),
