@@ -313,15 +313,19 @@ pub enum Command {
 #[derive(Debug, Subcommand)]
 pub enum TokenCommand {
     /// Make a token for a subject (`--tenant T --subject S`) or, with the
-    /// global `--operator NAME`, for an operator. The token is printed once:
-    /// the ledger keeps only a digest of it.
+    /// global `--operator NAME`, for an operator in some tenants (`--tenant
+    /// T`, repeatable) or in every tenant (`--all-tenants`, said explicitly).
+    /// The token is printed once: the ledger keeps only a digest of it.
     Create {
-        /// Tenant of the subject.
-        #[arg(long, requires = "subject")]
-        tenant: Option<String>,
+        /// Tenant of the subject; for an operator, a tenant it may act in (repeatable).
+        #[arg(long)]
+        tenant: Vec<String>,
         /// Subject the token acts for.
         #[arg(long, requires = "tenant")]
         subject: Option<String>,
+        /// An operator token for every tenant (instead of `--tenant`).
+        #[arg(long, conflicts_with_all = ["tenant", "subject"])]
+        all_tenants: bool,
         /// A label shown in `token list`.
         #[arg(long)]
         name: Option<String>,
@@ -1972,15 +1976,22 @@ fn print_detail(d: &crate::engine::OperationDetail) {
 fn token_command(cli: &Cli, what: &TokenCommand) -> Result<i32, CliError> {
     use crate::engine::tokens::TokenFor;
     match what {
-        TokenCommand::Create { tenant, subject, name, expires, json } => {
+        TokenCommand::Create { tenant, subject, all_tenants, name, expires, json } => {
             refuse_read_only(cli)?;
-            let who = match (tenant, subject, &cli.operator) {
-                (Some(t), Some(s), None) => TokenFor::Subject { tenant: t.clone(), subject: s.clone() },
-                (None, None, Some(o)) => TokenFor::Operator(o.clone()),
+            let who = match (tenant.as_slice(), subject, &cli.operator, all_tenants) {
+                ([t], Some(s), None, false) => TokenFor::Subject { tenant: t.clone(), subject: s.clone() },
+                ([], None, Some(o), true) => TokenFor::Operator { operator: o.clone(), tenants: None },
+                ([_, ..], None, Some(o), false) => TokenFor::Operator { operator: o.clone(), tenants: Some(tenant.clone()) },
+                ([], None, Some(_), false) => {
+                    return Err(CliError::new(
+                        "USAGE",
+                        "an operator token names the tenants it may act in (--tenant T, repeatable) or says --all-tenants",
+                    ))
+                }
                 _ => {
                     return Err(CliError::new(
                         "USAGE",
-                        "give either --tenant T --subject S (an agent's token) or --operator NAME (an operator's), not both",
+                        "give either --tenant T --subject S (an agent's token) or --operator NAME with --tenant T... or --all-tenants (an operator's), not both",
                     ))
                 }
             };
@@ -2022,9 +2033,13 @@ fn token_command(cli: &Cli, what: &TokenCommand) -> Result<i32, CliError> {
                     .iter()
                     .map(|r| {
                         json!({"id": r.id, "prefix": r.prefix, "kind": r.kind, "tenant": r.tenant, "subject": r.subject,
-                            "operator": r.operator, "name": r.name, "created_at": rfc3339(r.created_at),
-                            "expires_at": r.expires_at.map(rfc3339), "revoked_at": r.revoked_at.map(rfc3339),
-                            "state": state(r)})
+                        "operator": r.operator, "name": r.name, "created_at": rfc3339(r.created_at),
+                        "expires_at": r.expires_at.map(rfc3339), "revoked_at": r.revoked_at.map(rfc3339),
+                        "state": state(r),
+                        "operator_tenants": (r.kind == "operator").then(|| match &r.operator_tenants {
+                            None => json!("all"),
+                            Some(t) => json!(t.split(',').collect::<Vec<_>>()),
+                        })})
                     })
                     .collect();
                 print_json(&json!({"tokens": list}));
@@ -2035,7 +2050,10 @@ fn token_command(cli: &Cli, what: &TokenCommand) -> Result<i32, CliError> {
                 for r in &rows {
                     let who = match (&r.tenant, &r.subject, &r.operator) {
                         (Some(t), Some(s), _) => format!("{t}/{s}"),
-                        (_, _, Some(o)) => o.clone(),
+                        (_, _, Some(o)) => match &r.operator_tenants {
+                            None => format!("{o} (all tenants)"),
+                            Some(t) => format!("{o} ({t})"),
+                        },
                         _ => "?".into(),
                     };
                     outln!(

@@ -636,11 +636,22 @@ async fn subject_of(app: &App, headers: &HeaderMap) -> Result<(String, String), 
     }
 }
 
-async fn operator_of(app: &App, headers: &HeaderMap) -> Result<String, Response> {
+/// The operator a request acts as, and the tenants its token may reach
+/// (`None`: every tenant).
+async fn operator_of(app: &App, headers: &HeaderMap) -> Result<(String, Option<Vec<String>>), Response> {
     match authenticate(app, headers).await? {
-        Principal::Operator { operator, .. } => Ok(operator),
+        Principal::Operator { operator, tenants, .. } => Ok((operator, tenants)),
         Principal::Subject { .. } => Err(refuse(status::OPERATOR_TOKEN_REQUIRED)),
     }
+}
+
+/// Runs `f` with the engine limited to a token's tenants: another tenant's
+/// operation or approval is then answered as one that does not exist.
+fn scoped<T>(e: &mut Engine, tenants: Option<Vec<String>>, f: impl FnOnce(&mut Engine) -> T) -> T {
+    e.set_operator_scope(tenants);
+    let out = f(e);
+    e.set_operator_scope(None);
+    out
 }
 
 fn is_json(headers: &HeaderMap) -> bool {
@@ -918,13 +929,15 @@ async fn get_operation(
 ) -> Response {
     reply(
         async move {
-            let scope = match authenticate(&app, &headers).await? {
-                Principal::Subject { tenant, subject, .. } => Some((tenant, subject)),
-                Principal::Operator { .. } => None,
+            let (scope, tenants) = match authenticate(&app, &headers).await? {
+                Principal::Subject { tenant, subject, .. } => (Some((tenant, subject)), None),
+                Principal::Operator { tenants, .. } => (None, tenants),
             };
             let id = path_param(id)?;
             let found = on_engine(&app, move |e| {
-                let env = e.caller_operation(&id, scope.as_ref().map(|(t, s)| (t.as_str(), s.as_str())))?;
+                let env = scoped(e, tenants, |e| {
+                    e.caller_operation(&id, scope.as_ref().map(|(t, s)| (t.as_str(), s.as_str())))
+                })?;
                 let state = match &env {
                     Some(env) if env.code() == Some(Code::OutcomeUnknown) => env
                         .protected_audit
@@ -952,10 +965,10 @@ async fn get_operation(
 async fn list_approvals(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     reply(
         async move {
-            operator_of(&app, &headers).await?;
-            let listed = on_engine(&app, |e| {
+            let (_, tenants) = operator_of(&app, &headers).await?;
+            let listed = on_engine(&app, move |e| {
                 let now = e.clock().now_ms();
-                e.pending_approvals(1000).map(|rows| {
+                scoped(e, tenants, |e| e.pending_approvals(1000)).map(|rows| {
                     rows.iter()
                         .map(|a| {
                             json!({
@@ -991,10 +1004,10 @@ async fn approve(
 ) -> Response {
     reply(
         async move {
-            let operator = operator_of(&app, &headers).await?;
+            let (operator, tenants) = operator_of(&app, &headers).await?;
             let id = path_param(id)?;
             let _: Empty = parse_body(&read_body(&headers, body, true).await?)?;
-            match on_engine(&app, move |e| e.approve(&id, &operator)).await? {
+            match on_engine(&app, move |e| scoped(e, tenants, |e| e.approve(&id, &operator))).await? {
                 Ok(env) => Ok(envelope_reply(&env, None, None)),
                 Err(e) => Err(engine_failure(&e)),
             }
@@ -1017,10 +1030,10 @@ async fn deny(
 ) -> Response {
     reply(
         async move {
-            let operator = operator_of(&app, &headers).await?;
+            let (operator, tenants) = operator_of(&app, &headers).await?;
             let id = path_param(id)?;
             let b: DenyBody = parse_body(&read_body(&headers, body, false).await?)?;
-            match on_engine(&app, move |e| e.deny(&id, &operator, &b.note)).await? {
+            match on_engine(&app, move |e| scoped(e, tenants, |e| e.deny(&id, &operator, &b.note))).await? {
                 Ok(o) => Ok(outcome_reply(&o)),
                 Err(e) => Err(engine_failure(&e)),
             }
@@ -1054,7 +1067,7 @@ async fn resolve(
 ) -> Response {
     reply(
         async move {
-            let operator = operator_of(&app, &headers).await?;
+            let (operator, tenants) = operator_of(&app, &headers).await?;
             let operation_id = path_param(id)?;
             let b: ResolveBody = parse_body(&read_body(&headers, body, false).await?)?;
             let req = ResolveRequest {
@@ -1068,8 +1081,9 @@ async fn resolve(
                 no_evidence: b.no_evidence,
             };
             let against = b.against_evidence;
-            let out =
-                on_engine(&app, move |e| if against { e.resolve_against_evidence(&req) } else { e.resolve(&req) });
+            let out = on_engine(&app, move |e| {
+                scoped(e, tenants, |e| if against { e.resolve_against_evidence(&req) } else { e.resolve(&req) })
+            });
             match out.await? {
                 Ok(o) => Ok(outcome_reply(&o)),
                 Err(e) => Err(engine_failure(&e)),
@@ -1097,7 +1111,7 @@ async fn cancel(
 ) -> Response {
     reply(
         async move {
-            let operator = operator_of(&app, &headers).await?;
+            let (operator, tenants) = operator_of(&app, &headers).await?;
             let operation_id = path_param(id)?;
             let b: CancelBody = parse_body(&read_body(&headers, body, false).await?)?;
             let req = CancelRequest {
@@ -1107,7 +1121,7 @@ async fn cancel(
                 seen_version: b.seen_version,
                 action_id: b.action_id,
             };
-            match on_engine(&app, move |e| e.cancel(&req)).await? {
+            match on_engine(&app, move |e| scoped(e, tenants, |e| e.cancel(&req))).await? {
                 Ok(o) => Ok(outcome_reply(&o)),
                 Err(e) => Err(engine_failure(&e)),
             }

@@ -102,7 +102,8 @@ impl Engine {
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
         let contracts = self.contracts.clone();
-        Ok(self.store.write(|tx| cancel_in(tx, r, now, &salt, &contracts))?)
+        let scope = self.operator_scope.clone();
+        Ok(self.store.write(|tx| cancel_in(tx, r, now, &salt, &contracts, scope.as_deref()))?)
     }
 
     /// The caller's own cancellation of its call in flight (an MCP client's
@@ -144,6 +145,7 @@ pub(crate) fn cancel_in(
     now: i64,
     salt: &str,
     contracts: &super::contracts::Contracts,
+    scope: Option<&[String]>,
 ) -> Result<OperatorOutcome, StoreError> {
     if let Some(id) = &r.action_id {
         if let Some(prev) = tx.audit_by_action_id(id)? {
@@ -156,7 +158,8 @@ pub(crate) fn cancel_in(
             ));
         }
     }
-    let cur = tx.operation(&r.operation_id)?;
+    // Another tenant's operation, for a tenant-scoped operator: as if none.
+    let cur = tx.operation(&r.operation_id)?.filter(|o| Engine::in_operator_scope(scope, &o.tenant));
     let attempts = if cur.is_some() { tx.attempts(&r.operation_id)? } else { Vec::new() };
     let outbox = tx.outbox(&r.operation_id)?;
     let sent = attempts.iter().any(possibly_sent);

@@ -389,7 +389,7 @@ impl Engine {
                             note: note.to_string(),
                             ..CancelRequest::default()
                         };
-                        super::cancel::cancel_in(tx, &r, now, &salt, &contracts)?;
+                        super::cancel::cancel_in(tx, &r, now, &salt, &contracts, None)?;
                         return Ok(Decision::CancelledBeforeSend(op_id));
                     }
                     let built = built.map(|op| *op);

@@ -247,6 +247,10 @@ pub struct Engine {
     /// Scopes this engine has answered with an operation (a hint, see [`dispatch::SeenSent`]).
     pub(crate) seen_sent: dispatch::SeenSent,
     path: PathBuf,
+    /// The tenants the operator acting now may reach (`None`: all). Set by
+    /// a server around one operator request made with a scoped token; an
+    /// operation or approval of another tenant is then as if it did not exist.
+    pub(crate) operator_scope: Option<Vec<String>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -338,7 +342,21 @@ impl Engine {
             instance: hex::encode(rand::random::<[u8; 6]>()),
             seen_sent: dispatch::SeenSent::default(),
             path: path.to_path_buf(),
+            operator_scope: None,
         })
+    }
+
+    /// Limits the operator actions and reads that follow to some tenants
+    /// (`None`: every tenant) until set again: what a tenant-scoped operator
+    /// token may reach. Another tenant's operation or approval is then
+    /// answered as one that does not exist.
+    pub fn set_operator_scope(&mut self, tenants: Option<Vec<String>>) {
+        self.operator_scope = tenants;
+    }
+
+    /// Whether the operator acting now may reach this tenant.
+    pub(crate) fn in_operator_scope(scope: Option<&[String]>, tenant: &str) -> bool {
+        scope.is_none_or(|s| s.iter().any(|t| t == tenant))
     }
 
     /// The database path this engine is on.

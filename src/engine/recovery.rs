@@ -621,6 +621,7 @@ impl Engine {
         let ids = self.ids.clone();
         let defenses = self.defenses()?;
         let toolset = self.toolset.clone();
+        let scope = self.operator_scope.clone();
         let decided = self.store.write(|tx| -> Result<Result<String, (Envelope, String)>, EngineError> {
             let invalid = |why: &str, reason: &'static str, a: Option<&crate::store::ApprovalRow>| -> Result<Result<String, (Envelope, String)>, EngineError> {
                 tx.insert_audit(&audit_row(now, None, approver, "approve", None, Some(approval_id), false, why, &json!({
@@ -641,7 +642,7 @@ impl Engine {
                 ev.because(reason).from_envelope(&env).answering(started).write(tx, now)?;
                 Ok(Err((env, why.to_string())))
             };
-            let Some(mut a) = tx.approval(approval_id)? else {
+            let Some(mut a) = tx.approval(approval_id)?.filter(|a| Engine::in_operator_scope(scope.as_deref(), &a.tenant)) else {
                 return invalid("no such approval request", "no_such_approval", None);
             };
             // The same approver again (its reply was lost): the call it
@@ -740,6 +741,7 @@ impl Engine {
     pub fn deny(&mut self, approval_id: &str, approver: &str, note: &str) -> Result<OperatorOutcome, EngineError> {
         super::check_operator(approver)?;
         super::check_operator_note(note)?;
+        let scope = self.operator_scope.clone();
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
         Ok(self.store.write(|tx| -> Result<OperatorOutcome, StoreError> {
@@ -760,7 +762,9 @@ impl Engine {
             if note.trim().is_empty() {
                 return refuse("NOTE_REQUIRED", "a denial needs a note");
             }
-            let Some(mut a) = tx.approval(approval_id)? else {
+            let Some(mut a) =
+                tx.approval(approval_id)?.filter(|a| Engine::in_operator_scope(scope.as_deref(), &a.tenant))
+            else {
                 return refuse("APPROVAL_INVALID", "no such approval request");
             };
             if a.state != ApprovalState::Pending || now >= a.expires_at {
@@ -803,7 +807,9 @@ impl Engine {
 
     /// Pending approval requests, soonest expiry first.
     pub fn pending_approvals(&mut self, limit: i64) -> Result<Vec<crate::store::ApprovalRow>, EngineError> {
-        Ok(self.store.read(|tx| tx.pending_approvals(limit))?)
+        let mut rows = self.store.read(|tx| tx.pending_approvals(limit))?;
+        rows.retain(|a| Engine::in_operator_scope(self.operator_scope.as_deref(), &a.tenant));
+        Ok(rows)
     }
 
     /// Resolves an `unknown` / `needs_review` operation by a recorded human decision.
@@ -828,6 +834,9 @@ impl Engine {
             return Ok(None);
         }
         let Some(op) = self.store.read(|tx| tx.operation(&r.operation_id))? else { return Ok(None) };
+        if !Engine::in_operator_scope(self.operator_scope.as_deref(), &op.tenant) {
+            return Ok(None);
+        }
         if !matches!(op.state, OpState::Unknown | OpState::NeedsReview) {
             return Ok(None);
         }
@@ -881,6 +890,7 @@ impl Engine {
         }
         // The provider's word first, outside any ledger transaction (a downstream call).
         let provider = self.decision_evidence(r)?;
+        let scope = self.operator_scope.clone();
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
         let contracts = self.contracts.clone();
@@ -897,7 +907,7 @@ impl Engine {
                 }
             }
             let op_ref = Some(r.operation_id.as_str());
-            let cur = tx.operation(&r.operation_id)?;
+            let cur = tx.operation(&r.operation_id)?.filter(|o| Engine::in_operator_scope(scope.as_deref(), &o.tenant));
             let snapshot = cur.as_ref().map(|o| json!({
                 "state": o.state, "version": o.version, "code": o.code, "last_query_at": o.last_query_at,
                 "last_query_result": o.last_query_result, "receipt_id": o.receipt_id,

@@ -55,6 +55,8 @@ pub enum Principal {
         operator: String,
         /// The token's id.
         token_id: String,
+        /// The tenants the token may act in; `None`: every tenant.
+        tenants: Option<Vec<String>>,
     },
 }
 
@@ -118,8 +120,13 @@ pub enum TokenFor {
         /// Subject.
         subject: String,
     },
-    /// An operator.
-    Operator(String),
+    /// An operator, in some tenants (`None`: every tenant, stated explicitly).
+    Operator {
+        /// The operator's name.
+        operator: String,
+        /// The tenants it may act in; `None` for all of them.
+        tenants: Option<Vec<String>>,
+    },
 }
 
 /// A token just made: the token itself (shown once, never stored) and its row.
@@ -193,10 +200,32 @@ impl Engine {
                 }
                 ("subject", Some(tenant.clone()), Some(subject.clone()), None)
             }
-            TokenFor::Operator(op) => {
-                check_operator(op)?;
-                ("operator", None, None, Some(op.clone()))
+            TokenFor::Operator { operator, tenants } => {
+                check_operator(operator)?;
+                if let Some(list) = tenants {
+                    if list.is_empty() {
+                        return Err(EngineError::invalid(
+                            "NO_TENANT",
+                            "name at least one tenant, or every tenant explicitly",
+                        ));
+                    }
+                    for t in list {
+                        if self.store.read(|tx| tx.tenant(t))?.is_none() {
+                            return Err(EngineError::invalid("UNKNOWN_TENANT", format!("no tenant {t:?}")));
+                        }
+                    }
+                }
+                ("operator", None, None, Some(operator.clone()))
             }
+        };
+        let operator_tenants = match who {
+            TokenFor::Operator { tenants: Some(list), .. } => {
+                let mut list = list.clone();
+                list.sort();
+                list.dedup();
+                Some(list.join(","))
+            }
+            _ => None,
         };
         // Operating-system entropy, never the engine's id generator: that one
         // may be seeded (deterministic runs), and a token must not be predictable.
@@ -221,6 +250,7 @@ impl Engine {
             created_at: now,
             expires_at,
             revoked_at: None,
+            operator_tenants,
         };
         self.store.write(|tx| tx.insert_token(&row))?;
         Ok(NewToken { token: format!("{prefix}_{secret}"), row })
@@ -356,11 +386,15 @@ impl Engine {
     /// the stored result. An operator (`scope` none) sees any operation.
     /// Nothing is written.
     pub fn caller_operation(&mut self, id: &str, scope: Option<(&str, &str)>) -> Result<Option<Envelope>, EngineError> {
+        let operator_scope = self.operator_scope.clone();
         let toolset = self.toolset.clone();
         let salt = self.salt.clone();
         let found = self.store.read(|tx| -> Result<_, StoreError> {
             let Some(op) = tx.operation(id)? else { return Ok(None) };
             if scope.is_some_and(|(t, s)| op.tenant != t || op.subject != s) {
+                return Ok(None);
+            }
+            if !Engine::in_operator_scope(operator_scope.as_deref(), &op.tenant) {
                 return Ok(None);
             }
             let refused = match scope {
@@ -395,9 +429,10 @@ impl Engine {
 }
 
 fn principal_of(row: TokenRow) -> Result<Principal, AuthFailure> {
+    let tenants = row.operator_tenants.map(|t| t.split(',').map(str::to_string).collect());
     match (row.kind.as_str(), row.tenant, row.subject, row.operator) {
         ("subject", Some(tenant), Some(subject), None) => Ok(Principal::Subject { tenant, subject, token_id: row.id }),
-        ("operator", None, None, Some(operator)) => Ok(Principal::Operator { operator, token_id: row.id }),
+        ("operator", None, None, Some(operator)) => Ok(Principal::Operator { operator, token_id: row.id, tenants }),
         // The table's CHECK forbids anything else; a row edited past it is refused.
         _ => Err(AuthFailure::Unknown),
     }

@@ -55,7 +55,12 @@ impl RunTokens {
             tokens.insert(format!("{tenant}/{subject}"), t.token);
             ids.push(t.row.id);
             if !tokens.contains_key(*approver) {
-                let t = control.create_token(&TokenFor::Operator((*approver).to_string()), Some(&name), None)?;
+                // Scoped to the tenants it approves in, as an operator's token should be.
+                let mut in_tenants: Vec<String> =
+                    principals.iter().filter(|p| p.2 == *approver).map(|p| p.0.to_string()).collect();
+                in_tenants.dedup();
+                let who = TokenFor::Operator { operator: (*approver).to_string(), tenants: Some(in_tenants) };
+                let t = control.create_token(&who, Some(&name), None)?;
                 tokens.insert((*approver).to_string(), t.token);
                 ids.push(t.row.id);
             }

@@ -25,13 +25,14 @@ type R<T> = Result<T, StoreError>;
 
 /// PostgreSQL migrations, in order (numbered on their own: PostgreSQL 0001 is
 /// the shape of SQLite schema 9). The version applied is meta `schema_version`.
-const MIGRATIONS: [&str; 6] = [
+const MIGRATIONS: [&str; 7] = [
     include_str!("pg/0001_ledger.sql"),
     include_str!("pg/0002_api_tokens.sql"),
     include_str!("pg/0003_sort_indexes.sql"),
     include_str!("pg/0004_rollup_slots.sql"),
     include_str!("pg/0005_holds.sql"),
     include_str!("pg/0006_scope_downstream_key.sql"),
+    include_str!("pg/0007_operator_token_tenants.sql"),
 ];
 
 /// The PostgreSQL schema version this build writes.

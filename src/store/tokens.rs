@@ -38,6 +38,9 @@ row! {
         pub expires_at: Option<i64>,
         /// Revocation time (ms), if revoked.
         pub revoked_at: Option<i64>,
+        /// The tenants an operator token may act in, comma-separated; `None`
+        /// for every tenant (and for subject tokens, scoped by `tenant`).
+        pub operator_tenants: Option<String>,
     }
 }
 

@@ -167,15 +167,15 @@ fn nothing_is_retried_past_the_deadline(backend: Backend) {
     let id = env.protected_audit.operation_id.clone().unwrap();
     assert_eq!(e.operation_detail(&id).unwrap().unwrap().attempts.len(), 1);
 
-    // A deadline that has expired before the send: TIMEOUT_BEFORE_EXECUTE, nothing sent.
+    // A deadline that has expired before the accept: TIMEOUT_BEFORE_EXECUTE,
+    // refused before accept (issue 33 Medium 5): no operation, nothing sent.
     let mut r = refund("deadline-key-0003", 100);
     r.deadline_ms = Some(0);
     let env = dispatch_with(&mut e, &r, "ok");
     let err = env.model_result.error.clone().unwrap();
     assert_eq!((err.code, err.retryable), (Code::TimeoutBeforeExecute, true));
     assert_eq!(env.model_result.execution.outcome, Outcome::NotStarted);
-    let id = env.protected_audit.operation_id.clone().unwrap();
-    assert!(e.operation_detail(&id).unwrap().unwrap().attempts.is_empty());
+    assert_eq!(env.protected_audit.operation_id, None, "not accepted");
     assert_eq!(effects(&mut e), 0);
     // It stays retryable: a retry with the same key and a live deadline runs once.
     let env = dispatch_with(&mut e, &refund("deadline-key-0003", 100), "ok");

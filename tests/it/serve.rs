@@ -86,7 +86,16 @@ pub(crate) fn agent_token(db: &Path, tenant: &str, subject: &str) -> String {
 }
 
 pub(crate) fn operator_token(db: &Path, name: &str) -> String {
-    token(db, &["--operator", name, "token", "create", "--json"])
+    token(db, &["--operator", name, "token", "create", "--all-tenants", "--json"])
+}
+
+/// An operator token limited to some tenants.
+pub(crate) fn scoped_operator_token(db: &Path, name: &str, tenants: &[&str]) -> String {
+    let mut args = vec!["--operator", name, "token", "create", "--json"];
+    for t in tenants {
+        args.extend(["--tenant", t]);
+    }
+    token(db, &args)
 }
 
 /// One HTTP answer.
@@ -1481,4 +1490,85 @@ fn serve_refuses_a_non_loopback_address_unless_told() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("error[NOT_LOOPBACK]") && err.contains("--public"), "{err}");
+}
+
+/// Issue 33 Medium 4: an operator on no tenant's approver list read every
+/// tenant's operations and approvals and resolved another tenant's refund.
+/// An operator token reaches only its tenants; everything else is as if it
+/// did not exist.
+fn an_operator_token_reaches_only_its_tenants(backend: Backend) {
+    let f = Fixture::on(backend);
+    let server = Server::start(f.path(), &[]);
+    let c = Client::new(&server);
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let gus = agent_token(f.path(), "globex", "agent_gus");
+    let acme_only = scoped_operator_token(f.path(), "alice", &["acme"]);
+    // A pending approval in each tenant, and an unknown operation in globex.
+    let big_acme = c.call(&ana, "create_refund", Some("scope-big-acme-1"), &refund_args("ord_1002", 120_000), &[]);
+    assert_eq!(big_acme.code(), Some("APPROVAL_REQUIRED"), "{:#}", big_acme.body);
+    let gus_args = r#"{"order_ref":"ord_3001","amount_minor":25000,"currency":"GBP","reason":"damaged"}"#;
+    let big_globex = c.call(&gus, "create_refund", Some("scope-big-glob-1"), gus_args, &[]);
+    assert_eq!(big_globex.code(), Some("APPROVAL_REQUIRED"), "{:#}", big_globex.body);
+    let listed = c.send("GET", "/v1/approvals", Some(&acme_only), &[], None);
+    let ids: Vec<&str> =
+        listed.body["pending"].as_array().unwrap().iter().map(|a| a["approval_id"].as_str().unwrap()).collect();
+    assert_eq!(ids, [big_acme.approval_id()], "only acme's: {:#}", listed.body);
+    // Another tenant's approval: not there (and its approval stays pending).
+    let other = big_globex.approval_id().to_string();
+    let a = c.post_json(&acme_only, &format!("/v1/approvals/{other}/approve"), &serde_json::json!({}));
+    assert_eq!(a.code(), Some("APPROVAL_INVALID"), "{:#}", a.body);
+    assert_eq!(a.body["model_result"]["error"]["detail"]["reason"], "no such approval request", "{:#}", a.body);
+    assert_eq!(f.query_i64(&format!("SELECT count(*) FROM approvals WHERE id = '{other}' AND state = 'pending'")), 1);
+    // Another tenant's operation: 404 on read, no such operation on resolve.
+    let lost = c.call(
+        &gus,
+        "create_refund",
+        Some("scope-lost-glob-1"),
+        r#"{"order_ref":"ord_3001","amount_minor":100,"currency":"GBP","reason":"damaged"}"#,
+        &[],
+    );
+    let op = lost.operation_id().to_string();
+    let read = c.send("GET", &format!("/v1/operations/{op}"), Some(&acme_only), &[], None);
+    assert_eq!(read.status, 404, "{:#}", read.body);
+    let resolved = c.post_json(
+        &acme_only,
+        &format!("/v1/operations/{op}/resolve"),
+        &serde_json::json!({"resolution": "compensated", "note": "not mine", "against_evidence": true}),
+    );
+    assert_eq!(resolved.status, 409, "{:#}", resolved.body);
+    assert!(resolved.body.to_string().contains("no such operation"), "{:#}", resolved.body);
+    // Its own tenant works.
+    let own =
+        c.post_json(&acme_only, &format!("/v1/approvals/{}/approve", big_acme.approval_id()), &serde_json::json!({}));
+    assert_eq!(own.code(), None, "{:#}", own.body);
+    // An all-tenants token still reaches globex.
+    let root = operator_token(f.path(), "bob");
+    let read = c.send("GET", &format!("/v1/operations/{op}"), Some(&root), &[], None);
+    assert_eq!(read.status, 200, "{:#}", read.body);
+}
+
+crate::on_both_backends!(an_operator_token_reaches_only_its_tenants);
+
+/// A ledger written before operator tokens had tenants (schema 15) opens,
+/// migrates and audits clean, and its operator token keeps reaching every
+/// tenant (an upgrade changes no token's reach).
+#[test]
+fn a_version_15_ledger_keeps_its_operator_token_reaching_every_tenant() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v15.db");
+    std::fs::copy(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/fixtures/ledger-v15.db"), &path).unwrap();
+    let v: i64 = crate::support::raw(&path).query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+    assert_eq!(v, 15);
+    let clock = toolgate::engine::clock::ManualClock::new(crate::support::T0);
+    let mut e = toolgate::engine::Engine::open(&path, crate::support::opts(&clock, "migrate")).unwrap();
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+    // The fixture's operator token (made by `--operator kim token create` at schema 15).
+    let old = b"Bearer tgt_3c7855941b8dcb24_-xSsC_MAlHVxbHNtwAwkE0XzfTPS2NQCj2sXofMCZXU";
+    match e.authenticate(Some(old)).unwrap() {
+        Ok(toolgate::engine::tokens::Principal::Operator { operator, tenants, .. }) => {
+            assert_eq!((operator.as_str(), tenants), ("kim", None));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(e.list_operations(None, 10).unwrap().len(), 1, "the fixture's refund is still there");
 }
