@@ -1190,6 +1190,7 @@ impl Engine {
                 find("trace", &format!("trace_events {from}..{to}"), "events missing (the trace is never pruned)");
             }
             check_audit_chain(tx, &mut find)?;
+            check_decisions_are_logged(tx, &ops, &mut find)?;
             if dups > 0 {
                 find("side_effect_duplicates", "downstream", &format!("{dups} intent(s) with more than one effect"));
             }
@@ -1250,6 +1251,47 @@ impl Engine {
         }
         Ok(out)
     }
+}
+
+/// Every human decision the ledger holds has its entry in the operator log:
+/// a resolution (state `resolved`), a cancellation (code `CANCELLED`) and an
+/// approval (an operation accepted from an approval). The chain alone cannot
+/// tell a log emptied whole (triggers disabled, the head deleted) from one
+/// never written; the decisions still on the operations can.
+fn check_decisions_are_logged(
+    tx: &Tx<'_>,
+    ops: &[OperationRow],
+    find: &mut impl FnMut(&str, &str, &str),
+) -> Result<(), StoreError> {
+    let log = tx.audit_log_ascending()?;
+    let mut by_op: std::collections::HashSet<(&str, &str)> = std::collections::HashSet::new();
+    let mut by_approval: std::collections::HashSet<(&str, &str)> = std::collections::HashSet::new();
+    for r in log.iter().filter(|r| r.result == "applied") {
+        if let Some(op) = r.operation_id.as_deref() {
+            by_op.insert((r.action.as_str(), op));
+        }
+        if let Some(a) = r.approval_id.as_deref() {
+            by_approval.insert((r.action.as_str(), a));
+        }
+    }
+    for op in ops {
+        if op.state == OpState::Resolved && !by_op.contains(&("resolve", op.id.as_str())) {
+            find("audit_log", &op.id, "resolved by a person, but the operator log has no applied resolve for it");
+        }
+        if op.code.as_deref() == Some(Code::Cancelled.as_str()) && !by_op.contains(&("cancel", op.id.as_str())) {
+            find("audit_log", &op.id, "cancelled, but the operator log has no applied cancel for it");
+        }
+        if let Some(a) = op.approval_id.as_deref() {
+            if !by_approval.contains(&("approve", a)) {
+                find(
+                    "audit_log",
+                    &op.id,
+                    "accepted from an approval, but the operator log has no applied approve for it",
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The operator log's hash chain (migration 0007): every linked row carries the

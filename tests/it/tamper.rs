@@ -238,7 +238,46 @@ fn a_success_flipped_to_failed_is_found_and_never_replayed_as_failed(backend: Ba
     assert_eq!(effects(&mut e), 2, "nothing executed again");
 }
 
+/// Issue 33 High 3: the whole operator log truncated (triggers disabled) and
+/// its head deleted gave "no findings" while operations still carried human
+/// decisions. Each decision on an operation must have its log entry.
+fn decisions_without_their_log_entries_are_found(backend: Backend) {
+    let fx = Fixture::on(backend);
+    let mut e = fx.engine();
+    let lost = dispatch_with(&mut e, &refund("tamper-resolved-01", 300), "timeout_before_commit");
+    let op = lost.protected_audit.operation_id.clone().unwrap();
+    fx.clock.advance(70_000);
+    let out = e
+        .resolve(&toolgate::engine::ResolveRequest {
+            operation_id: op.clone(),
+            resolution: toolgate::engine::Resolution::Failed,
+            operator: "oncall-kim".into(),
+            note: "provider has no record".into(),
+            evidence: None,
+            seen_version: None,
+            action_id: None,
+            no_evidence: false,
+        })
+        .unwrap();
+    assert!(out.applied, "{out:?}");
+    let mut big = refund("tamper-approved-01", 120_000);
+    big.arguments = refund_args("ord_1002", 120_000).into_bytes();
+    let asked = dispatch_with(&mut e, &big, "ok");
+    let approved = e.approve(asked.protected_audit.approval_id.as_deref().unwrap(), "bob").unwrap();
+    let approved_op = approved.protected_audit.operation_id.clone().unwrap();
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+    fx.exec_batch(&in_dialect(
+        backend,
+        "DROP TRIGGER audit_log_no_delete; DELETE FROM audit_log; DELETE FROM meta WHERE key = 'audit_head'",
+    ))
+    .unwrap();
+    let found = findings(&mut e);
+    assert!(found.iter().any(|f| f.starts_with("audit_log") && f.contains(&op) && f.contains("resolve")), "{found:?}");
+    assert!(found.iter().any(|f| f.contains(&approved_op) && f.contains("approve")), "{found:?}");
+}
+
 crate::on_both_backends!(
+    decisions_without_their_log_entries_are_found,
     a_success_flipped_to_failed_is_found_and_never_replayed_as_failed,
     a_hand_edited_state_leaves_the_counts_behind_and_audit_says_so,
     every_tamper_is_found_by_audit_and_never_replayed_as_new_work,
