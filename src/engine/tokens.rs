@@ -422,6 +422,20 @@ impl Engine {
         Ok(Some(op_envelope(&op, Delivery::LocalReplay, principal_ref, last_code.as_deref())))
     }
 
+    /// Of `tools`, the ones a subject holds an unrevoked grant for, read now
+    /// (what an MCP `tools/list` shows an agent).
+    pub fn granted_tools(&mut self, tenant: &str, subject: &str, tools: &[String]) -> Result<Vec<String>, EngineError> {
+        Ok(self.store.read(|tx| -> Result<Vec<String>, StoreError> {
+            let mut out = Vec::new();
+            for t in tools {
+                if tx.grant_active(tenant, subject, t)? {
+                    out.push(t.clone());
+                }
+            }
+            Ok(out)
+        })?)
+    }
+
     /// The state of an operation, read now (`None`: no such operation).
     pub fn operation_state(&mut self, id: &str) -> Result<Option<crate::store::OpState>, EngineError> {
         Ok(self.store.read(|tx| tx.operation(id))?.map(|o| o.state))

@@ -753,9 +753,32 @@ impl ServerHandler for Gate {
     async fn list_tools(
         &self,
         _request: Option<PaginatedRequestParams>,
-        _context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        Ok(ListToolsResult { tools: self.tools.as_ref().clone(), ..Default::default() })
+        // Only the tools the token's subject holds a grant for (read now, on
+        // the lane: a listing never waits behind calls); the status query
+        // serves every agent. A token that no longer authenticates lists
+        // nothing but the status query, and its calls are refused as ever.
+        let authorization = self.authorization(&context);
+        let names: Vec<String> =
+            self.tools.iter().map(|t| t.name.to_string()).filter(|n| n != QUERY_STATUS_TOOL).collect();
+        let job = move |e: &mut Engine| -> Result<Vec<String>, EngineError> {
+            match e.authenticate(Some(&authorization))? {
+                Ok(Principal::Subject { tenant, subject, .. }) => e.granted_tools(&tenant, &subject, &names),
+                _ => Ok(Vec::new()),
+            }
+        };
+        let granted = match self.lane.submit(job) {
+            Ok(rx) => rx.await.ok().and_then(Result::ok).unwrap_or_default(),
+            Err(_) => Vec::new(),
+        };
+        let tools = self
+            .tools
+            .iter()
+            .filter(|t| t.name == QUERY_STATUS_TOOL || granted.iter().any(|g| *g == t.name))
+            .cloned()
+            .collect();
+        Ok(ListToolsResult { tools, ..Default::default() })
     }
 
     async fn call_tool(

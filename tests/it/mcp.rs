@@ -206,7 +206,32 @@ fn a_bad_token_is_refused_before_serving() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("TOKEN_UNKNOWN"), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
-crate::on_both_backends!(tools_list_call_replay_conflict_and_revocation);
+/// Issue 32 §3: `tools/list` listed tools the token's subject has no grant
+/// for. It lists what the subject may call, read at each listing, and the
+/// status query.
+fn tools_list_shows_only_the_subjects_granted_tools(backend: Backend) {
+    let f = Fixture::on(backend);
+    let created = toolgate(f.path(), &["token", "create", "--tenant", "acme", "--subject", "agent_ana", "--json"]);
+    let token = created["token"].as_str().unwrap().to_string();
+    toolgate(
+        f.path(),
+        &["revoke", "--tenant", "acme", "--subject", "agent_ana", "--tool", "notify_customer", "--json"],
+    );
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let client = connect(f.path(), &token).await;
+        let mut names: Vec<String> =
+            client.list_all_tools().await.unwrap().into_iter().map(|t| t.name.to_string()).collect();
+        names.sort();
+        assert_eq!(names, ["create_refund", "get_order", "query_operation_status"]);
+        client.cancel().await.unwrap();
+    });
+}
+
+crate::on_both_backends!(
+    tools_list_call_replay_conflict_and_revocation,
+    tools_list_shows_only_the_subjects_granted_tools
+);
 
 /// Counts the progress notifications the server sends.
 #[derive(Clone, Default)]
