@@ -68,7 +68,10 @@ fn ledger(dir: &Path, n: i64) -> std::path::PathBuf {
 fn frame(engine: &mut Engine, app: &mut App, term: &mut Terminal<TestBackend>) {
     let event = fetch_page(engine, app.fetch()).expect("a fetch request").expect("page");
     app.update(Action::Engine(event));
-    term.draw(|f| toolgate::tui::ui::render(app, f)).expect("draw");
+    term.draw(|f| {
+        toolgate::tui::ui::render(app, f);
+    })
+    .expect("draw");
 }
 
 fn bench(c: &mut Criterion) {

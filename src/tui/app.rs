@@ -182,6 +182,8 @@ pub enum Action {
     Click(u16, u16),
     /// Terminal resized.
     Resize(u16, u16),
+    /// How far the detail view can scroll, as last drawn.
+    DetailExtent(u16),
     /// Clock tick (countdowns).
     Tick(i64),
     /// An answer from the engine thread.
@@ -552,6 +554,8 @@ pub struct App {
     pub detail: Option<Box<OperationDetail>>,
     /// Detail scroll.
     pub detail_scroll: u16,
+    /// How far the detail can scroll (from the last draw).
+    pub detail_extent: u16,
     /// The detail view of a pending approval (no operation exists before it is
     /// approved): shown instead of `detail` while set.
     pub approval: Option<Box<ApprovalRow>>,
@@ -646,6 +650,7 @@ impl App {
             header: HeaderCounts::default(),
             detail: None,
             detail_scroll: 0,
+            detail_extent: u16::MAX,
             follow: false,
             approval: None,
             confirm: None,
@@ -945,16 +950,43 @@ impl App {
                 }
                 None
             }
+            Action::DetailExtent(n) => {
+                self.detail_extent = n;
+                self.detail_scroll = self.detail_scroll.min(n);
+                None
+            }
             Action::Down | Action::Scroll(1) => {
                 if self.mode == Mode::Detail {
                     self.stop_following();
-                    self.detail_scroll = self.detail_scroll.saturating_add(1);
+                    self.detail_scroll = self.detail_scroll.saturating_add(1).min(self.detail_extent);
                 } else if self.selected + 1 < self.row_count() {
                     self.selected += 1;
                 }
                 None
             }
             Action::Scroll(_) => None,
+            Action::Top if self.mode == Mode::Detail => {
+                self.stop_following();
+                self.detail_scroll = 0;
+                None
+            }
+            Action::Bottom if self.mode == Mode::Detail => {
+                self.stop_following();
+                self.detail_scroll = self.detail_extent;
+                None
+            }
+            Action::PageDown if self.mode == Mode::Detail => {
+                self.stop_following();
+                let page = self.size.1.saturating_sub(8).max(1);
+                self.detail_scroll = self.detail_scroll.saturating_add(page).min(self.detail_extent);
+                None
+            }
+            Action::PageUp if self.mode == Mode::Detail => {
+                self.stop_following();
+                let page = self.size.1.saturating_sub(8).max(1);
+                self.detail_scroll = self.detail_scroll.saturating_sub(page);
+                None
+            }
             Action::Top => {
                 self.selected = 0;
                 if self.cursor.is_some() {

@@ -131,6 +131,20 @@ fn detail() -> Vec<Binding> {
             _ if ch(k, 'k') => Some(Action::Up),
             _ => None,
         }),
+        bind!("g G / Home End", "to the top / the end", false, |k| match k.code {
+            KeyCode::Home => Some(Action::Top),
+            KeyCode::End => Some(Action::Bottom),
+            _ if ch(k, 'g') => Some(Action::Top),
+            _ if ch(k, 'G') => Some(Action::Bottom),
+            _ => None,
+        }),
+        bind!("PgDn PgUp / Ctrl-F Ctrl-B", "a page down / up", false, |k| match k.code {
+            KeyCode::PageDown => Some(Action::PageDown),
+            KeyCode::PageUp => Some(Action::PageUp),
+            KeyCode::Char('f') if k.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::PageDown),
+            KeyCode::Char('b') if k.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::PageUp),
+            _ => None,
+        }),
         bind!("Esc / Enter", "back", false, |k| matches!(k.code, KeyCode::Esc | KeyCode::Enter)
             .then_some(Action::Back)),
         bind!("F", "follow the trace: fetched again as events arrive, shown to its end (F or j/k stops)", false, |k| {

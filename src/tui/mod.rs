@@ -176,7 +176,11 @@ async fn event_loop(
     let mut last_draw = Instant::now().checked_sub(FRAME).unwrap_or_else(Instant::now);
     loop {
         if dirty && last_draw.elapsed() >= FRAME {
-            terminal.draw(|f| ui::render(&app, f))?;
+            let mut extent = 0;
+            terminal.draw(|f| extent = ui::render(&app, f))?;
+            if extent != app.detail_extent {
+                app.update(Action::DetailExtent(extent));
+            }
             last_draw = Instant::now();
             dirty = false;
         }

@@ -123,7 +123,10 @@ fn app_on(d: &mut Demo, pane: Pane, w: u16, h: u16) -> App {
 
 fn draw(app: &App, w: u16, h: u16) -> Buffer {
     let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
-    t.draw(|f| ui::render(app, f)).unwrap();
+    t.draw(|f| {
+        ui::render(app, f);
+    })
+    .unwrap();
     t.backend().buffer().clone()
 }
 
@@ -2324,4 +2327,36 @@ fn a_refused_action_is_told_apart_in_the_audit_pane_at_80_columns() {
     let wide = app_on(&mut d, Pane::Audit, 140, 40);
     let screen = text(&draw(&wide, 140, 40));
     assert!(screen.contains("refused") && !screen.contains("✗resolve"), "{screen}");
+}
+
+/// Issue 32 §2: in the detail, `g`/`G`/PgDn did nothing and `j` scrolled
+/// past the end into blank space. The view tells the model how far it can
+/// scroll (as the event loop does after each draw).
+#[test]
+fn the_detail_scrolls_with_g_big_g_and_page_keys_and_stops_at_its_end() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    let Some(Request::Detail(id)) = app.update(Action::OpenDetail) else { panic!("a detail request") };
+    let detail = d.engine.operation_detail(&id).unwrap().unwrap();
+    app.update(Action::Engine(EngineEvent::Detail(Box::new(detail))));
+    let extent = |app: &App| {
+        let mut t = Terminal::new(TestBackend::new(80, 24)).unwrap();
+        let mut n = 0;
+        t.draw(|f| n = ui::render(app, f)).unwrap();
+        n
+    };
+    let end = extent(&app);
+    assert!(end > 0, "the demo's detail is longer than 24 rows");
+    app.update(Action::DetailExtent(end));
+    press(&mut app, KeyCode::Char('G'));
+    assert_eq!(app.detail_scroll, end);
+    press(&mut app, KeyCode::Char('j'));
+    assert_eq!(app.detail_scroll, end, "j stops at the end");
+    press(&mut app, KeyCode::Char('g'));
+    assert_eq!(app.detail_scroll, 0);
+    press(&mut app, KeyCode::PageDown);
+    assert!(app.detail_scroll > 1 && app.detail_scroll <= end, "{}", app.detail_scroll);
+    press(&mut app, KeyCode::PageUp);
+    assert_eq!(app.detail_scroll, 0);
+    assert_eq!(app.mode, Mode::Detail, "still in the detail");
 }

@@ -347,7 +347,10 @@ mod console {
 
     fn text(app: &App, w: u16, h: u16) -> String {
         let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
-        t.draw(|f| ui::render(app, f)).unwrap();
+        t.draw(|f| {
+            ui::render(app, f);
+        })
+        .unwrap();
         let b = t.backend().buffer().clone();
         let mut s = String::new();
         for y in 0..b.area.height {

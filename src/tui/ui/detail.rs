@@ -48,16 +48,16 @@ fn render_approval(app: &App, a: &crate::store::ApprovalRow, frame: &mut Frame, 
 }
 
 /// Draws the detail view.
-pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
     if let Some(a) = &app.approval {
         render_approval(app, a, frame, area, t);
-        return;
+        return 0;
     }
     let block =
         Block::default().borders(Borders::TOP).title(Span::styled(" Operation detail (Esc: back) ", t.accent()));
     let Some(d) = &app.detail else {
         frame.render_widget(Paragraph::new("  loading…").block(block), area);
-        return;
+        return 0;
     };
     let o = &d.operation;
     let kv = |k: &str, v: String| Line::from(vec![Span::styled(format!("  {k:<16}"), t.dim()), Span::raw(v)]);
@@ -195,13 +195,11 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         }
     }
     let paragraph = Paragraph::new(super::escaped(lines)).wrap(Wrap { trim: false });
-    // Following: the end (the newest trace events) stays in view.
-    let scroll = if app.follow {
-        let inner = block.inner(area);
-        let total = u16::try_from(paragraph.line_count(inner.width)).unwrap_or(u16::MAX);
-        total.saturating_sub(inner.height)
-    } else {
-        app.detail_scroll
-    };
+    let inner = block.inner(area);
+    let total = u16::try_from(paragraph.line_count(inner.width)).unwrap_or(u16::MAX);
+    let extent = total.saturating_sub(inner.height);
+    // Following: the end (the newest trace events) stays in view; never past it.
+    let scroll = if app.follow { extent } else { app.detail_scroll.min(extent) };
     frame.render_widget(paragraph.block(block).scroll((scroll, 0)), area);
+    extent
 }

@@ -94,7 +94,10 @@ pub const MIN_SIZE: (u16, u16) = (80, 24);
 
 /// Draws the whole console (below [`MIN_SIZE`], only what size it needs: the
 /// console comes back as soon as the terminal is large enough).
-pub fn render(app: &App, frame: &mut Frame) {
+/// Draws the console; returns how far the detail view can scroll (0 when it
+/// is not on screen), which the event loop hands back to the model
+/// (`Action::DetailExtent`) so `j`, `G` and PgDn stop at the end.
+pub fn render(app: &App, frame: &mut Frame) -> u16 {
     let t = Theme::of(app);
     let area = frame.area();
     if area.width < MIN_SIZE.0 || area.height < MIN_SIZE.1 {
@@ -106,7 +109,7 @@ pub fn render(app: &App, frame: &mut Frame) {
             Line::from(Span::styled("enlarge it to continue; Q quits", t.dim())),
         ];
         frame.render_widget(Paragraph::new(lines).wrap(ratatui::widgets::Wrap { trim: true }), area);
-        return;
+        return 0;
     }
     let [header, tabs, body, footer] =
         Layout::vertical([Constraint::Length(3), Constraint::Length(1), Constraint::Min(3), Constraint::Length(2)])
@@ -120,11 +123,12 @@ pub fn render(app: &App, frame: &mut Frame) {
         Mode::Help => app.help_return == Mode::Detail,
         _ => false,
     };
-    if over_detail {
-        detail::render(app, frame, body, t);
+    let extent = if over_detail {
+        detail::render(app, frame, body, t)
     } else {
         panes::render(app, frame, body, t);
-    }
+        0
+    };
     render_footer(app, frame, footer, t);
     match app.mode {
         Mode::Help => popups::help(app, frame, t),
@@ -134,6 +138,7 @@ pub fn render(app: &App, frame: &mut Frame) {
         Mode::Command => popups::command_candidates(app, frame, footer, t),
         _ => {}
     }
+    extent
 }
 
 fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
