@@ -250,6 +250,11 @@ impl Engine {
         arrived: Option<Instant>,
     ) -> Result<Envelope, EngineError> {
         let t0 = arrived.unwrap_or_else(Instant::now);
+        // What the call waited before an engine took it (a server's queue):
+        // spent from its deadline. Measured here, once: the engine's own
+        // work is not the caller's wait (and a call made in process waits
+        // nothing, so its deadline is exactly the one it asked for).
+        let waited_ms = arrived.map_or(0, |a| a.elapsed().as_millis() as u64);
         self.clock_tick();
         let contracts = self.contracts.clone();
         let call = req.call.clone().unwrap_or_else(fresh_call_identity);
@@ -329,9 +334,8 @@ impl Engine {
         audit.binding.request_sha256 = Some(request_sha256.clone());
 
         let now = self.clock.now_ms();
-        // The deadline counts from the call's arrival (t0), not from when an
+        // The deadline counts from the call's arrival, not from when an
         // engine took it: what it waited in a queue is spent.
-        let waited_ms = t0.elapsed().as_millis() as u64;
         let deadline_ms =
             req.deadline_ms.unwrap_or(contract.retry.deadline_ms).min(24 * 3_600_000).saturating_sub(waited_ms);
         let domain = self.domain(&req.tool);
