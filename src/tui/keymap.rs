@@ -31,6 +31,39 @@ macro_rules! bind {
     };
 }
 
+/// `j k / Down Up`: the panes move the selection, the detail scrolls.
+fn up_down(k: &KeyEvent) -> Option<Action> {
+    match k.code {
+        KeyCode::Down => Some(Action::Down),
+        KeyCode::Up => Some(Action::Up),
+        _ if ch(k, 'j') => Some(Action::Down),
+        _ if ch(k, 'k') => Some(Action::Up),
+        _ => None,
+    }
+}
+
+/// `PgDn PgUp / Ctrl-F Ctrl-B`: a pane's next page, a page of the detail.
+fn paging(k: &KeyEvent) -> Option<Action> {
+    match k.code {
+        KeyCode::PageDown => Some(Action::PageDown),
+        KeyCode::PageUp => Some(Action::PageUp),
+        KeyCode::Char('f') if k.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::PageDown),
+        KeyCode::Char('b') if k.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::PageUp),
+        _ => None,
+    }
+}
+
+/// `g G / Home End`: the first and last row, the top and end of the detail.
+fn ends(k: &KeyEvent) -> Option<Action> {
+    match k.code {
+        KeyCode::Home => Some(Action::Top),
+        KeyCode::End => Some(Action::Bottom),
+        _ if ch(k, 'g') => Some(Action::Top),
+        _ if ch(k, 'G') => Some(Action::Bottom),
+        _ => None,
+    }
+}
+
 /// Keys that work in every mode.
 fn global() -> Vec<Binding> {
     vec![bind!("Ctrl-C", "quit", false, |k| ctrl_c(k).then_some(Action::Quit))]
@@ -50,27 +83,9 @@ pub fn normal() -> Vec<Binding> {
             KeyCode::BackTab => Some(Action::PrevPane),
             _ => None,
         }),
-        bind!("j k / Down Up", "move the selection", false, |k| match k.code {
-            KeyCode::Down => Some(Action::Down),
-            KeyCode::Up => Some(Action::Up),
-            _ if ch(k, 'j') => Some(Action::Down),
-            _ if ch(k, 'k') => Some(Action::Up),
-            _ => None,
-        }),
-        bind!("PgDn PgUp / Ctrl-F Ctrl-B", "next / previous page (keyset paging)", false, |k| match k.code {
-            KeyCode::PageDown => Some(Action::PageDown),
-            KeyCode::PageUp => Some(Action::PageUp),
-            KeyCode::Char('f') if k.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::PageDown),
-            KeyCode::Char('b') if k.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::PageUp),
-            _ => None,
-        }),
-        bind!("g G / Home End", "first / last row", false, |k| match k.code {
-            KeyCode::Home => Some(Action::Top),
-            KeyCode::End => Some(Action::Bottom),
-            _ if ch(k, 'g') => Some(Action::Top),
-            _ if ch(k, 'G') => Some(Action::Bottom),
-            _ => None,
-        }),
+        bind!("j k / Down Up", "move the selection", false, up_down),
+        bind!("PgDn PgUp / Ctrl-F Ctrl-B", "next / previous page (keyset paging)", false, paging),
+        bind!("g G / Home End", "first / last row", false, ends),
         bind!("Enter", "detail: record, bindings, trace timeline, operator log", false, |k| {
             (k.code == KeyCode::Enter).then_some(Action::OpenDetail)
         }),
@@ -124,27 +139,9 @@ pub fn normal() -> Vec<Binding> {
 
 fn detail() -> Vec<Binding> {
     vec![
-        bind!("j k / Down Up", "scroll", false, |k| match k.code {
-            KeyCode::Down => Some(Action::Down),
-            KeyCode::Up => Some(Action::Up),
-            _ if ch(k, 'j') => Some(Action::Down),
-            _ if ch(k, 'k') => Some(Action::Up),
-            _ => None,
-        }),
-        bind!("g G / Home End", "to the top / the end", false, |k| match k.code {
-            KeyCode::Home => Some(Action::Top),
-            KeyCode::End => Some(Action::Bottom),
-            _ if ch(k, 'g') => Some(Action::Top),
-            _ if ch(k, 'G') => Some(Action::Bottom),
-            _ => None,
-        }),
-        bind!("PgDn PgUp / Ctrl-F Ctrl-B", "a page down / up", false, |k| match k.code {
-            KeyCode::PageDown => Some(Action::PageDown),
-            KeyCode::PageUp => Some(Action::PageUp),
-            KeyCode::Char('f') if k.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::PageDown),
-            KeyCode::Char('b') if k.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::PageUp),
-            _ => None,
-        }),
+        bind!("j k / Down Up", "scroll", false, up_down),
+        bind!("g G / Home End", "to the top / the end", false, ends),
+        bind!("PgDn PgUp / Ctrl-F Ctrl-B", "a page down / up", false, paging),
         bind!("Esc / Enter", "back", false, |k| matches!(k.code, KeyCode::Esc | KeyCode::Enter)
             .then_some(Action::Back)),
         bind!("F", "follow the trace: fetched again as events arrive, shown to its end (F or j/k stops)", false, |k| {
@@ -227,13 +224,7 @@ fn confirm() -> Vec<Binding> {
 
 fn lab() -> Vec<Binding> {
     vec![
-        bind!("j k / Down Up", "choose a defense", false, |k| match k.code {
-            KeyCode::Down => Some(Action::Down),
-            KeyCode::Up => Some(Action::Up),
-            _ if ch(k, 'j') => Some(Action::Down),
-            _ if ch(k, 'k') => Some(Action::Up),
-            _ => None,
-        }),
+        bind!("j k / Down Up", "choose a defense", false, up_down),
         bind!("Enter", "switch the chosen defense off (confirm)", true, |k| {
             (k.code == KeyCode::Enter).then_some(Action::Submit)
         }),
@@ -252,13 +243,7 @@ fn help() -> Vec<Binding> {
         bind!("? / Esc / Q", "close help", false, |k| {
             (ch(k, '?') || k.code == KeyCode::Esc || ch(k, 'Q')).then_some(Action::ToggleHelp)
         }),
-        bind!("j k / Down Up", "scroll the help", false, |k| match k.code {
-            KeyCode::Down => Some(Action::Down),
-            KeyCode::Up => Some(Action::Up),
-            _ if ch(k, 'j') => Some(Action::Down),
-            _ if ch(k, 'k') => Some(Action::Up),
-            _ => None,
-        }),
+        bind!("j k / Down Up", "scroll the help", false, up_down),
     ]
 }
 
