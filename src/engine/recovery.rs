@@ -146,18 +146,12 @@ pub struct OperationDetail {
 /// attempts that may have been received, plus the attempt timeout and the
 /// downstream's `receipt_visible_within_ms`), when that is after `now`.
 fn receipt_window(
-    tx: &crate::store::Tx<'_>,
-    op: &OperationRow,
+    attempts: &[crate::store::AttemptRow],
     contract: &super::contracts::Contract,
     now: i64,
-) -> Result<Option<i64>, StoreError> {
+) -> Option<i64> {
     let (timeout, visible) = (contract.retry.attempt_timeout_ms, contract.downstream.receipt_visible_within_ms());
-    Ok(tx
-        .attempts(&op.id)?
-        .iter()
-        .filter_map(|a| a.receipt_may_appear_until(timeout, visible))
-        .max()
-        .filter(|until| *until > now))
+    attempts.iter().filter_map(|a| a.receipt_may_appear_until(timeout, visible)).max().filter(|until| *until > now)
 }
 
 fn refused(code: &str, message: impl Into<String>, op: Option<&str>, approval: Option<&str>) -> OperatorOutcome {
@@ -439,7 +433,7 @@ impl Engine {
                 }
                 Lookup::NotFound => {
                     cur.last_query_result = Some("not_found".into());
-                    match receipt_window(tx, &cur, contract, now)? {
+                    match receipt_window(&tx.attempts(&cur.id)?, contract, now) {
                         // Receipts can lag: within the window "none" is not
                         // "no effect", and the answer says when to ask again.
                         Some(until) => {
@@ -997,7 +991,7 @@ impl Engine {
             // decided against the evidence (recorded as such).
             let receipt_open = match contracts.get(&op.tool) {
                 Some(c) if r.resolution == Resolution::Failed && c.downstream.can_look_up() => {
-                    receipt_window(tx, &op, c, now)?
+                    receipt_window(&tx.attempts(&op.id)?, c, now)
                 }
                 _ => None,
             };
@@ -1078,7 +1072,7 @@ impl Engine {
             let may_land_until =
                 attempts.iter().filter_map(|a| a.may_land_until(timeout)).max().filter(|until| *until > now);
             let receipt_window_until = match contracts.get(&operation.tool) {
-                Some(c) => receipt_window(tx, &operation, c, now)?,
+                Some(c) => receipt_window(&attempts, c, now),
                 None => None,
             };
             let args = args_of(&operation.request_json);
@@ -1189,8 +1183,9 @@ impl Engine {
             for (from, to) in gaps {
                 find("trace", &format!("trace_events {from}..{to}"), "events missing (the trace is never pruned)");
             }
-            check_audit_chain(tx, &mut find)?;
-            check_decisions_are_logged(tx, &ops, &mut find)?;
+            let log = tx.audit_log_ascending()?;
+            check_audit_chain(tx, &log, &mut find)?;
+            check_decisions_are_logged(&log, &ops, &mut find);
             if dups > 0 {
                 find("side_effect_duplicates", "downstream", &format!("{dups} intent(s) with more than one effect"));
             }
@@ -1258,12 +1253,7 @@ impl Engine {
 /// approval (an operation accepted from an approval). The chain alone cannot
 /// tell a log emptied whole (triggers disabled, the head deleted) from one
 /// never written; the decisions still on the operations can.
-fn check_decisions_are_logged(
-    tx: &Tx<'_>,
-    ops: &[OperationRow],
-    find: &mut impl FnMut(&str, &str, &str),
-) -> Result<(), StoreError> {
-    let log = tx.audit_log_ascending()?;
+fn check_decisions_are_logged(log: &[AuditRow], ops: &[OperationRow], find: &mut impl FnMut(&str, &str, &str)) {
     let mut by_op: std::collections::HashSet<(&str, &str)> = std::collections::HashSet::new();
     let mut by_approval: std::collections::HashSet<(&str, &str)> = std::collections::HashSet::new();
     for r in log.iter().filter(|r| r.result == "applied") {
@@ -1291,16 +1281,18 @@ fn check_decisions_are_logged(
             }
         }
     }
-    Ok(())
 }
 
 /// The operator log's hash chain (migration 0007): every linked row carries the
 /// hash of the row before it, and meta `audit_head` the hash of the newest.
-fn check_audit_chain(tx: &Tx<'_>, find: &mut impl FnMut(&str, &str, &str)) -> Result<(), StoreError> {
-    let rows = tx.audit_log_ascending()?;
+fn check_audit_chain(
+    tx: &Tx<'_>,
+    rows: &[AuditRow],
+    find: &mut impl FnMut(&str, &str, &str),
+) -> Result<(), StoreError> {
     let mut prev: Option<String> = None;
     let mut linked = false;
-    for row in &rows {
+    for row in rows {
         let expect = prev.clone().unwrap_or_else(|| crate::store::AUDIT_GENESIS.to_string());
         match &row.chain_sha256 {
             Some(link) => {

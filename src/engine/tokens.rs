@@ -425,15 +425,8 @@ impl Engine {
     /// Of `tools`, the ones a subject holds an unrevoked grant for, read now
     /// (what an MCP `tools/list` shows an agent).
     pub fn granted_tools(&mut self, tenant: &str, subject: &str, tools: &[String]) -> Result<Vec<String>, EngineError> {
-        Ok(self.store.read(|tx| -> Result<Vec<String>, StoreError> {
-            let mut out = Vec::new();
-            for t in tools {
-                if tx.grant_active(tenant, subject, t)? {
-                    out.push(t.clone());
-                }
-            }
-            Ok(out)
-        })?)
+        let granted = self.store.read(|tx| tx.granted_tools(tenant, subject))?;
+        Ok(tools.iter().filter(|t| granted.contains(t)).cloned().collect())
     }
 
     /// The state of an operation, read now (`None`: no such operation).

@@ -1,7 +1,7 @@
 //! Typed queries: World and grants (tenants, subjects, approvers, grants, the demo world's orders) and the ledger's meta rows.
 
 use super::sql::sql_text;
-use super::{params, OrderRow, TenantRow, Tx, ORDER_COLS, R};
+use super::{params, OrderRow, StoreError, TenantRow, Tx, ORDER_COLS, R};
 
 impl Tx<'_> {
     // ---------------------------------------------------------------- meta
@@ -115,6 +115,17 @@ impl Tx<'_> {
             )?
             .query_opt([tenant, subject, tool], |_| Ok(()))?
             .is_some())
+    }
+
+    /// Every tool a subject of `tenant` holds an unrevoked grant for (the
+    /// same rule as [`Tx::grant_active`], in one statement).
+    pub fn granted_tools(&self, tenant: &str, subject: &str) -> R<Vec<String>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT g.tool FROM grants g JOIN subjects s ON s.id = g.subject AND s.tenant = g.tenant
+             WHERE g.tenant = ?1 AND g.subject = ?2 AND g.revoked_at IS NULL ORDER BY g.tool",
+        )?;
+        let rows = st.query_map([tenant, subject], |r| r.get(0))?;
+        rows.collect::<Result<_, StoreError>>()
     }
 
     /// A tenant.
