@@ -59,6 +59,20 @@ impl OwnCluster {
     }
 }
 
+impl OwnCluster {
+    /// A database `ledger` on this cluster holding the demo world: its URL,
+    /// and the same as a `--db` path.
+    fn demo_ledger(&self) -> (String, PathBuf) {
+        let db = self.url.replace("/postgres", "/ledger");
+        postgres::Client::connect(&self.url, postgres::NoTls).unwrap().batch_execute("CREATE DATABASE ledger").unwrap();
+        let path = PathBuf::from(&db);
+        let mut e = Engine::create(&path, opts(&ManualClock::new(T0), "init")).unwrap();
+        e.load_world(&toolgate::engine::world::World::parse(toolgate::engine::world::DEMO_WORLD.as_bytes()).unwrap())
+            .unwrap();
+        (db, path)
+    }
+}
+
 impl Drop for OwnCluster {
     fn drop(&mut self) {
         let _ =
@@ -113,15 +127,8 @@ fn the_server_dies_mid_run_and_callers_never_get_a_wrong_answer() {
         return;
     }
     let cluster = OwnCluster::start();
-    let db = cluster.url.replace("/postgres", "/ledger");
-    postgres::Client::connect(&cluster.url, postgres::NoTls).unwrap().batch_execute("CREATE DATABASE ledger").unwrap();
-    let path = PathBuf::from(&db);
+    let (db, path) = cluster.demo_ledger();
     let clock = ManualClock::new(T0);
-    {
-        let mut e = Engine::create(&path, opts(&clock, "init")).unwrap();
-        e.load_world(&toolgate::engine::world::World::parse(toolgate::engine::world::DEMO_WORLD.as_bytes()).unwrap())
-            .unwrap();
-    }
     let seen: Arc<Mutex<BTreeMap<(usize, usize), Seen>>> = Arc::default();
     let done = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(AtomicBool::new(false));
@@ -481,15 +488,8 @@ fn connections_a_restart_dropped_are_replaced_before_a_transaction_begins() {
         return;
     }
     let cluster = OwnCluster::start();
-    let db = cluster.url.replace("/postgres", "/ledger");
-    postgres::Client::connect(&cluster.url, postgres::NoTls).unwrap().batch_execute("CREATE DATABASE ledger").unwrap();
-    let path = PathBuf::from(&db);
+    let (_, path) = cluster.demo_ledger();
     let clock = ManualClock::new(T0);
-    {
-        let mut e = Engine::create(&path, opts(&clock, "init")).unwrap();
-        e.load_world(&toolgate::engine::world::World::parse(toolgate::engine::world::DEMO_WORLD.as_bytes()).unwrap())
-            .unwrap();
-    }
     let mut e = Engine::open(&path, opts(&clock, "w-restart")).unwrap();
     let first = e.dispatch(&crate::support::refund("pg-stale-conn-01", 100)).unwrap();
     assert_eq!(first.model_result.status, Status::Succeeded, "{first:?}");
