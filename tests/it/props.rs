@@ -455,9 +455,10 @@ impl Machine {
                         no_evidence: false,
                     };
                     let mut out = self.engine.resolve(&req).unwrap();
-                    if out.code == "STATUS_CONFLICT" {
-                        // The provider's evidence contradicts the decision: only
-                        // an explicit override applies it.
+                    if out.code == "STATUS_CONFLICT" || out.code == "RECEIPT_MAY_STILL_APPEAR" {
+                        // The provider's evidence contradicts the decision, or a
+                        // receipt may still appear (failed inside the receipt
+                        // window): only an explicit override applies it.
                         prop_assert!(op.state == "unknown" || op.state == "needs_review");
                         out = self.engine.resolve_against_evidence(&req).unwrap();
                     }
