@@ -2306,19 +2306,7 @@ fn status_messages_are_cut_with_an_ellipsis_expire_and_stay_in_the_message_log()
 fn a_refused_action_is_told_apart_in_the_audit_pane_at_80_columns() {
     let mut d = demo();
     let op = d.engine.list_operations(Some(toolgate::store::OpState::Unknown), 1).unwrap()[0].id.clone();
-    let out = d
-        .engine
-        .resolve(&toolgate::engine::ResolveRequest {
-            operation_id: op,
-            resolution: Resolution::Failed,
-            operator: "kim".into(),
-            note: " ".into(),
-            evidence: None,
-            seen_version: None,
-            action_id: None,
-            no_evidence: false,
-        })
-        .unwrap();
+    let out = d.engine.resolve(&crate::support::failed_by(&op, "kim", " ")).unwrap();
     assert!(!out.applied);
     let app = app_on(&mut d, Pane::Audit, 80, 24);
     let screen = text(&draw(&app, 80, 24));

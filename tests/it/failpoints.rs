@@ -9,7 +9,7 @@ use std::process::Command;
 use serde_json::Value;
 use toolgate::engine::clock::{rfc3339, ManualClock};
 use toolgate::engine::envelope::{Delivery, Status};
-use toolgate::engine::{DispatchRequest, Engine, QueryRequest, Resolution, ResolveRequest};
+use toolgate::engine::{DispatchRequest, Engine, QueryRequest};
 
 use crate::invariants::{check, Expect};
 use crate::support::{opts, refund_args, T0};
@@ -184,16 +184,11 @@ fn recover(db: &Path, tool: Tool) -> toolgate::engine::envelope::Envelope {
             // "No record" is proof of nothing until the receipt window passed.
             clock.advance(66_000);
             let out = e
-                .resolve(&ResolveRequest {
-                    operation_id: a.operation_id.clone().unwrap(),
-                    resolution: Resolution::Failed,
-                    operator: "oncall".into(),
-                    note: "provider has no record of the request".into(),
-                    evidence: None,
-                    seen_version: None,
-                    action_id: None,
-                    no_evidence: false,
-                })
+                .resolve(&crate::support::failed_by(
+                    a.operation_id.as_deref().unwrap(),
+                    "oncall",
+                    "provider has no record of the request",
+                ))
                 .unwrap();
             assert!(out.applied, "{out:?}");
         }

@@ -242,18 +242,7 @@ fn each_hold_is_kept_converted_or_released_where_it_must(backend: Backend) {
     let op2 = second.protected_audit.operation_id.clone().unwrap();
     // "No record" is proof of nothing until the receipt window passed.
     fx.clock.advance(66_000);
-    let out = e
-        .resolve(&ResolveRequest {
-            operation_id: op2,
-            resolution: Resolution::Failed,
-            operator: "alice".into(),
-            note: "provider has no such refund".into(),
-            evidence: None,
-            seen_version: None,
-            action_id: None,
-            no_evidence: false,
-        })
-        .unwrap();
+    let out = e.resolve(&crate::support::failed_by(&op2, "alice", "provider has no such refund")).unwrap();
     assert!(out.applied, "{out:?}");
     assert_eq!(held(&mut e), 0, "a person's failed releases the hold");
     // Cancelled before send: accepted with a retry pending (429), then cancelled.

@@ -49,17 +49,7 @@ fn cancel(e: &mut Engine, op: &str) {
 }
 
 fn resolve_failed(e: &mut Engine, op: &str) -> toolgate::engine::OperatorOutcome {
-    e.resolve(&ResolveRequest {
-        operation_id: op.into(),
-        resolution: Resolution::Failed,
-        operator: "bob".into(),
-        note: "no receipt".into(),
-        evidence: None,
-        seen_version: None,
-        action_id: None,
-        no_evidence: false,
-    })
-    .unwrap()
+    e.resolve(&crate::support::failed_by(op, "bob", "no receipt")).unwrap()
 }
 
 /// The reproduction: cancel while the sender is inside the call, then

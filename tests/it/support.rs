@@ -533,3 +533,18 @@ pub fn dispatch_parked(
     clock.wait_parked();
     h
 }
+
+/// A person's "failed, no effect" decision on an operation, with a note (no
+/// receipt, no version check, no action id).
+pub fn failed_by(op: &str, operator: &str, note: &str) -> toolgate::engine::ResolveRequest {
+    toolgate::engine::ResolveRequest {
+        operation_id: op.into(),
+        resolution: toolgate::engine::Resolution::Failed,
+        operator: operator.into(),
+        note: note.into(),
+        evidence: None,
+        seen_version: None,
+        action_id: None,
+        no_evidence: false,
+    }
+}

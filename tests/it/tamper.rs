@@ -247,18 +247,7 @@ fn decisions_without_their_log_entries_are_found(backend: Backend) {
     let lost = dispatch_with(&mut e, &refund("tamper-resolved-01", 300), "timeout_before_commit");
     let op = lost.protected_audit.operation_id.clone().unwrap();
     fx.clock.advance(70_000);
-    let out = e
-        .resolve(&toolgate::engine::ResolveRequest {
-            operation_id: op.clone(),
-            resolution: toolgate::engine::Resolution::Failed,
-            operator: "oncall-kim".into(),
-            note: "provider has no record".into(),
-            evidence: None,
-            seen_version: None,
-            action_id: None,
-            no_evidence: false,
-        })
-        .unwrap();
+    let out = e.resolve(&crate::support::failed_by(&op, "oncall-kim", "provider has no record")).unwrap();
     assert!(out.applied, "{out:?}");
     let mut big = refund("tamper-approved-01", 120_000);
     big.arguments = refund_args("ord_1002", 120_000).into_bytes();
