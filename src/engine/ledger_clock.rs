@@ -378,11 +378,16 @@ pub(crate) fn measure(store: &mut Store, host: &dyn HostClocks) -> Result<(i64, 
 fn describe_offset(ms: i64) -> String {
     let side = if ms >= 0 { "ahead of" } else { "behind" };
     let s = ms.unsigned_abs() / 1000;
+    // Rounded to the unit shown: a host 31 days ahead whose offset was
+    // measured a few milliseconds short reads "31 d 0 h", not "30 d 23 h".
     let text = match s {
         0..=119 => format!("{s} s"),
-        120..=7199 => format!("{} min", s / 60),
-        7200..=172_799 => format!("{} h", s / 3600),
-        _ => format!("{} d {} h", s / 86_400, (s % 86_400) / 3600),
+        120..=7199 => format!("{} min", (s + 30) / 60),
+        7200..=172_799 => format!("{} h", (s + 1800) / 3600),
+        _ => {
+            let hours = (s + 1800) / 3600;
+            format!("{} d {} h", hours / 24, hours % 24)
+        }
     };
     format!("{text} {side}")
 }
@@ -481,6 +486,16 @@ impl super::Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_offset_is_said_rounded_to_the_unit_shown() {
+        const DAY: i64 = 86_400_000;
+        assert_eq!(describe_offset(31 * DAY - 3), "31 d 0 h ahead of");
+        assert_eq!(describe_offset(-(2 * DAY + 3_600_000 - 1)), "2 d 1 h behind");
+        assert_eq!(describe_offset(3 * 3_600_000 - 1_000), "3 h ahead of");
+        assert_eq!(describe_offset(600_000 - 1_000), "10 min ahead of");
+        assert_eq!(describe_offset(3_000), "3 s ahead of");
+    }
     use std::sync::atomic::{AtomicI64, Ordering};
 
     /// Host clocks a test moves by hand.
