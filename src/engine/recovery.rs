@@ -1312,6 +1312,19 @@ fn check_audit_chain(
         }
         prev = Some(row.chain_hash());
     }
+    // Each row an entry touched carries the head that entry made (migration
+    // 0017): a head the log no longer holds means rows were removed, even
+    // when the log was emptied whole and meta `audit_head` deleted with it.
+    let heads: std::collections::HashSet<String> = rows.iter().map(AuditRow::chain_hash).collect();
+    for (kind, id, anchor) in tx.audit_anchors()? {
+        if !heads.contains(&anchor) {
+            find(
+                "audit_chain",
+                &id,
+                &format!("the {kind} names an operator-log entry the log no longer holds (log rows removed)"),
+            );
+        }
+    }
     let head = tx.meta("audit_head")?;
     if linked && head != prev {
         find("audit_chain", "audit_log", "the newest row is not the one the head records (rows removed at the end)");

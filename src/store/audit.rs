@@ -27,7 +27,35 @@ impl Tx<'_> {
         let mut stored = a.clone();
         stored.seq = seq;
         stored.chain_sha256 = Some(link);
-        self.meta_set("audit_head", &stored.chain_hash())
+        let head = stored.chain_hash();
+        // The head is anchored on the rows the entry touches (migration 0017),
+        // where deleting the log and meta `audit_head` cannot reach it.
+        if let Some(op) = &a.operation_id {
+            self.conn
+                .prepare_cached("UPDATE operations SET audit_anchor = ?1 WHERE id = ?2")?
+                .execute(params![head, op])?;
+        }
+        if let Some(approval) = &a.approval_id {
+            self.conn
+                .prepare_cached("UPDATE approvals SET audit_anchor = ?1 WHERE id = ?2")?
+                .execute(params![head, approval])?;
+        }
+        self.meta_set("audit_head", &head)
+    }
+
+    /// Every anchored row: (`"operation"` or `"approval"`, its id, the head
+    /// its newest operator-log entry made), for the audit.
+    pub fn audit_anchors(&self) -> R<Vec<(&'static str, String, String)>> {
+        let mut out = Vec::new();
+        for (kind, sql) in [
+            ("operation", "SELECT id, audit_anchor FROM operations WHERE audit_anchor IS NOT NULL ORDER BY id"),
+            ("approval", "SELECT id, audit_anchor FROM approvals WHERE audit_anchor IS NOT NULL ORDER BY id"),
+        ] {
+            let mut st = self.conn.prepare_cached(sql)?;
+            let rows = st.query_map((), |r| Ok((kind, r.get::<String>(0)?, r.get::<String>(1)?)))?;
+            out.extend(rows.collect::<Result<Vec<_>, _>>()?);
+        }
+        Ok(out)
     }
 
     /// Every operator-log row, oldest first (for the chain check).

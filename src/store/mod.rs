@@ -48,7 +48,7 @@ pub use views::{
 };
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 16] = [
+const MIGRATIONS: [&str; 17] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
@@ -65,6 +65,7 @@ const MIGRATIONS: [&str; 16] = [
     include_str!("migrations/0014_holds.sql"),
     include_str!("migrations/0015_scope_downstream_key.sql"),
     include_str!("migrations/0016_operator_token_tenants.sql"),
+    include_str!("migrations/0017_audit_anchor.sql"),
 ];
 
 /// The schema version this build writes.

@@ -148,6 +148,14 @@ fn every_tamper_is_found_by_audit_and_never_replayed_as_new_work(backend: Backen
             None,
         ),
         (
+            // Only status queries in the log, no decision: before the anchors
+            // (migration 0017) an emptied log with its head gone was clean.
+            "audit trigger dropped, the whole log and its head deleted",
+            "DROP TRIGGER audit_log_no_delete; DELETE FROM audit_log; DELETE FROM meta WHERE key = 'audit_head'".into(),
+            "the log no longer holds",
+            None,
+        ),
+        (
             "audit trigger dropped, a reason rewritten",
             "DROP TRIGGER audit_log_no_update; UPDATE audit_log SET reason = 'applied by admin'".into(),
             "audit_chain",
@@ -263,6 +271,32 @@ fn decisions_without_their_log_entries_are_found(backend: Backend) {
     let found = findings(&mut e);
     assert!(found.iter().any(|f| f.starts_with("audit_log") && f.contains(&op) && f.contains("resolve")), "{found:?}");
     assert!(found.iter().any(|f| f.contains(&approved_op) && f.contains("approve")), "{found:?}");
+}
+
+/// A ledger written before the operator log's head was anchored on the rows
+/// it touches (schema 16: demo.db of that commit) opens, migrates and audits
+/// clean; the next operator action anchors its head, and emptying the log
+/// then is found.
+#[test]
+fn a_version_16_ledger_migrates_and_its_next_operator_action_anchors_the_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v16.db");
+    std::fs::copy(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/fixtures/ledger-v16.db"), &path).unwrap();
+    let v: i64 = crate::support::raw(&path).query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+    assert_eq!(v, 16);
+    let clock = toolgate::engine::clock::ManualClock::new(crate::support::T0);
+    let mut e = Engine::open(&path, crate::support::opts(&clock, "migrate")).unwrap();
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+    let ops = e.list_operations(None, 100).unwrap();
+    assert_eq!(ops.len(), 11, "every operation of the fixture is kept");
+    let unknown = ops.iter().find(|o| o.state.is_unknown_queue()).expect("the demo has an unknown operation");
+    e.operator_query(&unknown.id, "oncall-kim").unwrap();
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+    crate::support::raw(&path)
+        .execute_batch("DROP TRIGGER audit_log_no_delete; DELETE FROM audit_log; DELETE FROM meta WHERE key = 'audit_head'")
+        .unwrap();
+    let found = findings(&mut e);
+    assert!(found.iter().any(|f| f.contains(&unknown.id) && f.contains("no longer holds")), "{found:?}");
 }
 
 crate::on_both_backends!(
