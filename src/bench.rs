@@ -455,6 +455,8 @@ impl HttpServer {
                 sync,
                 worker: false,
                 clock: Arc::new(crate::engine::clock::SystemClock),
+                max_connections: crate::api::MAX_CONNECTIONS,
+                max_connections_per_client: crate::api::MAX_CONNECTIONS_PER_CLIENT,
             };
             let failed = ready.clone();
             if let Err(e) = crate::api::serve_until(&db, &opts, |a| drop(ready.send(Ok(a))), Some(stopped)) {

@@ -364,7 +364,18 @@ pub struct ServeArgs {
     /// Engine threads answering requests (each owns its own connections).
     #[arg(long, default_value_t = 4)]
     pub threads: usize,
+    /// Connections served at once; more wait in the kernel's accept queue.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub max_connections: u32,
+    /// Connections served at once from one client address; more are answered
+    /// 429 TOO_MANY_CONNECTIONS and closed (clients behind one proxy or NAT
+    /// share an address: raise it there).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub max_connections_per_client: u32,
 }
+
+// The defaults written in `ServeArgs` are the server's own.
+const _: () = assert!(crate::api::MAX_CONNECTIONS == 1024 && crate::api::MAX_CONNECTIONS_PER_CLIENT == 256);
 
 /// `trace` arguments.
 #[derive(Debug, Args)]
@@ -2099,6 +2110,8 @@ fn serve_command(cli: &Cli, a: &ServeArgs) -> Result<i32, CliError> {
         sync: opts.sync,
         worker: true,
         clock: opts.clock,
+        max_connections: a.max_connections as usize,
+        max_connections_per_client: a.max_connections_per_client as usize,
     };
     crate::api::serve(path, &serve, |addr| {
         outln!("listening on http://{addr}");

@@ -23,6 +23,10 @@ use crate::store::{ApprovalStateRow, LatencyRow, MetricRow, OpenOperationsRow, S
 
 pub use crate::engine::trace::{minutes_retained_from, MINUTES_RETAINED};
 
+/// Connections this process refused because their client address held too
+/// many at once (`toolgate_connections_refused_total`); counted in memory.
+pub static CONNECTIONS_REFUSED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// The time window for rates and windowed percentiles: the last `span_minutes`
 /// (the current, partial minute included), in buckets of `bucket_minutes`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -741,6 +745,17 @@ pub fn snapshot(engine: &mut Engine, window: Window, slice: &Slice) -> Result<Me
         help: "Latency of answered calls (dispatch, query, approve) as their callers saw it.",
         kind: Kind::Histogram,
         samples,
+    });
+
+    families.push(Family {
+        name: "toolgate_connections_refused_total",
+        help: "Connections refused because their client address held too many at once (serve --max-connections-per-client), by this process since it started.",
+        kind: Kind::Counter,
+        samples: vec![Sample {
+            labels: BTreeMap::new(),
+            value: CONNECTIONS_REFUSED.load(std::sync::atomic::Ordering::Relaxed) as f64,
+            histogram: None,
+        }],
     });
 
     // This process's authentication refusals: counted in memory, not in the

@@ -43,6 +43,25 @@ impl Server {
         Self { child: Some(child), url, addr }
     }
 
+    /// [`Server::start`] with arguments of `serve` itself.
+    pub(crate) fn start_serving(db: &Path, serve: &[&str]) -> Self {
+        let mut child = Command::new(bin())
+            .arg("--db")
+            .arg(db)
+            .args(["serve", "--listen", "127.0.0.1:0", "--threads", "2"])
+            .args(serve)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let url =
+            line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("no address in {line:?}")).to_string();
+        let addr = url.trim_start_matches("http://").to_string();
+        Self { child: Some(child), url, addr }
+    }
+
     /// The child's process id.
     pub(crate) fn pid(&self) -> u32 {
         self.child.as_ref().map_or(0, Child::id)
@@ -1571,4 +1590,96 @@ fn a_version_15_ledger_keeps_its_operator_token_reaching_every_tenant() {
         other => panic!("{other:?}"),
     }
     assert_eq!(e.list_operations(None, 10).unwrap().len(), 1, "the fixture's refund is still there");
+}
+
+/// A connection to `addr` from another loopback address (`from`: another
+/// client, as the server sees it).
+fn connect_from(from: [u8; 4], addr: &str) -> std::io::Result<TcpStream> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_io().build()?;
+    rt.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(std::net::SocketAddr::from((from, 0)))?;
+        let stream = socket.connect(addr.parse().map_err(std::io::Error::other)?).await?;
+        let std = stream.into_std()?;
+        std.set_nonblocking(false)?;
+        Ok(std)
+    })
+}
+
+/// Issue 33 Medium 11 (slowloris): one client holding 3,000 slow connections
+/// made `/healthz` probes time out (1,024-connection cap, no per-client
+/// limit). Here, on a server capped at 32 connections, one client address
+/// keeps 300 connections open, each sending a byte of a request head now and
+/// then and reopening whatever closes; another client's probes are answered,
+/// and the attacker's connections beyond its 8 are answered 429 at once.
+/// Before the per-client limit every probe waited in the accept queue behind
+/// the attacker and none was answered within 20 s.
+#[test]
+fn one_client_holding_slow_connections_cannot_keep_another_out() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let f = Fixture::on(Backend::Sqlite);
+    let server = Server::start_serving(f.path(), &["--max-connections", "32", "--max-connections-per-client", "8"]);
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let (refused_tx, refused) = std::sync::mpsc::channel::<String>();
+    let attacker = {
+        let (stop, addr) = (stop.clone(), server.addr.clone());
+        std::thread::spawn(move || {
+            let mut open: Vec<TcpStream> = Vec::new();
+            let mut told = false;
+            while !stop.load(Ordering::SeqCst) {
+                while open.len() < 300 && !stop.load(Ordering::SeqCst) {
+                    match connect_from([127, 0, 0, 2], &addr) {
+                        Ok(s) => {
+                            let _ = s.set_read_timeout(Some(Duration::from_millis(20)));
+                            let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
+                            open.push(s);
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                    }
+                }
+                // A byte of a head that never ends, on each; drop what closed.
+                open.retain_mut(|s| {
+                    let mut buf = [0u8; 512];
+                    match s.read(&mut buf) {
+                        Ok(0) => false,
+                        Ok(n) => {
+                            if !told {
+                                told = refused_tx.send(String::from_utf8_lossy(&buf[..n]).into_owned()).is_ok();
+                            }
+                            false
+                        }
+                        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                            s.write_all(b"X-Slow: 1\r\n").is_ok()
+                        }
+                        Err(_) => false,
+                    }
+                });
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        })
+    };
+    // Wait until the attacker holds its connections.
+    let first = refused.recv_timeout(Duration::from_secs(60)).expect("a connection over the limit is answered");
+    assert!(first.starts_with("HTTP/1.1 429") && first.contains("TOO_MANY_CONNECTIONS"), "{first}");
+    let probe: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(20)))
+        .build()
+        .into();
+    for i in 0..3 {
+        let answer = probe.get(&format!("{}/healthz", server.url)).call();
+        match answer {
+            Ok(r) => assert_eq!(r.status().as_u16(), 200, "probe {i}"),
+            Err(e) => panic!("probe {i} was not answered while one client held slow connections: {e}"),
+        }
+    }
+    let metrics = probe.get(&format!("{}/metrics", server.url)).call().unwrap().body_mut().read_to_string().unwrap();
+    let refused_total = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("toolgate_connections_refused_total "))
+        .and_then(|n| n.trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no toolgate_connections_refused_total in /metrics"));
+    assert!(refused_total >= 1.0, "{refused_total}");
+    stop.store(true, Ordering::SeqCst);
+    attacker.join().unwrap();
 }

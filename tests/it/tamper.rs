@@ -293,7 +293,9 @@ fn a_version_16_ledger_migrates_and_its_next_operator_action_anchors_the_head() 
     e.operator_query(&unknown.id, "oncall-kim").unwrap();
     assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
     crate::support::raw(&path)
-        .execute_batch("DROP TRIGGER audit_log_no_delete; DELETE FROM audit_log; DELETE FROM meta WHERE key = 'audit_head'")
+        .execute_batch(
+            "DROP TRIGGER audit_log_no_delete; DELETE FROM audit_log; DELETE FROM meta WHERE key = 'audit_head'",
+        )
         .unwrap();
     let found = findings(&mut e);
     assert!(found.iter().any(|f| f.contains(&unknown.id) && f.contains("no longer holds")), "{found:?}");
