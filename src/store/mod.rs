@@ -346,6 +346,77 @@ fn open_error(e: &rusqlite::Error) -> StoreError {
     }
 }
 
+/// Whether `path` is on a filesystem mounted read-only (asked with
+/// `access(2)`, which opens nothing: see the lock note in [`Store::open`]).
+fn on_read_only_filesystem(path: &Path) -> bool {
+    matches!(rustix::fs::access(path, rustix::fs::Access::WRITE_OK), Err(e) if e == rustix::io::Errno::ROFS)
+}
+
+/// A SQLite URI naming `path` as immutable: read without the write-ahead
+/// log's shared memory (which cannot be created on a read-only filesystem)
+/// and without locks. Only used there, and only when no write-ahead log is
+/// beside the file (it would be ignored): nothing can change the file then.
+/// (Percent-encoding by hand: the three characters a URI path may not hold
+/// bare are all SQLite's URI parser needs escaped.)
+fn immutable_uri(path: &Path) -> Option<String> {
+    let text = path.to_str()?;
+    let mut out = String::from("file:");
+    for c in text.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '?' => out.push_str("%3f"),
+            '#' => out.push_str("%23"),
+            c => out.push(c),
+        }
+    }
+    out.push_str("?immutable=1");
+    Some(out)
+}
+
+/// Whether a write-ahead log with content is beside `path`.
+fn has_wal(path: &Path) -> bool {
+    let mut wal = path.as_os_str().to_owned();
+    wal.push("-wal");
+    std::fs::metadata(PathBuf::from(wal)).is_ok_and(|m| m.len() > 0)
+}
+
+/// Opens an existing SQLite file for reading only, with its `user_version`.
+/// A WAL database on a read-only filesystem cannot make its shared memory;
+/// with no log beside it the file is the whole database and cannot change
+/// there, so it is read as immutable.
+fn lite_read_only(path: &Path) -> Result<(Connection, i64), StoreError> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_URI;
+    let version = |conn: &Connection| {
+        conn.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0)).map_err(|e| match e {
+            rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::NotADatabase => {
+                StoreError::NotToolgate
+            }
+            other => StoreError::from(other),
+        })
+    };
+    let conn = Connection::open_with_flags(path, flags).map_err(|e| open_error(&e))?;
+    conn.busy_timeout(BUSY_TIMEOUT)?;
+    match conn.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0)) {
+        Err(rusqlite::Error::SqliteFailure(f, _))
+            if f.code == rusqlite::ErrorCode::CannotOpen && on_read_only_filesystem(path) =>
+        {
+            if has_wal(path) {
+                return Err(StoreError::Open(
+                    "the file is on a read-only filesystem with a write-ahead log beside it that cannot be read there; copy the file and its -wal to a writable place".into(),
+                ));
+            }
+            let uri = immutable_uri(path).ok_or_else(|| StoreError::Open("the path is not UTF-8".into()))?;
+            let conn = Connection::open_with_flags(uri, flags).map_err(|e| open_error(&e))?;
+            let v = version(&conn)?;
+            Ok((conn, v))
+        }
+        _ => {
+            let v = version(&conn)?;
+            Ok((conn, v))
+        }
+    }
+}
+
 impl Store {
     /// Opens an existing ledger for reading only: never creates, migrates or
     /// writes the file. An empty or foreign file is `DB_NOT_TOOLGATE`, an older
@@ -361,10 +432,7 @@ impl Store {
         if std::fs::metadata(path).is_ok_and(|m| m.len() < 512) {
             return Err(StoreError::NotToolgate);
         }
-        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_URI;
-        let conn = Connection::open_with_flags(path, flags).map_err(|e| open_error(&e))?;
-        conn.busy_timeout(BUSY_TIMEOUT)?;
-        let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        let (conn, version) = lite_read_only(path)?;
         if version > SCHEMA_VERSION {
             return Err(StoreError::SchemaTooNew { found: version, supported: SCHEMA_VERSION });
         }
@@ -404,21 +472,31 @@ impl Store {
                 return Err(StoreError::NotToolgate);
             }
         }
-        let mut flags = if read_only { OpenFlags::SQLITE_OPEN_READ_ONLY } else { OpenFlags::SQLITE_OPEN_READ_WRITE }
-            | OpenFlags::SQLITE_OPEN_NO_MUTEX
-            | OpenFlags::SQLITE_OPEN_URI;
-        if opts.create && !read_only {
+        if read_only {
+            let (conn, _) = lite_read_only(path)?;
+            conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+            return Ok(Self {
+                conn: Conn::Lite(conn),
+                sync: opts.sync,
+                relaxed: false,
+                writer: writer_lock(path),
+                read_only,
+            });
+        }
+        let mut flags =
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_URI;
+        if opts.create {
             flags |= OpenFlags::SQLITE_OPEN_CREATE;
         }
-        let conn = Connection::open_with_flags(path, flags).map_err(|e| open_error(&e))?;
-        conn.busy_timeout(BUSY_TIMEOUT)?;
-        conn.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0)).map_err(|e| match e {
-            rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::NotADatabase => {
-                StoreError::NotToolgate
-            }
-            other => open_error(&other),
-        })?;
-        if !read_only {
+        let setup = || -> Result<Connection, StoreError> {
+            let conn = Connection::open_with_flags(path, flags).map_err(|e| open_error(&e))?;
+            conn.busy_timeout(BUSY_TIMEOUT)?;
+            conn.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0)).map_err(|e| match e {
+                rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::NotADatabase => {
+                    StoreError::NotToolgate
+                }
+                other => open_error(&other),
+            })?;
             let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
             if !mode.eq_ignore_ascii_case("wal") && !mode.eq_ignore_ascii_case("memory") {
                 return Err(StoreError::Open(format!("could not enable WAL (journal_mode={mode})")));
@@ -427,7 +505,12 @@ impl Store {
                 Sync::Full => "PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON; PRAGMA temp_store=MEMORY;",
                 Sync::Normal => "PRAGMA synchronous=NORMAL; PRAGMA foreign_keys=ON; PRAGMA temp_store=MEMORY;",
             })?;
-        }
+            Ok(conn)
+        };
+        let conn = setup().map_err(|e| match e {
+            StoreError::Open(_) | StoreError::Other(_) if on_read_only_filesystem(path) => StoreError::ReadOnly,
+            e => e,
+        })?;
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         Ok(Self { conn: Conn::Lite(conn), sync: opts.sync, relaxed: false, writer: writer_lock(path), read_only })
     }
@@ -458,8 +541,14 @@ impl Store {
             flags |= OpenFlags::SQLITE_OPEN_CREATE;
         }
         let conn = Connection::open_with_flags(path, flags).map_err(|e| open_error(&e))?;
-        refuse_foreign(&conn, opts.create)?;
-        Self::setup(conn, opts.sync, writer_lock(path))
+        refuse_foreign(&conn, opts.create).and_then(|()| Self::setup(conn, opts.sync, writer_lock(path))).map_err(|e| {
+            match e {
+                // SQLite says "unable to open" where the file, its log or its
+                // shared memory cannot be written: say why.
+                StoreError::Open(_) | StoreError::Other(_) if on_read_only_filesystem(path) => StoreError::ReadOnly,
+                e => e,
+            }
+        })
     }
 
     fn setup(conn: Connection, sync: Sync, writer: Arc<group::Writer>) -> Result<Self, StoreError> {

@@ -535,3 +535,64 @@ fn a_catalog_that_changes_a_tool_under_the_same_revisions_is_refused() {
     std::fs::write(cat.join("create_refund.json"), described.to_string()).unwrap();
     assert_eq!(reap(&cat).status.code(), Some(0));
 }
+
+/// A tmpfs mounted read-only (needs the privilege to mount, as CI's root
+/// has); unmounted on drop.
+struct ReadOnlyMount(tempfile::TempDir);
+
+impl ReadOnlyMount {
+    /// Mounts a tmpfs, puts `files` in it, remounts it read-only; `None`
+    /// (with a message) where this machine may not mount.
+    fn with(files: &[(&str, &Path)]) -> Option<Self> {
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "tmpfs"])
+            .arg(dir.path())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !mounted {
+            eprintln!("*** read-only filesystem test SKIPPED: cannot mount a tmpfs here (needs root) ***");
+            return None;
+        }
+        let m = Self(dir);
+        for (name, from) in files {
+            std::fs::copy(from, m.0.path().join(name)).unwrap();
+        }
+        let ro = std::process::Command::new("mount").args(["-o", "remount,ro"]).arg(m.0.path()).status().unwrap();
+        assert!(ro.success());
+        Some(m)
+    }
+}
+
+impl Drop for ReadOnlyMount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(self.0.path()).status();
+    }
+}
+
+/// Issue 33 (Low): on a read-only filesystem reads failed (`DB_ERROR`
+/// "unable to open database file": WAL's shared memory cannot be made there)
+/// and writes said `DB_OPEN_FAILED`. Reads work; writes say `DB_READ_ONLY`.
+#[test]
+fn on_a_read_only_filesystem_reads_work_and_writes_say_read_only() {
+    let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("demo.db");
+    let Some(m) = ReadOnlyMount::with(&[("ledger.db", &demo)]) else { return };
+    let db = m.0.path().join("ledger.db");
+    for read in [&["ops", "list", "--json"][..], &["counts", "--json"], &["audit", "--json"], &["approvals", "--json"]]
+    {
+        let out = tg().arg("--db").arg(&db).args(read).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{read:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let _: Value = serde_json::from_slice(&out.stdout).unwrap();
+    }
+    let (code, v) = dispatch(&db, "ro-fs-0001", ARGS, &[]);
+    assert_eq!((code, v["error"]["code"].as_str()), (2, Some("DB_READ_ONLY")), "{v}");
+    let out = tg().arg("--db").arg(&db).args(["reap", "--json"]).output().unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["error"]["code"], "DB_READ_ONLY", "{v}");
+}
