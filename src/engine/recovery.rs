@@ -1176,6 +1176,29 @@ impl Engine {
                     .collect();
                 domain.audit(tx, &calls, &mut find)?;
             }
+            // An event dated before its operation was created: the event's
+            // writer ran behind, or the operation's ran ahead (a time is
+            // ledger time on a correct host; the slack is the clocks' bound).
+            let (wrong, n) = tx.trace_times_before_creation(super::ledger_clock::CLOCK_BOUND_MS, 20)?;
+            for (seq, op, at, created) in &wrong {
+                find(
+                    "trace",
+                    &format!("trace_events {seq}"),
+                    &format!(
+                        "time {} is {} s before its operation {op} was created ({}): written on a wrong clock",
+                        super::clock::rfc3339(*at),
+                        (created - at) / 1000,
+                        super::clock::rfc3339(*created)
+                    ),
+                );
+            }
+            if n > wrong.len() as i64 {
+                find(
+                    "trace",
+                    "trace_events",
+                    &format!("{} more events dated before their operation", n - wrong.len() as i64),
+                );
+            }
             let (bad, gaps) = tx.trace_damage()?;
             for seq in bad {
                 find("trace", &format!("trace_events {seq}"), "fields are not valid JSON");

@@ -3,6 +3,10 @@
 use super::sql::sql_text;
 use super::{params, ApprovalRow, AuditRow, Backend, TraceDamage, Tx, APPROVAL_COLS, AUDIT_COLS, AUDIT_GENESIS, R};
 
+/// A trace event dated before its operation: (seq, operation id, at, the
+/// operation's creation).
+pub type EarlyEvent = (i64, String, i64, i64);
+
 impl Tx<'_> {
     // ------------------------------------------------------------ audit log
 
@@ -220,6 +224,23 @@ impl Tx<'_> {
         })?;
         let gaps = st.query_map((), |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<Result<Vec<_>, _>>()?;
         Ok((bad, gaps))
+    }
+
+    /// Trace events dated before their operation was created by more than
+    /// `slack` ms (one of the two was written on a wrong clock): (seq,
+    /// operation id, at, the operation's creation), at most `limit` of them,
+    /// oldest first, and how many there are.
+    pub fn trace_times_before_creation(&self, slack: i64, limit: i64) -> R<(Vec<EarlyEvent>, i64)> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT t.seq, t.operation_id, t.at, o.created_at FROM trace_events t
+               JOIN operations o ON o.id = t.operation_id
+              WHERE t.at < o.created_at - ?1
+              ORDER BY t.seq",
+        )?;
+        let rows = st.query_map([slack], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?;
+        let all = rows.collect::<Result<Vec<EarlyEvent>, _>>()?;
+        let n = all.len() as i64;
+        Ok((all.into_iter().take(usize::try_from(limit).unwrap_or(0)).collect(), n))
     }
 
     /// Every approval request (for the integrity audit).

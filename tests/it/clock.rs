@@ -8,6 +8,7 @@
 
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 use serde_json::Value;
 use toolgate::engine::envelope::Code;
@@ -159,6 +160,32 @@ fn an_approver_with_a_wrong_clock_judges_expiry_on_ledger_time(backend: Backend)
     assert_eq!((rc, approved["model_result"]["status"].as_str()), (0, Some("succeeded")), "{approved}");
     let decided = fx.query_i64(&format!("SELECT decided_at FROM approvals WHERE id = '{id}'"));
     assert!((decided - before).abs() < 60_000, "decided at ledger time, not 20 minutes ahead: {decided} vs {before}");
+    // An approver 5 minutes behind (checking before the request's creation on
+    // its own clock): before, "expired"; now approved on ledger time, and the
+    // audit finds no event dated before its operation.
+    let second = r#"{"order_ref":"ord_1002","amount_minor":110000,"currency":"EUR","reason":"damaged"}"#;
+    let mut ask = real();
+    ask.arg("--db").arg(db).args([
+        "dispatch",
+        "--tenant",
+        "acme",
+        "--subject",
+        "agent_ana",
+        "--tool",
+        "create_refund",
+        "--key",
+        "clock-approval-0002",
+        "--args",
+        second,
+        "--json",
+    ]);
+    let (_, asked) = json_of(&mut ask);
+    let id = asked["protected_audit"]["approval_id"].as_str().unwrap().to_string();
+    let Some(mut behind) = faketime("-5m") else { return };
+    let (rc, approved) = json_of(behind.arg("--db").arg(db).args(["approve", &id, "--approver", "alice", "--json"]));
+    assert_eq!((rc, approved["model_result"]["status"].as_str()), (0, Some("succeeded")), "{approved}");
+    let (_, audit) = json_of(real().arg("--db").arg(db).args(["audit", "--json"]));
+    assert_eq!(audit["findings"], serde_json::json!([]), "{audit}");
 }
 
 /// A process crashed holding a lease written while its clock was 2 days ahead;
@@ -236,6 +263,164 @@ fn a_version_14_ledger_migrates_and_keeps_its_keys() {
     assert!(findings.iter().any(|f| f.reference == op && f.detail.contains("downstream_key")), "{findings:?}");
     assert_eq!(env.code(), None::<Code>);
 }
+
+/// `toolgate serve` on `db` under `faketime`, and its address.
+fn serve_under(mut c: Command, db: &Path) -> (std::process::Child, String) {
+    use std::io::BufRead as _;
+    let mut child = c
+        .arg("--db")
+        .arg(db)
+        .args(["serve", "--listen", "127.0.0.1:0", "--threads", "2"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let url = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("no address in {line:?}")).to_string();
+    (child, url)
+}
+
+/// Table row "a replica ahead reaps the others' live leases". Before: with one
+/// `serve` replica 10 s to 5 min ahead, 20 of 20 in-flight calls of another
+/// replica were answered OUTCOME_UNKNOWN (its reaper judged their 6 s leases
+/// on its own clock). Now five calls of 3 s each, made while a replica 5
+/// minutes ahead runs its reaper every 250 ms, all succeed, once each.
+fn a_replica_ahead_does_not_reap_live_calls(backend: Backend) {
+    let fx = Fixture::on(backend);
+    // Faults come in a request header only on a database marked as a demo.
+    fx.engine().mark_demo(crate::support::T0).unwrap();
+    let db = fx.path();
+    let ana = crate::serve::agent_token(db, "acme", "agent_ana");
+    let server = crate::serve::Server::start(db, &[]);
+    let Some(ahead) = faketime("+5m") else { return };
+    let (mut replica, _) = serve_under(ahead, db);
+    let c = std::sync::Arc::new(crate::serve::Client::new(&server));
+    let calls: Vec<_> = (0..5)
+        .map(|i| {
+            let (c, ana) = (c.clone(), ana.clone());
+            std::thread::spawn(move || {
+                c.try_call(
+                    &ana,
+                    "create_refund",
+                    Some(&format!("clock-replica-{i:04}")),
+                    &crate::support::refund_args("ord_1001", 100),
+                    &[("toolgate-fault", "latency(3000)")],
+                )
+                .unwrap()
+            })
+        })
+        .collect();
+    let answers: Vec<_> = calls.into_iter().map(|h| h.join().unwrap()).collect();
+    let _ = replica.kill();
+    let _ = replica.wait();
+    for a in &answers {
+        assert_eq!((a.status, a.body["model_result"]["status"].as_str()), (200, Some("succeeded")), "{:#}", a.body);
+    }
+    let mut e = fx.engine();
+    assert_eq!(crate::support::effects(&mut e), 5);
+    assert_eq!(crate::support::duplicates(&mut e), 0);
+}
+
+/// Table row "a worker host behind runs a queued retry". Before: a worker
+/// 60 s behind sent a refund with a 5 s deadline 59 s late (the ledger said
+/// "953 ms left"). Now: a call rate-limited on each of its attempts leaves
+/// its retry queued; once its 4 s deadline has passed, a worker 60 s behind
+/// judges the deadline on ledger time and sends nothing.
+fn a_worker_behind_never_sends_a_queued_retry_past_its_deadline(backend: Backend) {
+    let fx = Fixture::on(backend);
+    let db = fx.path();
+    let mut first = dispatch_cmd(real(), db, "clock-late-0001");
+    // Five attempts a call (the demo's max_attempts), each rate-limited.
+    first.args([
+        "--deadline-ms",
+        "4000",
+        "--fault",
+        "rate_limit(300),rate_limit(300),rate_limit(300),rate_limit(300),rate_limit(300),ok",
+    ]);
+    let started = std::time::Instant::now();
+    let (_, answered) = json_of(&mut first);
+    assert_eq!(answered["model_result"]["execution"]["outcome"], "not_started", "{answered}");
+    let queued = fx.query_i64("SELECT count(*) FROM outbox WHERE state = 'pending'");
+    assert_eq!(queued, 1, "the retry is queued for a worker: {answered}");
+    std::thread::sleep(Duration::from_millis(5_000).saturating_sub(started.elapsed()));
+    let Some(mut behind) = faketime("-60s") else { return };
+    let (_, worked) = json_of(behind.arg("--db").arg(db).args(["work", "--json"]));
+    let mut e = fx.engine();
+    assert_eq!(crate::support::effects(&mut e), 0, "sent past its deadline by a worker behind: {worked}");
+    let state = fx.query_text("SELECT state FROM operations").unwrap();
+    assert_ne!(state, "succeeded", "{worked}");
+}
+
+/// Where libfaketime's library is (the `faketime` package), if installed.
+fn libfaketime() -> Option<&'static str> {
+    ["/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1", "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+}
+
+/// Table row "a step back during a Retry-After wait". Before: the wall clock
+/// stepped back 90 s while a call waited out a Retry-After; the caller was
+/// told TOOL_UNAVAILABLE ("nothing was done") and `serve` sent the call 64 s
+/// past its 30 s deadline. Now a `serve` whose wall clock steps back 90 s one
+/// second into a 3 s Retry-After wait sends once, within the 6 s deadline,
+/// and answers succeeded.
+fn a_step_back_during_a_retry_after_wait_moves_no_deadline(backend: Backend) {
+    let fx = Fixture::on(backend);
+    fx.engine().mark_demo(crate::support::T0).unwrap();
+    let db = fx.path();
+    let ana = crate::serve::agent_token(db, "acme", "agent_ana");
+    if faketime("+0").is_none() {
+        return;
+    }
+    let lib = libfaketime().expect("the faketime package installs libfaketime");
+    let spec = fx.dir.path().join("faketime.spec");
+    std::fs::write(&spec, "+0\n").unwrap();
+    let mut c = real();
+    c.env("LD_PRELOAD", lib)
+        .env("FAKETIME_TIMESTAMP_FILE", &spec)
+        .env("FAKETIME_NO_CACHE", "1")
+        .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+    let (mut server, url) = serve_under(c, db);
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(120)))
+        .build()
+        .into();
+    let call = {
+        let url = url.clone();
+        std::thread::spawn(move || {
+            let mut r = agent
+                .post(&format!("{url}/v1/tools/create_refund/calls"))
+                .header("authorization", &format!("Bearer {ana}"))
+                .header("content-type", "application/json")
+                .header("idempotency-key", "clock-step-0001")
+                .header("toolgate-deadline-ms", "6000")
+                .header("toolgate-fault", "rate_limit(3000),ok")
+                .send(crate::support::refund_args("ord_1001", 700).as_bytes())
+                .unwrap();
+            (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+        })
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    std::fs::write(&spec, "-90s\n").unwrap();
+    let (status, body) = call.join().unwrap();
+    let _ = server.kill();
+    let _ = server.wait();
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((status, v["model_result"]["status"].as_str()), (200, Some("succeeded")), "{v:#}");
+    let mut e = fx.engine();
+    assert_eq!(crate::support::effects(&mut e), 1);
+    let recorded = fx.query_i64("SELECT recorded_at FROM receipts");
+    let deadline = fx.query_i64("SELECT deadline_at FROM operations");
+    assert!(recorded <= deadline, "sent {} ms past its deadline", recorded - deadline);
+}
+
+crate::on_both_backends!(
+    a_replica_ahead_does_not_reap_live_calls,
+    a_worker_behind_never_sends_a_queued_retry_past_its_deadline,
+    a_step_back_during_a_retry_after_wait_moves_no_deadline,
+);
 
 crate::on_both_backends!(
     a_reap_on_a_host_ahead_purges_nothing_and_the_retry_replays,

@@ -122,6 +122,13 @@ fn every_tamper_is_found_by_audit_and_never_replayed_as_new_work(backend: Backen
         ),
         ("trace event deleted", "DELETE FROM trace_events WHERE seq = 3".into(), "events missing", None),
         (
+            // Issue 33 (Low): a backward clock's events were not flagged.
+            "trace event dated a day before its operation",
+            format!("UPDATE trace_events SET at = at - 86400000 WHERE seq = (SELECT max(seq) FROM trace_events WHERE operation_id = {OK})"),
+            "was created",
+            None,
+        ),
+        (
             "trace fields unparseable",
             "UPDATE trace_events SET fields = '{not json' WHERE seq = 2".into(),
             "not valid JSON",
@@ -284,7 +291,8 @@ fn a_version_16_ledger_migrates_and_its_next_operator_action_anchors_the_head() 
     std::fs::copy(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/fixtures/ledger-v16.db"), &path).unwrap();
     let v: i64 = crate::support::raw(&path).query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
     assert_eq!(v, 16);
-    let clock = toolgate::engine::clock::ManualClock::new(crate::support::T0);
+    // A day after the demo's own times (an operator acts after them).
+    let clock = toolgate::engine::clock::ManualClock::new(crate::support::T0 + 86_400_000);
     let mut e = Engine::open(&path, crate::support::opts(&clock, "migrate")).unwrap();
     assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
     let ops = e.list_operations(None, 100).unwrap();
