@@ -343,7 +343,7 @@ fn a_worker_behind_never_sends_a_queued_retry_past_its_deadline(backend: Backend
     assert_eq!(answered["model_result"]["execution"]["outcome"], "not_started", "{answered}");
     let queued = fx.query_i64("SELECT count(*) FROM outbox WHERE state = 'pending'");
     assert_eq!(queued, 1, "the retry is queued for a worker: {answered}");
-    std::thread::sleep(Duration::from_millis(5_000).saturating_sub(started.elapsed()));
+    std::thread::sleep(Duration::from_secs(5).saturating_sub(started.elapsed()));
     let Some(mut behind) = faketime("-60s") else { return };
     let (_, worked) = json_of(behind.arg("--db").arg(db).args(["work", "--json"]));
     let mut e = fx.engine();
