@@ -51,7 +51,8 @@ macro_rules! state_enum {
 
         impl std::fmt::Display for $name {
             fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.as_str())
+                // `pad`: a width or alignment (`{:<13}` in a table) applies.
+                f.pad(self.as_str())
             }
         }
 

@@ -596,3 +596,23 @@ fn on_a_read_only_filesystem_reads_work_and_writes_say_read_only() {
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["error"]["code"], "DB_READ_ONLY", "{v}");
 }
+
+/// `ops list` is a table: the state column is padded like the others (the
+/// states' Display ignored the width, so every column after it shifted).
+#[test]
+fn ops_list_text_columns_line_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("demo.db");
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("demo.db"), &db).unwrap();
+    let out = tg().arg("--db").arg(&db).args(["ops", "list"]).output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let mut lines = text.lines();
+    let header = lines.next().unwrap();
+    let at = header.find("version").unwrap();
+    let rows: Vec<&str> = lines.filter(|l| l.starts_with("op_")).collect();
+    assert!(rows.len() > 3, "{text}");
+    for row in rows {
+        assert!(row[..at].ends_with(' ') && !row[at..].starts_with(' '), "misaligned: {row:?} under {header:?}");
+    }
+}
