@@ -1371,8 +1371,34 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             } else {
                 outln!("operations: {}", fmt_map(&c.operations));
                 outln!("outbox:     {}", fmt_map(&c.outbox));
-                outln!("downstream effects: {}", c.downstream_effects);
-                outln!("side_effect_duplicates: {}", c.side_effect_duplicates);
+                let (counted, not): (Vec<_>, Vec<_>) = c.downstreams.iter().partition(|(_, d)| d.counted);
+                let names = |v: &[(&String, &crate::engine::DownstreamEffects)]| {
+                    v.iter().map(|(n, _)| crate::display::escape(n)).collect::<Vec<_>>().join(", ")
+                };
+                let scope = match (counted.is_empty(), not.is_empty()) {
+                    (_, true) => String::new(),
+                    (true, false) => format!(" (counted at no downstream: not at {})", names(&not)),
+                    (false, false) => format!(" (counted at {} only; not at {})", names(&counted), names(&not)),
+                };
+                outln!("downstream effects: {}{scope}", c.downstream_effects);
+                outln!("side_effect_duplicates: {}{scope}", c.side_effect_duplicates);
+                for (name, d) in &c.downstreams {
+                    match (d.effects, d.side_effect_duplicates, &d.note) {
+                        (Some(e), Some(dups), _) => {
+                            outln!(
+                                "  {:<16} {:<10} effects {e}, duplicates {dups}",
+                                crate::display::escape(name),
+                                d.adapter
+                            );
+                        }
+                        (.., note) => outln!(
+                            "  {:<16} {:<10} not counted: {}",
+                            crate::display::escape(name),
+                            crate::display::escape(&d.adapter),
+                            crate::display::escape(note.as_deref().unwrap_or(""))
+                        ),
+                    }
+                }
                 outln!("pending approvals: {}", c.pending_approvals);
                 if let Some(clock) = &c.clock {
                     outln!(
@@ -1566,15 +1592,28 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 return Ok(0);
             }
             let findings = engine.audit()?;
+            // A read opens no downstream it cannot: those were not asked.
+            let not_checked = engine.unopened_downstreams().clone();
             if *json {
-                print_json(&json!({"ok": findings.is_empty(), "findings": findings}));
-            } else if findings.is_empty() {
-                outln!("audit: no findings");
+                print_json(
+                    &json!({"ok": findings.is_empty(), "findings": findings, "downstreams_not_checked": not_checked}),
+                );
             } else {
                 for f in &findings {
                     outln!("{:<22} {:<30} {}", f.check, f.reference, f.detail);
                 }
-                outln!("audit: {} finding(s)", findings.len());
+                for (name, why) in &not_checked {
+                    outln!(
+                        "not checked: downstream {} (not opened by this read: {})",
+                        crate::display::escape(name),
+                        crate::display::escape(why)
+                    );
+                }
+                if findings.is_empty() {
+                    outln!("audit: no findings");
+                } else {
+                    outln!("audit: {} finding(s)", findings.len());
+                }
             }
             Ok(i32::from(!findings.is_empty()))
         }

@@ -332,6 +332,12 @@ pub trait Downstream: Send {
     fn effect_counts(&mut self) -> Result<Option<EffectCounts>, DownstreamError> {
         Ok(None)
     }
+    /// The effects this downstream alone committed (`toolgate counts`, per
+    /// downstream; [`Downstream::effect_counts`] may answer for several):
+    /// `None` when it cannot count them (a real API's adapter).
+    fn own_effect_counts(&mut self) -> Result<Option<EffectCounts>, DownstreamError> {
+        Ok(None)
+    }
     /// Effects this provider committed for one business intent (the lab's referee).
     fn effects_for_intent(&mut self, _intent: &str) -> Result<Option<i64>, DownstreamError> {
         Ok(None)
@@ -363,6 +369,14 @@ pub struct DownstreamContext<'a> {
     pub ids: Ids,
     /// The engine is read-only: the adapter must not write.
     pub read_only: bool,
+}
+
+/// The downstreams an engine opened, by name, and (read-only engines only)
+/// those it could not open, with why.
+#[derive(Default)]
+pub(crate) struct OpenedDownstreams {
+    pub(crate) open: BTreeMap<String, Box<dyn Downstream>>,
+    pub(crate) unopened: BTreeMap<String, String>,
 }
 
 /// Opens one downstream per engine from the catalog's `downstream` section.
@@ -502,21 +516,45 @@ impl Toolset {
         groups
     }
 
-    /// Opens one instance of every downstream the catalog names, by downstream name.
+    /// Opens one instance of every downstream the catalog names, by downstream
+    /// name. For a read-only engine a downstream that cannot be opened (its
+    /// environment variables unset, its storage absent or older than this
+    /// build) is no error: a read needs none, so it is left out and the
+    /// second map says why (what needs it then says it was not checked).
+    /// `skip`: downstreams not to open, with why (a read-only engine's only).
     pub(crate) fn open_downstreams(
         &self,
         ctx: &DownstreamContext<'_>,
-    ) -> Result<BTreeMap<String, Box<dyn Downstream>>, DownstreamError> {
-        let mut out = BTreeMap::new();
+        skip: &BTreeMap<String, String>,
+    ) -> Result<OpenedDownstreams, DownstreamError> {
+        let mut out = OpenedDownstreams { open: BTreeMap::new(), unopened: skip.clone() };
         for c in self.catalog.all() {
             let d = &c.downstream;
-            if d.adapter == LOCAL_ADAPTER || out.contains_key(&d.name) {
+            if d.adapter == LOCAL_ADAPTER || out.open.contains_key(&d.name) || out.unopened.contains_key(&d.name) {
                 continue;
             }
             if let Some(f) = self.adapters.get(&d.adapter) {
-                out.insert(d.name.clone(), f.open(d, ctx)?);
+                match f.open(d, ctx) {
+                    Ok(opened) => {
+                        out.open.insert(d.name.clone(), opened);
+                    }
+                    Err(e) if ctx.read_only => {
+                        out.unopened.insert(d.name.clone(), e.to_string());
+                    }
+                    Err(e) => return Err(e),
+                }
             }
         }
         Ok(out)
+    }
+
+    /// Every downstream the catalog names (not `local`), with its adapter.
+    pub fn downstream_adapters(&self) -> BTreeMap<String, String> {
+        self.catalog
+            .all()
+            .iter()
+            .filter(|c| c.downstream.adapter != LOCAL_ADAPTER)
+            .map(|c| (c.downstream.name.clone(), c.downstream.adapter.clone()))
+            .collect()
     }
 }

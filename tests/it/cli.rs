@@ -640,3 +640,143 @@ fn tenants_and_subjects_are_added_and_disabled_after_init_each_in_the_operator_l
 }
 
 crate::on_both_backends!(tenants_and_subjects_are_added_and_disabled_after_init_each_in_the_operator_log);
+
+/// A ledger written with the HTTP catalog (one operation: the provider was
+/// not there), on SQLite or PostgreSQL; the guard keeps it alive.
+fn http_ledger(
+    backend: crate::support::Backend,
+) -> (tempfile::TempDir, Option<crate::support::PgDb>, std::path::PathBuf, Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let pg = (backend == crate::support::Backend::Postgres).then(|| crate::support::PgDb::new().unwrap());
+    let db = pg.as_ref().map_or_else(|| dir.path().join("http.db"), |p| std::path::PathBuf::from(&p.url));
+    let catalog = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog-http");
+    let with_env = |args: &[&str]| {
+        tg().env("TOOLGATE_PROVIDER_URL", "http://127.0.0.1:9")
+            .arg("--db")
+            .arg(&db)
+            .arg("--catalog")
+            .arg(&catalog)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    assert!(with_env(&["init"]).status.success());
+    let out = with_env(&[
+        "dispatch",
+        "--now",
+        NOW,
+        "--tenant",
+        "acme",
+        "--subject",
+        "agent_ana",
+        "--tool",
+        "create_refund",
+        "--key",
+        "cli-key-2001",
+        "--args",
+        ARGS,
+        "--json",
+    ]);
+    let env: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+    assert_eq!(env["model_result"]["error"]["code"], "TOOL_UNAVAILABLE", "{env}");
+    (dir, pg, db, env)
+}
+
+fn read_commands_need_neither_the_catalog_nor_its_environment(backend: crate::support::Backend) {
+    let (_dir, _pg, db, env) = http_ledger(backend);
+    let op = env["protected_audit"]["operation_id"].as_str().unwrap().to_string();
+    let catalog = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog-http");
+    let reads: [&[&str]; 9] = [
+        &["ops", "list", "--json"],
+        &["ops", "show", &op, "--json"],
+        &["counts", "--json"],
+        &["audit", "--json"],
+        &["audit", "--log", "--json"],
+        &["trace", "--json"],
+        &["approvals", "--json"],
+        &["orders", "--json"],
+        &["metrics", "--json"],
+    ];
+    for with_catalog in [false, true] {
+        for args in reads {
+            let mut c = tg();
+            c.env_remove("TOOLGATE_PROVIDER_URL").arg("--db").arg(&db);
+            if with_catalog {
+                c.arg("--catalog").arg(&catalog);
+            }
+            let out = c.args(args).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(0), "{args:?} (catalog: {with_catalog}): {err}");
+            assert!(err.is_empty(), "{args:?}: {err}");
+        }
+        let mut c = tg();
+        c.env_remove("TOOLGATE_PROVIDER_URL").arg("--db").arg(&db);
+        if with_catalog {
+            c.arg("--catalog").arg(&catalog);
+        }
+        let counts: Value = serde_json::from_slice(&c.args(["counts", "--json"]).output().unwrap().stdout).unwrap();
+        let payments = &counts["downstreams"]["payments"];
+        assert_eq!(payments["counted"], false, "{counts}");
+        let note = payments["note"].as_str().unwrap();
+        let says =
+            if with_catalog { "TOOLGATE_PROVIDER_URL is not set" } else { "pass the ledger's catalog (--catalog DIR)" };
+        assert!(note.contains(says) && !note.contains("older than this build"), "{note}");
+    }
+}
+
+crate::on_both_backends!(read_commands_need_neither_the_catalog_nor_its_environment);
+
+fn counts_say_per_downstream_what_they_count(backend: crate::support::Backend) {
+    // The demo ledger: the simulated providers count their own effects.
+    let fx = crate::support::Fixture::on(backend);
+    let (rc, v) = dispatch_as(fx.path(), "acme", "agent_ana", "create_refund", "cli-key-3001", ARGS);
+    assert_eq!(rc, 0, "{v}");
+    let (_, c, _) = run_json(fx.path(), &["counts", "--json"]);
+    assert_eq!((c["downstream_effects"].as_i64(), c["side_effect_duplicates"].as_i64()), (Some(1), Some(0)), "{c}");
+    let d = &c["downstreams"];
+    assert_eq!(
+        [&d["payments"]["counted"], &d["payments"]["effects"], &d["payments"]["side_effect_duplicates"]],
+        [&Value::Bool(true), &Value::from(1), &Value::from(0)],
+        "{c}"
+    );
+    assert_eq!(
+        (d["notifications"]["adapter"].as_str(), d["notifications"]["effects"].as_i64()),
+        (Some("simulated"), Some(0))
+    );
+
+    // A real API's downstream: not counted, said so (0 is not a claim about it).
+    let (_dir, _pg, db, _) = http_ledger(backend);
+    let catalog = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog-http");
+    let out = tg()
+        .env("TOOLGATE_PROVIDER_URL", "http://127.0.0.1:9")
+        .arg("--db")
+        .arg(&db)
+        .arg("--catalog")
+        .arg(&catalog)
+        .args(["counts", "--json"])
+        .output()
+        .unwrap();
+    let c: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+    for name in ["payments", "notifications"] {
+        let row = &c["downstreams"][name];
+        assert_eq!((row["adapter"].as_str(), row["counted"].as_bool()), (Some("http"), Some(false)), "{c}");
+        assert!(row["effects"].is_null() && row["side_effect_duplicates"].is_null(), "{c}");
+        assert!(row["note"].as_str().unwrap().contains("cannot count the effects it caused"), "{c}");
+    }
+    let text = tg()
+        .env("TOOLGATE_PROVIDER_URL", "http://127.0.0.1:9")
+        .arg("--db")
+        .arg(&db)
+        .arg("--catalog")
+        .arg(&catalog)
+        .arg("counts")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("side_effect_duplicates: 0 (counted at no downstream: not at notifications, payments)"),
+        "{text}"
+    );
+}
+
+crate::on_both_backends!(counts_say_per_downstream_what_they_count);
