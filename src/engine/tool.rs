@@ -386,6 +386,11 @@ pub trait DownstreamFactory: Send + Sync {
     /// `result_echoes`); `Err(field, why)` refuses the catalog
     /// (`CATALOG_INVALID`), the field relative to `downstream`.
     fn check(&self, contract: &Contract) -> Result<(), (String, String)>;
+    /// Every problem of the tool's downstream section at once (the loader
+    /// reports them together); by default the one [`DownstreamFactory::check`] finds.
+    fn check_all(&self, contract: &Contract) -> Vec<(String, String)> {
+        self.check(contract).err().into_iter().collect()
+    }
     /// Opens an instance for one engine.
     fn open(
         &self,
@@ -444,40 +449,48 @@ impl ToolsetBuilder {
     /// Checks that every tool's adapter exists and accepts its section, and that
     /// a locally answered tool has a domain.
     pub fn build(self) -> Result<Toolset, ContractError> {
+        // Every tool's problems at once, like the catalog loader's.
+        let mut problems = Vec::new();
         for c in self.catalog.all() {
             let d = &c.downstream;
-            let invalid =
-                |field: String, reason: String| ContractError::Invalid { file: c.file.clone(), field, reason };
+            let mut invalid = |field: String, reason: String| {
+                problems.push(ContractError::Invalid { file: c.file.clone(), field, reason });
+            };
             if d.adapter == LOCAL_ADAPTER {
                 if c.effect != Effect::Read {
-                    return Err(invalid(
+                    invalid(
                         "downstream.adapter".into(),
                         "a write or external tool needs a downstream that executes it, not `local`".into(),
-                    ));
+                    );
                 }
                 if !self.domains.contains_key(&c.name) {
-                    return Err(invalid(
+                    invalid(
                         "downstream.adapter".into(),
                         format!("`local` needs a domain that answers {}; none is registered", c.name),
-                    ));
+                    );
                 }
                 continue;
             }
             if c.effect == Effect::Read {
-                return Err(invalid(
+                invalid(
                     "downstream.adapter".into(),
                     "read tools are answered locally by their domain in this version (adapter `local`)".into(),
-                ));
+                );
+                continue;
             }
             let Some(f) = self.adapters.get(&d.adapter) else {
                 let known: Vec<&str> = self.adapters.keys().map(String::as_str).collect();
-                return Err(invalid(
+                invalid(
                     "downstream.adapter".into(),
                     format!("unknown adapter {:?} (known: local, {})", d.adapter, known.join(", ")),
-                ));
+                );
+                continue;
             };
-            f.check(c).map_err(|(field, why)| invalid(format!("downstream.{field}"), why))?;
+            for (field, why) in f.check_all(c) {
+                invalid(format!("downstream.{field}"), why);
+            }
         }
+        ContractError::all(problems)?;
         Ok(Toolset { catalog: self.catalog, domains: self.domains, adapters: self.adapters })
     }
 }
