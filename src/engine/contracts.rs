@@ -328,6 +328,14 @@ impl ContractError {
         }
     }
 
+    /// Each problem, owned (one, or each of [`ContractError::Several`]).
+    pub fn into_problems(self) -> Vec<ContractError> {
+        match self {
+            ContractError::Several(list) => list,
+            one => vec![one],
+        }
+    }
+
     /// Each problem (one, or each of [`ContractError::Several`]).
     pub fn problems(&self) -> Vec<&ContractError> {
         match self {
@@ -357,6 +365,15 @@ impl Contracts {
     /// are ignored), in name order. Strict: unknown fields, bad schemas, duplicate
     /// names and an effect class that does not fit the downstream are refused.
     pub fn from_dir(dir: &std::path::Path) -> Result<Self, ContractError> {
+        let (sound, problems) = Self::from_dir_partial(dir)?;
+        ContractError::all(problems)?;
+        Ok(sound)
+    }
+
+    /// [`Contracts::from_dir`], keeping what loaded beside every problem of
+    /// the rest (so a caller can check the sound tools further and report
+    /// everything in one run); `Err` only when the directory cannot be read.
+    pub fn from_dir_partial(dir: &std::path::Path) -> Result<(Self, Vec<ContractError>), ContractError> {
         let entries = std::fs::read_dir(dir).map_err(|e| ContractError::Unreadable(e.kind().to_string()))?;
         let mut files = Vec::new();
         for e in entries {
@@ -367,20 +384,28 @@ impl Contracts {
             }
         }
         files.sort();
-        let mut texts = Vec::new();
-        for (name, path) in files {
-            let invalid = |reason: String| ContractError::Invalid { file: name.clone(), field: String::new(), reason };
-            let len = std::fs::metadata(&path).map_err(|e| invalid(e.kind().to_string()))?.len();
-            if len > MAX_CATALOG_FILE_BYTES {
-                return Err(invalid(format!("larger than {MAX_CATALOG_FILE_BYTES} bytes")));
-            }
-            let text = std::fs::read_to_string(&path).map_err(|e| invalid(e.kind().to_string()))?;
-            texts.push((name, text));
-        }
-        if texts.is_empty() {
+        if files.is_empty() {
             return Err(ContractError::Unreadable("no *.json tool files in it".into()));
         }
-        Self::from_texts(texts.iter().map(|(f, t)| (f.as_str(), t.as_str())))
+        let mut texts = Vec::new();
+        let mut problems = Vec::new();
+        for (name, path) in files {
+            let invalid = |reason: String| ContractError::Invalid { file: name.clone(), field: String::new(), reason };
+            let text = match std::fs::metadata(&path) {
+                Err(e) => Err(invalid(e.kind().to_string())),
+                Ok(m) if m.len() > MAX_CATALOG_FILE_BYTES => {
+                    Err(invalid(format!("larger than {MAX_CATALOG_FILE_BYTES} bytes")))
+                }
+                Ok(_) => std::fs::read_to_string(&path).map_err(|e| invalid(e.kind().to_string())),
+            };
+            match text {
+                Ok(t) => texts.push((name, t)),
+                Err(p) => problems.push(p),
+            }
+        }
+        let (sound, mut more) = Self::from_texts_partial(texts.iter().map(|(f, t)| (f.as_str(), t.as_str())));
+        problems.append(&mut more);
+        Ok((sound, problems))
     }
 
     /// Loads contracts from (file name, JSON text) pairs. Every problem of
@@ -388,6 +413,14 @@ impl Contracts {
     /// unknown or mistyped field against [`catalog_file_schema`]; then its
     /// rules), each naming its file and field path.
     pub fn from_texts<'a>(texts: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<Self, ContractError> {
+        let (sound, problems) = Self::from_texts_partial(texts);
+        ContractError::all(problems)?;
+        Ok(sound)
+    }
+
+    /// [`Contracts::from_texts`], keeping the tools that loaded beside the
+    /// problems of the others.
+    pub fn from_texts_partial<'a>(texts: impl IntoIterator<Item = (&'a str, &'a str)>) -> (Self, Vec<ContractError>) {
         let mut tools: Vec<Contract> = Vec::new();
         let mut problems = Vec::new();
         for (file, text) in texts {
@@ -396,8 +429,7 @@ impl Contracts {
                 Err(mut p) => problems.append(&mut p),
             }
         }
-        ContractError::all(problems)?;
-        Ok(Self { tools })
+        (Self { tools }, problems)
     }
 
     /// A tool by name.

@@ -136,7 +136,8 @@ fn the_loader_reports_every_problem_at_once_with_file_and_field() {
     assert!(!err.contains(&*dir.path().to_string_lossy()), "no local path: {err}");
     assert!(!ledger.exists(), "nothing written");
 
-    // The http adapter's section: every problem of every tool at once too.
+    // The http adapter's section: every problem of every tool at once too,
+    // with the other files' own problems.
     let http = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog-http");
     let cat = dir.path().join("cat-http");
     std::fs::create_dir(&cat).unwrap();
@@ -150,7 +151,10 @@ fn the_loader_reports_every_problem_at_once_with_file_and_field() {
     notify["downstream"]["http"].as_object_mut().unwrap().remove("lookup");
     std::fs::write(cat.join("create_refund.json"), refund.to_string()).unwrap();
     std::fs::write(cat.join("notify_customer.json"), notify.to_string()).unwrap();
-    std::fs::copy(http.join("get_order.json"), cat.join("get_order.json")).unwrap();
+    // And a file-level problem in a third file: reported in the same run.
+    let mut order = read("get_order.json");
+    order.as_object_mut().unwrap().remove("risk");
+    std::fs::write(cat.join("get_order.json"), order.to_string()).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_toolgate"))
         .env("TOOLGATE_PROVIDER_URL", "http://127.0.0.1:9")
         .args(["init", "--catalog"])
@@ -160,12 +164,13 @@ fn the_loader_reports_every_problem_at_once_with_file_and_field() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.starts_with("error[CATALOG_INVALID]: 4 problems:"), "{err}");
+    assert!(err.starts_with("error[CATALOG_INVALID]: 5 problems:"), "{err}");
     for line in [
         "catalog file create_refund.json, field downstream.http.execute: missing (required)",
         "catalog file create_refund.json, field downstream.http.key_header:",
         "catalog file create_refund.json, field downstream.http.reply.reciept: unknown field (allowed here: body_sha256, key, receipt_id, request_id, result)",
         "catalog file notify_customer.json, field downstream.http.lookup: say how a call is looked up by its key",
+        "catalog file get_order.json, field risk: missing (required)",
     ] {
         assert!(err.contains(line), "{line:?} is not in: {err}");
     }
