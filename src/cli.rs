@@ -212,6 +212,22 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Tenants after `init`: add one, disable it (every subject of it is
+    /// refused SUBJECT_DISABLED) or enable it again. Each change is in the
+    /// operator log (`--operator NAME`, else $USER).
+    Tenant {
+        /// What to do.
+        #[command(subcommand)]
+        what: TenantCommand,
+    },
+    /// Subjects after `init`: add one to a tenant, disable it (its calls are
+    /// refused SUBJECT_DISABLED; its grants and operations are kept) or
+    /// enable it again. Each change is in the operator log.
+    Subject {
+        /// What to do.
+        #[command(subcommand)]
+        what: SubjectCommand,
+    },
     /// Grant a tool to a subject.
     Grant(GrantArgs),
     /// Revoke a tool from a subject (effective at the next check).
@@ -350,6 +366,65 @@ pub enum TokenCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// `tenant` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum TenantCommand {
+    /// Add a tenant (it has no subject yet: `toolgate subject add`).
+    Add {
+        /// Tenant id (1 to 128 of A-Z a-z 0-9 _ - . @ :).
+        name: String,
+        /// An approver of the tenant's approvals (repeatable).
+        #[arg(long = "approver")]
+        approvers: Vec<String>,
+        /// Amounts above this need an approval under an `above_threshold`
+        /// tool (0, the default: every amount above zero does).
+        #[arg(long, default_value_t = 0)]
+        approval_threshold_minor: i64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Disable a tenant: every call of its subjects is refused SUBJECT_DISABLED.
+    Disable(PrincipalArgs),
+    /// Enable a disabled tenant again.
+    Enable(PrincipalArgs),
+}
+
+/// `subject` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum SubjectCommand {
+    /// Add a subject to a tenant (no grant yet: `toolgate grant`).
+    Add(SubjectArgs),
+    /// Disable a subject: its calls are refused SUBJECT_DISABLED (a subject
+    /// is never deleted: its operations and the operator log name it).
+    Disable(SubjectArgs),
+    /// Enable a disabled subject again (its grants are as they were).
+    Enable(SubjectArgs),
+}
+
+/// `tenant disable` / `tenant enable` arguments.
+#[derive(Debug, Args)]
+pub struct PrincipalArgs {
+    /// Tenant id.
+    pub name: String,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `subject add|disable|enable` arguments.
+#[derive(Debug, Args)]
+pub struct SubjectArgs {
+    /// Tenant of the subject.
+    #[arg(long)]
+    pub tenant: String,
+    /// Subject id (1 to 128 of A-Z a-z 0-9 _ - . @ :).
+    pub name: String,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `serve` arguments.
@@ -793,6 +868,11 @@ fn command_wants_json(c: Option<&Command>) -> bool {
         Some(Command::Load(a)) => a.json,
         Some(Command::Lab(a)) => a.json,
         Some(Command::Grant(a) | Command::Revoke(a)) => a.json,
+        Some(Command::Tenant { what: TenantCommand::Add { json, .. } }) => *json,
+        Some(Command::Tenant { what: TenantCommand::Disable(a) | TenantCommand::Enable(a) }) => a.json,
+        Some(Command::Subject {
+            what: SubjectCommand::Add(a) | SubjectCommand::Disable(a) | SubjectCommand::Enable(a),
+        }) => a.json,
         Some(Command::Ops { what: OpsCommand::List { json, .. } | OpsCommand::Show { json, .. } }) => *json,
         Some(Command::Scenario { what: ScenarioCommand::List { json } | ScenarioCommand::Run { json, .. } }) => *json,
         Some(Command::Trace(a)) => a.json || a.format == TraceFormatArg::Jsonl,
@@ -902,7 +982,7 @@ fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
             }
         }
     };
-    let operator = cli.operator.clone().or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into());
+    let operator = operator_or_user(cli);
     // The console owns the terminal: diagnostics go to the database's log file only.
     crate::telemetry::logging::init_for_db(&db);
     let load = (agents > 0).then(|| crate::load::spawn_agents(&db, agents)).transpose()?;
@@ -991,6 +1071,8 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Demo { agents } => console(cli, *agents),
         Command::Cancel(a) => cancel_command(cli, a),
         Command::Token { what } => token_command(cli, what),
+        Command::Tenant { what } => tenant_command(cli, what),
+        Command::Subject { what } => subject_command(cli, what),
         Command::Serve(a) => serve_command(cli, a),
         Command::Mcp { token, concurrency, queue, grace_ms } => {
             refuse_read_only(cli)?;
@@ -1300,8 +1382,34 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             } else {
                 outln!("operations: {}", fmt_map(&c.operations));
                 outln!("outbox:     {}", fmt_map(&c.outbox));
-                outln!("downstream effects: {}", c.downstream_effects);
-                outln!("side_effect_duplicates: {}", c.side_effect_duplicates);
+                let (counted, not): (Vec<_>, Vec<_>) = c.downstreams.iter().partition(|(_, d)| d.counted);
+                let names = |v: &[(&String, &crate::engine::DownstreamEffects)]| {
+                    v.iter().map(|(n, _)| crate::display::escape(n)).collect::<Vec<_>>().join(", ")
+                };
+                let scope = match (counted.is_empty(), not.is_empty()) {
+                    (_, true) => String::new(),
+                    (true, false) => format!(" (counted at no downstream: not at {})", names(&not)),
+                    (false, false) => format!(" (counted at {} only; not at {})", names(&counted), names(&not)),
+                };
+                outln!("downstream effects: {}{scope}", c.downstream_effects);
+                outln!("side_effect_duplicates: {}{scope}", c.side_effect_duplicates);
+                for (name, d) in &c.downstreams {
+                    match (d.effects, d.side_effect_duplicates, &d.note) {
+                        (Some(e), Some(dups), _) => {
+                            outln!(
+                                "  {:<16} {:<10} effects {e}, duplicates {dups}",
+                                crate::display::escape(name),
+                                d.adapter
+                            );
+                        }
+                        (.., note) => outln!(
+                            "  {:<16} {:<10} not counted: {}",
+                            crate::display::escape(name),
+                            crate::display::escape(&d.adapter),
+                            crate::display::escape(note.as_deref().unwrap_or(""))
+                        ),
+                    }
+                }
                 outln!("pending approvals: {}", c.pending_approvals);
                 if let Some(clock) = &c.clock {
                     outln!(
@@ -1495,15 +1603,28 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 return Ok(0);
             }
             let findings = engine.audit()?;
+            // A read opens no downstream it cannot: those were not asked.
+            let not_checked = engine.unopened_downstreams().clone();
             if *json {
-                print_json(&json!({"ok": findings.is_empty(), "findings": findings}));
-            } else if findings.is_empty() {
-                outln!("audit: no findings");
+                print_json(
+                    &json!({"ok": findings.is_empty(), "findings": findings, "downstreams_not_checked": not_checked}),
+                );
             } else {
                 for f in &findings {
                     outln!("{:<22} {:<30} {}", f.check, f.reference, f.detail);
                 }
-                outln!("audit: {} finding(s)", findings.len());
+                for (name, why) in &not_checked {
+                    outln!(
+                        "not checked: downstream {} (not opened by this read: {})",
+                        crate::display::escape(name),
+                        crate::display::escape(why)
+                    );
+                }
+                if findings.is_empty() {
+                    outln!("audit: no findings");
+                } else {
+                    outln!("audit: {} finding(s)", findings.len());
+                }
             }
             Ok(i32::from(!findings.is_empty()))
         }
@@ -1984,6 +2105,69 @@ fn print_detail(d: &crate::engine::OperationDetail) {
 
 // ------------------------------------------------------- tokens and serve
 
+/// The operator an operator-log entry names: `--operator`, else `$USER`.
+fn operator_or_user(cli: &Cli) -> String {
+    cli.operator.clone().or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into())
+}
+
+fn tenant_command(cli: &Cli, what: &TenantCommand) -> Result<i32, CliError> {
+    refuse_read_only(cli)?;
+    let operator = operator_or_user(cli);
+    let mut engine = open(cli)?;
+    match what {
+        TenantCommand::Add { name, approvers, approval_threshold_minor, json } => {
+            let spec = crate::engine::world::TenantSpec {
+                id: name.clone(),
+                approvers: approvers.clone(),
+                approval_threshold_minor: *approval_threshold_minor,
+            };
+            engine.add_tenant(&spec, &operator)?;
+            if *json {
+                print_json(&json!({"action": "tenant_add", "tenant": name, "changed": true}));
+            } else {
+                outln!("tenant {} added", crate::display::escape(name));
+            }
+        }
+        TenantCommand::Disable(a) | TenantCommand::Enable(a) => {
+            let enable = matches!(what, TenantCommand::Enable(_));
+            let changed = engine.set_enabled(&a.name, None, enable, &operator)?;
+            principal_changed(a.json, "tenant", enable, changed);
+        }
+    }
+    Ok(0)
+}
+
+fn subject_command(cli: &Cli, what: &SubjectCommand) -> Result<i32, CliError> {
+    refuse_read_only(cli)?;
+    let operator = operator_or_user(cli);
+    let mut engine = open(cli)?;
+    match what {
+        SubjectCommand::Add(a) => {
+            engine.add_subject(&a.tenant, &a.name, &operator)?;
+            if a.json {
+                print_json(&json!({"action": "subject_add", "tenant": a.tenant, "subject": a.name, "changed": true}));
+            } else {
+                outln!("subject {} added to {}", crate::display::escape(&a.name), crate::display::escape(&a.tenant));
+            }
+        }
+        SubjectCommand::Disable(a) | SubjectCommand::Enable(a) => {
+            let enable = matches!(what, SubjectCommand::Enable(_));
+            let changed = engine.set_enabled(&a.tenant, Some(&a.name), enable, &operator)?;
+            principal_changed(a.json, "subject", enable, changed);
+        }
+    }
+    Ok(0)
+}
+
+fn principal_changed(json: bool, who: &str, enable: bool, changed: bool) {
+    let verb = if enable { "enable" } else { "disable" };
+    if json {
+        print_json(&json!({"action": format!("{who}_{verb}"), "changed": changed}));
+    } else {
+        outln!("{verb}d{}", if changed { "" } else { " (it already was)" });
+    }
+}
+
 fn token_command(cli: &Cli, what: &TokenCommand) -> Result<i32, CliError> {
     use crate::engine::tokens::TokenFor;
     match what {
@@ -2293,7 +2477,7 @@ fn load_command(cli: &Cli, a: &LoadArgs) -> Result<i32, CliError> {
     }
     // A run whose every call was refused for what it asked (an unknown tool,
     // a missing grant, arguments the catalog refuses) measured nothing.
-    let refused_as_asked = ["UNKNOWN_TOOL", "POLICY_DENIED", "INVALID_ARGUMENTS", "NOT_FOUND"];
+    let refused_as_asked = ["UNKNOWN_TOOL", "POLICY_DENIED", "SUBJECT_DISABLED", "INVALID_ARGUMENTS", "NOT_FOUND"];
     if report.calls > 0 && report.answers.keys().all(|code| refused_as_asked.contains(&code.as_str())) {
         let said: Vec<String> = report.answers.iter().map(|(c, n)| format!("{c} {n}")).collect();
         eprintln!(
@@ -2314,7 +2498,7 @@ fn lab_command(cli: &Cli, a: &LabArgs) -> Result<i32, CliError> {
     if a.off || a.toggle.is_some() {
         refuse_read_only(cli)?;
         let toggle = a.toggle.as_deref().map(lab_toggle_arg).transpose()?;
-        let operator = cli.operator.clone().or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into());
+        let operator = operator_or_user(cli);
         engine.set_lab_toggle(toggle, &operator)?;
     }
     let state = engine.lab_state()?;

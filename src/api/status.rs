@@ -34,7 +34,7 @@ pub fn of_code(code: Code, op_state: Option<OpState>) -> StatusCode {
     match code {
         Code::InvalidArguments | Code::IdempotencyKeyRequired => StatusCode::BAD_REQUEST,
         Code::UnknownTool | Code::NotFound => StatusCode::NOT_FOUND,
-        Code::PolicyDenied | Code::ApprovalInvalid => StatusCode::FORBIDDEN,
+        Code::PolicyDenied | Code::SubjectDisabled | Code::ApprovalInvalid => StatusCode::FORBIDDEN,
         Code::IdempotencyConflict
         | Code::IdempotencyKeyExpired
         | Code::CallIdConflict

@@ -44,7 +44,7 @@ const MAX_RETRY_AFTER_MS: u64 = 3_600_000;
 
 /// One endpoint: a method and a URL template (`{key}` is the downstream key,
 /// percent-encoded; the URL starts with the base URL).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Endpoint {
     /// `POST` or `PUT` for execute, `GET` for lookup.
@@ -54,7 +54,7 @@ pub struct Endpoint {
 }
 
 /// Where each part of a reply is, as JSON pointers into its body.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReplyPointers {
     /// The receipt id (required in a 2xx reply).
@@ -76,7 +76,7 @@ pub struct ReplyPointers {
 /// A header whose value is a secret, read from the environment or a file
 /// when an engine opens the downstream; never stored in the catalog, the
 /// ledger, traces or logs.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SecretHeader {
     /// Header name.
@@ -93,7 +93,7 @@ pub struct SecretHeader {
 }
 
 /// The `downstream.http` section of a catalog entry.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct HttpConfig {
     /// The base URL (`http://127.0.0.1:8081`), or
@@ -140,18 +140,49 @@ fn default_max_body() -> u64 {
     DEFAULT_MAX_BODY_BYTES
 }
 
+/// The JSON Schema of the `downstream.http` section, derived from
+/// [`HttpConfig`] (docs/catalog.md documents every field of it).
+pub fn http_section_schema() -> Value {
+    serde_json::to_value(schemars::schema_for!(HttpConfig)).unwrap_or(Value::Null)
+}
+
+fn http_validator() -> Option<&'static jsonschema::Validator> {
+    static V: std::sync::OnceLock<Option<jsonschema::Validator>> = std::sync::OnceLock::new();
+    // Derived from this crate's own types, it compiles; were it ever not to,
+    // the typed read below still refuses (one problem at a time), no panic.
+    V.get_or_init(|| jsonschema::validator_for(&http_section_schema()).ok()).as_ref()
+}
+
 impl HttpConfig {
-    /// Parses and checks a section; `Err((field, why))` names the field.
+    /// Parses and checks a section; `Err((field, why))` names the first
+    /// problem's field ([`HttpConfig::parse_all`]: every problem).
     pub fn parse(d: &DownstreamRef) -> Result<HttpConfig, (String, String)> {
+        Self::parse_all(d).map_err(|mut all| all.remove(0))
+    }
+
+    /// Parses and checks a section, every problem at once: its shape (each
+    /// missing, unknown or mistyped field), then its rules. Never empty on `Err`.
+    pub fn parse_all(d: &DownstreamRef) -> Result<HttpConfig, Vec<(String, String)>> {
         let Some(v) = &d.http else {
-            return Err(("http".into(), "the http adapter needs an `http` section".into()));
+            return Err(vec![("http".into(), "the http adapter needs an `http` section".into())]);
         };
-        if v.get("lookup").is_none() {
-            return Err((
+        let mut shape = http_validator()
+            .map(|val| crate::engine::contracts::shape_problems(val, &http_section_schema(), v, "http"))
+            .unwrap_or_default();
+        if v.is_object() && v.get("lookup").is_none() {
+            shape.push((
                 "http.lookup".into(),
                 "say how a call is looked up by its key ({\"method\": \"GET\", \"path\": \"/.../{key}\"}), or \"lookup\": null when the service has no lookup".into(),
             ));
         }
+        if !shape.is_empty() {
+            return Err(shape);
+        }
+        Self::rules(v).map_err(|one| vec![one])
+    }
+
+    /// The rules of a section whose shape fits, the first broken one.
+    fn rules(v: &Value) -> Result<HttpConfig, (String, String)> {
         let c: HttpConfig = serde_path_to_error::deserialize(v.clone())
             .map_err(|e| (format!("http.{}", e.path()), e.into_inner().to_string()))?;
         match (&c.base_url, &c.base_url_env) {
@@ -233,10 +264,10 @@ fn unknown_placeholder(path: &str) -> Option<&str> {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HttpAdapter;
 
-impl DownstreamFactory for HttpAdapter {
-    fn check(&self, contract: &Contract) -> Result<(), (String, String)> {
+impl HttpAdapter {
+    /// The rules that bind a parsed section to the rest of the contract.
+    fn check_parsed(contract: &Contract, c: &HttpConfig) -> Result<(), (String, String)> {
         let d = &contract.downstream;
-        let c = HttpConfig::parse(d)?;
         if d.dedupes_keys && c.key_header.is_empty() {
             // It cannot de-duplicate a key it is never sent.
             return Err(("dedupes_keys".into(), "claims key de-duplication but http.key_header is empty".into()));
@@ -264,6 +295,22 @@ impl DownstreamFactory for HttpAdapter {
             ));
         }
         Ok(())
+    }
+}
+
+impl DownstreamFactory for HttpAdapter {
+    fn check(&self, contract: &Contract) -> Result<(), (String, String)> {
+        match self.check_all(contract).into_iter().next() {
+            Some(first) => Err(first),
+            None => Ok(()),
+        }
+    }
+
+    fn check_all(&self, contract: &Contract) -> Vec<(String, String)> {
+        match HttpConfig::parse_all(&contract.downstream) {
+            Err(all) => all,
+            Ok(c) => Self::check_parsed(contract, &c).err().into_iter().collect(),
+        }
     }
 
     fn open(&self, d: &DownstreamRef, ctx: &DownstreamContext<'_>) -> Result<Box<dyn Downstream>, DownstreamError> {

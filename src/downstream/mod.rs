@@ -347,6 +347,12 @@ impl Downstream for Simulated {
         Ok(Some(EffectCounts { effects, duplicates }))
     }
 
+    fn own_effect_counts(&mut self) -> Result<Option<EffectCounts>, DownstreamError> {
+        let provider = self.kind.as_str();
+        let (effects, duplicates) = self.store.read(|tx| tx.effect_counts_of(provider))?;
+        Ok(Some(EffectCounts { effects, duplicates }))
+    }
+
     fn effects_for_intent(&mut self, intent: &str) -> Result<Option<i64>, DownstreamError> {
         Ok(Some(self.store.read(|tx| tx.count_effects_for_intent(intent))?))
     }

@@ -448,7 +448,7 @@ pub fn digest_value(value: &Value) -> String {
 }
 
 /// The contract revisions a request was made under.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Revisions {
     /// Input schema revision.

@@ -1,13 +1,14 @@
 //! The tool catalog: one JSON file per tool (the demo's in `assets/catalog/`),
 //! loaded strictly, with its JSON Schemas compiled once at start-up (never per call).
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::Value;
 
 use super::canonical::Revisions;
 
 /// What a tool does to the world (docs/design.md §1, the effect class decides what a retry costs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Effect {
     /// No side effect; retries cost nothing.
@@ -30,7 +31,7 @@ impl Effect {
 }
 
 /// When a new execution needs a human approval (docs/design.md §9).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ApprovalPolicy {
     /// Never.
@@ -44,7 +45,7 @@ pub enum ApprovalPolicy {
 /// The `downstream` section of a catalog entry: which system executes the
 /// tool and what it promises about keys. The adapter named here checks its own
 /// settings when the toolset is built.
-#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DownstreamRef {
     /// Name: the circuit breaker is per name, and tools naming one downstream share it.
@@ -109,7 +110,7 @@ impl DownstreamRef {
 }
 
 /// Retry policy of a tool (docs/design.md §11).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RetryPolicy {
     /// One attempt may take this long (also the lease length).
@@ -143,7 +144,7 @@ fn default_budget_burst() -> u32 {
 
 /// The circuit breaker of the tool's downstream (docs/design.md §11). The breaker's state is
 /// per downstream; the thresholds come from the contract of the tool calling it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CircuitPolicy {
     /// Consecutive transient failures (unavailable, connect timeout, response
@@ -161,13 +162,16 @@ impl Default for CircuitPolicy {
     }
 }
 
-#[derive(Debug, Deserialize)]
+/// A tool's `approval` section.
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct ApprovalSpec {
+    /// When a new execution needs a human approval.
     policy: ApprovalPolicy,
 }
 
-#[derive(Debug, Deserialize)]
+/// One catalog file: one tool (docs/catalog.md documents every field).
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct ContractFile {
     name: String,
@@ -186,6 +190,14 @@ struct ContractFile {
     retention_ms: u64,
     input_schema: Value,
     output_schema: Value,
+}
+
+/// The JSON Schema of a catalog file, derived from the structs the loader
+/// reads it into (so the two cannot disagree). `downstream.http` is the
+/// `http` adapter's own section, checked by the adapter
+/// (`crate::downstream::http::http_section_schema`).
+pub fn catalog_file_schema() -> Value {
+    serde_json::to_value(schemars::schema_for!(ContractFile)).unwrap_or(Value::Null)
 }
 
 /// One tool contract, schemas compiled.
@@ -301,6 +313,36 @@ pub enum ContractError {
     /// The catalog directory cannot be read.
     #[error("catalog directory: {0}")]
     Unreadable(String),
+    /// Several problems (each an `Invalid`), all reported at once, one a line.
+    #[error("{} problems:\n{}", .0.len(), .0.iter().map(|p| format!("  {p}")).collect::<Vec<_>>().join("\n"))]
+    Several(Vec<ContractError>),
+}
+
+impl ContractError {
+    /// `Ok` for no problem, the problem itself for one, [`ContractError::Several`] for more.
+    pub fn all(mut problems: Vec<ContractError>) -> Result<(), ContractError> {
+        match problems.len() {
+            0 => Ok(()),
+            1 => Err(problems.remove(0)),
+            _ => Err(ContractError::Several(problems)),
+        }
+    }
+
+    /// Each problem, owned (one, or each of [`ContractError::Several`]).
+    pub fn into_problems(self) -> Vec<ContractError> {
+        match self {
+            ContractError::Several(list) => list,
+            one => vec![one],
+        }
+    }
+
+    /// Each problem (one, or each of [`ContractError::Several`]).
+    pub fn problems(&self) -> Vec<&ContractError> {
+        match self {
+            ContractError::Several(list) => list.iter().collect(),
+            one => vec![one],
+        }
+    }
 }
 
 /// The longest catalog file accepted.
@@ -323,6 +365,15 @@ impl Contracts {
     /// are ignored), in name order. Strict: unknown fields, bad schemas, duplicate
     /// names and an effect class that does not fit the downstream are refused.
     pub fn from_dir(dir: &std::path::Path) -> Result<Self, ContractError> {
+        let (sound, problems) = Self::from_dir_partial(dir)?;
+        ContractError::all(problems)?;
+        Ok(sound)
+    }
+
+    /// [`Contracts::from_dir`], keeping what loaded beside every problem of
+    /// the rest (so a caller can check the sound tools further and report
+    /// everything in one run); `Err` only when the directory cannot be read.
+    pub fn from_dir_partial(dir: &std::path::Path) -> Result<(Self, Vec<ContractError>), ContractError> {
         let entries = std::fs::read_dir(dir).map_err(|e| ContractError::Unreadable(e.kind().to_string()))?;
         let mut files = Vec::new();
         for e in entries {
@@ -333,151 +384,54 @@ impl Contracts {
             }
         }
         files.sort();
-        let mut texts = Vec::new();
-        for (name, path) in files {
-            let invalid = |reason: String| ContractError::Invalid { file: name.clone(), field: String::new(), reason };
-            let len = std::fs::metadata(&path).map_err(|e| invalid(e.kind().to_string()))?.len();
-            if len > MAX_CATALOG_FILE_BYTES {
-                return Err(invalid(format!("larger than {MAX_CATALOG_FILE_BYTES} bytes")));
-            }
-            let text = std::fs::read_to_string(&path).map_err(|e| invalid(e.kind().to_string()))?;
-            texts.push((name, text));
-        }
-        if texts.is_empty() {
+        if files.is_empty() {
             return Err(ContractError::Unreadable("no *.json tool files in it".into()));
         }
-        Self::from_texts(texts.iter().map(|(f, t)| (f.as_str(), t.as_str())))
+        let mut texts = Vec::new();
+        let mut problems = Vec::new();
+        for (name, path) in files {
+            let invalid = |reason: String| ContractError::Invalid { file: name.clone(), field: String::new(), reason };
+            let text = match std::fs::metadata(&path) {
+                Err(e) => Err(invalid(e.kind().to_string())),
+                Ok(m) if m.len() > MAX_CATALOG_FILE_BYTES => {
+                    Err(invalid(format!("larger than {MAX_CATALOG_FILE_BYTES} bytes")))
+                }
+                Ok(_) => std::fs::read_to_string(&path).map_err(|e| invalid(e.kind().to_string())),
+            };
+            match text {
+                Ok(t) => texts.push((name, t)),
+                Err(p) => problems.push(p),
+            }
+        }
+        let (sound, mut more) = Self::from_texts_partial(texts.iter().map(|(f, t)| (f.as_str(), t.as_str())));
+        problems.append(&mut more);
+        Ok((sound, problems))
     }
 
-    /// Loads contracts from (file name, JSON text) pairs.
+    /// Loads contracts from (file name, JSON text) pairs. Every problem of
+    /// every file is reported at once (a file's shape first: each missing,
+    /// unknown or mistyped field against [`catalog_file_schema`]; then its
+    /// rules), each naming its file and field path.
     pub fn from_texts<'a>(texts: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<Self, ContractError> {
-        let mut tools: Vec<Contract> = Vec::new();
-        for (file, text) in texts {
-            let invalid = |field: &str, reason: String| ContractError::Invalid {
-                file: file.to_string(),
-                field: field.to_string(),
-                reason,
-            };
-            let mut de = serde_json::Deserializer::from_str(text);
-            let c: ContractFile = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-                let field = e.path().to_string();
-                let field = if field == "." { String::new() } else { field };
-                invalid(&field, e.into_inner().to_string())
-            })?;
-            if !valid_name(&c.name) {
-                return Err(invalid("name", "must be 1..64 of a-z, 0-9 and _, starting with a letter".into()));
-            }
-            if tools.iter().any(|t| t.name == c.name) {
-                return Err(invalid("name", format!("duplicate tool name {}", c.name)));
-            }
-            if !valid_name(&c.downstream.name) {
-                return Err(invalid(
-                    "downstream.name",
-                    "must be 1..64 of a-z, 0-9 and _, starting with a letter".into(),
-                ));
-            }
-            if let Some(other) = tools.iter().find(|t| t.downstream.name == c.downstream.name) {
-                if other.downstream != c.downstream {
-                    return Err(invalid(
-                        "downstream",
-                        format!("downstream {} is configured differently in {}", c.downstream.name, other.file),
-                    ));
-                }
-            }
-            match (c.effect, c.downstream.dedupes_keys) {
-                (Effect::Write, false) => {
-                    return Err(invalid(
-                        "downstream.dedupes_keys",
-                        "a `write` tool needs a downstream that de-duplicates by key (or declare it `external`)".into(),
-                    ))
-                }
-                (Effect::External, true) => {
-                    return Err(invalid(
-                        "downstream.dedupes_keys",
-                        "an `external` tool's downstream does not de-duplicate by key (or declare it `write`)".into(),
-                    ))
-                }
-                _ => {}
-            }
-            if [c.revisions.input, c.revisions.output, c.revisions.effect].iter().any(|r| *r < 1) {
-                return Err(invalid("revisions", "every revision is a positive integer".into()));
-            }
-            if c.retry.max_attempts == 0 || c.retry.attempt_timeout_ms == 0 || c.retry.deadline_ms == 0 {
-                return Err(invalid(
-                    "retry",
-                    "max_attempts, attempt_timeout_ms and deadline_ms must be positive".into(),
-                ));
-            }
-            if c.downstream.receipt_visible_within_ms.is_some_and(|ms| ms > MAX_RECEIPT_VISIBLE_WITHIN_MS) {
-                return Err(invalid(
-                    "downstream.receipt_visible_within_ms",
-                    format!("at most {MAX_RECEIPT_VISIBLE_WITHIN_MS} (a day)"),
-                ));
-            }
-            if c.effect != Effect::Read && c.retention_ms == 0 {
-                return Err(invalid("retention_ms", "a tool with an effect keeps its ledger rows (> 0)".into()));
-            }
-            let props = c.input_schema.get("properties");
-            for (i, k) in c.result_echoes.iter().enumerate() {
-                if props.and_then(|p| p.get(k)).is_none() {
-                    return Err(invalid(&format!("result_echoes[{i}]"), format!("{k:?} is not an input property")));
-                }
-            }
-            // Over MCP a tool with an effect takes its key as the argument
-            // `idempotency_key` (MCP has no header): a tool argument of that
-            // name would be taken away from the tool.
-            if c.effect != Effect::Read && props.is_some_and(|p| p.get("idempotency_key").is_some()) {
-                return Err(invalid(
-                    "input_schema.properties.idempotency_key",
-                    "the name is toolgate's: over MCP it carries the call's idempotency key; rename the argument"
-                        .into(),
-                ));
-            }
-            if c.approval.policy == ApprovalPolicy::AboveThreshold {
-                // The amount at stake is the integer argument `amount_minor`
-                // (minor currency units), compared with the tenant's threshold.
-                let ty = props.and_then(|p| p.get("amount_minor")).and_then(|a| a.get("type"));
-                if ty != Some(&Value::String("integer".into())) {
-                    return Err(invalid(
-                        "approval.policy",
-                        "above_threshold needs an integer input property amount_minor".into(),
-                    ));
-                }
-            }
-            let semantic = serde_json::json!({
-                "name": c.name, "effect": c.effect, "approval": format!("{:?}", c.approval.policy),
-                "input_schema": c.input_schema, "output_schema": c.output_schema,
-                "result_echoes": c.result_echoes, "dedupes_keys": c.downstream.dedupes_keys,
-            });
-            let semantic_sha256 =
-                super::canonical::sha256_hex(super::canonical::canonical_string(&semantic).as_bytes());
-            let input =
-                jsonschema::validator_for(&c.input_schema).map_err(|e| invalid("input_schema", e.to_string()))?;
-            let output =
-                jsonschema::validator_for(&c.output_schema).map_err(|e| invalid("output_schema", e.to_string()))?;
-            tools.push(Contract {
-                name: c.name,
-                description: c.description,
-                revisions: c.revisions,
-                effect: c.effect,
-                risk: c.risk,
-                file: file.to_string(),
-                downstream: c.downstream,
-                data_classification: c.data_classification,
-                approval: c.approval.policy,
-                retry: c.retry,
-                circuit: c.circuit,
-                result_echoes: c.result_echoes,
-                retention_ms: c.retention_ms,
-                input_schema: c.input_schema,
-                output_schema: c.output_schema,
-                semantic_sha256,
-                input,
-                output,
-            });
-        }
-        Ok(Self { tools })
+        let (sound, problems) = Self::from_texts_partial(texts);
+        ContractError::all(problems)?;
+        Ok(sound)
     }
+
+    /// [`Contracts::from_texts`], keeping the tools that loaded beside the
+    /// problems of the others.
+    pub fn from_texts_partial<'a>(texts: impl IntoIterator<Item = (&'a str, &'a str)>) -> (Self, Vec<ContractError>) {
+        let mut tools: Vec<Contract> = Vec::new();
+        let mut problems = Vec::new();
+        for (file, text) in texts {
+            match load_one(file, text, &tools) {
+                Ok(c) => tools.push(c),
+                Err(mut p) => problems.append(&mut p),
+            }
+        }
+        (Self { tools }, problems)
+    }
+
     /// A tool by name.
     pub fn get(&self, name: &str) -> Option<&Contract> {
         self.tools.iter().find(|c| c.name == name)
@@ -495,4 +449,232 @@ impl Contracts {
             c.revisions = rev;
         }
     }
+}
+
+/// The compiled [`catalog_file_schema`], built once.
+fn catalog_validator() -> Option<&'static jsonschema::Validator> {
+    static V: std::sync::OnceLock<Option<jsonschema::Validator>> = std::sync::OnceLock::new();
+    // Derived from this crate's own types, it compiles; were it ever not to,
+    // the typed read below still refuses (one problem at a time), no panic.
+    V.get_or_init(|| jsonschema::validator_for(&catalog_file_schema()).ok()).as_ref()
+}
+
+/// Every way a JSON value breaks a schema, as (field path, reason): a missing
+/// field and an unknown one are named themselves, an enumeration says its
+/// allowed values. `prefix` is where `value` sits in its file.
+pub fn shape_problems(
+    validator: &jsonschema::Validator,
+    schema: &Value,
+    value: &Value,
+    prefix: &str,
+) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for e in validator.iter_errors(value) {
+        let at = join_path(prefix, &field_path(&e.instance_path().to_string()));
+        match e.kind() {
+            jsonschema::error::ValidationErrorKind::Required { property } => {
+                let name = property.as_str().unwrap_or_default();
+                out.push((join_path(&at, name), "missing (required)".to_string()));
+            }
+            jsonschema::error::ValidationErrorKind::AdditionalProperties { unexpected } => {
+                let allowed = subschema_at(schema, &field_path(&e.instance_path().to_string()))
+                    .and_then(|s| s.get("properties"))
+                    .and_then(Value::as_object)
+                    .map(|p| p.keys().map(String::as_str).collect::<Vec<_>>().join(", "))
+                    .unwrap_or_default();
+                for u in unexpected {
+                    out.push((join_path(&at, u), format!("unknown field (allowed here: {allowed})")));
+                }
+            }
+            _ => {
+                let consts: Vec<String> = subschema_at(schema, &field_path(&e.instance_path().to_string()))
+                    .and_then(|s| s.get("oneOf"))
+                    .and_then(Value::as_array)
+                    .map(|alts| alts.iter().filter_map(|a| a.get("const")).map(Value::to_string).collect())
+                    .unwrap_or_default();
+                let reason =
+                    if consts.is_empty() { e.to_string() } else { format!("must be one of {}", consts.join(", ")) };
+                out.push((at, reason));
+            }
+        }
+    }
+    out
+}
+
+/// A JSON pointer (`/downstream/http/0`) as a field path (`downstream.http[0]`).
+fn field_path(pointer: &str) -> String {
+    let mut out = String::new();
+    for seg in pointer.split('/').skip(1) {
+        let seg = seg.replace("~1", "/").replace("~0", "~");
+        if !seg.is_empty() && seg.bytes().all(|b| b.is_ascii_digit()) {
+            out.push('[');
+            out.push_str(&seg);
+            out.push(']');
+        } else {
+            out = join_path(&out, &seg);
+        }
+    }
+    out
+}
+
+fn join_path(prefix: &str, field: &str) -> String {
+    match (prefix.is_empty(), field.is_empty()) {
+        (true, _) => field.to_string(),
+        (_, true) => prefix.to_string(),
+        _ if field.starts_with('[') => format!("{prefix}{field}"),
+        _ => format!("{prefix}.{field}"),
+    }
+}
+
+/// The subschema of `schema` (a schemars schema: local `$ref`s into `$defs`)
+/// that describes the value at a field path (`downstream.http`, `x[0]`).
+pub fn subschema_at<'s>(schema: &'s Value, path: &str) -> Option<&'s Value> {
+    let resolve = |mut s: &'s Value| -> Option<&'s Value> {
+        // `Option<T>` is an anyOf of T and null in some schemars versions.
+        for _ in 0..8 {
+            if let Some(r) = s.get("$ref").and_then(Value::as_str) {
+                s = schema.pointer(r.strip_prefix('#')?)?;
+            } else if let Some(alt) = s
+                .get("anyOf")
+                .and_then(Value::as_array)
+                .and_then(|a| a.iter().find(|x| x.get("type").and_then(Value::as_str) != Some("null")))
+            {
+                s = alt;
+            } else {
+                break;
+            }
+        }
+        Some(s)
+    };
+    let mut cur = resolve(schema)?;
+    for part in path.split('.').filter(|p| !p.is_empty()) {
+        let (name, indexed) = match part.find('[') {
+            Some(i) => (&part[..i], true),
+            None => (part, false),
+        };
+        if !name.is_empty() {
+            cur = resolve(cur.get("properties")?.get(name)?)?;
+        }
+        if indexed {
+            cur = resolve(cur.get("items")?)?;
+        }
+    }
+    Some(cur)
+}
+
+/// One catalog file: its shape, then its rules, every problem at once.
+/// `earlier`: the tools of the files before it that loaded.
+fn load_one(file: &str, text: &str, earlier: &[Contract]) -> Result<Contract, Vec<ContractError>> {
+    let invalid = |field: &str, reason: String| ContractError::Invalid {
+        file: file.to_string(),
+        field: field.to_string(),
+        reason,
+    };
+    let value: Value = serde_json::from_str(text).map_err(|e| vec![invalid("", e.to_string())])?;
+    let shape = catalog_validator().map(|v| shape_problems(v, &catalog_file_schema(), &value, "")).unwrap_or_default();
+    if !shape.is_empty() {
+        return Err(shape.into_iter().map(|(f, r)| invalid(&f, r)).collect());
+    }
+    // The shape fits, so what is left for serde is what JSON Schema cannot
+    // say (a key given twice).
+    let mut de = serde_json::Deserializer::from_str(text);
+    let c: ContractFile = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let field = e.path().to_string();
+        let field = if field == "." { String::new() } else { field };
+        vec![invalid(&field, e.into_inner().to_string())]
+    })?;
+    let mut problems = Vec::new();
+    let mut fail = |field: &str, reason: String| problems.push(invalid(field, reason));
+    if !valid_name(&c.name) {
+        fail("name", "must be 1..64 of a-z, 0-9 and _, starting with a letter".into());
+    }
+    if earlier.iter().any(|t| t.name == c.name) {
+        fail("name", format!("duplicate tool name {}", c.name));
+    }
+    if !valid_name(&c.downstream.name) {
+        fail("downstream.name", "must be 1..64 of a-z, 0-9 and _, starting with a letter".into());
+    }
+    if let Some(other) = earlier.iter().find(|t| t.downstream.name == c.downstream.name) {
+        if other.downstream != c.downstream {
+            fail("downstream", format!("downstream {} is configured differently in {}", c.downstream.name, other.file));
+        }
+    }
+    match (c.effect, c.downstream.dedupes_keys) {
+        (Effect::Write, false) => fail(
+            "downstream.dedupes_keys",
+            "a `write` tool needs a downstream that de-duplicates by key (or declare it `external`)".into(),
+        ),
+        (Effect::External, true) => fail(
+            "downstream.dedupes_keys",
+            "an `external` tool's downstream does not de-duplicate by key (or declare it `write`)".into(),
+        ),
+        _ => {}
+    }
+    if [c.revisions.input, c.revisions.output, c.revisions.effect].iter().any(|r| *r < 1) {
+        fail("revisions", "every revision is a positive integer".into());
+    }
+    if c.retry.max_attempts == 0 || c.retry.attempt_timeout_ms == 0 || c.retry.deadline_ms == 0 {
+        fail("retry", "max_attempts, attempt_timeout_ms and deadline_ms must be positive".into());
+    }
+    if c.downstream.receipt_visible_within_ms.is_some_and(|ms| ms > MAX_RECEIPT_VISIBLE_WITHIN_MS) {
+        fail("downstream.receipt_visible_within_ms", format!("at most {MAX_RECEIPT_VISIBLE_WITHIN_MS} (a day)"));
+    }
+    if c.effect != Effect::Read && c.retention_ms == 0 {
+        fail("retention_ms", "a tool with an effect keeps its ledger rows (> 0)".into());
+    }
+    let props = c.input_schema.get("properties");
+    for (i, k) in c.result_echoes.iter().enumerate() {
+        if props.and_then(|p| p.get(k)).is_none() {
+            fail(&format!("result_echoes[{i}]"), format!("{k:?} is not an input property"));
+        }
+    }
+    // Over MCP a tool with an effect takes its key as the argument
+    // `idempotency_key` (MCP has no header): a tool argument of that
+    // name would be taken away from the tool.
+    if c.effect != Effect::Read && props.is_some_and(|p| p.get("idempotency_key").is_some()) {
+        fail(
+            "input_schema.properties.idempotency_key",
+            "the name is toolgate's: over MCP it carries the call's idempotency key; rename the argument".into(),
+        );
+    }
+    if c.approval.policy == ApprovalPolicy::AboveThreshold {
+        // The amount at stake is the integer argument `amount_minor`
+        // (minor currency units), compared with the tenant's threshold.
+        let ty = props.and_then(|p| p.get("amount_minor")).and_then(|a| a.get("type"));
+        if ty != Some(&Value::String("integer".into())) {
+            fail("approval.policy", "above_threshold needs an integer input property amount_minor".into());
+        }
+    }
+    let input = jsonschema::validator_for(&c.input_schema).map_err(|e| fail("input_schema", e.to_string())).ok();
+    let output = jsonschema::validator_for(&c.output_schema).map_err(|e| fail("output_schema", e.to_string())).ok();
+    let (Some(input), Some(output)) = (input, output) else { return Err(problems) };
+    if !problems.is_empty() {
+        return Err(problems);
+    }
+    let semantic = serde_json::json!({
+        "name": c.name, "effect": c.effect, "approval": format!("{:?}", c.approval.policy),
+        "input_schema": c.input_schema, "output_schema": c.output_schema,
+        "result_echoes": c.result_echoes, "dedupes_keys": c.downstream.dedupes_keys,
+    });
+    let semantic_sha256 = super::canonical::sha256_hex(super::canonical::canonical_string(&semantic).as_bytes());
+    Ok(Contract {
+        name: c.name,
+        description: c.description,
+        revisions: c.revisions,
+        effect: c.effect,
+        risk: c.risk,
+        file: file.to_string(),
+        downstream: c.downstream,
+        data_classification: c.data_classification,
+        approval: c.approval.policy,
+        retry: c.retry,
+        circuit: c.circuit,
+        result_echoes: c.result_echoes,
+        retention_ms: c.retention_ms,
+        input_schema: c.input_schema,
+        output_schema: c.output_schema,
+        semantic_sha256,
+        input,
+        output,
+    })
 }

@@ -17,6 +17,10 @@ pub enum Code {
     NotFound,
     /// The subject has no grant for the tool.
     PolicyDenied,
+    /// An operator disabled the subject or its whole tenant (`toolgate
+    /// subject disable`, `toolgate tenant disable`): every call is refused,
+    /// whatever its grants, until it is enabled again.
+    SubjectDisabled,
     /// The business state forbids the action.
     BusinessRuleViolation,
     /// A call identity reused for another request, key or purpose.
@@ -115,12 +119,13 @@ pub enum Status {
 
 impl Code {
     /// All codes, in catalog order.
-    pub const ALL: [Code; 21] = [
+    pub const ALL: [Code; 22] = [
         Code::UnknownTool,
         Code::InvalidArguments,
         Code::IdempotencyKeyRequired,
         Code::NotFound,
         Code::PolicyDenied,
+        Code::SubjectDisabled,
         Code::BusinessRuleViolation,
         Code::CallIdConflict,
         Code::IdempotencyConflict,
@@ -147,6 +152,7 @@ impl Code {
             Code::IdempotencyKeyRequired => "IDEMPOTENCY_KEY_REQUIRED",
             Code::NotFound => "NOT_FOUND",
             Code::PolicyDenied => "POLICY_DENIED",
+            Code::SubjectDisabled => "SUBJECT_DISABLED",
             Code::BusinessRuleViolation => "BUSINESS_RULE_VIOLATION",
             Code::CallIdConflict => "CALL_ID_CONFLICT",
             Code::IdempotencyConflict => "IDEMPOTENCY_CONFLICT",
@@ -179,7 +185,7 @@ impl Code {
                 ("invalid_request", NotStarted, Recovery::CorrectInput)
             }
             Code::NotFound => ("not_found", NotStarted, Recovery::None),
-            Code::PolicyDenied => ("permission", NotStarted, Recovery::RequestAuthorization),
+            Code::PolicyDenied | Code::SubjectDisabled => ("permission", NotStarted, Recovery::RequestAuthorization),
             Code::BusinessRuleViolation => ("business_rule", NotStarted, Recovery::HumanReview),
             Code::CallIdConflict | Code::IdempotencyConflict | Code::IdempotencyKeyExpired => {
                 ("conflict", NotStarted, Recovery::HumanReview)
@@ -214,6 +220,9 @@ impl Code {
             }
             Code::NotFound => "The resource was not found.",
             Code::PolicyDenied => "The caller is not allowed to use this tool.",
+            Code::SubjectDisabled => {
+                "The caller (its subject or its whole tenant) is disabled by an operator; nothing was done."
+            }
             Code::BusinessRuleViolation => "The action is not allowed in the resource's current state.",
             Code::CallIdConflict => "This call identity is already bound to another request.",
             Code::IdempotencyConflict => "This idempotency key was already used for a different request.",

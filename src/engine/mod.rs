@@ -27,6 +27,7 @@ pub mod trace;
 pub mod views;
 pub mod world;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -214,15 +215,38 @@ pub struct Counts {
     pub operations: std::collections::BTreeMap<String, i64>,
     /// Outbox rows per state.
     pub outbox: std::collections::BTreeMap<String, i64>,
-    /// Committed downstream effects.
+    /// Committed downstream effects, as counted by the downstreams that can
+    /// count them (the simulated providers; never a real API's: see
+    /// `downstreams`).
     pub downstream_effects: i64,
-    /// Intents with more than one effect (must be 0).
+    /// Intents with more than one effect (must be 0), at the same downstreams
+    /// as `downstream_effects`: 0 says nothing about one that is not counted.
     pub side_effect_duplicates: i64,
+    /// Per downstream of the catalog: whether its effects were counted, and
+    /// what was counted there.
+    pub downstreams: std::collections::BTreeMap<String, DownstreamEffects>,
     /// Pending approvals.
     pub pending_approvals: i64,
     /// The ledger's one clock (absent under a manual clock: tests, `--now`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub clock: Option<ledger_clock::ClockStatus>,
+}
+
+/// What `counts` can say about one downstream's effects.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct DownstreamEffects {
+    /// Its adapter (`simulated`, `http`, an embedder's).
+    pub adapter: String,
+    /// Whether its effects were counted here; when not, the two counts are
+    /// `null` and `note` says why and where to count them.
+    pub counted: bool,
+    /// Effects it committed.
+    pub effects: Option<i64>,
+    /// Its business intents with more than one committed effect (must be 0).
+    pub side_effect_duplicates: Option<i64>,
+    /// Why it was not counted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 /// The dispatcher. One per thread: it owns one connection (and one per provider).
@@ -237,6 +261,9 @@ pub struct Engine {
     pub(crate) worker_id: String,
     pub(crate) toolset: Arc<Toolset>,
     pub(crate) downstreams: std::collections::BTreeMap<String, Box<dyn Downstream>>,
+    /// The downstreams a read-only engine could not open, with why (a read
+    /// needs no downstream: what would ask one says it was not checked).
+    pub(crate) unopened: std::collections::BTreeMap<String, String>,
     pub(crate) faults: Arc<Mutex<FaultPlan>>,
     pub(crate) ids: ids::Ids,
     pub(crate) defenses_off: DefensesOff,
@@ -294,14 +321,22 @@ impl Engine {
         } else {
             (opts.clock.clone(), None)
         };
-        let downstreams = opts.toolset.open_downstreams(&DownstreamContext {
-            ledger_path: path,
-            clock: clock.clone(),
-            faults: faults.clone(),
-            sync: opts.sync,
-            ids: ids.clone(),
-            read_only,
-        })?;
+        let adapters = opts.toolset.downstream_adapters();
+        // A read with another catalog than the ledger's (the built-in demo
+        // one, for want of `--catalog`) does not open what it names under
+        // another adapter: that would be some other system's storage.
+        let foreign = if read_only { foreign_downstreams(&mut store, &adapters) } else { BTreeMap::new() };
+        let opened = opts.toolset.open_downstreams(
+            &DownstreamContext {
+                ledger_path: path,
+                clock: clock.clone(),
+                faults: faults.clone(),
+                sync: opts.sync,
+                ids: ids.clone(),
+                read_only,
+            },
+            &foreign,
+        )?;
         let now = clock.now_ms();
         let contracts = match opts.contracts {
             Some(c) => c,
@@ -321,6 +356,7 @@ impl Engine {
                 let salt = tx.meta_init("export_salt", &hex::encode(ids.bytes::<16>()))?;
                 tx.meta_init("created_at", &now.to_string())?;
                 check_contract_revisions(tx, &revisions)?;
+                record_downstream_adapters(tx, &adapters)?;
                 Ok((secret, salt, tx.meta("demo")?.as_deref() == Some("1")))
             })?
         };
@@ -333,7 +369,8 @@ impl Engine {
             salt,
             worker_id: opts.worker_id,
             toolset: opts.toolset,
-            downstreams,
+            downstreams: opened.open,
+            unopened: opened.unopened,
             faults,
             ids,
             defenses_off: opts.defenses_off,
@@ -404,6 +441,12 @@ impl Engine {
         Ok(())
     }
 
+    /// The downstreams this read-only engine could not open, by name, with
+    /// why (empty for an engine that may write: it opens every one or fails).
+    pub fn unopened_downstreams(&self) -> &std::collections::BTreeMap<String, String> {
+        &self.unopened
+    }
+
     /// The downstream a tool's catalog entry names (opened when the engine was).
     pub(crate) fn downstream(&mut self, name: &str) -> Result<&mut dyn Downstream, EngineError> {
         match self.downstreams.get_mut(name) {
@@ -431,6 +474,7 @@ impl Engine {
     /// Counts of operations, outbox rows, effects and duplicates.
     pub fn counts(&mut self) -> Result<Counts, EngineError> {
         let referee = self.effect_counts()?;
+        let downstreams = self.effects_per_downstream()?;
         let clock = self.clock_status();
         let mut counts = self.store.read(|tx| -> Result<_, StoreError> {
             Ok(Counts {
@@ -438,12 +482,47 @@ impl Engine {
                 outbox: tx.count_outbox_by_state()?.into_iter().collect(),
                 downstream_effects: referee.effects,
                 side_effect_duplicates: referee.duplicates,
+                downstreams: downstreams.clone(),
                 pending_approvals: tx.pending_approvals(i64::MAX)?.len() as i64,
                 clock: None,
             })
         })?;
         counts.clock = clock;
         Ok(counts)
+    }
+
+    /// Each downstream of the catalog, with what it can say of its own effects.
+    fn effects_per_downstream(&mut self) -> Result<std::collections::BTreeMap<String, DownstreamEffects>, EngineError> {
+        let mut out = std::collections::BTreeMap::new();
+        for (name, adapter) in self.toolset.downstream_adapters() {
+            let not_counted = |note: String| DownstreamEffects {
+                adapter: adapter.clone(),
+                counted: false,
+                effects: None,
+                side_effect_duplicates: None,
+                note: Some(note),
+            };
+            let row = if let Some(why) = self.unopened.get(&name) {
+                not_counted(format!("not opened by this read (a read needs no downstream): {why}"))
+            } else {
+                match self.downstreams.get_mut(&name).map(|d| d.own_effect_counts()).transpose()?.flatten() {
+                    Some(c) => DownstreamEffects {
+                        adapter: adapter.clone(),
+                        counted: true,
+                        effects: Some(c.effects),
+                        side_effect_duplicates: Some(c.duplicates),
+                        note: None,
+                    },
+                    None => not_counted(
+                        "its adapter cannot count the effects it caused (a real API): count them at the provider \
+                         (e.g. `toolgate load --provider-db`)"
+                            .into(),
+                    ),
+                }
+            };
+            out.insert(name, row);
+        }
+        Ok(out)
     }
 
     /// The effects the providers committed, as the first downstream that can
@@ -494,6 +573,49 @@ impl Engine {
             Err(EngineError::invalid("UNKNOWN_TENANT", "no such tenant"))
         }
     }
+}
+
+/// The meta key that records which adapter the catalog that last wrote the
+/// ledger serves a downstream with.
+fn adapter_key(downstream: &str) -> String {
+    format!("downstream_adapter:{downstream}")
+}
+
+/// Records each downstream's adapter (only what changed: concurrent opens of
+/// one catalog write nothing), so a read knows the ledger's own catalog.
+fn record_downstream_adapters(tx: &Tx<'_>, adapters: &BTreeMap<String, String>) -> Result<(), StoreError> {
+    for (name, adapter) in adapters {
+        let key = adapter_key(name);
+        if tx.meta(&key)?.as_deref() != Some(adapter.as_str()) {
+            tx.meta_set(&key, adapter)?;
+        }
+    }
+    Ok(())
+}
+
+/// The downstreams this read's catalog serves with another adapter than the
+/// ledger's last writer did, with why they are not opened. A ledger that
+/// records none (older than this build, or not a ledger: refused later) has none.
+fn foreign_downstreams(store: &mut Store, adapters: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    let recorded = store.read(|tx| -> Result<Vec<(String, Option<String>)>, StoreError> {
+        adapters.keys().map(|name| Ok((name.clone(), tx.meta(&adapter_key(name))?))).collect()
+    });
+    let mut out = BTreeMap::new();
+    for (name, ledger_adapter) in recorded.unwrap_or_default() {
+        match (ledger_adapter, adapters.get(&name)) {
+            (Some(theirs), Some(ours)) if theirs != *ours => {
+                out.insert(
+                    name.clone(),
+                    format!(
+                        "the ledger's catalog serves downstream {name} with adapter `{theirs}`, this read's catalog \
+                         with `{ours}` (a read without --catalog uses the built-in demo catalog); pass the ledger's catalog (--catalog DIR)"
+                    ),
+                );
+            }
+            _ => {}
+        }
+    }
+    out
 }
 
 /// Builds an envelope for a code, with no operation.

@@ -15,7 +15,7 @@ use super::envelope::{
     ProtectedAudit, Status,
 };
 use super::tool::{Receipt, ToolCall, ToolDomain};
-use crate::store::{ApprovalRow, OpState, OperationRow, StoreError, Tx};
+use crate::store::{Access, ApprovalRow, OpState, OperationRow, StoreError, Tx};
 
 /// The business intent a downstream effect is counted under: the whole scope
 /// (tenant, subject, tool, caller's key), hashed.
@@ -576,9 +576,12 @@ pub(crate) fn authorize(
     args: &Value,
 ) -> Result<Option<Code>, StoreError> {
     // One read: an active grant is joined to the subject's row under the
-    // same tenant, so it also proves the subject belongs to this tenant.
-    if !tx.grant_active(tenant, subject, tool)? {
-        return Ok(Some(Code::PolicyDenied));
+    // same tenant, so it also proves the subject belongs to this tenant; a
+    // disabled subject or tenant is refused whatever its grants.
+    match tx.access(tenant, subject, tool)? {
+        Access::Granted => {}
+        Access::NotGranted => return Ok(Some(Code::PolicyDenied)),
+        Access::Disabled => return Ok(Some(Code::SubjectDisabled)),
     }
     if !domain.visible(tx, &ToolCall { tenant, subject, tool, arguments: args, operation_id: None })? {
         return Ok(Some(Code::NotFound));

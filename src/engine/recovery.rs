@@ -1235,6 +1235,11 @@ impl Engine {
                 continue;
             }
             let Some(contract) = contracts.get(&tool) else { continue };
+            // A read-only engine that could not open this downstream cannot
+            // ask it: not checked (the CLI lists it), like an unavailable one.
+            if self.unopened.contains_key(&contract.downstream.name) {
+                continue;
+            }
             let lookup = self.downstream(&contract.downstream.name)?.lookup(&key, contract.retry.attempt_timeout_ms)?;
             let Some(receipt) = receipt else {
                 // The ledger says "no effect" after a send: money the provider

@@ -332,6 +332,12 @@ pub trait Downstream: Send {
     fn effect_counts(&mut self) -> Result<Option<EffectCounts>, DownstreamError> {
         Ok(None)
     }
+    /// The effects this downstream alone committed (`toolgate counts`, per
+    /// downstream; [`Downstream::effect_counts`] may answer for several):
+    /// `None` when it cannot count them (a real API's adapter).
+    fn own_effect_counts(&mut self) -> Result<Option<EffectCounts>, DownstreamError> {
+        Ok(None)
+    }
     /// Effects this provider committed for one business intent (the lab's referee).
     fn effects_for_intent(&mut self, _intent: &str) -> Result<Option<i64>, DownstreamError> {
         Ok(None)
@@ -365,6 +371,14 @@ pub struct DownstreamContext<'a> {
     pub read_only: bool,
 }
 
+/// The downstreams an engine opened, by name, and (read-only engines only)
+/// those it could not open, with why.
+#[derive(Default)]
+pub(crate) struct OpenedDownstreams {
+    pub(crate) open: BTreeMap<String, Box<dyn Downstream>>,
+    pub(crate) unopened: BTreeMap<String, String>,
+}
+
 /// Opens one downstream per engine from the catalog's `downstream` section.
 pub trait DownstreamFactory: Send + Sync {
     /// Checks the tool's downstream section when the toolset is built (the
@@ -372,6 +386,11 @@ pub trait DownstreamFactory: Send + Sync {
     /// `result_echoes`); `Err(field, why)` refuses the catalog
     /// (`CATALOG_INVALID`), the field relative to `downstream`.
     fn check(&self, contract: &Contract) -> Result<(), (String, String)>;
+    /// Every problem of the tool's downstream section at once (the loader
+    /// reports them together); by default the one [`DownstreamFactory::check`] finds.
+    fn check_all(&self, contract: &Contract) -> Vec<(String, String)> {
+        self.check(contract).err().into_iter().collect()
+    }
     /// Opens an instance for one engine.
     fn open(
         &self,
@@ -430,40 +449,48 @@ impl ToolsetBuilder {
     /// Checks that every tool's adapter exists and accepts its section, and that
     /// a locally answered tool has a domain.
     pub fn build(self) -> Result<Toolset, ContractError> {
+        // Every tool's problems at once, like the catalog loader's.
+        let mut problems = Vec::new();
         for c in self.catalog.all() {
             let d = &c.downstream;
-            let invalid =
-                |field: String, reason: String| ContractError::Invalid { file: c.file.clone(), field, reason };
+            let mut invalid = |field: String, reason: String| {
+                problems.push(ContractError::Invalid { file: c.file.clone(), field, reason });
+            };
             if d.adapter == LOCAL_ADAPTER {
                 if c.effect != Effect::Read {
-                    return Err(invalid(
+                    invalid(
                         "downstream.adapter".into(),
                         "a write or external tool needs a downstream that executes it, not `local`".into(),
-                    ));
+                    );
                 }
                 if !self.domains.contains_key(&c.name) {
-                    return Err(invalid(
+                    invalid(
                         "downstream.adapter".into(),
                         format!("`local` needs a domain that answers {}; none is registered", c.name),
-                    ));
+                    );
                 }
                 continue;
             }
             if c.effect == Effect::Read {
-                return Err(invalid(
+                invalid(
                     "downstream.adapter".into(),
                     "read tools are answered locally by their domain in this version (adapter `local`)".into(),
-                ));
+                );
+                continue;
             }
             let Some(f) = self.adapters.get(&d.adapter) else {
                 let known: Vec<&str> = self.adapters.keys().map(String::as_str).collect();
-                return Err(invalid(
+                invalid(
                     "downstream.adapter".into(),
                     format!("unknown adapter {:?} (known: local, {})", d.adapter, known.join(", ")),
-                ));
+                );
+                continue;
             };
-            f.check(c).map_err(|(field, why)| invalid(format!("downstream.{field}"), why))?;
+            for (field, why) in f.check_all(c) {
+                invalid(format!("downstream.{field}"), why);
+            }
         }
+        ContractError::all(problems)?;
         Ok(Toolset { catalog: self.catalog, domains: self.domains, adapters: self.adapters })
     }
 }
@@ -502,21 +529,45 @@ impl Toolset {
         groups
     }
 
-    /// Opens one instance of every downstream the catalog names, by downstream name.
+    /// Opens one instance of every downstream the catalog names, by downstream
+    /// name. For a read-only engine a downstream that cannot be opened (its
+    /// environment variables unset, its storage absent or older than this
+    /// build) is no error: a read needs none, so it is left out and the
+    /// second map says why (what needs it then says it was not checked).
+    /// `skip`: downstreams not to open, with why (a read-only engine's only).
     pub(crate) fn open_downstreams(
         &self,
         ctx: &DownstreamContext<'_>,
-    ) -> Result<BTreeMap<String, Box<dyn Downstream>>, DownstreamError> {
-        let mut out = BTreeMap::new();
+        skip: &BTreeMap<String, String>,
+    ) -> Result<OpenedDownstreams, DownstreamError> {
+        let mut out = OpenedDownstreams { open: BTreeMap::new(), unopened: skip.clone() };
         for c in self.catalog.all() {
             let d = &c.downstream;
-            if d.adapter == LOCAL_ADAPTER || out.contains_key(&d.name) {
+            if d.adapter == LOCAL_ADAPTER || out.open.contains_key(&d.name) || out.unopened.contains_key(&d.name) {
                 continue;
             }
             if let Some(f) = self.adapters.get(&d.adapter) {
-                out.insert(d.name.clone(), f.open(d, ctx)?);
+                match f.open(d, ctx) {
+                    Ok(opened) => {
+                        out.open.insert(d.name.clone(), opened);
+                    }
+                    Err(e) if ctx.read_only => {
+                        out.unopened.insert(d.name.clone(), e.to_string());
+                    }
+                    Err(e) => return Err(e),
+                }
             }
         }
         Ok(out)
+    }
+
+    /// Every downstream the catalog names (not `local`), with its adapter.
+    pub fn downstream_adapters(&self) -> BTreeMap<String, String> {
+        self.catalog
+            .all()
+            .iter()
+            .filter(|c| c.downstream.adapter != LOCAL_ADAPTER)
+            .map(|c| (c.downstream.name.clone(), c.downstream.adapter.clone()))
+            .collect()
     }
 }

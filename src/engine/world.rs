@@ -3,9 +3,11 @@
 
 use serde::Deserialize;
 
-use super::canonical::parse_strict;
+use serde_json::json;
+
+use super::canonical::{canonical_string, parse_strict};
 use super::{Engine, EngineError};
-use crate::store::{OrderRow, StoreError};
+use crate::store::{AuditRow, OrderRow, Principal, StoreError, Tx};
 
 /// The demo world shipped in `assets/`.
 pub const DEMO_WORLD: &str = include_str!("../../assets/world.json");
@@ -280,4 +282,158 @@ impl Engine {
     pub fn holds(&mut self) -> Result<Vec<(String, String, i64)>, EngineError> {
         Ok(self.store.read(|tx| -> Result<_, StoreError> { tx.holds() })?)
     }
+
+    /// Adds a tenant to a database that already holds a world (`toolgate
+    /// tenant add`), with its approvers, in one transaction with its entry in
+    /// the operator log. Refused, changing nothing: an id outside
+    /// [`ID_RULE`] or a negative threshold (`WORLD_INVALID`), a tenant that
+    /// exists (`TENANT_EXISTS`), an operator name that is not one
+    /// (`INVALID_OPERATOR`).
+    pub fn add_tenant(&mut self, t: &TenantSpec, operator: &str) -> Result<(), EngineError> {
+        super::check_operator(operator)?;
+        check_id("tenant", &t.id)?;
+        if let Some(a) = t.approvers.iter().find(|a| !valid_id(a)) {
+            return Err(bad(format!("approver {a:?}: must be {ID_RULE}")));
+        }
+        if t.approval_threshold_minor < 0 {
+            return Err(bad("approval_threshold_minor: must be 0 or more"));
+        }
+        let now = self.clock.now_ms();
+        self.store.write(|tx| -> Result<(), EngineError> {
+            if tx.tenant_exists(&t.id)? {
+                return Err(EngineError::invalid("TENANT_EXISTS", format!("tenant {:?} already exists", t.id)));
+            }
+            tx.insert_tenant(&t.id, t.approval_threshold_minor)?;
+            let mut approvers: Vec<&str> = t.approvers.iter().map(String::as_str).collect();
+            approvers.sort_unstable();
+            approvers.dedup();
+            for a in &approvers {
+                tx.insert_approver(&t.id, a)?;
+            }
+            let evidence =
+                json!({"tenant": t.id, "approvers": approvers, "approval_threshold_minor": t.approval_threshold_minor});
+            log_world_change(tx, now, operator, "tenant_add", &format!("tenant {} added", t.id), &evidence)?;
+            Ok(())
+        })
+    }
+
+    /// Adds a subject to an existing tenant (`toolgate subject add`), with
+    /// its entry in the operator log; it holds no grant yet (`toolgate
+    /// grant`). Refused, changing nothing: `WORLD_INVALID` for an id outside
+    /// [`ID_RULE`], `UNKNOWN_TENANT`, `SUBJECT_EXISTS` (subject ids are
+    /// unique across tenants).
+    pub fn add_subject(&mut self, tenant: &str, subject: &str, operator: &str) -> Result<(), EngineError> {
+        super::check_operator(operator)?;
+        check_id("subject", subject)?;
+        let now = self.clock.now_ms();
+        self.store.write(|tx| -> Result<(), EngineError> {
+            if !tx.tenant_exists(tenant)? {
+                return Err(EngineError::invalid("UNKNOWN_TENANT", "no such tenant"));
+            }
+            if let Some(other) = tx.subject_tenant(subject)? {
+                let whose = if other == tenant { "this tenant" } else { "another tenant" };
+                return Err(EngineError::invalid(
+                    "SUBJECT_EXISTS",
+                    format!("subject {subject:?} already exists in {whose} (subject ids are unique across tenants)"),
+                ));
+            }
+            tx.insert_subject(subject, tenant)?;
+            let evidence = json!({"tenant": tenant, "subject": subject});
+            log_world_change(
+                tx,
+                now,
+                operator,
+                "subject_add",
+                &format!("subject {subject} added to {tenant}"),
+                &evidence,
+            )?;
+            Ok(())
+        })
+    }
+
+    /// Disables (`enabled = false`) or enables again a tenant (`subject:
+    /// None`: every subject of it) or one subject of it. A disabled
+    /// principal's calls, status queries and accepted operations not yet sent
+    /// are refused `SUBJECT_DISABLED` at their next authorization check; its
+    /// grants, operations and operator log are kept (nothing that references
+    /// it is deleted), so enabling it restores exactly what it had. Returns
+    /// whether anything changed; a change is recorded in the operator log.
+    /// Refused, changing nothing: `UNKNOWN_TENANT`, `UNKNOWN_SUBJECT`.
+    pub fn set_enabled(
+        &mut self,
+        tenant: &str,
+        subject: Option<&str>,
+        enabled: bool,
+        operator: &str,
+    ) -> Result<bool, EngineError> {
+        super::check_operator(operator)?;
+        let now = self.clock.now_ms();
+        self.store.write(|tx| -> Result<bool, EngineError> {
+            if !tx.tenant_exists(tenant)? {
+                return Err(EngineError::invalid("UNKNOWN_TENANT", "no such tenant"));
+            }
+            let (who, id) = match subject {
+                None => (Principal::Tenant, tenant),
+                Some(s) => {
+                    if tx.subject_tenant(s)?.as_deref() != Some(tenant) {
+                        return Err(EngineError::invalid("UNKNOWN_SUBJECT", "no such subject in that tenant"));
+                    }
+                    (Principal::Subject, s)
+                }
+            };
+            let changed = tx.set_disabled(who, id, (!enabled).then_some(now))?;
+            if changed {
+                let verb = if enabled { "enable" } else { "disable" };
+                let evidence = json!({"tenant": tenant, "subject": subject});
+                let reason = format!("{} {id} {verb}d", who.as_str());
+                log_world_change(tx, now, operator, &format!("{}_{verb}", who.as_str()), &reason, &evidence)?;
+            }
+            Ok(changed)
+        })
+    }
+
+    /// Whether a tenant, or one subject of it, is disabled: since when
+    /// (`None`: enabled). The subject's own mark, else its tenant's.
+    pub fn disabled_since(&mut self, tenant: &str, subject: Option<&str>) -> Result<Option<i64>, EngineError> {
+        Ok(self.store.read(|tx| -> Result<_, StoreError> {
+            let own = match subject {
+                Some(s) => tx.disabled_since(Principal::Subject, s)?,
+                None => None,
+            };
+            Ok(own.or(tx.disabled_since(Principal::Tenant, tenant)?))
+        })?)
+    }
+}
+
+fn check_id(what: &str, id: &str) -> Result<(), EngineError> {
+    if valid_id(id) {
+        Ok(())
+    } else {
+        Err(bad(format!("{what} {id:?}: must be {ID_RULE}")))
+    }
+}
+
+/// The operator log's entry for a change to the world (always applied: a
+/// refused change is an error and writes nothing).
+fn log_world_change(
+    tx: &Tx<'_>,
+    now: i64,
+    operator: &str,
+    action: &str,
+    reason: &str,
+    evidence: &serde_json::Value,
+) -> Result<(), StoreError> {
+    tx.insert_audit(&AuditRow {
+        seq: 0,
+        at: now,
+        action_id: None,
+        actor: operator.to_string(),
+        action: action.to_string(),
+        operation_id: None,
+        approval_id: None,
+        result: "applied".into(),
+        reason: reason.to_string(),
+        evidence: canonical_string(evidence),
+        chain_sha256: None,
+    })
 }

@@ -46,6 +46,7 @@ pub use views::{
     cursor_after, Cursor, Filter, FilterTarget, Key, LiveRow, OpsView, Order, SortColumn, APPROVALS_SORT, AUDIT_SORT,
     LIVE_SORT, OPS_SORT,
 };
+pub use world::{Access, Principal};
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
 const MIGRATIONS: [&str; 17] = [

@@ -214,6 +214,18 @@ impl ProviderTx<'_> {
         Ok(())
     }
 
+    /// One provider's committed effects and its business intents with more
+    /// than one of them (`toolgate counts`, per downstream). A scan of its
+    /// effects, unlike the totals the console reads at every refresh.
+    pub fn effect_counts_of(&self, provider: &str) -> R<(i64, i64)> {
+        self.conn
+            .prepare_cached(
+                "SELECT CAST(coalesce(sum(n), 0) AS BIGINT), CAST(coalesce(sum(CASE WHEN n > 1 THEN 1 ELSE 0 END), 0) AS BIGINT)
+                 FROM (SELECT intent, count(*) AS n FROM provider_effects WHERE provider = ?1 GROUP BY intent) per_intent",
+            )?
+            .query_row([provider], |r| Ok((r.get(0)?, r.get(1)?)))
+    }
+
     /// Total committed provider effects.
     pub fn count_effects(&self) -> R<i64> {
         // Summed over slots (PostgreSQL's provider migration 0002; SQLite has one row).

@@ -3,6 +3,40 @@
 use super::sql::sql_text;
 use super::{params, OrderRow, StoreError, TenantRow, Tx, ORDER_COLS, R};
 
+/// Which kind of principal a disable mark names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Principal {
+    /// A tenant: every subject of it.
+    Tenant,
+    /// One subject.
+    Subject,
+}
+
+impl Principal {
+    /// The stable name, as in the meta key and the operator log.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Principal::Tenant => "tenant",
+            Principal::Subject => "subject",
+        }
+    }
+}
+
+/// What [`Tx::access`] found for a (tenant, subject, tool).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// An active grant, and neither the subject nor its tenant is disabled.
+    Granted,
+    /// No active grant.
+    NotGranted,
+    /// The subject or its tenant is disabled (whatever its grants).
+    Disabled,
+}
+
+fn disabled_key(who: Principal, id: &str) -> String {
+    format!("disabled:{}:{id}", who.as_str())
+}
+
 impl Tx<'_> {
     // ---------------------------------------------------------------- meta
 
@@ -103,29 +137,66 @@ impl Tx<'_> {
         self.conn.prepare_cached("SELECT tenant FROM subjects WHERE id = ?1")?.query_opt([subject], |r| r.get(0))
     }
 
-    /// Whether an unrevoked grant exists (read now, never cached) for a
-    /// subject that belongs to `tenant` (the grant is joined to the subject's
-    /// own row: a grant row naming another tenant's subject does not count).
-    pub fn grant_active(&self, tenant: &str, subject: &str, tool: &str) -> R<bool> {
-        Ok(self
-            .conn
-            .prepare_cached(
-                "SELECT 1 FROM grants g JOIN subjects s ON s.id = g.subject AND s.tenant = g.tenant
-                 WHERE g.tenant = ?1 AND g.subject = ?2 AND g.tool = ?3 AND g.revoked_at IS NULL",
-            )?
-            .query_opt([tenant, subject, tool], |_| Ok(()))?
-            .is_some())
+    /// Whether a subject of `tenant` may call `tool`, read now (never
+    /// cached), in one statement: an unrevoked grant joined to the subject's
+    /// own row (a grant row naming another tenant's subject does not count),
+    /// and the disable marks of the subject and of its tenant.
+    pub fn access(&self, tenant: &str, subject: &str, tool: &str) -> R<Access> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT g.tool FROM grants g JOIN subjects s ON s.id = g.subject AND s.tenant = g.tenant
+             WHERE g.tenant = ?1 AND g.subject = ?2 AND g.tool = ?3 AND g.revoked_at IS NULL
+             UNION ALL SELECT key FROM meta WHERE key IN (?4, ?5)",
+        )?;
+        let (tk, sk) = (disabled_key(Principal::Tenant, tenant), disabled_key(Principal::Subject, subject));
+        let rows: Vec<String> =
+            st.query_map([tenant, subject, tool, tk.as_str(), sk.as_str()], |r| r.get(0))?.collect::<R<_>>()?;
+        Ok(if rows.iter().any(|k| *k == tk || *k == sk) {
+            Access::Disabled
+        } else if rows.is_empty() {
+            Access::NotGranted
+        } else {
+            Access::Granted
+        })
     }
 
-    /// Every tool a subject of `tenant` holds an unrevoked grant for (the
-    /// same rule as [`Tx::grant_active`], in one statement).
+    /// Every tool a subject of `tenant` may call (the same rule as
+    /// [`Tx::access`], in one statement): none while it or its tenant is disabled.
     pub fn granted_tools(&self, tenant: &str, subject: &str) -> R<Vec<String>> {
         let mut st = self.conn.prepare_cached(
             "SELECT g.tool FROM grants g JOIN subjects s ON s.id = g.subject AND s.tenant = g.tenant
-             WHERE g.tenant = ?1 AND g.subject = ?2 AND g.revoked_at IS NULL ORDER BY g.tool",
+             WHERE g.tenant = ?1 AND g.subject = ?2 AND g.revoked_at IS NULL
+               AND NOT EXISTS (SELECT 1 FROM meta WHERE key IN (?3, ?4))
+             ORDER BY g.tool",
         )?;
-        let rows = st.query_map([tenant, subject], |r| r.get(0))?;
+        let (tk, sk) = (disabled_key(Principal::Tenant, tenant), disabled_key(Principal::Subject, subject));
+        let rows = st.query_map([tenant, subject, tk.as_str(), sk.as_str()], |r| r.get(0))?;
         rows.collect::<Result<_, StoreError>>()
+    }
+
+    /// Marks a tenant or subject disabled (`Some(since)`) or enabled again
+    /// (`None`). Returns whether anything changed. The mark is a meta row
+    /// (`disabled:tenant:ID`, `disabled:subject:ID`, its value the time it was
+    /// set): no column of the world's tables holds it.
+    pub fn set_disabled(&self, who: Principal, id: &str, since: Option<i64>) -> R<bool> {
+        let key = disabled_key(who, id);
+        let n = match since {
+            Some(at) => self
+                .conn
+                .prepare_cached("INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT (key) DO NOTHING")?
+                .execute(params![key, at.to_string()])?,
+            None => self.conn.prepare_cached("DELETE FROM meta WHERE key = ?1")?.execute([key.as_str()])?,
+        };
+        Ok(n > 0)
+    }
+
+    /// Since when a tenant or subject is disabled (`None`: it is not).
+    pub fn disabled_since(&self, who: Principal, id: &str) -> R<Option<i64>> {
+        Ok(self.meta(&disabled_key(who, id))?.and_then(|v| v.parse().ok()))
+    }
+
+    /// Whether a tenant exists.
+    pub fn tenant_exists(&self, id: &str) -> R<bool> {
+        Ok(self.conn.prepare_cached("SELECT 1 FROM tenants WHERE id = ?1")?.query_opt([id], |_| Ok(()))?.is_some())
     }
 
     /// A tenant.

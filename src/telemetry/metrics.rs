@@ -471,10 +471,11 @@ const COUNTERS: &[CounterDef] = &[
     },
     CounterDef {
         name: "toolgate_auth_denied_total",
-        help: "Authorization refusals (POLICY_DENIED, NOT_FOUND) of callers and of workers' re-checks.",
+        help:
+            "Authorization refusals (POLICY_DENIED, SUBJECT_DISABLED, NOT_FOUND) of callers and of workers' re-checks.",
         extra: |r| {
             let counted = !r.answer.is_empty() || r.step == "recheck_failed";
-            (matches!(r.code.as_str(), "POLICY_DENIED" | "NOT_FOUND") && counted).then(|| {
+            (matches!(r.code.as_str(), "POLICY_DENIED" | "SUBJECT_DISABLED" | "NOT_FOUND") && counted).then(|| {
                 let call = if r.answer.is_empty() { "worker".to_string() } else { r.answer.clone() };
                 vec![("code", r.code.clone()), ("call", call)]
             })
@@ -547,7 +548,9 @@ const RATES: &[(&str, Pred)] = &[
     ("replays", |r| r.answer == "dispatch" && r.delivery == "local_replay"),
     ("conflicts", |r| r.answer == "dispatch" && is_conflict(&r.code).is_some()),
     ("unknown", |r| matches!(r.reason.as_str(), "parked_unknown" | "needs_review")),
-    ("auth_denied", |r| !r.answer.is_empty() && matches!(r.code.as_str(), "POLICY_DENIED" | "NOT_FOUND")),
+    ("auth_denied", |r| {
+        !r.answer.is_empty() && matches!(r.code.as_str(), "POLICY_DENIED" | "SUBJECT_DISABLED" | "NOT_FOUND")
+    }),
     ("rate_limits", |r| r.step == "downstream_reply" && r.code == "RATE_LIMIT"),
     ("retries", |r| r.step == "claimed" && r.reason == "retry"),
     ("queries", |r| r.answer == "query"),

@@ -56,7 +56,26 @@ pub fn demo_toolset() -> Arc<Toolset> {
 pub fn load_toolset(dir: Option<&Path>) -> Result<Arc<Toolset>, ContractError> {
     match dir {
         None => Ok(demo_toolset()),
-        Some(d) => Ok(Arc::new(toolset_for(Arc::new(Contracts::from_dir(d)?))?)),
+        Some(d) => {
+            // The files' own problems and the adapters' problems with the
+            // sections of the sound ones, in one report, by file.
+            let (sound, mut problems) = Contracts::from_dir_partial(d)?;
+            match toolset_for(Arc::new(sound)) {
+                Ok(t) if problems.is_empty() => return Ok(Arc::new(t)),
+                Ok(_) => {}
+                Err(e) => problems.extend(e.into_problems()),
+            }
+            problems.sort_by(|a, b| problem_file(a).cmp(problem_file(b)));
+            ContractError::all(problems)?;
+            Err(ContractError::Unreadable("the catalog did not load".into()))
+        }
+    }
+}
+
+fn problem_file(e: &ContractError) -> &str {
+    match e {
+        ContractError::Invalid { file, .. } => file,
+        _ => "",
     }
 }
 

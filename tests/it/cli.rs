@@ -616,3 +616,247 @@ fn ops_list_text_columns_line_up() {
         assert!(row[..at].ends_with(' ') && !row[at..].starts_with(' '), "misaligned: {row:?} under {header:?}");
     }
 }
+/// `dispatch` as `subject` of `tenant` on any backend (`--db` a path or URL).
+fn dispatch_as(db: &Path, tenant: &str, subject: &str, tool: &str, key: &str, args: &str) -> (i32, Value) {
+    let out = tg()
+        .args(["dispatch", "--db"])
+        .arg(db)
+        .args(["--now", NOW, "--tenant", tenant, "--subject", subject, "--tool", tool, "--key", key])
+        .args(["--args", args, "--json"])
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+    (out.status.code().unwrap(), v)
+}
+
+fn tenants_and_subjects_are_added_and_disabled_after_init_each_in_the_operator_log(backend: crate::support::Backend) {
+    let fx = crate::support::Fixture::on(backend);
+    let db = fx.path();
+    let admin = |args: &[&str]| {
+        let mut all = vec!["--operator", "olga", "--now", NOW];
+        all.extend_from_slice(args);
+        run_json(db, &all)
+    };
+    let log = || run_json(db, &["audit", "--log", "--json"]).1["log"].as_array().unwrap().clone();
+    let code_of = |v: &Value| v["model_result"]["error"]["code"].as_str().map(str::to_string);
+    let before = log().len();
+
+    // Added after init: a tenant with an approver, a subject, a grant; it calls.
+    let (rc, v, err) = admin(&["tenant", "add", "initech", "--approver", "peter", "--json"]);
+    assert_eq!((rc, v["changed"].as_bool()), (0, Some(true)), "{err}");
+    let (rc, _, err) = admin(&["subject", "add", "--tenant", "initech", "agent_ivy", "--json"]);
+    assert_eq!(rc, 0, "{err}");
+    let (rc, v) = dispatch_as(db, "initech", "agent_ivy", "get_order", "cli-key-1001", r#"{"order_ref":"ord_1001"}"#);
+    assert_eq!((rc, code_of(&v).as_deref()), (1, Some("POLICY_DENIED")), "no grant yet: {v}");
+    let (rc, _, err) = admin(&["grant", "--tenant", "initech", "--subject", "agent_ivy", "--tool", "get_order"]);
+    assert_eq!(rc, 0, "{err}");
+    let (_, v) = dispatch_as(db, "initech", "agent_ivy", "get_order", "cli-key-1002", r#"{"order_ref":"ord_1001"}"#);
+    assert_eq!(code_of(&v).as_deref(), Some("NOT_FOUND"), "granted, and acme's order is not initech's: {v}");
+
+    // Refused, changing nothing: a second tenant of the same id, a subject id
+    // taken in another tenant, an unknown tenant, an id outside the rule.
+    let refusals: [(&[&str], &str); 5] = [
+        (&["tenant", "add", "initech"], "TENANT_EXISTS"),
+        (&["subject", "add", "--tenant", "initech", "agent_ana"], "SUBJECT_EXISTS"),
+        (&["subject", "add", "--tenant", "nobody", "agent_new"], "UNKNOWN_TENANT"),
+        (&["subject", "add", "--tenant", "initech", "agent ivy"], "WORLD_INVALID"),
+        (&["subject", "disable", "--tenant", "globex", "agent_ana"], "UNKNOWN_SUBJECT"),
+    ];
+    for (args, code) in refusals {
+        let (rc, _, err) = admin(args);
+        assert_eq!(rc, 2, "{args:?}: {err}");
+        assert!(err.starts_with(&format!("error[{code}]")), "{args:?}: {err}");
+    }
+    assert_eq!(log().len(), before + 2, "two additions logged, no refusal");
+
+    // A disabled subject is refused, whatever its grants, and no effect is made;
+    // enabled again, it has its grants back.
+    let (rc, v, err) = admin(&["subject", "disable", "--tenant", "acme", "agent_ana", "--json"]);
+    assert_eq!((rc, v["changed"].as_bool()), (0, Some(true)), "{err}");
+    let (_, v, _) = admin(&["subject", "disable", "--tenant", "acme", "agent_ana", "--json"]);
+    assert_eq!(v["changed"].as_bool(), Some(false), "already disabled: no change, no log entry");
+    let mut e = fx.engine();
+    let effects = crate::support::effects(&mut e);
+    let (rc, v) = dispatch_as(db, "acme", "agent_ana", "create_refund", "cli-key-1003", ARGS);
+    assert_eq!((rc, code_of(&v).as_deref()), (1, Some("SUBJECT_DISABLED")), "{v}");
+    assert_eq!(v["model_result"]["error"]["category"], "permission");
+    assert_eq!(crate::support::effects(&mut e), effects, "nothing was sent");
+    let tools = vec!["get_order".to_string(), "create_refund".to_string()];
+    assert!(e.granted_tools("acme", "agent_ana", &tools).unwrap().is_empty(), "MCP lists no tool for it");
+    assert_eq!(e.granted_tools("acme", "agent_ben", &tools).unwrap().len(), 2, "another subject is not touched");
+    let (rc, _, _) = admin(&["subject", "enable", "--tenant", "acme", "agent_ana"]);
+    assert_eq!(rc, 0);
+    let (rc, v) = dispatch_as(db, "acme", "agent_ana", "create_refund", "cli-key-1003", ARGS);
+    assert_eq!((rc, v["model_result"]["status"].as_str()), (0, Some("succeeded")), "{v}");
+
+    // A disabled tenant: each of its subjects is refused; enabled, they call again.
+    let (rc, _, _) = admin(&["tenant", "disable", "acme"]);
+    assert_eq!(rc, 0);
+    let (_, v) = dispatch_as(db, "acme", "agent_ben", "get_order", "cli-key-1004", r#"{"order_ref":"ord_2001"}"#);
+    assert_eq!(code_of(&v).as_deref(), Some("SUBJECT_DISABLED"), "{v}");
+    let (_, v) = dispatch_as(db, "globex", "agent_gus", "get_order", "cli-key-1005", r#"{"order_ref":"ord_3001"}"#);
+    assert_eq!(v["model_result"]["status"], "succeeded", "another tenant is not touched: {v}");
+    let (rc, _, _) = admin(&["tenant", "enable", "acme"]);
+    assert_eq!(rc, 0);
+    let (_, v) = dispatch_as(db, "acme", "agent_ben", "get_order", "cli-key-1006", r#"{"order_ref":"ord_2001"}"#);
+    assert_eq!(v["model_result"]["status"], "succeeded", "{v}");
+
+    // The operator log: each change once, by the operator, and its chain holds.
+    let entries = log();
+    let mine: Vec<(String, String)> = entries
+        .iter()
+        .filter(|r| r["actor"] == "olga")
+        .map(|r| (r["action"].as_str().unwrap().to_string(), r["result"].as_str().unwrap().to_string()))
+        .collect();
+    let want = ["tenant_add", "subject_add", "subject_disable", "subject_enable", "tenant_disable", "tenant_enable"];
+    let mut got: Vec<&str> = mine.iter().map(|(a, _)| a.as_str()).collect();
+    got.sort_unstable();
+    let mut want_sorted = want.to_vec();
+    want_sorted.sort_unstable();
+    assert_eq!(got, want_sorted, "{entries:?}");
+    assert!(mine.iter().all(|(_, r)| r == "applied"));
+    let (rc, v, err) = run_json(db, &["audit", "--json"]);
+    assert_eq!(rc, 0, "the audit passes with these entries: {v} {err}");
+}
+
+crate::on_both_backends!(tenants_and_subjects_are_added_and_disabled_after_init_each_in_the_operator_log);
+
+/// A ledger written with the HTTP catalog (one operation: the provider was
+/// not there), on SQLite or PostgreSQL; the guard keeps it alive.
+fn http_ledger(
+    backend: crate::support::Backend,
+) -> (tempfile::TempDir, Option<crate::support::PgDb>, std::path::PathBuf, Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let pg = (backend == crate::support::Backend::Postgres).then(|| crate::support::PgDb::new().unwrap());
+    let db = pg.as_ref().map_or_else(|| dir.path().join("http.db"), |p| std::path::PathBuf::from(&p.url));
+    let catalog = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog-http");
+    let with_env = |args: &[&str]| {
+        tg().env("TOOLGATE_PROVIDER_URL", "http://127.0.0.1:9")
+            .arg("--db")
+            .arg(&db)
+            .arg("--catalog")
+            .arg(&catalog)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    assert!(with_env(&["init"]).status.success());
+    let out = with_env(&[
+        "dispatch",
+        "--now",
+        NOW,
+        "--tenant",
+        "acme",
+        "--subject",
+        "agent_ana",
+        "--tool",
+        "create_refund",
+        "--key",
+        "cli-key-2001",
+        "--args",
+        ARGS,
+        "--json",
+    ]);
+    let env: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+    assert_eq!(env["model_result"]["error"]["code"], "TOOL_UNAVAILABLE", "{env}");
+    (dir, pg, db, env)
+}
+
+fn read_commands_need_neither_the_catalog_nor_its_environment(backend: crate::support::Backend) {
+    let (_dir, _pg, db, env) = http_ledger(backend);
+    let op = env["protected_audit"]["operation_id"].as_str().unwrap().to_string();
+    let catalog = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog-http");
+    let reads: [&[&str]; 9] = [
+        &["ops", "list", "--json"],
+        &["ops", "show", &op, "--json"],
+        &["counts", "--json"],
+        &["audit", "--json"],
+        &["audit", "--log", "--json"],
+        &["trace", "--json"],
+        &["approvals", "--json"],
+        &["orders", "--json"],
+        &["metrics", "--json"],
+    ];
+    for with_catalog in [false, true] {
+        for args in reads {
+            let mut c = tg();
+            c.env_remove("TOOLGATE_PROVIDER_URL").arg("--db").arg(&db);
+            if with_catalog {
+                c.arg("--catalog").arg(&catalog);
+            }
+            let out = c.args(args).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(0), "{args:?} (catalog: {with_catalog}): {err}");
+            assert!(err.is_empty(), "{args:?}: {err}");
+        }
+        let mut c = tg();
+        c.env_remove("TOOLGATE_PROVIDER_URL").arg("--db").arg(&db);
+        if with_catalog {
+            c.arg("--catalog").arg(&catalog);
+        }
+        let counts: Value = serde_json::from_slice(&c.args(["counts", "--json"]).output().unwrap().stdout).unwrap();
+        let payments = &counts["downstreams"]["payments"];
+        assert_eq!(payments["counted"], false, "{counts}");
+        let note = payments["note"].as_str().unwrap();
+        let says =
+            if with_catalog { "TOOLGATE_PROVIDER_URL is not set" } else { "pass the ledger's catalog (--catalog DIR)" };
+        assert!(note.contains(says) && !note.contains("older than this build"), "{note}");
+    }
+}
+
+crate::on_both_backends!(read_commands_need_neither_the_catalog_nor_its_environment);
+
+fn counts_say_per_downstream_what_they_count(backend: crate::support::Backend) {
+    // The demo ledger: the simulated providers count their own effects.
+    let fx = crate::support::Fixture::on(backend);
+    let (rc, v) = dispatch_as(fx.path(), "acme", "agent_ana", "create_refund", "cli-key-3001", ARGS);
+    assert_eq!(rc, 0, "{v}");
+    let (_, c, _) = run_json(fx.path(), &["counts", "--json"]);
+    assert_eq!((c["downstream_effects"].as_i64(), c["side_effect_duplicates"].as_i64()), (Some(1), Some(0)), "{c}");
+    let d = &c["downstreams"];
+    assert_eq!(
+        [&d["payments"]["counted"], &d["payments"]["effects"], &d["payments"]["side_effect_duplicates"]],
+        [&Value::Bool(true), &Value::from(1), &Value::from(0)],
+        "{c}"
+    );
+    assert_eq!(
+        (d["notifications"]["adapter"].as_str(), d["notifications"]["effects"].as_i64()),
+        (Some("simulated"), Some(0))
+    );
+
+    // A real API's downstream: not counted, said so (0 is not a claim about it).
+    let (_dir, _pg, db, _) = http_ledger(backend);
+    let catalog = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog-http");
+    let out = tg()
+        .env("TOOLGATE_PROVIDER_URL", "http://127.0.0.1:9")
+        .arg("--db")
+        .arg(&db)
+        .arg("--catalog")
+        .arg(&catalog)
+        .args(["counts", "--json"])
+        .output()
+        .unwrap();
+    let c: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+    for name in ["payments", "notifications"] {
+        let row = &c["downstreams"][name];
+        assert_eq!((row["adapter"].as_str(), row["counted"].as_bool()), (Some("http"), Some(false)), "{c}");
+        assert!(row["effects"].is_null() && row["side_effect_duplicates"].is_null(), "{c}");
+        assert!(row["note"].as_str().unwrap().contains("cannot count the effects it caused"), "{c}");
+    }
+    let text = tg()
+        .env("TOOLGATE_PROVIDER_URL", "http://127.0.0.1:9")
+        .arg("--db")
+        .arg(&db)
+        .arg("--catalog")
+        .arg(&catalog)
+        .arg("counts")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("side_effect_duplicates: 0 (counted at no downstream: not at notifications, payments)"),
+        "{text}"
+    );
+}
+
+crate::on_both_backends!(counts_say_per_downstream_what_they_count);

@@ -5,6 +5,7 @@
 
 mod bench;
 mod canonical;
+mod catalog;
 mod cli;
 mod clock;
 mod console;

@@ -1,0 +1,178 @@
+//! The catalog as a newcomer writes it: every field the loader accepts is
+//! documented in docs/catalog.md, and every problem of a catalog is reported
+//! at once, each with its file and field path.
+
+use std::path::Path;
+
+use assert_cmd::Command;
+use serde_json::Value;
+use toolgate::downstream::http::http_section_schema;
+use toolgate::engine::contracts::catalog_file_schema;
+
+/// Resolves a schemars subschema (`$ref` into `$defs`, `Option` as anyOf with null).
+fn resolve<'a>(root: &'a Value, mut s: &'a Value) -> &'a Value {
+    for _ in 0..8 {
+        if let Some(r) = s.get("$ref").and_then(Value::as_str) {
+            s = root.pointer(r.trim_start_matches('#')).unwrap();
+        } else if let Some(alt) = s
+            .get("anyOf")
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().find(|x| x.get("type").and_then(Value::as_str) != Some("null")))
+        {
+            s = alt;
+        } else {
+            break;
+        }
+    }
+    s
+}
+
+/// Every field path a schema accepts under `prefix`, with whether it is required.
+fn fields(root: &Value, schema: &Value, prefix: &str, out: &mut Vec<(String, bool)>) {
+    let s = resolve(root, schema);
+    let required: Vec<&str> = s
+        .get("required")
+        .and_then(Value::as_array)
+        .map_or(Vec::new(), |r| r.iter().filter_map(Value::as_str).collect());
+    let Some(props) = s.get("properties").and_then(Value::as_object) else { return };
+    for (name, sub) in props {
+        let path = if prefix.is_empty() { name.clone() } else { format!("{prefix}.{name}") };
+        out.push((path.clone(), required.contains(&name.as_str())));
+        if path == "downstream.http" {
+            // The http adapter's own section, with its own derived schema.
+            let http = http_section_schema();
+            fields(&http, &http, &path, out);
+            continue;
+        }
+        let sub = resolve(root, sub);
+        if sub.get("type").and_then(Value::as_str) == Some("array") || sub.get("items").is_some() {
+            if let Some(items) = sub.get("items") {
+                fields(root, items, &format!("{path}[]"), out);
+            }
+        } else {
+            fields(root, sub, &path, out);
+        }
+    }
+}
+
+#[test]
+fn every_catalog_field_is_documented() {
+    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/catalog.md")).unwrap();
+    // The doc's rows: `| \`path\` | required | type | default | meaning |`.
+    let rows: Vec<(String, String)> = doc
+        .lines()
+        .filter_map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            let path = cells.get(1)?.strip_prefix('`')?.strip_suffix('`')?;
+            Some((path.to_string(), (*cells.get(2)?).to_string()))
+        })
+        .collect();
+    let schema = catalog_file_schema();
+    let mut accepted = Vec::new();
+    fields(&schema, &schema, "", &mut accepted);
+    assert!(accepted.len() > 40, "the walk found the fields: {accepted:?}");
+    for (path, required) in &accepted {
+        let row = rows.iter().find(|(p, _)| p == path);
+        let Some((_, says)) = row else { panic!("docs/catalog.md does not document the catalog field `{path}`") };
+        // `Option` fields serde reads as absent-or-null; the loader itself
+        // requires these to be written, `null` or not.
+        let required_by_loader = ["downstream.http.lookup"].contains(&path.as_str());
+        if *required || required_by_loader {
+            assert!(says.starts_with("yes"), "`{path}` is required by the loader; docs/catalog.md says {says:?}");
+        } else {
+            assert!(!says.starts_with("yes"), "`{path}` has a default; docs/catalog.md says {says:?}");
+        }
+    }
+    // And nothing documented that the loader does not accept.
+    for (path, _) in &rows {
+        assert!(accepted.iter().any(|(p, _)| p == path), "docs/catalog.md documents `{path}`, which no loader accepts");
+    }
+}
+
+#[test]
+fn the_loader_reports_every_problem_at_once_with_file_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let cat = dir.path().join("cat");
+    std::fs::create_dir(&cat).unwrap();
+    let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog");
+    let read = |f: &str| -> Value { serde_json::from_str(&std::fs::read_to_string(demo.join(f)).unwrap()).unwrap() };
+    // Five problems in one file, two in another, one file sound.
+    let mut refund = read("create_refund.json");
+    let o = refund.as_object_mut().unwrap();
+    o.remove("risk");
+    o.remove("data_classification");
+    o.insert("colour".into(), "red".into());
+    refund["effect"] = "bogus".into();
+    refund["retry"].as_object_mut().unwrap().remove("max_attempts");
+    let mut order = read("get_order.json");
+    order["approval"]["policy"] = "sometimes".into();
+    order["retry"]["attempt_timeout_ms"] = "5s".into();
+    std::fs::write(cat.join("create_refund.json"), refund.to_string()).unwrap();
+    std::fs::write(cat.join("get_order.json"), order.to_string()).unwrap();
+    std::fs::copy(demo.join("notify_customer.json"), cat.join("notify_customer.json")).unwrap();
+    let ledger = dir.path().join("l.db");
+    let out = Command::new(env!("CARGO_BIN_EXE_toolgate"))
+        .args(["init", "--catalog"])
+        .arg(&cat)
+        .arg("--db")
+        .arg(&ledger)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.starts_with("error[CATALOG_INVALID]: 7 problems:"), "{err}");
+    for line in [
+        "catalog file create_refund.json, field risk: missing (required)",
+        "catalog file create_refund.json, field data_classification: missing (required)",
+        "catalog file create_refund.json, field retry.max_attempts: missing (required)",
+        "catalog file create_refund.json, field colour: unknown field (allowed here: approval, circuit,",
+        r#"catalog file create_refund.json, field effect: must be one of "read", "write", "external""#,
+        r#"catalog file get_order.json, field approval.policy: must be one of "never", "above_threshold", "always""#,
+        "catalog file get_order.json, field retry.attempt_timeout_ms:",
+    ] {
+        assert!(err.contains(line), "{line:?} is not in: {err}");
+    }
+    assert!(!err.contains("line ") && !err.contains("column"), "fields, not end-of-file positions: {err}");
+    assert!(!err.contains(&*dir.path().to_string_lossy()), "no local path: {err}");
+    assert!(!ledger.exists(), "nothing written");
+
+    // The http adapter's section: every problem of every tool at once too,
+    // with the other files' own problems.
+    let http = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog-http");
+    let cat = dir.path().join("cat-http");
+    std::fs::create_dir(&cat).unwrap();
+    let read = |f: &str| -> Value { serde_json::from_str(&std::fs::read_to_string(http.join(f)).unwrap()).unwrap() };
+    let mut refund = read("create_refund.json");
+    let h = &mut refund["downstream"]["http"];
+    h.as_object_mut().unwrap().remove("execute");
+    h["key_header"] = 5.into();
+    h["reply"]["reciept"] = "/x".into();
+    let mut notify = read("notify_customer.json");
+    notify["downstream"]["http"].as_object_mut().unwrap().remove("lookup");
+    std::fs::write(cat.join("create_refund.json"), refund.to_string()).unwrap();
+    std::fs::write(cat.join("notify_customer.json"), notify.to_string()).unwrap();
+    // And a file-level problem in a third file: reported in the same run.
+    let mut order = read("get_order.json");
+    order.as_object_mut().unwrap().remove("risk");
+    std::fs::write(cat.join("get_order.json"), order.to_string()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_toolgate"))
+        .env("TOOLGATE_PROVIDER_URL", "http://127.0.0.1:9")
+        .args(["init", "--catalog"])
+        .arg(&cat)
+        .arg("--db")
+        .arg(&ledger)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.starts_with("error[CATALOG_INVALID]: 5 problems:"), "{err}");
+    for line in [
+        "catalog file create_refund.json, field downstream.http.execute: missing (required)",
+        "catalog file create_refund.json, field downstream.http.key_header:",
+        "catalog file create_refund.json, field downstream.http.reply.reciept: unknown field (allowed here: body_sha256, key, receipt_id, request_id, result)",
+        "catalog file notify_customer.json, field downstream.http.lookup: say how a call is looked up by its key",
+        "catalog file get_order.json, field risk: missing (required)",
+    ] {
+        assert!(err.contains(line), "{line:?} is not in: {err}");
+    }
+    assert!(!ledger.exists(), "nothing written");
+}
