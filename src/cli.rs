@@ -1603,15 +1603,20 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 return Ok(0);
             }
             let findings = engine.audit()?;
+            let warnings = engine.audit_warnings()?;
             // A read opens no downstream it cannot: those were not asked.
             let not_checked = engine.unopened_downstreams().clone();
             if *json {
-                print_json(
-                    &json!({"ok": findings.is_empty(), "findings": findings, "downstreams_not_checked": not_checked}),
-                );
+                print_json(&json!({
+                    "ok": findings.is_empty(), "findings": findings, "warnings": warnings,
+                    "downstreams_not_checked": not_checked,
+                }));
             } else {
                 for f in &findings {
                     outln!("{:<22} {:<30} {}", f.check, f.reference, f.detail);
+                }
+                for f in &warnings {
+                    outln!("warning: {:<13} {:<30} {}", f.check, f.reference, f.detail);
                 }
                 for (name, why) in &not_checked {
                     outln!(

@@ -931,8 +931,29 @@ impl Engine {
             let Some(mut op) = cur.clone() else {
                 return refuse("NO_SUCH_OPERATION", "no such operation".into());
             };
-            if !matches!(op.state, OpState::Unknown | OpState::NeedsReview) {
+            // A succeeded operation whose receipt the ledger recorded for
+            // another operation (one receipt bound to two: a lookup taken
+            // before receipts were checked for their binding) is the one
+            // success a person may overrule, against its recorded success.
+            let contested = match (op.state, op.receipt_id.as_deref()) {
+                (OpState::Succeeded, Some(rc)) => {
+                    tx.receipt_owner(rc)?.filter(|owner| *owner != op.id).map(|owner| (rc.to_string(), owner))
+                }
+                _ => None,
+            };
+            if !matches!(op.state, OpState::Unknown | OpState::NeedsReview) && contested.is_none() {
                 return refuse("NOT_RESOLVABLE", format!("operation is {}; only unknown or needs_review can be resolved", op.state));
+            }
+            if let Some((rc, owner)) = &contested {
+                if !against_evidence {
+                    return refuse(
+                        "STATUS_CONFLICT",
+                        format!("this operation succeeded on receipt {rc}, which the ledger recorded for operation {owner}: one receipt bound to two operations; resolve it against its recorded success (--against-evidence, with a note) as failed or compensated, or as succeeded with its own receipt"),
+                    );
+                }
+                if r.resolution == Resolution::Succeeded && r.evidence.as_deref().map(str::trim) == Some(rc.as_str()) {
+                    return refuse("EVIDENCE_REQUIRED", format!("receipt {rc} is operation {owner}'s: resolve as succeeded only with this operation's own receipt"));
+                }
             }
             if let Some(seen) = r.seen_version {
                 if seen != op.version {
@@ -1008,10 +1029,17 @@ impl Engine {
             }
             let result = json!({"resolution": r.resolution.as_str(), "receipt_id": evidence, "resolved_by": r.operator});
             let result_json = canonical_string(&result);
+            // The result the contested receipt gave, for undoing its local effect.
+            let contested_result = contested.as_ref().and(op.result_json.clone());
             op.result_sha256 = Some(sha256_hex(result_json.as_bytes()));
             op.result_json = Some(result_json);
             if let Some(e) = evidence {
                 op.receipt_id = Some(e.to_string());
+            }
+            if contested.is_some() {
+                // The other operation's receipt and request are not this one's.
+                op.receipt_id = evidence.map(str::to_string);
+                op.downstream_request_id = None;
             }
             op.state = crate::store::OpState::Resolved;
             op.resolution = Some(r.resolution.as_str().into());
@@ -1024,10 +1052,18 @@ impl Engine {
             if tx.update_operation(&op)?.is_stale() {
                 return refuse("STALE_VERSION", "operation changed while resolving".into());
             }
-            let anomaly = if r.resolution == Resolution::Succeeded {
-                apply_business_effect(tx, &*toolset.domain(&op.tool), &op)?
-            } else {
-                None
+            let anomaly = match (&contested, r.resolution) {
+                // Its local effect was applied when the receipt was taken: an
+                // effect of its own keeps it, once; none undoes it.
+                (Some(_), Resolution::Succeeded) => None,
+                (Some(_), _) => {
+                    let args = super::operation::args_of(&op.request_json);
+                    let result = contested_result.as_deref().and_then(|t| serde_json::from_str(t).ok()).unwrap_or(Value::Null);
+                    toolset.domain(&op.tool).revert(tx, &super::operation::domain_call(&op, &args), &result)?;
+                    None
+                }
+                (None, Resolution::Succeeded) => apply_business_effect(tx, &*toolset.domain(&op.tool), &op)?,
+                (None, _) => None,
             };
             tx.close_outbox(&op.id, OutboxState::Done, None)?;
             let ev = json!({
@@ -1036,6 +1072,7 @@ impl Engine {
                 "against_evidence": contradiction,
                 "no_evidence_either_way": r.no_evidence,
                 "receipt_window_open_until": receipt_open,
+                "contested_receipt": contested.as_ref().map(|(rc, owner)| json!({"receipt_id": rc, "recorded_for": owner})),
             });
             tx.insert_audit(&audit_row(now, r.action_id.as_deref(), &r.operator, "resolve", op_ref, None, true, &r.note, &ev))?;
             let mut t = TraceEvent::of_operation("resolution", &op, &salt, now);
@@ -1103,6 +1140,37 @@ impl Engine {
     /// The operator log, newest first.
     pub fn audit_log(&mut self, limit: i64) -> Result<Vec<AuditRow>, EngineError> {
         Ok(self.store.read(|tx| tx.audit_log(limit))?)
+    }
+
+    /// What the audit reports beside its findings, without calling the
+    /// ledger damaged: trace events dated before their operation was created
+    /// by more than the clocks' bound (one of the two was written on a wrong
+    /// clock: a host's, or a fixed `--now`). At most 20, then how many more.
+    pub fn audit_warnings(&mut self) -> Result<Vec<AuditFinding>, EngineError> {
+        Ok(self.store.read(|tx| -> Result<Vec<AuditFinding>, StoreError> {
+            let (wrong, n) = tx.trace_times_before_creation(super::ledger_clock::CLOCK_BOUND_MS, 20)?;
+            let mut out: Vec<AuditFinding> = wrong
+                .iter()
+                .map(|(seq, op, at, created)| AuditFinding {
+                    check: "trace_time".into(),
+                    reference: format!("trace_events {seq}"),
+                    detail: format!(
+                        "time {} is {} s before its operation {op} was created ({}): written on a wrong clock",
+                        super::clock::rfc3339(*at),
+                        (created - at) / 1000,
+                        super::clock::rfc3339(*created)
+                    ),
+                })
+                .collect();
+            if n > wrong.len() as i64 {
+                out.push(AuditFinding {
+                    check: "trace_time".into(),
+                    reference: "trace_events".into(),
+                    detail: format!("{} more events dated before their operation", n - wrong.len() as i64),
+                });
+            }
+            Ok(out)
+        })?)
     }
 
     /// The integrity and semantic audit (`toolgate audit`).
@@ -1175,29 +1243,6 @@ impl Engine {
                     .map(|(o, a, r)| (domain_call(o, a), r.clone()))
                     .collect();
                 domain.audit(tx, &calls, &mut find)?;
-            }
-            // An event dated before its operation was created: the event's
-            // writer ran behind, or the operation's ran ahead (a time is
-            // ledger time on a correct host; the slack is the clocks' bound).
-            let (wrong, n) = tx.trace_times_before_creation(super::ledger_clock::CLOCK_BOUND_MS, 20)?;
-            for (seq, op, at, created) in &wrong {
-                find(
-                    "trace",
-                    &format!("trace_events {seq}"),
-                    &format!(
-                        "time {} is {} s before its operation {op} was created ({}): written on a wrong clock",
-                        super::clock::rfc3339(*at),
-                        (created - at) / 1000,
-                        super::clock::rfc3339(*created)
-                    ),
-                );
-            }
-            if n > wrong.len() as i64 {
-                find(
-                    "trace",
-                    "trace_events",
-                    &format!("{} more events dated before their operation", n - wrong.len() as i64),
-                );
             }
             let (bad, gaps) = tx.trace_damage()?;
             for seq in bad {
@@ -1411,8 +1456,14 @@ fn check_operation(
     // A succeeded operation's receipt came from the provider and was recorded;
     // a resolution's receipt id is the operator's evidence and need not be.
     if let (Some(receipt), "succeeded") = (&op.receipt_id, op.state.as_str()) {
-        if !tx.receipt_exists(receipt)? {
-            find("receipt", r, "the receipt the operation names is not in receipts");
+        match tx.receipt_owner(receipt)? {
+            None => find("receipt", r, "the receipt the operation names is not in receipts"),
+            Some(owner) if owner != op.id => find(
+                "receipt_bound_twice",
+                r,
+                &format!("succeeded on receipt {receipt}, which the ledger recorded for operation {owner}: resolve this operation against its recorded success (resolve --against-evidence)"),
+            ),
+            Some(_) => {}
         }
     }
     let call = super::operation::call_of(op);

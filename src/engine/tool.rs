@@ -90,6 +90,14 @@ pub trait ToolDomain: Send + Sync {
         Ok(None)
     }
 
+    /// Undoes [`ToolDomain::apply`] for a result the ledger took on wrong
+    /// evidence (a receipt that was another operation's), when a person
+    /// resolves the operation as having had no effect of its own. Nothing by
+    /// default.
+    fn revert(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>, _result: &Value) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     /// What the resource the call touches looks like now, for an operator's
     /// detail view: (label, value) lines (an order's capture, refunds and
     /// holds). Read in the detail's read transaction; nothing by default.

@@ -170,15 +170,6 @@ impl Tx<'_> {
         rows.collect::<Result<_, _>>()
     }
 
-    /// Whether a receipt row exists.
-    pub fn receipt_exists(&self, receipt_id: &str) -> R<bool> {
-        Ok(self
-            .conn
-            .prepare_cached("SELECT count(*) FROM receipts WHERE receipt_id = ?1")?
-            .query_row([receipt_id], |r| r.get::<i64>(0))?
-            > 0)
-    }
-
     /// How many trace events name an operation.
     pub fn trace_count_for(&self, operation_id: &str) -> R<i64> {
         self.conn

@@ -254,6 +254,29 @@ impl Tx<'_> {
         self.order(order_ref)
     }
 
+    /// Takes back a refund [`Tx::apply_refund`] recorded on wrong evidence:
+    /// first from what it recorded above the capture, then from the refunded
+    /// total.
+    pub fn revert_refund(&self, order_ref: &str, amount: i64) -> R<()> {
+        let Some(o) = self.order_for_update(order_ref)? else { return Ok(()) };
+        let from_over = amount.min(o.over_refunded_minor).max(0);
+        let refunded = (o.refunded_minor - (amount - from_over)).max(0);
+        let status = if refunded == 0 {
+            "paid"
+        } else if refunded >= o.captured_minor {
+            "refunded"
+        } else {
+            "partially_refunded"
+        };
+        self.conn
+            .prepare_cached(
+                "UPDATE orders SET refunded_minor = ?2, over_refunded_minor = ?3, status = ?4, revision = revision + 1
+                 WHERE order_ref = ?1",
+            )?
+            .execute(params![order_ref, refunded, o.over_refunded_minor - from_over, status])?;
+        Ok(())
+    }
+
     /// Applies a committed refund to an order. Nothing is clipped: what would
     /// take `refunded_minor` past the capture is added to `over_refunded_minor`
     /// (money the provider paid that the order did not have), which the audit

@@ -92,6 +92,13 @@ impl ToolDomain for DemoDomain {
         Ok((over > 0).then(|| format!("refund paid {over} above the capture of {order_ref} (over_captured)")))
     }
 
+    fn revert(&self, tx: &Tx<'_>, call: &ToolCall<'_>, _result: &Value) -> Result<(), StoreError> {
+        if call.tool == "create_refund" {
+            tx.revert_refund(order_ref(call).unwrap_or_default(), amount(call).unwrap_or(0))?;
+        }
+        Ok(())
+    }
+
     fn context(&self, tx: &Tx<'_>, call: &ToolCall<'_>) -> Result<Vec<(String, String)>, StoreError> {
         let Some(o) = tx.order(order_ref(call).unwrap_or_default())? else { return Ok(Vec::new()) };
         let held = tx.held_on(&resource(&o.order_ref), None)?;

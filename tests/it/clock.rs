@@ -186,6 +186,7 @@ fn an_approver_with_a_wrong_clock_judges_expiry_on_ledger_time(backend: Backend)
     assert_eq!((rc, approved["model_result"]["status"].as_str()), (0, Some("succeeded")), "{approved}");
     let (_, audit) = json_of(real().arg("--db").arg(db).args(["audit", "--json"]));
     assert_eq!(audit["findings"], serde_json::json!([]), "{audit}");
+    assert_eq!(audit["warnings"], serde_json::json!([]), "no event dated before its operation: {audit}");
 }
 
 /// A process crashed holding a lease written while its clock was 2 days ahead;

@@ -122,13 +122,6 @@ fn every_tamper_is_found_by_audit_and_never_replayed_as_new_work(backend: Backen
         ),
         ("trace event deleted", "DELETE FROM trace_events WHERE seq = 3".into(), "events missing", None),
         (
-            // Issue 33 (Low): a backward clock's events were not flagged.
-            "trace event dated a day before its operation",
-            format!("UPDATE trace_events SET at = at - 86400000 WHERE seq = (SELECT max(seq) FROM trace_events WHERE operation_id = {OK})"),
-            "was created",
-            None,
-        ),
-        (
             "trace fields unparseable",
             "UPDATE trace_events SET fields = '{not json' WHERE seq = 2".into(),
             "not valid JSON",
@@ -309,7 +302,130 @@ fn a_version_16_ledger_migrates_and_its_next_operator_action_anchors_the_head() 
     assert!(found.iter().any(|f| f.contains(&unknown.id) && f.contains("no longer holds")), "{found:?}");
 }
 
+/// Issue 33 (Low): a backward clock's trace events were not flagged. An event
+/// dated before its operation was created is an audit warning (a host or a
+/// fixed `--now` wrote it on a wrong clock): reported beside the findings,
+/// not a damaged ledger (processes on fixed clocks write such events).
+fn a_trace_event_dated_before_its_operation_is_a_warning(backend: Backend) {
+    let w = world(backend);
+    let mut e = w.fx.engine();
+    assert!(e.audit_warnings().unwrap().is_empty());
+    w.fx.exec_batch(&format!(
+        "UPDATE trace_events SET at = at - 86400000 WHERE seq = (SELECT max(seq) FROM trace_events WHERE operation_id = {OK})"
+    ))
+    .unwrap();
+    let warned = e.audit_warnings().unwrap();
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert!(
+        warned[0].detail.contains("86400 s before its operation") && warned[0].detail.contains("wrong clock"),
+        "{warned:?}"
+    );
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+}
+
+/// What a status query did before lookups were checked for their binding
+/// (issue 32 §1.1): operation `b` took operation `a`'s receipt, request id and
+/// result, became succeeded with a binding that recomputes, and its own refund
+/// was applied to the order.
+fn bind_receipt_twice(backend: Backend, fx: &Fixture, e: &mut Engine, a: &str, b: &str) {
+    let ops = e.list_operations(None, 100).unwrap();
+    let (oa, ob) = (ops.iter().find(|o| o.id == a).unwrap(), ops.iter().find(|o| o.id == b).unwrap());
+    let call = toolgate::engine::canonical::CallIdentity {
+        provider: ob.call_provider.clone(),
+        api_family: ob.call_api_family.clone(),
+        response_id: ob.call_response_id.clone(),
+        call_id: ob.call_id.clone(),
+        adapter_revision: ob.adapter_revision.clone(),
+    };
+    let binding = toolgate::engine::canonical::call_binding_sha256(&toolgate::engine::canonical::BindingInput {
+        tenant: &ob.tenant,
+        subject: &ob.subject,
+        call: &call,
+        operation_id: &ob.id,
+        idempotency_key: &ob.idem_key,
+        revisions: toolgate::engine::canonical::Revisions {
+            input: ob.input_rev,
+            output: ob.output_rev,
+            effect: ob.effect_rev,
+        },
+        request_sha256: &ob.request_sha256,
+        result_sha256: oa.result_sha256.as_deref(),
+        downstream_request_id: oa.downstream_request_id.as_deref(),
+        receipt_id: oa.receipt_id.as_deref(),
+        status_ref: &ob.status_ref,
+    });
+    let q = |t: &Option<String>| t.as_deref().map_or("NULL".to_string(), |v| format!("'{}'", v.replace('\'', "''")));
+    fx.exec_batch(&format!(
+        "UPDATE operations SET state = 'succeeded', code = NULL, receipt_id = {}, downstream_request_id = {},
+                result_json = {}, result_sha256 = {}, call_binding_sha256 = '{binding}', version = version + 1
+          WHERE id = '{b}';
+         UPDATE outbox SET state = 'done' WHERE operation_id = '{b}';
+         UPDATE orders SET refunded_minor = refunded_minor + 300, status = 'partially_refunded' WHERE order_ref = 'ord_1001';",
+        q(&oa.receipt_id),
+        q(&oa.downstream_request_id),
+        q(&oa.result_json),
+        q(&oa.result_sha256),
+    ))
+    .unwrap();
+    if backend == Backend::Sqlite {
+        // SQLite's per-state counts are kept by the engine's writes (PostgreSQL's by triggers).
+        fx.exec_batch(
+            "UPDATE state_counts SET n = n - 1 WHERE state = 'unknown';
+             UPDATE state_counts SET n = n + 1 WHERE state = 'succeeded';",
+        )
+        .unwrap();
+    }
+}
+
+/// Issue 32 §1.1, the way out: a receipt bound to two operations (written
+/// before lookups were checked for their binding) is found by the audit as
+/// such, and a person can resolve the operation that took another's receipt
+/// against its recorded success: the decision records the contradiction, the
+/// refund the wrong receipt applied to the order is taken back, and the audit
+/// is clean. Before: `resolve` refused NOT_RESOLVABLE on a succeeded operation.
+fn a_receipt_bound_twice_is_found_and_resolved_against_its_recorded_success(backend: Backend) {
+    let fx = Fixture::on(backend);
+    let mut e = fx.engine();
+    let a = dispatch_with(&mut e, &refund("bound-twice-a-01", 500), "ok");
+    let a = a.protected_audit.operation_id.clone().unwrap();
+    let b = dispatch_with(&mut e, &refund("bound-twice-b-01", 300), "timeout_before_commit");
+    let b = b.protected_audit.operation_id.clone().unwrap();
+    fx.clock.advance(70_000);
+    bind_receipt_twice(backend, &fx, &mut e, &a, &b);
+    let found = findings(&mut e);
+    assert!(
+        found.iter().any(|f| f.starts_with("receipt_bound_twice") && f.contains(&b) && f.contains(&a)),
+        "{found:?}"
+    );
+    let decision =
+        crate::support::failed_by(&b, "oncall-kim", "took a's receipt; the provider has nothing under b's key");
+    let refused = e.resolve(&decision).unwrap();
+    assert_eq!((refused.applied, refused.code.as_str()), (false, "STATUS_CONFLICT"), "{refused:?}");
+    let mut own = decision.clone();
+    own.resolution = toolgate::engine::Resolution::Succeeded;
+    own.evidence = fx.query_text(&format!("SELECT receipt_id FROM operations WHERE id = '{a}'"));
+    let refused = e.resolve_against_evidence(&own).unwrap();
+    assert_eq!((refused.applied, refused.code.as_str()), (false, "EVIDENCE_REQUIRED"), "{refused:?}");
+    let done = e.resolve_against_evidence(&decision).unwrap();
+    assert!(done.applied, "{done:?}");
+    assert_eq!(fx.query_text(&format!("SELECT state FROM operations WHERE id = '{b}'")).as_deref(), Some("resolved"));
+    assert_eq!(fx.query_i64(&format!("SELECT count(*) FROM operations WHERE id = '{b}' AND receipt_id IS NULL")), 1);
+    assert_eq!(
+        fx.query_i64("SELECT refunded_minor FROM orders WHERE order_ref = 'ord_1001'"),
+        500,
+        "b's refund taken back"
+    );
+    let log = fx
+        .query_text(&format!("SELECT evidence FROM audit_log WHERE operation_id = '{b}' AND result = 'applied'"))
+        .unwrap();
+    assert!(log.contains("contested_receipt") && log.contains(&a), "{log}");
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+    assert_eq!(effects(&mut e), 1, "one refund was ever paid");
+}
+
 crate::on_both_backends!(
+    a_trace_event_dated_before_its_operation_is_a_warning,
+    a_receipt_bound_twice_is_found_and_resolved_against_its_recorded_success,
     decisions_without_their_log_entries_are_found,
     a_success_flipped_to_failed_is_found_and_never_replayed_as_failed,
     a_hand_edited_state_leaves_the_counts_behind_and_audit_says_so,
