@@ -205,6 +205,11 @@ pub fn serve_until(
     if !opts.public && !opts.listen.ip().is_loopback() {
         return Err(ServeError::NotLoopback(opts.listen));
     }
+    // Each downstream's bulkhead keeps one engine thread free of it (when
+    // there are threads to spare), unless the catalog sets its own.
+    if opts.threads >= 3 {
+        crate::engine::bulkhead::set_default_limit(opts.threads - 1);
+    }
     let pid = std::process::id();
     let engine_opts = |role: String| EngineOptions {
         worker_id: format!("serve-{pid}-{role}"),

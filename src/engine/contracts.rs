@@ -66,6 +66,15 @@ pub struct DownstreamRef {
     /// [`MAX_RECEIPT_VISIBLE_WITHIN_MS`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub receipt_visible_within_ms: Option<u64>,
+    /// At most this many calls to this downstream in flight at once from one
+    /// process (a bulkhead): beyond it a call is not sent and is answered
+    /// `TOOL_UNAVAILABLE` with a retry hint, its operation waiting in the
+    /// outbox, so a slow downstream cannot take every engine thread. Default:
+    /// the process's (`serve` with 3 or more threads: one less than its
+    /// threads; otherwise none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_in_flight: Option<u32>,
 }
 
 /// The default of `downstream.receipt_visible_within_ms`: a minute, longer
@@ -615,6 +624,9 @@ fn load_one(file: &str, text: &str, earlier: &[Contract]) -> Result<Contract, Ve
     }
     if c.retry.max_attempts == 0 || c.retry.attempt_timeout_ms == 0 || c.retry.deadline_ms == 0 {
         fail("retry", "max_attempts, attempt_timeout_ms and deadline_ms must be positive".into());
+    }
+    if c.downstream.max_in_flight == Some(0) {
+        fail("downstream.max_in_flight", "at least 1 (leave it out for the process's default)".to_string());
     }
     if c.downstream.receipt_visible_within_ms.is_some_and(|ms| ms > MAX_RECEIPT_VISIBLE_WITHIN_MS) {
         fail("downstream.receipt_visible_within_ms", format!("at most {MAX_RECEIPT_VISIBLE_WITHIN_MS} (a day)"));

@@ -161,7 +161,7 @@ enum Decision {
     Execute { op_id: String, built: Option<Box<OperationRow>> },
     /// Accepted, claimed and marked sent in the accept's own transaction:
     /// send attempt `attempt` of `op`.
-    Sending { attempt: i64, op: Box<OperationRow> },
+    Sending { attempt: i64, op: Box<OperationRow>, slot: super::bulkhead::Slot },
     /// The claim in the accept's transaction answered (its trace event written).
     Answered(Envelope),
     /// Accepted and, its caller having cancelled it first, cancelled in the
@@ -174,8 +174,9 @@ enum Decision {
 
 /// What one claim decided.
 enum Claim {
-    /// We hold attempt `n`.
-    Claimed { attempt: i64, op: Box<OperationRow> },
+    /// We hold attempt `n`, and a send slot of its downstream's bulkhead
+    /// until its outcome is persisted.
+    Claimed { attempt: i64, op: Box<OperationRow>, slot: super::bulkhead::Slot },
     /// Not ours to run (or nothing to run): here is the state.
     Answer(Envelope),
 }
@@ -398,7 +399,7 @@ impl Engine {
                     }
                     let built = built.map(|op| *op);
                     Ok(match claim_to_send(tx, &op_id, built, contract, &*domain, &worker, now, lease_ms, &caller)? {
-                        Claim::Claimed { attempt, op } => Decision::Sending { attempt, op },
+                        Claim::Claimed { attempt, op, slot } => Decision::Sending { attempt, op, slot },
                         Claim::Answer(env) => Decision::Answered(env),
                     })
                 }
@@ -432,9 +433,9 @@ impl Engine {
         }
         let env = match decision {
             Decision::Answer(env, _) | Decision::Answered(env) => env,
-            Decision::Sending { attempt, op } => {
+            Decision::Sending { attempt, op, slot } => {
                 let op_id = op.id.clone();
-                self.run_operation_from(&op_id, &contracts, answering, Some((attempt, op)))?
+                self.run_operation_from(&op_id, &contracts, answering, Some((attempt, op, slot)))?
             }
             Decision::Execute { op_id, .. } => self.run_operation(&op_id, &contracts, answering)?,
             Decision::CancelledBeforeSend(op_id) => {
@@ -558,7 +559,7 @@ impl Engine {
         op_id: &str,
         contracts: &Contracts,
         answer: Option<Answering>,
-        mut claimed: Option<(i64, Box<OperationRow>)>,
+        mut claimed: Option<(i64, Box<OperationRow>, super::bulkhead::Slot)>,
     ) -> Result<Envelope, EngineError> {
         let _running = Running::start(op_id);
         let mut attempts_this_call: u32 = 0;
@@ -566,7 +567,7 @@ impl Engine {
         loop {
             let t0 = Instant::now();
             let worker = self.worker_id.clone();
-            let (attempt, op) = if let Some(c) = claimed.take() {
+            let (attempt, op, slot) = if let Some(c) = claimed.take() {
                 c
             } else {
                 let now = self.clock.now_ms();
@@ -588,7 +589,7 @@ impl Engine {
                     .write(|tx| claim_to_send(tx, op_id, None, contract, &*domain, &worker, now, lease_ms, &caller))?;
                 match claim {
                     Claim::Answer(env) => return Ok(env),
-                    Claim::Claimed { attempt, op } => (attempt, op),
+                    Claim::Claimed { attempt, op, slot } => (attempt, op, slot),
                 }
             };
             let now = self.clock.now_ms();
@@ -657,8 +658,10 @@ impl Engine {
                 answer,
                 naive_timeout_retry: defenses.naive_timeout_retry,
             };
-            let step = self.store.write(|tx| persist(tx, &pctx, reply.clone()))?;
-            match step {
+            let step = self.store.write(|tx| persist(tx, &pctx, reply.clone()));
+            // The send is over: its slot is free before any backoff wait.
+            drop(slot);
+            match step? {
                 Persisted::Done(env) => return Ok(env),
                 Persisted::RetryAfter(ms) => self.clock.sleep_ms(ms),
                 Persisted::Late(env) => {
@@ -1262,7 +1265,7 @@ fn claim_to_send(
     caller: &Caller<'_>,
 ) -> Result<Claim, EngineError> {
     let claimed = claim(tx, op_id, built, contract, domain, worker, now, lease_ms, caller)?;
-    let Claim::Claimed { attempt, op } = claimed else {
+    let Claim::Claimed { attempt, op, slot } = claimed else {
         return Ok(claimed);
     };
     failpoint::hit("after_claim");
@@ -1275,7 +1278,7 @@ fn claim_to_send(
     ev.attempt = Some(attempt);
     ev.worker = Some(worker.to_string());
     ev.write(tx, now)?;
-    Ok(Claim::Claimed { attempt, op })
+    Ok(Claim::Claimed { attempt, op, slot })
 }
 
 /// Claims the outbox row and re-checks authorization, business state and
@@ -1405,6 +1408,26 @@ fn claim(
         ev.because("budget_exhausted").from_envelope(&env).answering(caller.answer).write(tx, now)?;
         return Ok(Claim::Answer(env));
     }
+    // The downstream's bulkhead: a slow downstream takes at most its limit
+    // of this process's engine threads; beyond it nothing is sent and the
+    // operation waits in the outbox under its key.
+    let limit = super::bulkhead::limit_of(contract.downstream.max_in_flight);
+    let Some(slot) = super::bulkhead::try_acquire(&contract.downstream.name, limit) else {
+        if admission == Admission::Probe {
+            policy::release_probe(tx, &contract.downstream.name, op_id, now)?;
+        }
+        let wait = super::bulkhead::FULL_RETRY_AFTER_MS;
+        let code = Code::ToolUnavailable.as_str();
+        tx.release_outbox(op_id, now + wait as i64, Some(code))?;
+        let env = with_retry_after(op_envelope(&op, Delivery::Fresh, pref.to_string(), Some(code)), wait);
+        ev.step = "bulkhead";
+        ev.note = Some(format!(
+            "{limit} call(s) to {} in flight from this process already: not sent",
+            contract.downstream.as_str()
+        ));
+        ev.because("bulkhead_full").from_envelope(&env).answering(caller.answer).write(tx, now)?;
+        return Ok(Claim::Answer(env));
+    };
     let Some(attempt) = tx.claim(op_id, worker, now, now + lease_ms)? else {
         return skipped(&ev, op_envelope(&op, Delivery::LocalReplay, pref.to_string(), None), "lost_race");
     };
@@ -1476,7 +1499,7 @@ fn claim(
     .or_stale()?;
     op.version += 1;
     ev.write(tx, now)?;
-    Ok(Claim::Claimed { attempt, op: Box::new(op) })
+    Ok(Claim::Claimed { attempt, op: Box::new(op), slot })
 }
 
 struct PersistCtx<'a> {

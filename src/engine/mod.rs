@@ -6,6 +6,7 @@
 //! [`crate::store::Tx`].
 
 pub mod bulk;
+pub mod bulkhead;
 mod cancel;
 pub mod canonical;
 pub mod clock;

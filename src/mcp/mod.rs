@@ -119,6 +119,10 @@ pub struct StdioOptions {
 pub fn serve_stdio(db: &Path, token: &str, opts: StdioOptions) -> Result<(), McpError> {
     let authorization = format!("Bearer {token}").into_bytes();
     let StdioOptions { workers, lane, queue, grace } = opts;
+    // As `serve`: each downstream's bulkhead keeps one worker free of it.
+    if workers.len() >= 3 {
+        crate::engine::bulkhead::set_default_limit(workers.len() - 1);
+    }
     let runtime = |e: std::io::Error| McpError::Runtime(e.to_string());
     // Opened here, on a plain thread, before any runtime exists.
     let mut engines = Vec::with_capacity(workers.len());

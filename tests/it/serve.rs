@@ -1683,3 +1683,67 @@ fn one_client_holding_slow_connections_cannot_keep_another_out() {
     stop.store(true, Ordering::SeqCst);
     attacker.join().unwrap();
 }
+
+/// The demo catalog with `create_refund`'s downstream limited to `n` calls in
+/// flight from one process.
+fn bulkhead_catalog(dir: &Path, n: u32) -> PathBuf {
+    let out = dir.join("bulkhead-catalog");
+    std::fs::create_dir_all(&out).unwrap();
+    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog");
+    for entry in std::fs::read_dir(&assets).unwrap() {
+        let p = entry.unwrap().path();
+        let mut text = std::fs::read_to_string(&p).unwrap();
+        if p.file_name().is_some_and(|f| f == "create_refund.json") {
+            let mut v: Value = serde_json::from_str(&text).unwrap();
+            v["downstream"]["max_in_flight"] = Value::from(n);
+            text = v.to_string();
+        }
+        std::fs::write(out.join(p.file_name().unwrap()), text).unwrap();
+    }
+    out
+}
+
+/// Issue 32 §3: one slow downstream stalled every tool (with 4 engine
+/// threads, 12 slow calls ran four at a time and a replay of another tool
+/// waited 4.35 s behind them). With the downstream's bulkhead at 1 on a
+/// 2-thread server: while one 4-second refund is in flight, a second refund is
+/// answered at once TOOL_UNAVAILABLE with a retry hint (not sent, its
+/// operation waiting in the outbox), and a read of another tool is answered
+/// while the first refund is still in flight. Before: the second refund took
+/// the other thread and the read waited for one of them to finish.
+fn a_slow_downstream_takes_at_most_its_bulkhead_of_the_engine_threads(backend: Backend) {
+    let f = Fixture::on(backend);
+    f.engine().mark_demo(crate::support::T0).unwrap();
+    let ana = agent_token(f.path(), "acme", "agent_ana");
+    let catalog = bulkhead_catalog(f.scratch(), 1);
+    let server = Server::start(f.path(), &["--catalog", catalog.to_str().unwrap()]);
+    let c = std::sync::Arc::new(Client::new(&server));
+    let slow = [("toolgate-fault", "latency(4000)")];
+    let first = {
+        let (c, ana) = (c.clone(), ana.clone());
+        std::thread::spawn(move || {
+            c.call(&ana, "create_refund", Some("bulkhead-refund-1"), &refund_args("ord_1001", 300), &slow)
+        })
+    };
+    // The first refund is in flight when its attempt is marked sent.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while f.query_i64("SELECT count(*) FROM attempts WHERE sent_at IS NOT NULL") == 0 {
+        assert!(std::time::Instant::now() < deadline, "the first refund was never sent");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let second = c.call(&ana, "create_refund", Some("bulkhead-refund-2"), &refund_args("ord_1001", 200), &slow);
+    assert_eq!((second.status, second.code()), (503, Some("TOOL_UNAVAILABLE")), "{:#}", second.body);
+    assert!(second.retry_after_ms().is_some(), "{:#}", second.body);
+    assert_eq!(second.body["model_result"]["execution"]["outcome"], "not_started");
+    let read = c.call(&ana, "get_order", None, r#"{"order_ref":"ord_1002"}"#, &[]);
+    assert_eq!(read.status, 200, "{:#}", read.body);
+    assert!(!first.is_finished(), "the read was answered while the slow refund was still in flight");
+    let first = first.join().unwrap();
+    assert_eq!(first.status, 200, "{:#}", first.body);
+    // The second refund's key, retried once the downstream has room: sent once.
+    let again = c.call(&ana, "create_refund", Some("bulkhead-refund-2"), &refund_args("ord_1001", 200), &[]);
+    assert_eq!(again.status, 200, "{:#}", again.body);
+    assert_eq!(effects(&f), 2);
+}
+
+crate::on_both_backends!(a_slow_downstream_takes_at_most_its_bulkhead_of_the_engine_threads);
