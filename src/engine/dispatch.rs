@@ -274,17 +274,9 @@ impl Engine {
         ev.approval_id.clone_from(&req.approval_id);
 
         // 0. The call identity is printed on screens and stored: bounded, no control characters.
-        for (part, value) in [
-            ("provider", &call.provider),
-            ("api_family", &call.api_family),
-            ("response_id", &call.response_id),
-            ("call_id", &call.call_id),
-            ("adapter_revision", &call.adapter_revision),
-        ] {
-            if let Err(why) = super::check_name(part, value, super::MAX_CALL_PART_CHARS) {
-                let d = json!({"pointer": format!("/call/{part}"), "reason": why});
-                return self.reject(Code::InvalidArguments, audit, ev, Some(d), t0);
-            }
+        if let Err((part, why)) = super::check_call_identity(&call) {
+            let d = json!({"pointer": format!("/call/{part}"), "reason": why});
+            return self.reject(Code::InvalidArguments, audit, ev, Some(d), t0);
         }
         // 1. Contract.
         let Some(contract) = contracts.get(&req.tool) else {

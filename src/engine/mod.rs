@@ -99,6 +99,23 @@ pub const MAX_CALL_PART_CHARS: usize = 256;
 /// Longest operator note accepted.
 pub const MAX_NOTE_CHARS: usize = 4096;
 
+/// The one validation of a call identity (dispatch, status query): every
+/// part is printed on screens and stored, so bounded and free of control
+/// characters. `Err((part, why))` names the first part that is not.
+pub fn check_call_identity(call: &canonical::CallIdentity) -> Result<(), (&'static str, String)> {
+    for (part, value) in [
+        ("provider", &call.provider),
+        ("api_family", &call.api_family),
+        ("response_id", &call.response_id),
+        ("call_id", &call.call_id),
+        ("adapter_revision", &call.adapter_revision),
+    ] {
+        check_name(part, value, MAX_CALL_PART_CHARS).map_err(|why| (part, why))?;
+    }
+    Ok(())
+}
+
+
 /// Checks a name a person or a caller gives (an operator, an approver, a
 /// part of a call identity): not empty, at most `max` characters, no control
 /// characters or bidirectional overrides (it would print as something else),

@@ -208,16 +208,10 @@ impl Engine {
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
         let call = q.call.clone().unwrap_or_else(fresh_call_identity);
-        for (part, value) in [
-            ("provider", &call.provider),
-            ("api_family", &call.api_family),
-            ("response_id", &call.response_id),
-            ("call_id", &call.call_id),
-            ("adapter_revision", &call.adapter_revision),
-        ] {
-            super::check_name(part, value, super::MAX_CALL_PART_CHARS)
-                .map_err(|m| EngineError::invalid("INVALID_CALL_IDENTITY", m))?;
-        }
+        // The same validation and answer as a dispatch's.
+        super::check_call_identity(&call).map_err(|(part, why)| {
+            EngineError::invalid(Code::InvalidArguments.as_str(), format!("/call/{part}: {why}"))
+        })?;
         let pref = self.principal_ref(&q.tenant, &q.subject);
         let audit =
             ProtectedAudit { principal_ref: pref.clone(), provider: Some(call.clone()), ..ProtectedAudit::default() };

@@ -514,12 +514,6 @@ impl Toolset {
         &self.catalog
     }
 
-    /// The same domains and adapters over another catalog (a revision change in
-    /// a test or the lab); checked like a new toolset.
-    pub fn with_catalog(&self, catalog: Arc<Contracts>) -> Result<Toolset, ContractError> {
-        ToolsetBuilder { catalog, domains: self.domains.clone(), adapters: self.adapters.clone() }.build()
-    }
-
     /// The domain of a tool ([`NoDomain`] when it has none).
     pub fn domain(&self, tool: &str) -> Arc<dyn ToolDomain> {
         self.domains.get(tool).cloned().unwrap_or_else(|| Arc::new(NoDomain))

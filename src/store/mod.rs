@@ -1203,11 +1203,6 @@ impl Tx<'_> {
         let b = self.conn.prepare_cached("DELETE FROM latency_minutes WHERE minute < ?1")?.execute([before_minute])?;
         Ok(a + b)
     }
-
-    /// The newest trace sequence number (0 when the trace is empty).
-    pub fn last_trace_seq(&self) -> R<i64> {
-        self.conn.prepare_cached("SELECT coalesce(max(seq), 0) FROM trace_events")?.query_row((), |r| r.get(0))
-    }
 }
 
 #[cfg(test)]

@@ -57,13 +57,6 @@ impl Histogram {
         *self.buckets.entry(bucket_us).or_default() += count;
     }
 
-    /// Adds every bucket of another histogram.
-    pub fn merge(&mut self, other: &Histogram) {
-        for (b, c) in &other.buckets {
-            self.add_bucket(*b, *c);
-        }
-    }
-
     /// Number of observations.
     pub fn count(&self) -> u64 {
         self.buckets.values().sum()

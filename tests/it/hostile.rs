@@ -449,3 +449,33 @@ crate::on_both_backends!(
     read_commands_open_read_only_and_never_create_or_migrate,
     operator_and_caller_text_cannot_forge_output,
 );
+
+/// One call-identity validation with one answer: a status query whose call id
+/// holds a control character was `INVALID_CALL_IDENTITY` while a dispatch with
+/// it was `INVALID_ARGUMENTS`; both are `INVALID_ARGUMENTS` naming
+/// `/call/call_id`, and nothing is stored.
+#[test]
+fn a_bad_call_identity_gets_one_answer_from_dispatch_and_query() {
+    let fx = seeded();
+    let before = snapshot(fx.path());
+    let bad = crate::support::call("call_\u{7}bell");
+    let mut req = refund("refund-badcall-01", 100);
+    req.call = Some(bad.clone());
+    let env = fx.engine().dispatch(&req).unwrap();
+    assert_eq!(env.code(), Some(Code::InvalidArguments), "{env:?}");
+    let status_ref = fx.query_text("SELECT status_ref FROM operations").unwrap();
+    let e = fx
+        .engine()
+        .query_operation_status(&QueryRequest {
+            tenant: "acme".into(),
+            subject: "agent_ana".into(),
+            status_ref,
+            expected_request_sha256: "0".repeat(64),
+            call: Some(bad),
+            ..QueryRequest::default()
+        })
+        .unwrap_err();
+    assert_eq!(e.code(), "INVALID_ARGUMENTS", "{e}");
+    assert!(e.to_string().contains("/call/call_id"), "{e}");
+    assert_eq!(snapshot(fx.path()), before, "nothing stored changed");
+}
