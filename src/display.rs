@@ -63,6 +63,43 @@ pub fn escape(s: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// Digits after the decimal point of a currency's minor unit (ISO 4217; two
+/// unless listed).
+fn minor_digits(currency: &str) -> u32 {
+    match currency {
+        "BIF" | "CLP" | "DJF" | "GNF" | "ISK" | "JPY" | "KMF" | "KRW" | "PYG" | "RWF" | "UGX" | "VND" | "VUV"
+        | "XAF" | "XOF" | "XPF" => 0,
+        "BHD" | "IQD" | "JOD" | "KWD" | "LYD" | "OMR" | "TND" => 3,
+        _ => 2,
+    }
+}
+
+/// Money for people: `1,500.00 EUR` from `150000` minor units. A currency that
+/// is not three capital letters is shown escaped and the amount in minor units.
+pub fn money(minor: i64, currency: &str) -> String {
+    if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_uppercase()) {
+        return format!("{minor} (minor units, currency {})", clip(&escape(currency), 8));
+    }
+    let digits = minor_digits(currency);
+    let scale = 10u128.pow(digits);
+    let abs = u128::from(minor.unsigned_abs());
+    let (whole, frac) = (abs / scale, abs % scale);
+    let whole = whole.to_string();
+    let mut grouped = String::with_capacity(whole.len() + whole.len() / 3);
+    for (i, c) in whole.chars().enumerate() {
+        if i > 0 && (whole.len() - i) % 3 == 0 {
+            grouped.push(',');
+        }
+        grouped.push(c);
+    }
+    let sign = if minor < 0 { "-" } else { "" };
+    if digits == 0 {
+        format!("{sign}{grouped} {currency}")
+    } else {
+        format!("{sign}{grouped}.{frac:0width$} {currency}", width = digits as usize)
+    }
+}
+
 /// A duration for people: `401ms`, `12s`, `1m29s`, `8h41m`, `336d 4h`.
 /// Negative durations read as their magnitude (callers say "overdue" or "ago").
 pub fn duration(ms: i64) -> String {
@@ -104,6 +141,21 @@ pub fn expiry(ms_left: i64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn money_reads_as_money() {
+        assert_eq!(money(150_000, "EUR"), "1,500.00 EUR");
+        assert_eq!(money(120_000, "EUR"), "1,200.00 EUR");
+        assert_eq!(money(5, "USD"), "0.05 USD");
+        assert_eq!(money(0, "EUR"), "0.00 EUR");
+        assert_eq!(money(-123_456_789, "GBP"), "-1,234,567.89 GBP");
+        assert_eq!(money(1_500, "JPY"), "1,500 JPY");
+        assert_eq!(money(1_500, "KWD"), "1.500 KWD");
+        assert_eq!(money(100, "EURO"), "100 (minor units, currency EURO)");
+        assert_eq!(money(100, "e\u{1b}"), "100 (minor units, currency e\\u{1b})");
+        assert_eq!(money(i64::MIN, "EUR"), "-92,233,720,368,547,758.08 EUR");
+        assert_eq!(money(i64::MAX, "EUR"), "92,233,720,368,547,758.07 EUR");
+    }
 
     fn check(got: impl AsRef<str>, expect: &str) {
         assert_eq!(got.as_ref(), expect);

@@ -115,7 +115,6 @@ pub fn check_call_identity(call: &canonical::CallIdentity) -> Result<(), (&'stat
     Ok(())
 }
 
-
 /// Checks a name a person or a caller gives (an operator, an approver, a
 /// part of a call identity): not empty, at most `max` characters, no control
 /// characters or bidirectional overrides (it would print as something else),

@@ -1034,9 +1034,7 @@ pub(crate) fn name<T: Serialize>(v: &T) -> String {
 }
 
 /// Minor units as a decimal amount: 1000 EUR → "10.00 EUR".
-fn money(minor: i64, currency: &str) -> String {
-    format!("{}.{:02} {currency}", minor / 100, (minor % 100).abs())
-}
+use crate::display::money;
 
 /// What the user sees of an envelope, as one short line: the code and what to do
 /// next for an error; what happened (and how it was delivered) otherwise.

@@ -106,7 +106,7 @@ impl ToolDomain for DemoDomain {
             Some(id) => tx.hold_of(id)?.map_or(0, |(_, amount)| amount),
             None => 0,
         };
-        let m = |minor: i64| format!("{}.{:02} {}", minor / 100, (minor % 100).abs(), o.currency);
+        let m = |minor: i64| crate::display::money(minor, &o.currency);
         let mut lines = vec![
             ("order".to_string(), format!("{} ({})", o.order_ref, o.status)),
             (
