@@ -1985,7 +1985,7 @@ fn trace_command(cli: &Cli, a: &TraceArgs) -> Result<i32, CliError> {
 
 /// `toolgate metrics`: print once, or serve `/metrics` until killed.
 fn metrics_command(cli: &Cli, a: &MetricsArgs) -> Result<i32, CliError> {
-    use crate::telemetry::{http, metrics, prometheus};
+    use crate::telemetry::{metrics, prometheus};
     let mut engine = open_read(cli)?;
     let window = metrics::Window::with_buckets(a.window_minutes, a.bucket_minutes);
     let slice = metrics::Slice {
@@ -2006,22 +2006,25 @@ fn metrics_command(cli: &Cli, a: &MetricsArgs) -> Result<i32, CliError> {
         out!("{}", render(&mut engine)?);
         return Ok(0);
     };
-    let listener = std::net::TcpListener::bind(addr.as_str())
-        .map_err(|e| CliError::new("LISTEN_FAILED", format!("cannot listen on {addr}: {}", e.kind())))?;
-    let local = listener.local_addr().map_err(|e| CliError::new("LISTEN_FAILED", e.kind().to_string()))?;
-    // The first line tells a caller (or a test that asked for port 0) where to scrape.
-    outln!("listening on http://{local}/metrics");
-    let _ = std::io::Write::flush(&mut std::io::stdout());
-    tracing::info!(addr = %local, "serving /metrics");
-    let never = std::sync::atomic::AtomicBool::new(false);
+    let listen: std::net::SocketAddr = addr.parse().map_err(|_| {
+        CliError::new("INVALID_ARGUMENTS", format!("--listen {addr}: not an address (HOST:PORT, e.g. 127.0.0.1:9184)"))
+    })?;
     let content_type = match format {
         MetricsFormatArg::Prometheus => prometheus::CONTENT_TYPE,
         MetricsFormatArg::Json => "application/json",
     };
-    http::serve(&listener, &never, || {
-        render(&mut engine).map(|body| http::Response { status: 200, content_type, body })
-    })
-    .map_err(|e| CliError::new("LISTEN_FAILED", e.kind().to_string()))?;
+    crate::api::serve_metrics(
+        engine,
+        listen,
+        move |e| render(e).map(|body| (content_type, body)),
+        |local| {
+            // The first line tells a caller (or a test that asked for port 0) where to scrape.
+            outln!("listening on http://{local}/metrics");
+            let _ = std::io::Write::flush(&mut std::io::stdout());
+            tracing::info!(addr = %local, "serving /metrics");
+        },
+    )
+    .map_err(|e| CliError::new(e.code(), e.to_string()))?;
     Ok(0)
 }
 

@@ -350,7 +350,23 @@ async fn accept_loop(
     };
     ready(addr);
     tracing::info!(%addr, "serving the API");
-    let router = router(app.clone());
+    let mcp_stop = app.mcp_stop.clone();
+    serve_connections(listener, router(app), limits, shutdown, move || mcp_stop.cancel()).await;
+    Ok(())
+}
+
+/// Serves `router` on `listener` until `shutdown`: at most `limits`
+/// connections (per client address and in all), request heads within
+/// [`HEAD_TIMEOUT`]; then stops accepting, calls `stopping`, and lets every
+/// connection finish its request in flight (at most [`DRAIN_TIMEOUT`]). The
+/// one HTTP server stack of the binary (`serve`, `metrics --listen`).
+async fn serve_connections(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    limits: Limits,
+    shutdown: impl std::future::Future<Output = ()>,
+    stopping: impl FnOnce(),
+) {
     let permits = Arc::new(tokio::sync::Semaphore::new(limits.total));
     let per_client = Arc::new(PerClient::default());
     let (draining, drain) = tokio::sync::watch::channel(false);
@@ -416,13 +432,81 @@ async fn accept_loop(
     }
     // Stop accepting; let every connection finish its request in flight.
     drop(listener);
-    app.mcp_stop.cancel();
+    stopping();
     let _ = draining.send(true);
     let all = u32::try_from(limits.total).unwrap_or(u32::MAX);
     if tokio::time::timeout(DRAIN_TIMEOUT, permits.acquire_many(all)).await.is_err() {
         tracing::warn!("shutdown: requests still in flight after the drain timeout");
     }
-    Ok(())
+}
+
+/// Connections a `metrics --listen` endpoint serves at once (a scrape target
+/// has few clients: more from one address are answered 429 at once).
+pub const METRICS_MAX_CONNECTIONS: usize = 32;
+
+/// `toolgate metrics --listen`: `GET /metrics` on `listen`, each scrape
+/// rendered by `render` on `engine` (its own thread, as every engine of the
+/// server's), on the same HTTP stack and limits as `serve`, until SIGTERM or
+/// Ctrl-C. Other paths are 404, other methods 405.
+pub fn serve_metrics<F>(
+    engine: Engine,
+    listen: SocketAddr,
+    render: F,
+    ready: impl FnOnce(SocketAddr),
+) -> Result<(), ServeError>
+where
+    F: Fn(&mut Engine) -> Result<(&'static str, String), EngineError> + Send + Sync + 'static,
+{
+    let pool = Arc::new(Pool::start(vec![engine], 8).map_err(|e| ServeError::Runtime(e.kind()))?);
+    let render = Arc::new(render);
+    let scrape = {
+        let pool = pool.clone();
+        move || {
+            let (pool, render) = (pool.clone(), render.clone());
+            async move {
+                let text = |status: StatusCode, body: &str| {
+                    (status, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body.to_string()).into_response()
+                };
+                let Ok(answer) = pool.submit(move |e| render(e)) else {
+                    return text(StatusCode::SERVICE_UNAVAILABLE, "busy: try again\n");
+                };
+                match answer.await {
+                    Ok(Ok((content_type, body))) => {
+                        (StatusCode::OK, [(header::CONTENT_TYPE, content_type)], body).into_response()
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(code = e.code(), "metrics scrape failed");
+                        text(StatusCode::INTERNAL_SERVER_ERROR, &format!("metrics unavailable: {}\n", e.code()))
+                    }
+                    Err(_) => text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n"),
+                }
+            }
+        }
+    };
+    let router = Router::new()
+        .route("/metrics", get(scrape))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "not found: GET /metrics\n") })
+        .method_not_allowed_fallback(|| async {
+            (StatusCode::METHOD_NOT_ALLOWED, "method not allowed: GET /metrics\n")
+        });
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| ServeError::Runtime(e.kind()))?;
+    let served = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .map_err(|e| ServeError::Bind { addr: listen, kind: e.kind() })?;
+        let addr = listener.local_addr().map_err(|e| ServeError::Bind { addr: listen, kind: e.kind() })?;
+        let signal = shutdown_signal().map_err(|e| ServeError::Runtime(e.kind()))?;
+        ready(addr);
+        let limits = Limits { total: METRICS_MAX_CONNECTIONS, per_client: METRICS_MAX_CONNECTIONS / 2 };
+        serve_connections(listener, router, limits, signal, || {}).await;
+        Ok(())
+    });
+    drop(rt);
+    pool.close();
+    served
 }
 
 /// SIGTERM or SIGINT (Ctrl-C). Registered when called, not when first polled.

@@ -7,7 +7,6 @@
 //!   the rollups the trace insert maintains (never a scan of the trace).
 //! - [`histogram`]: latency buckets and nearest-rank percentiles.
 //! - [`prometheus`]: the text exposition format of a snapshot.
-//! - [`http`]: a bounded `std::net` server for `GET /metrics`.
 //! - [`logging`]: `tracing` to `<db>.log` (or `$TOOLGATE_LOG`), never the terminal.
 //!
 //! Redaction is structural: the trace can only hold what
@@ -18,7 +17,6 @@
 
 pub mod export;
 pub mod histogram;
-pub mod http;
 pub mod logging;
 pub mod metrics;
 pub mod prometheus;

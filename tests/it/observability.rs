@@ -16,7 +16,7 @@ use toolgate::engine::{DispatchRequest, Engine, QueryRequest, Resolution, Resolv
 use toolgate::store::{StoreError, TraceRow};
 use toolgate::telemetry::histogram::bucket_upper;
 use toolgate::telemetry::metrics::{self, Slice, Window};
-use toolgate::telemetry::{export, http, logging, prometheus};
+use toolgate::telemetry::{export, logging};
 use tracing::level_filters::LevelFilter;
 
 use crate::support::{call, code, dispatch_with, raw, refund_args, Fixture, T0};
@@ -691,58 +691,83 @@ fn percentiles_read_from_the_database_match_a_known_distribution() {
     }
 }
 
+/// `toolgate metrics --listen ADDR` on a ledger; stopped (killed) on drop.
+struct MetricsListener {
+    child: std::process::Child,
+    addr: std::net::SocketAddr,
+}
+
+impl MetricsListener {
+    fn start(db: &Path) -> Self {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_toolgate"))
+            .args(["metrics", "--listen", "127.0.0.1:0", "--db"])
+            .arg(db)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut first = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+        let url = first.trim().strip_prefix("listening on http://").unwrap_or_else(|| panic!("{first}"));
+        let addr = url.trim_end_matches("/metrics").parse().unwrap();
+        Self { child, addr }
+    }
+}
+
+impl Drop for MetricsListener {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One HTTP/1.1 exchange (`Connection: close`): status and body.
+fn http_exchange(addr: std::net::SocketAddr, method: &str, path: &str) -> (u16, String) {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    let status = reply.get(9..12).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{reply}"));
+    let body = reply.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    // Bodies arrive chunked or with a length; a scrape's text has no CRLF of its own.
+    let body = if reply.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        let mut out = String::new();
+        let mut rest = body;
+        while let Some((size, tail)) = rest.split_once("\r\n") {
+            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            out.push_str(&tail[..n]);
+            rest = &tail[n + 2..];
+        }
+        out
+    } else {
+        body.to_string()
+    };
+    (status, body)
+}
+
 #[test]
 fn metrics_endpoint_serves_scrapes_and_stops() {
     let fx = Fixture::new();
     let mut e = fx.engine();
     dispatch_with(&mut e, &refund_on("ord_1002", "http-key-0001", 100), "ok");
     drop(e);
-
-    // In-process: a real listener on a free port, stopped by its handle.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (handle, stop) = http::stop_handle(&listener).unwrap();
-    let path = fx.path().to_path_buf();
-    let clock = fx.clock.clone();
-    let server = std::thread::spawn(move || {
-        let mut engine = Engine::open(&path, crate::support::opts(&clock, "w-http")).unwrap();
-        http::serve(&listener, &stop, || {
-            metrics::snapshot(&mut engine, Window::default(), &Slice::default()).map(|s| http::Response {
-                status: 200,
-                content_type: prometheus::CONTENT_TYPE,
-                body: prometheus::render(&s),
-            })
-        })
-    });
-    let (status, body) = http::get(addr, "/metrics").unwrap();
+    // The real binary: `--listen 127.0.0.1:0` says where it listens and serves
+    // on the same HTTP stack as `serve`.
+    let m = MetricsListener::start(fx.path());
+    let (status, body) = http_exchange(m.addr, "GET", "/metrics");
     assert_eq!(status, 200);
     assert_eq!(sample_sum(&parse_prometheus(&body), "toolgate_dispatches_total", &[]), 1);
-    assert_eq!(http::get(addr, "/nope").unwrap().0, 404);
-    let mut post = std::net::TcpStream::connect(addr).unwrap();
-    std::io::Write::write_all(&mut post, b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n").unwrap();
-    let mut reply = String::new();
-    std::io::Read::read_to_string(&mut post, &mut reply).unwrap();
-    assert!(reply.starts_with("HTTP/1.1 405"), "{reply}");
-    handle.stop();
-    server.join().unwrap().unwrap();
-
-    // The real binary: `--listen 127.0.0.1:0` says where it listens, serves, and is stopped.
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_toolgate"))
-        .args(["metrics", "--listen", "127.0.0.1:0", "--db"])
-        .arg(fx.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut first = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
-    let url = first.trim().strip_prefix("listening on http://").unwrap_or_else(|| panic!("{first}"));
-    let addr: std::net::SocketAddr = url.trim_end_matches("/metrics").parse().unwrap();
-    let (status, body) = http::get(addr, "/metrics").unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
-    assert_eq!(status, 200);
-    assert_eq!(sample_sum(&parse_prometheus(&body), "toolgate_dispatches_total", &[]), 1);
+    assert_eq!(http_exchange(m.addr, "GET", "/nope").0, 404);
+    assert_eq!(http_exchange(m.addr, "POST", "/metrics").0, 405);
+    // SIGTERM stops it (exit 0).
+    let mut m = m;
+    assert!(std::process::Command::new("kill").args(["-TERM", &m.child.id().to_string()]).status().unwrap().success());
+    assert!(m.child.wait().unwrap().success());
 }
 
 #[test]
@@ -806,23 +831,10 @@ fn exported_events_have_stable_names_and_text_lines_tell_the_step() {
 fn a_slow_client_and_idle_connections_cannot_stall_a_scrape() {
     use std::sync::atomic::{AtomicBool, Ordering};
     let fx = Fixture::new();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (handle, stop) = http::stop_handle(&listener).unwrap();
-    let path = fx.path().to_path_buf();
-    let clock = fx.clock.clone();
-    let server = std::thread::spawn(move || {
-        let mut engine = Engine::open(&path, crate::support::opts(&clock, "w-http-slow")).unwrap();
-        http::serve(&listener, &stop, || {
-            metrics::snapshot(&mut engine, Window::default(), &Slice::default()).map(|s| http::Response {
-                status: 200,
-                content_type: prometheus::CONTENT_TYPE,
-                body: prometheus::render(&s),
-            })
-        })
-    });
-    // Twenty idle connections and one client trickling its request head a byte at a time.
-    let idle: Vec<_> = (0..20).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
+    let m = MetricsListener::start(fx.path());
+    let addr = m.addr;
+    // Ten idle connections and one client trickling its request head a byte at a time.
+    let idle: Vec<_> = (0..10).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
     let trickling = std::sync::Arc::new(AtomicBool::new(true));
     let done = std::sync::Arc::new(AtomicBool::new(false));
     let slow = {
@@ -840,12 +852,10 @@ fn a_slow_client_and_idle_connections_cannot_stall_a_scrape() {
         })
     };
     std::thread::sleep(std::time::Duration::from_millis(200));
-    let (status, _) = http::get(addr, "/metrics").unwrap();
+    let (status, _) = http_exchange(addr, "GET", "/metrics");
     assert_eq!(status, 200);
     assert!(trickling.load(Ordering::SeqCst), "the scrape waited for the slow client to finish");
     done.store(true, Ordering::SeqCst);
     slow.join().unwrap();
     drop(idle);
-    handle.stop();
-    server.join().unwrap().unwrap();
 }
