@@ -186,7 +186,9 @@ fn fits_under(screen: &str, w: u16, h: u16, tabs: bool) {
     let walk = if w < 100 { "6 Walk │" } else { "6 Walkthrough │" };
     assert!(!tabs || (lines[3].contains(walk) && lines[3].contains("7 Metrics")), "the tabs are whole:\n{screen}");
     assert!(
-        lines[usize::from(h) - 1].ends_with("? help  Q quit") || lines[usize::from(h) - 1].contains("Enter run"),
+        lines[usize::from(h) - 1].ends_with("? help  Q quit")
+            || lines[usize::from(h) - 1].contains("Enter run")
+            || lines[usize::from(h) - 1].ends_with("Esc go back  Ctrl-C quit"),
         "{screen}"
     );
 }
@@ -2347,4 +2349,39 @@ fn the_detail_scrolls_with_g_big_g_and_page_keys_and_stops_at_its_end() {
     press(&mut app, KeyCode::PageUp);
     assert_eq!(app.detail_scroll, 0);
     assert_eq!(app.mode, Mode::Detail, "still in the detail");
+}
+
+/// Issue 32 §2: the lab's confirm dialog (its lines wrapped at the border, the
+/// box closed before the button row) showed no buttons at 80×24 and 160×45,
+/// and the footer offered the pane's keys. Every line of a dialog is inside
+/// its box, the buttons are on screen, and the footer has the dialog's keys.
+#[test]
+fn the_lab_confirm_shows_its_buttons_at_80x24_and_160x45_and_the_footer_its_keys() {
+    let mut d = demo();
+    for (w, h) in [(80u16, 24u16), (160, 45)] {
+        let mut app = app_on(&mut d, Pane::Unknown, w, h);
+        app.lab.demo = true;
+        app.update(key('L'));
+        for _ in 0..2 {
+            press(&mut app, KeyCode::Char('j'));
+        }
+        press(&mut app, KeyCode::Enter);
+        assert_eq!(app.mode, Mode::Confirm);
+        let screen = text(&draw(&app, w, h));
+        assert!(screen.contains("[ Go back ]   [ Turn the defense off ]"), "{w}x{h}:\n{screen}");
+        // Every line of the box starts and ends at its border.
+        let (top, bottom) = (line_of(&screen, "┌ Lab"), line_of(&screen, "┘"));
+        let left = top.chars().position(|c| c == '┌').unwrap();
+        let right = top.chars().position(|c| c == '┐').unwrap();
+        let rows: Vec<&str> = screen.lines().skip_while(|l| *l != top).skip(1).take_while(|l| *l != bottom).collect();
+        assert!(rows.len() > 3, "{screen}");
+        for l in &rows {
+            let cs: Vec<char> = l.chars().collect();
+            assert!(cs[left] == '│' && cs[right] == '│', "a line outside the box:\n{screen}");
+        }
+        let footer = screen.lines().last().unwrap();
+        assert!(footer.contains("Enter choose") && footer.contains("Esc go back"), "{screen}");
+        assert!(!footer.contains("PgDn") && !footer.contains("? help"), "{screen}");
+        insta::assert_snapshot!(format!("confirm_lab_{w}x{h}"), screen);
+    }
 }

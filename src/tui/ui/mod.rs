@@ -248,6 +248,16 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             ("y", "copy id", false),
         ],
         (Mode::Filter, _) => &[("Enter", "apply", false), ("Esc", "cancel", false)],
+        // A dialog's own keys (the pane's do nothing while it is open).
+        (Mode::Confirm, _) => {
+            &[("Tab ←/→", "switch button", false), ("Enter", "choose", false), ("Esc", "go back", false)]
+        }
+        (Mode::Form, _) => &[
+            ("Tab", "next field", false),
+            ("←/→", "choice", false),
+            ("Enter", "review", false),
+            ("Esc", "go back", false),
+        ],
         (Mode::Lab, _) => &[
             ("j/k", "choose", false),
             ("Enter", "switch off", true),
@@ -275,10 +285,16 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         spans.push(Span::styled(format!(" {k} "), t.accent()));
         spans.push(Span::raw(format!("{what} ")));
     }
-    spans.push(Span::styled(" ? ", t.accent()));
-    spans.push(Span::raw("help "));
-    spans.push(Span::styled(" Q ", t.accent()));
-    spans.push(Span::raw("quit"));
+    if matches!(app.mode, Mode::Confirm | Mode::Form) {
+        // `?` and `Q` are not a dialog's keys: it is answered or left first.
+        spans.push(Span::styled(" Ctrl-C ", t.accent()));
+        spans.push(Span::raw("quit"));
+    } else {
+        spans.push(Span::styled(" ? ", t.accent()));
+        spans.push(Span::raw("help "));
+        spans.push(Span::styled(" Q ", t.accent()));
+        spans.push(Span::raw("quit"));
+    }
     let [status_area, hints_area] = Layout::vertical([Constraint::Length(1), Constraint::Length(1)]).areas(area);
     frame.render_widget(Paragraph::new(Line::from(spans)), hints_area);
     // A running bulk action: its gauge takes the status line.
