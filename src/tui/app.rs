@@ -19,7 +19,7 @@ pub use lab::{percent, AgentsView, LabView, FAULT_STEPS};
 pub use marks::{marks_of, BulkKey, BulkPlan, BulkProgress, Mark, MarkKind, MAX_MARKS};
 pub use prefs::{PanePrefs, Prefs};
 pub use sort::{columns as sort_columns, default_order};
-pub use why::{explain, explain_approval, reason, Why};
+pub use why::{explain, explain_approval, found_receipt, reason, request_terms, FoundReceipt, Why};
 
 /// The panes, in tab order (number keys 1..=7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -279,6 +279,17 @@ pub enum EngineEvent {
         /// Nothing was refused or left unknown.
         ok: bool,
     },
+    /// A resolve the engine refused because only a decision against the
+    /// evidence can pass (the provider's evidence contradicts it, or a receipt
+    /// may still appear): the console offers that, in its own confirm.
+    Contradicted {
+        /// The refusal's code (`STATUS_CONFLICT`, `RECEIPT_MAY_STILL_APPEAR`).
+        code: String,
+        /// The engine's words: what contradicts the decision.
+        why: String,
+        /// The refused request.
+        request: Box<Request>,
+    },
     /// A walkthrough step ran.
     Walkthrough(WalkthroughView),
     /// The lab's state (with every refresh).
@@ -394,6 +405,10 @@ pub enum Request {
         /// The operator states that no evidence exists either way (a failed
         /// decision on a tool whose downstream cannot be asked).
         no_evidence: bool,
+        /// Applied although the provider's evidence contradicts it (asked
+        /// only from the dialog that names the contradiction); the operator
+        /// log records it as made against the evidence.
+        against_evidence: bool,
     },
     /// Cancel an operation.
     Cancel {
@@ -468,6 +483,11 @@ pub enum FormKind {
         /// The tool's downstream cannot be asked: a failed decision states
         /// that no evidence exists either way.
         unaskable: bool,
+        /// What the call asked for (amount, currency, order), when it says.
+        terms: Option<String>,
+        /// The receipt a status query found and why it did not settle the
+        /// operation (known when the form is opened from the detail view).
+        found: Option<String>,
     },
     /// Cancel an operation.
     Cancel {
@@ -1198,10 +1218,22 @@ impl App {
                     );
                     return None;
                 };
+                let found = self
+                    .detail
+                    .as_deref()
+                    .filter(|d| self.mode == Mode::Detail && d.operation.id == op.id)
+                    .and_then(found_receipt)
+                    .filter(|r| op.receipt_id.as_deref() != Some(r.receipt_id.as_str()))
+                    .map(|r| match &r.why_not {
+                        Some(w) => format!("{}: {}", r.ids(), w),
+                        None => r.ids(),
+                    });
                 let kind = FormKind::Resolve {
                     operation_id: op.id.clone(),
                     seen_version: op.version,
                     unaskable: self.unaskable_tools.contains(&op.tool),
+                    terms: request_terms(op),
+                    found,
                     last_query: format!(
                         "{} ({})",
                         op.last_query_result.clone().unwrap_or_else(|| "no query yet".into()),
@@ -1350,6 +1382,7 @@ impl App {
                 self.unaskable_tools = unaskable;
                 None
             }
+            EngineEvent::Contradicted { code, why, request } => Some(self.on_contradicted(&code, &why, *request)),
             EngineEvent::Walkthrough(w) => {
                 self.walkthrough = w;
                 None
@@ -1359,6 +1392,57 @@ impl App {
                 None
             }
         }
+    }
+
+    /// A resolve refused on the provider's evidence: said, and the same
+    /// decision offered against the evidence in a confirm that names the
+    /// contradiction (Go back focused). The pane (and detail) refresh.
+    fn on_contradicted(&mut self, code: &str, why: &str, request: Request) -> Request {
+        let Request::Resolve {
+            operation_id,
+            resolution,
+            note,
+            evidence,
+            seen_version,
+            no_evidence,
+            against_evidence: false,
+        } = request
+        else {
+            self.say(format!("{code}: {why}"), true);
+            return self.fetch();
+        };
+        self.say(format!("resolve {operation_id}: {code} {why}"), true);
+        if let Some(d) = self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
+            self.pending_requests.push(Request::Detail(d.operation.id.clone()));
+        }
+        // Another dialog opened meanwhile: the status line (and the log) say it.
+        if !matches!(self.mode, Mode::Normal | Mode::Detail) {
+            return self.fetch();
+        }
+        let lines = vec![
+            format!("operation   {operation_id} (version {seen_version})"),
+            format!("resolve as  {}, AGAINST the provider's evidence", resolution.as_str()),
+            format!("contradicts {code}: {why}"),
+            format!("evidence    {}", evidence.as_deref().unwrap_or("-")),
+            format!("note        {note}"),
+            "the operator log records it as decided against the evidence".to_string(),
+        ];
+        self.confirm = Some(Confirm {
+            title: "Decide against the evidence".into(),
+            evidence: lines,
+            request: Request::Resolve {
+                operation_id,
+                resolution,
+                note,
+                evidence,
+                seen_version,
+                no_evidence,
+                against_evidence: true,
+            },
+            on_confirm: false,
+        });
+        self.mode = Mode::Confirm;
+        self.fetch()
     }
 
     fn ask_query(&mut self) -> Option<Request> {
@@ -1627,7 +1711,7 @@ impl App {
                         evidence.iter().cloned().chain([format!("note        {}", f.note)]).collect(),
                         Request::Deny { approval_id: approval_id.clone(), note: f.note.clone() },
                     ),
-                    FormKind::Resolve { operation_id, seen_version, last_query, unaskable } => {
+                    FormKind::Resolve { operation_id, seen_version, last_query, unaskable, terms, found } => {
                         let Some(choice) = f.choice else {
                             if let Some(form) = self.form.as_mut() {
                                 form.error = Some("choose a decision with ←/→ first".into());
@@ -1650,15 +1734,18 @@ impl App {
                         } else {
                             evidence.clone().unwrap_or_else(|| "-".into())
                         };
+                        let mut lines = vec![
+                            format!("operation   {operation_id} (version {seen_version})"),
+                            format!("resolve as  {}", resolution.as_str()),
+                            format!("evidence    {evidence_line}"),
+                            format!("last query  {last_query}"),
+                        ];
+                        lines.extend(terms.iter().map(|t| format!("amount      {t}")));
+                        lines.extend(found.iter().map(|r| format!("found       {r}")));
+                        lines.push(format!("note        {}", f.note));
                         (
                             "Resolve operation".to_string(),
-                            vec![
-                                format!("operation   {operation_id} (version {seen_version})"),
-                                format!("resolve as  {}", resolution.as_str()),
-                                format!("evidence    {evidence_line}"),
-                                format!("last query  {last_query}"),
-                                format!("note        {}", f.note),
-                            ],
+                            lines,
                             Request::Resolve {
                                 operation_id: operation_id.clone(),
                                 resolution,
@@ -1666,6 +1753,7 @@ impl App {
                                 evidence,
                                 seen_version: *seen_version,
                                 no_evidence,
+                                against_evidence: false,
                             },
                         )
                     }

@@ -267,6 +267,44 @@ pub fn run_bulk(
     }
 }
 
+/// A resolve as `operator`. A refusal that only a decision against the
+/// evidence can pass (the provider's evidence contradicts the decision, or a
+/// receipt may still appear) comes back as [`EngineEvent::Contradicted`], for
+/// the console's own confirm; any other answer as [`EngineEvent::Done`].
+pub fn resolve(engine: &mut Engine, operator: &str, request: Request) -> EngineEvent {
+    let Request::Resolve { operation_id, resolution, note, evidence, seen_version, no_evidence, against_evidence } =
+        request.clone()
+    else {
+        return EngineEvent::Error("not a resolve request".into());
+    };
+    let req = ResolveRequest {
+        operation_id: operation_id.clone(),
+        resolution,
+        operator: operator.to_string(),
+        note,
+        evidence,
+        seen_version: Some(seen_version),
+        action_id: None,
+        no_evidence,
+    };
+    let out = if against_evidence { engine.resolve_against_evidence(&req) } else { engine.resolve(&req) };
+    match out {
+        Ok(o)
+            if !o.applied
+                && !against_evidence
+                && matches!(o.code.as_str(), "STATUS_CONFLICT" | "RECEIPT_MAY_STILL_APPEAR") =>
+        {
+            EngineEvent::Contradicted { code: o.code, why: o.message, request: Box::new(request) }
+        }
+        Ok(o) if o.applied => {
+            let against = if against_evidence { ", against the evidence" } else { "" };
+            EngineEvent::Done { ok: true, summary: format!("resolve {operation_id}: {}{against}", o.message) }
+        }
+        Ok(o) => EngineEvent::Done { ok: false, summary: format!("resolve {operation_id}: {} {}", o.code, o.message) },
+        Err(e) => EngineEvent::Done { ok: false, summary: format!("{}: {e}", e.code()) },
+    }
+}
+
 /// Whether a request changes the ledger (refused in read-only mode).
 fn changes_state(req: &Request) -> bool {
     matches!(
@@ -399,26 +437,7 @@ fn handle(
                 .map(|o| (o.applied, format!("deny {approval_id}: {}", o.message)));
             (Some(done(r)), true)
         }
-        Request::Resolve { operation_id, resolution, note, evidence, seen_version, no_evidence } => {
-            let r = engine
-                .resolve(&ResolveRequest {
-                    operation_id: operation_id.clone(),
-                    resolution,
-                    operator: opts.operator.clone(),
-                    note,
-                    evidence,
-                    seen_version: Some(seen_version),
-                    action_id: None,
-                    no_evidence,
-                })
-                .map(|o| {
-                    (
-                        o.applied,
-                        format!("resolve {operation_id}: {} {}", if o.applied { "" } else { &o.code }, o.message),
-                    )
-                });
-            (Some(done(r)), true)
-        }
+        req @ Request::Resolve { .. } => (Some(resolve(engine, &opts.operator, req)), true),
         Request::ScenarioSelect(i) => {
             walk.select(i);
             (Some(walk.view()), false)

@@ -436,6 +436,7 @@ fn failed_on_a_tool_that_cannot_be_asked_states_no_evidence_in_the_confirm() {
             evidence: None,
             seen_version: op.version,
             no_evidence: true,
+            against_evidence: false,
         })
     );
 }
@@ -527,6 +528,7 @@ fn query_and_resolve_send_what_was_shown() {
             evidence: None,
             seen_version: op.version,
             no_evidence: false,
+            against_evidence: false,
         })
     );
     // Succeeded needs a receipt id.
@@ -1369,7 +1371,7 @@ fn why_is_this_stuck_one_sentence_per_state_and_reason() {
         ("unknown_cancelled_after_send", cancelled, "Cancelled by bob", "Press q"),
         ("unknown_not_found", not_found, "does not know the key", "Press r"),
         ("unknown_unavailable", unavailable, "could not be reached", "Press q"),
-        ("needs_review_mismatch", mismatch, "does not match this request", "Press r"),
+        ("needs_review_mismatch", mismatch, "does not match this request", "then press r"),
         ("accepted_retry_waits", waits, "the next waits until", "a worker takes it"),
         ("accepted_due_past_deadline", due, "Its deadline passed", "nothing was sent"),
         ("in_flight_lease_held", leased, "Lease held by worker w-2", "wait for the worker"),
@@ -2384,4 +2386,81 @@ fn the_lab_confirm_shows_its_buttons_at_80x24_and_160x45_and_the_footer_its_keys
         assert!(!footer.contains("PgDn") && !footer.contains("? help"), "{screen}");
         insta::assert_snapshot!(format!("confirm_lab_{w}x{h}"), screen);
     }
+}
+
+/// Issue 32 §2: a needs_review operation asked to check "the receipt" and
+/// never showed it; the refusal that named it was cut off, and only the CLI
+/// could decide against the evidence. The detail (and the resolve form) show
+/// the receipt and downstream request the query found and the refund's
+/// amount, order and currency; a decision the evidence contradicts is offered
+/// against the evidence in a confirm of its own that names the contradiction.
+#[test]
+fn a_needs_review_operation_shows_the_receipt_found_and_can_be_decided_against_the_evidence() {
+    let mut d = demo();
+    let target = detail_in(&mut d, "needs_review", Some("mismatch"));
+    let id = target.operation.id.clone();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    app.update(Action::Engine(EngineEvent::Found {
+        asked: id.clone(),
+        prefix: Some(id.clone()),
+        ids: vec![id.clone()],
+    }));
+    app.update(Action::Engine(EngineEvent::Detail(Box::new(target.clone()))));
+    assert_eq!(app.mode, Mode::Detail);
+    let screen = text(&draw(&app, 80, 24));
+    for fact in ["rcpt_9cc44104a6e05938", "dreq_f62d0e11d0d68e33", "4.00 EUR", "ord_2001", "another request's digest"] {
+        assert!(screen.contains(fact), "{fact}:\n{screen}");
+    }
+    insta::assert_snapshot!("detail_needs_review_80x24", screen);
+    // r, failed, a note: the form shows the receipt too.
+    press(&mut app, KeyCode::Char('r'));
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Right);
+    let form = text(&draw(&app, 80, 24));
+    assert!(form.contains("rcpt_9cc44104a6e05938") && form.contains("4.00 EUR"), "{form}");
+    press(&mut app, KeyCode::Tab);
+    type_text(&mut app, "customer says no refund arrived");
+    press(&mut app, KeyCode::Enter);
+    press(&mut app, KeyCode::Tab);
+    let req = press(&mut app, KeyCode::Enter).expect("a resolve request");
+    assert!(matches!(req, Request::Resolve { against_evidence: false, .. }), "{req:?}");
+    // The engine refuses it on the provider's word: a confirm of its own.
+    let answer = toolgate::tui::backend::resolve(&mut d.engine, "alice", req);
+    let EngineEvent::Contradicted { code, why, .. } = &answer else { panic!("{answer:?}") };
+    assert_eq!(code, "STATUS_CONFLICT");
+    assert!(why.contains("rcpt_9cc44104a6e05938"), "{why}");
+    app.update(Action::Engine(answer));
+    assert_eq!(app.mode, Mode::Confirm);
+    let screen = text(&draw(&app, 80, 24));
+    assert!(screen.contains("Decide against the evidence") && screen.contains("rcpt_9cc44104a6e05938"), "{screen}");
+    assert!(screen.contains("[ Resolve as failed against the evidence ]"), "{screen}");
+    insta::assert_snapshot!("confirm_against_evidence_80x24", screen);
+    assert_eq!(press(&mut app, KeyCode::Enter), None, "Go back is the default");
+    assert_eq!(app.mode, Mode::Detail);
+    assert_eq!(d.engine.operation_detail(&id).unwrap().unwrap().operation.state.as_str(), "needs_review");
+    // Asked again and confirmed: applied, and logged as against the evidence.
+    press(&mut app, KeyCode::Char('r'));
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Tab);
+    type_text(&mut app, "customer says no refund arrived");
+    press(&mut app, KeyCode::Enter);
+    press(&mut app, KeyCode::Tab);
+    let req = press(&mut app, KeyCode::Enter).unwrap();
+    let answer = toolgate::tui::backend::resolve(&mut d.engine, "alice", req);
+    app.update(Action::Engine(answer));
+    press(&mut app, KeyCode::Tab);
+    let req = press(&mut app, KeyCode::Enter).unwrap();
+    assert!(matches!(req, Request::Resolve { against_evidence: true, .. }), "{req:?}");
+    let EngineEvent::Done { ok: true, summary } = toolgate::tui::backend::resolve(&mut d.engine, "alice", req) else {
+        panic!("applied")
+    };
+    assert!(summary.contains("against the evidence"), "{summary}");
+    let after = d.engine.operation_detail(&id).unwrap().unwrap();
+    assert_eq!(after.operation.state.as_str(), "resolved");
+    let entry = after.audit.iter().rev().find(|r| r.action == "resolve" && r.result == "applied").unwrap();
+    assert!(
+        entry.evidence.contains("rcpt_9cc44104a6e05938") && entry.evidence.contains("against_evidence"),
+        "{entry:?}"
+    );
 }

@@ -71,6 +71,23 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
     if let Some(why) = crate::tui::app::explain(d, app.now_ms) {
         lines.extend(why_lines(why, area.width, t));
     }
+    // What the call asked for, and what the provider's queries found: the
+    // facts a person checks before deciding, before the rest.
+    if let Some(terms) = crate::tui::app::request_terms(o) {
+        lines.push(kv("amount", terms));
+    }
+    if let Some(r) = crate::tui::app::found_receipt(d).filter(|r| o.receipt_id.as_deref() != Some(&r.receipt_id)) {
+        // Wrapped under the value column (the ids are what to check).
+        let text = match &r.why_not {
+            Some(w) => format!("{}; not this request's: {w}", r.ids()),
+            None => r.ids(),
+        };
+        let room = usize::from(area.width.saturating_sub(18)).max(20);
+        for (i, part) in super::lab::wrap(&text, room).into_iter().enumerate() {
+            let label = if i == 0 { "query found" } else { "" };
+            lines.push(Line::from(vec![Span::styled(format!("  {label:<16}"), t.dim()), Span::styled(part, t.warn())]));
+        }
+    }
     lines.extend([
         kv(
             "tool",

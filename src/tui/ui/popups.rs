@@ -143,6 +143,9 @@ fn button_labels(request: &Request) -> (&'static str, String) {
         Request::Query { .. } => ("Go back", "Query the provider".into()),
         Request::Approve { .. } => ("Go back", "Approve".into()),
         Request::Deny { .. } => ("Go back", "Deny".into()),
+        Request::Resolve { resolution, against_evidence: true, .. } => {
+            ("Go back", format!("Resolve as {} against the evidence", resolution.as_str()))
+        }
         Request::Resolve { resolution, .. } => ("Go back", format!("Resolve as {}", resolution.as_str())),
         Request::SetLab(Some(_)) => ("Go back", "Turn the defense off".into()),
         Request::SetLab(None) => ("Go back", "Turn every defense on".into()),
@@ -293,9 +296,16 @@ pub fn form(app: &App, frame: &mut Frame, t: Theme) {
             };
             format!(" {verb} {n} marked ")
         }
-        FormKind::Resolve { operation_id, seen_version, last_query, unaskable } => {
+        FormKind::Resolve { operation_id, seen_version, last_query, unaskable, terms, found } => {
             lines.push(Line::from(format!(" {operation_id} (version {seen_version})")));
             lines.push(Line::from(Span::styled(format!(" last query: {last_query}"), t.dim())));
+            if let Some(terms) = terms {
+                lines.push(Line::from(Span::styled(format!(" amount: {terms}"), t.dim())));
+            }
+            // The receipt the queries found, whole: it is what to check.
+            for part in found.iter().flat_map(|r| wrap_hanging(&format!("found: {r}"), 72, 7)) {
+                lines.push(Line::from(Span::styled(format!(" {part}"), t.warn())));
+            }
             let choices = ["succeeded", "failed", "compensated"];
             let mut spans = vec![Span::styled(" resolve as  ", focus(0))];
             for (i, c) in choices.iter().enumerate() {
