@@ -891,7 +891,7 @@ fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
             }
         }
     };
-    let operator = cli.operator.clone().or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into());
+    let operator = cli.operator.clone().unwrap_or_else(crate::tui::default_operator);
     // The console owns the terminal: diagnostics go to the database's log file only.
     crate::telemetry::logging::init_for_db(&db);
     let load = (agents > 0).then(|| crate::load::spawn_agents(&db, agents)).transpose()?;
@@ -2301,7 +2301,7 @@ fn lab_command(cli: &Cli, a: &LabArgs) -> Result<i32, CliError> {
     if a.off || a.toggle.is_some() {
         refuse_read_only(cli)?;
         let toggle = a.toggle.as_deref().map(lab_toggle_arg).transpose()?;
-        let operator = cli.operator.clone().or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into());
+        let operator = cli.operator.clone().unwrap_or_else(crate::tui::default_operator);
         engine.set_lab_toggle(toggle, &operator)?;
     }
     let state = engine.lab_state()?;

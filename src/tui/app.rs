@@ -443,6 +443,8 @@ pub enum Request {
         /// The rows it applies to.
         targets: Vec<crate::engine::BulkTarget>,
     },
+    /// Act as this operator from now on (`:operator NAME`).
+    SetOperator(String),
     /// Walkthrough: choose a scenario (restarts it).
     ScenarioSelect(usize),
     /// Walkthrough: run the next step.
@@ -1497,7 +1499,7 @@ impl App {
         let allowed = self.header.approvers.get(&a.tenant).is_some_and(|l| l.contains(&self.operator));
         if !allowed {
             return Err(format!(
-                "{} is not on {}'s approver list (may approve: {}); start the console with --operator NAME",
+                "{} is not on {}'s approver list (may approve: {}); act as one of them with :operator NAME",
                 self.operator,
                 a.tenant,
                 self.approvers_of(&a.tenant)

@@ -151,6 +151,8 @@ fn fetch(engine: &mut Engine, v: &View) -> Result<EngineEvent, EngineError> {
 }
 
 fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>, events: &UnboundedSender<Action>) {
+    // `:operator NAME` changes who the actions are recorded as.
+    let mut opts = opts.clone();
     let mut view = View {
         pane: Pane::Unknown,
         filter: String::new(),
@@ -176,9 +178,10 @@ fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>
             None => &mut engine,
         };
         match received {
+            Ok(Request::SetOperator(name)) => opts.operator = name,
             Ok(req) => {
                 let walk_step = matches!(req, Request::ScenarioStep | Request::ScenarioSelect(_));
-                let (ev, then_refresh) = handle(eng, opts, &mut view, &mut live, &mut walk, req, &send);
+                let (ev, then_refresh) = handle(eng, &opts, &mut view, &mut live, &mut walk, req, &send);
                 if let Some(ev) = ev {
                     if !send(ev) {
                         return;
@@ -438,6 +441,8 @@ fn handle(
             (Some(done(r)), true)
         }
         req @ Request::Resolve { .. } => (Some(resolve(engine, &opts.operator, req)), true),
+        // Taken by `serve`, which owns the options.
+        Request::SetOperator(_) => (None, false),
         Request::ScenarioSelect(i) => {
             walk.select(i);
             (Some(walk.view()), false)

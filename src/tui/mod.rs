@@ -61,6 +61,22 @@ pub struct ConsoleOptions {
     pub toolset: std::sync::Arc<crate::engine::tool::Toolset>,
 }
 
+/// The operator a console acts as without `--operator`: the login name
+/// (`USER`, then `LOGNAME`, when it is a valid operator name), else
+/// `operator`. `:operator NAME` changes it for the session.
+pub fn default_operator() -> String {
+    operator_from(|k| std::env::var(k).ok())
+}
+
+fn operator_from(var: impl Fn(&str) -> Option<String>) -> String {
+    ["USER", "LOGNAME"]
+        .into_iter()
+        .filter_map(var)
+        .map(|v| v.trim().to_string())
+        .find(|v| crate::engine::check_name("the operator name", v, crate::engine::MAX_NAME_CHARS).is_ok())
+        .unwrap_or_else(|| "operator".into())
+}
+
 /// Most frames per second when the engine is busy.
 const FRAME: Duration = Duration::from_millis(33);
 
@@ -226,5 +242,24 @@ async fn event_loop(
         if app.quit {
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(env: &[(&str, &str)], expect: &str) {
+        let got = operator_from(|k| env.iter().find(|(n, _)| *n == k).map(|(_, v)| (*v).to_string()));
+        assert_eq!(got, expect);
+    }
+
+    #[test]
+    fn the_default_operator_is_the_login_name() {
+        check(&[("USER", "dana"), ("LOGNAME", "other")], "dana");
+        check(&[("LOGNAME", "erin")], "erin");
+        check(&[("USER", ""), ("LOGNAME", "erin")], "erin");
+        check(&[("USER", "a\u{1b}b")], "operator");
+        check(&[], "operator");
     }
 }

@@ -641,6 +641,11 @@ struct Pty {
 impl Pty {
     /// `toolgate ARGS` at 140×40, with its settings under `config` (never the real home).
     fn spawn(args: &[&std::ffi::OsStr], config: &std::path::Path) -> Self {
+        Self::spawn_with(args, config, &[])
+    }
+
+    /// [`Pty::spawn`] with these environment variables set.
+    fn spawn_with(args: &[&std::ffi::OsStr], config: &std::path::Path, env: &[(&str, &str)]) -> Self {
         use std::io::Read;
         let pty = portable_pty::native_pty_system();
         let pair = pty.openpty(portable_pty::PtySize { rows: 40, cols: 140, pixel_width: 0, pixel_height: 0 }).unwrap();
@@ -650,6 +655,9 @@ impl Pty {
         cmd.env("XDG_CONFIG_HOME", config);
         // Working copies and scratch directories go there too (a test can look).
         cmd.env("TMPDIR", config);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
         let child = pair.slave.spawn_command(cmd).unwrap();
         drop(pair.slave);
         let parser = std::sync::Arc::new(std::sync::Mutex::new(vt100::Parser::new(40, 140, 0)));
@@ -1268,11 +1276,13 @@ fn help_lists_the_commands_and_scrolls() {
     assert_eq!(app.mode, Mode::Help);
     let first = text(&draw(&app, 80, 24));
     assert!(first.contains("j/k scroll 0/"), "{first}");
-    for _ in 0..40 {
+    // Every command is on one of the screens j scrolls through.
+    let mut last = String::new();
+    for _ in 0..60 {
         press(&mut app, KeyCode::Char('j'));
+        last.push_str(&text(&draw(&app, 80, 24)));
     }
     assert_eq!(app.mode, Mode::Help, "j scrolls the help, it does not close it");
-    let last = text(&draw(&app, 80, 24));
     for c in toolgate::tui::app::COMMANDS {
         assert!(last.contains(&format!(":{}", c.name)), "{} missing:\n{last}", c.name);
     }
@@ -2463,4 +2473,44 @@ fn a_needs_review_operation_shows_the_receipt_found_and_can_be_decided_against_t
         entry.evidence.contains("rcpt_9cc44104a6e05938") && entry.evidence.contains("against_evidence"),
         "{entry:?}"
     );
+}
+
+/// Issue 32 §2: the default operator was literally `operator` (every audit
+/// row said so, and it could approve nothing). It is the login name, and
+/// `:operator NAME` changes it: the header and the status line say so, and
+/// the next action is recorded under the new name.
+#[cfg(unix)]
+#[test]
+fn the_operator_defaults_to_the_login_name_and_colon_operator_changes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tempfile::tempdir().unwrap();
+    let db = toolgate::demo::working_copy(dir.path(), chrono::Utc::now().timestamp_millis()).unwrap();
+    let args = ["--db".as_ref(), db.as_os_str()];
+    let mut t = Pty::spawn_with(&args, config.path(), &[("USER", "dana"), ("LOGNAME", "dana")]);
+    t.wait_for("OUTCOME_UNKNOWN");
+    assert!(t.line_with("toolgate ").contains("operator dana  "), "{}", t.screen());
+    t.keys(b":operator erin\r");
+    t.wait_for("operator is now erin (was dana)");
+    assert!(t.line_with("toolgate ").contains("operator erin  "), "{}", t.screen());
+    // A bad name is refused in the bar, and the operator stays.
+    t.keys(b":operator \r");
+    t.wait_for(":operator needs a name");
+    t.keys(b"\x1b");
+    // (Esc and the next key apart, or the terminal reads Alt-q.)
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // A status query on the first unknown row, recorded as erin.
+    t.keys(b"q");
+    t.wait_for("Status query");
+    t.keys(b"\t\r");
+    t.wait_for("query op_");
+    t.quit();
+    let log = cli_json(&db, &["audit", "--log", "--json"]);
+    let actors: Vec<&str> = log["log"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["action"] == "query")
+        .filter_map(|r| r["actor"].as_str())
+        .collect();
+    assert!(actors.contains(&"erin") && !actors.contains(&"operator"), "{actors:?}");
 }

@@ -45,6 +45,11 @@ pub const COMMANDS: &[CommandSpec] = &[
     },
     CommandSpec { name: "filter", args: "save NAME", help: "save this pane's filter under a name (kept across restarts)" },
     CommandSpec { name: "filter", args: "NAME", help: "apply a saved filter" },
+    CommandSpec {
+        name: "operator",
+        args: "NAME",
+        help: "act as NAME from now on (approvals, decisions and the operator log use it)",
+    },
     CommandSpec { name: "messages", args: "", help: "every status message of this session, newest first" },
     CommandSpec { name: "help", args: "", help: "keys and commands" },
     CommandSpec { name: "q", args: "", help: "quit" },
@@ -79,6 +84,8 @@ pub enum Command {
     Help,
     /// The message log.
     Messages,
+    /// Act as this operator from now on.
+    Operator(String),
     /// Leave the console.
     Quit,
 }
@@ -114,6 +121,14 @@ pub fn parse(line: &str) -> Result<Command, String> {
         "q" | "quit" => no_args(Command::Quit),
         "help" => no_args(Command::Help),
         "messages" => no_args(Command::Messages),
+        "operator" => {
+            if rest.is_empty() {
+                return Err(":operator needs a name: :operator NAME".into());
+            }
+            crate::engine::check_name("the operator name", rest, crate::engine::MAX_NAME_CHARS)
+                .map(|()| Command::Operator(rest.to_string()))
+                .map_err(|e| short(&e, 120))
+        }
         "op" => {
             let mut words = rest.split_whitespace();
             match (words.next(), words.next()) {
@@ -381,6 +396,21 @@ impl App {
                 self.mode = Mode::Normal;
                 self.switch_pane(p)
             }
+            Command::Operator(name) => {
+                if self.refuse_read_only() {
+                    return None;
+                }
+                let was = std::mem::replace(&mut self.operator, name.clone());
+                self.say(
+                    format!(
+                        "operator is now {} (was {}): approvals, decisions and the operator log use this name",
+                        short(&name, 40),
+                        short(&was, 40)
+                    ),
+                    false,
+                );
+                Some(Request::SetOperator(name))
+            }
             Command::Filter(expr) => {
                 // A saved name recalls its filter; anything else is an expression.
                 let (text, named) = match self.saved_filters.get(expr.trim()) {
@@ -511,6 +541,10 @@ mod tests {
         check("filter saved:x", &Ok(Command::Filter("saved:x".into())));
         check("q", &Ok(Command::Quit));
         check("help", &Ok(Command::Help));
+        check("operator dana", &Ok(Command::Operator("dana".into())));
+        check("operator  Dana Scully ", &Ok(Command::Operator("Dana Scully".into())));
+        check("operator", &Err("needs a name"));
+        check("operator a\u{1b}b", &Err("control characters"));
         check("", &Err("type a command"));
         check("op", &Err(":op needs an operation id"));
         check("op a b", &Err("one id"));
@@ -540,9 +574,12 @@ mod tests {
         let mut b = bar("a");
         b.complete(&[], &[]);
         assert_eq!((b.input.as_str(), b.candidates.clone()), ("a", vec!["approvals".to_string(), "audit".into()]));
-        let mut b = bar("o");
+        let mut b = bar("ope");
         b.complete(&[], &[]);
-        assert_eq!(b.input, "op ", "a command with arguments gets its space");
+        assert_eq!(b.input, "operator ", "a command with arguments gets its space");
+        let mut b = bar("op");
+        b.complete(&[], &[]);
+        assert_eq!(b.candidates, vec!["op".to_string(), "operator".into()]);
         let mut b = bar("zz");
         b.complete(&[], &[]);
         assert!(b.error.as_deref().is_some_and(|e| e.contains("nothing to complete")));
