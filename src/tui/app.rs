@@ -299,6 +299,14 @@ pub enum EngineEvent {
         /// Their names.
         unaskable: std::collections::BTreeSet<String>,
     },
+    /// Refreshing the visible page failed (the database is down or
+    /// unreachable): the rows on screen are the last ones fetched.
+    RefreshFailed {
+        /// The store's code (`DB_UNAVAILABLE` when the server is gone).
+        code: String,
+        /// What failed.
+        error: String,
+    },
     /// Something failed in the engine thread.
     Error(String),
 }
@@ -634,6 +642,11 @@ pub struct App {
     pub queued: std::collections::VecDeque<Action>,
     /// Requests produced by replaying queued keys (the event loop sends them).
     pub pending_requests: Vec<Request>,
+    /// Refreshes fail: since when, and the store's code (the header says so
+    /// instead of `LIVE`, with the time of the rows shown).
+    pub db_down: Option<(i64, String)>,
+    /// When the rows on screen were fetched.
+    pub rows_at: Option<i64>,
 }
 
 /// Rows of chrome around a pane's table: header (3), tabs (1), table border and
@@ -698,6 +711,8 @@ impl App {
             awaiting_page: false,
             queued: std::collections::VecDeque::new(),
             pending_requests: Vec::new(),
+            db_down: None,
+            rows_at: None,
         }
     }
 
@@ -1325,6 +1340,16 @@ impl App {
         match ev {
             EngineEvent::Page { pane, rows, header } => {
                 self.header = header;
+                self.rows_at = Some(self.now_ms);
+                if let Some((since, _)) = self.db_down.take() {
+                    self.say(
+                        format!(
+                            "the database is back (down since {}): the panes are live again",
+                            super::format::time_of_day(since)
+                        ),
+                        false,
+                    );
+                }
                 // A page comes whenever the ledger changed (and every few
                 // seconds): a followed detail is fetched again with it.
                 let followed = self
@@ -1387,6 +1412,14 @@ impl App {
             EngineEvent::Contradicted { code, why, request } => Some(self.on_contradicted(&code, &why, *request)),
             EngineEvent::Walkthrough(w) => {
                 self.walkthrough = w;
+                None
+            }
+            EngineEvent::RefreshFailed { code, error } => {
+                // Said once; the header keeps saying it while it lasts.
+                if self.db_down.is_none() {
+                    self.say(format!("refresh failed: {code}: {error}; the rows shown are not live"), true);
+                    self.db_down = Some((self.now_ms, code));
+                }
                 None
             }
             EngineEvent::Error(e) => {

@@ -219,7 +219,8 @@ fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>
                 Some((_, e)) => e,
                 None => &mut engine,
             };
-            let ev = fetch(eng, &view).unwrap_or_else(|e| EngineEvent::Error(e.to_string()));
+            let ev = fetch(eng, &view)
+                .unwrap_or_else(|e| EngineEvent::RefreshFailed { code: e.code().to_string(), error: e.to_string() });
             if !send(ev) {
                 return;
             }

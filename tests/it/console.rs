@@ -2514,3 +2514,30 @@ fn the_operator_defaults_to_the_login_name_and_colon_operator_changes_it() {
         .collect();
     assert!(actors.contains(&"erin") && !actors.contains(&"operator"), "{actors:?}");
 }
+
+/// Issue 32 §2: while PostgreSQL was down the header said `● LIVE` over stale
+/// rows. A failed refresh says the connection state, since when, and how old
+/// the rows shown are; the next page puts `LIVE` back.
+#[test]
+fn a_failed_refresh_says_db_down_since_when_and_how_old_the_rows_are() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    app.update(Action::Tick(NOW + 5_000));
+    app.update(Action::Engine(EngineEvent::RefreshFailed {
+        code: "DB_UNAVAILABLE".into(),
+        error: "the database server is unreachable or restarting".into(),
+    }));
+    app.update(Action::Tick(NOW + 9_000));
+    // A second failure does not move "since".
+    app.update(Action::Engine(EngineEvent::RefreshFailed { code: "DB_UNAVAILABLE".into(), error: "again".into() }));
+    let screen = text(&draw(&app, 80, 24));
+    let lines: Vec<&str> = screen.lines().collect();
+    assert!(lines[0].ends_with("● DB DOWN") && !screen.contains("LIVE"), "{screen}");
+    assert!(lines[1].starts_with("● DB DOWN since 08:00:05, showing rows of 08:00:00"), "{screen}");
+    insta::assert_snapshot!("db_down_80x24", screen);
+    let req = app.update(Action::Engine(page(&mut d, Pane::Unknown, 15)));
+    assert!(req.is_none());
+    let screen = text(&draw(&app, 80, 24));
+    assert!(screen.lines().next().unwrap().ends_with("● LIVE") && !screen.contains("DB DOWN"), "{screen}");
+    assert!(app.status.as_ref().is_some_and(|(s, _)| s.contains("the database is back")), "{:?}", app.status);
+}

@@ -13,7 +13,7 @@ use ratatui::widgets::{Paragraph, Tabs};
 use ratatui::Frame;
 
 use super::app::{App, Mode, Pane};
-use super::format::human_ms;
+use super::format::{human_ms, time_of_day};
 
 /// Colours, or their absence (NO_COLOR).
 #[derive(Debug, Clone, Copy)]
@@ -143,7 +143,12 @@ pub fn render(app: &App, frame: &mut Frame) -> u16 {
 }
 
 fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
-    let live = if app.live { Span::styled("● LIVE", t.ok()) } else { Span::styled("‖ PAUSED", t.warn()) };
+    let live = match (&app.db_down, app.live) {
+        (Some((_, code)), _) if code == "DB_UNAVAILABLE" => Span::styled("● DB DOWN", t.bad()),
+        (Some(_), _) => Span::styled("● REFRESH FAILING", t.bad()),
+        (None, true) => Span::styled("● LIVE", t.ok()),
+        (None, false) => Span::styled("‖ PAUSED", t.warn()),
+    };
     let mut l1 = vec![
         Span::styled("toolgate ", t.accent()),
         Span::raw(format!("{}  ", app.walkthrough.db_label.as_deref().unwrap_or(&app.db_label))),
@@ -164,6 +169,14 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let count = |s: &str| app.header.by_state.iter().find(|(k, _)| k == s).map_or(0, |(_, v)| *v);
     let mut l2 = Vec::new();
     let narrow = area.width < 100;
+    if let Some((since, code)) = &app.db_down {
+        // The counts below are as stale as the rows: say how stale instead.
+        let what = if code == "DB_UNAVAILABLE" { "DB DOWN" } else { "REFRESH FAILING" };
+        let rows =
+            app.rows_at.map_or_else(|| "no rows yet".to_string(), |at| format!("showing rows of {}", time_of_day(at)));
+        l2.push(Span::styled(format!("● {what} since {}, {rows}", time_of_day(*since)), t.bad()));
+        l2.push(Span::styled(format!("  ({code}; retrying)"), t.dim()));
+    }
     for (s, abbr) in [
         ("accepted", "acc"),
         ("in_flight", "flight"),
@@ -173,6 +186,9 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         ("needs_review", "review"),
         ("resolved", "resolved"),
     ] {
+        if app.db_down.is_some() {
+            break;
+        }
         l2.push(Span::styled(format!("{} ", if narrow { abbr } else { s }), t.dim()));
         l2.push(Span::styled(format!("{}  ", count(s)), t.state(s)));
     }
