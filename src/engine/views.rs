@@ -20,6 +20,8 @@ pub struct HeaderCounts {
     pub approvers: std::collections::BTreeMap<String, Vec<String>>,
     /// Why the ledger's clock pauses reaping and purging on this host, if it does.
     pub clock_paused: Option<String>,
+    /// The circuit breakers that are not closed (open or half-open), by downstream.
+    pub breakers: Vec<crate::store::CircuitRow>,
 }
 
 impl Engine {
@@ -100,6 +102,7 @@ impl Engine {
                 oldest_unknown_at: tx.oldest_unknown_at()?,
                 approvers,
                 clock_paused: clock_paused.clone(),
+                breakers: tx.circuits()?.into_iter().filter(|c| c.state != "closed").collect(),
             })
         })?)
     }

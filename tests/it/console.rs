@@ -2541,3 +2541,29 @@ fn a_failed_refresh_says_db_down_since_when_and_how_old_the_rows_are() {
     assert!(screen.lines().next().unwrap().ends_with("● LIVE") && !screen.contains("DB DOWN"), "{screen}");
     assert!(app.status.as_ref().is_some_and(|(s, _)| s.contains("the database is back")), "{:?}", app.status);
 }
+
+/// Issue 32 §2: the breaker is shown in the header while it is open (at 80
+/// columns without the probe time, which the Metrics pane has).
+#[test]
+fn an_open_breaker_is_in_the_header() {
+    let mut d = demo();
+    let screen = text(&draw(&app_on(&mut d, Pane::Unknown, 140, 40), 140, 40));
+    assert!(!screen.contains("BREAKER"), "closed: not shown\n{screen}");
+    let c = crate::support::raw(&d.dir.path().join("demo.db"));
+    c.execute("UPDATE circuits SET state = 'open', open_until = ?1 WHERE downstream = 'payments'", [NOW + 20_000])
+        .unwrap();
+    let screen = text(&draw(&app_on(&mut d, Pane::Unknown, 140, 40), 140, 40));
+    assert!(line_of(&screen, "toolgate ").ends_with("● LIVE  BREAKER OPEN: payments (probe 08:00:20)"), "{screen}");
+    let screen = text(&draw(&app_on(&mut d, Pane::Unknown, 80, 24), 80, 24));
+    fits(&screen, 80, 24);
+    assert!(line_of(&screen, "toolgate ").ends_with("● LIVE  BREAKER OPEN: payments"), "{screen}");
+    c.execute(
+        "UPDATE circuits SET state = 'half_open', open_until = NULL, probe_until = ?1 WHERE downstream = 'payments'",
+        [NOW + 3_000],
+    )
+    .unwrap();
+    let screen = text(&draw(&app_on(&mut d, Pane::Unknown, 80, 24), 80, 24));
+    assert!(line_of(&screen, "toolgate ").ends_with("BREAKER PROBE: payments"), "{screen}");
+    let screen = text(&draw(&app_on(&mut d, Pane::Unknown, 140, 40), 140, 40));
+    assert!(line_of(&screen, "toolgate ").ends_with("BREAKER HALF-OPEN: payments"), "{screen}");
+}

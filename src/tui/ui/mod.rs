@@ -166,6 +166,22 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     if let Some(x) = app.lab.toggle {
         l1.push(Span::styled(format!("  LAB: {} OFF", x.as_str()), t.bad()));
     }
+    // While a breaker is open no call goes to its downstream: say so up top
+    // (the Metrics pane has the details).
+    let half_open = if area.width < 100 { "PROBE" } else { "HALF-OPEN" };
+    for (state, label) in [("open", "OPEN"), ("half_open", half_open)] {
+        let mut names: Vec<String> = Vec::new();
+        for c in app.header.breakers.iter().filter(|c| c.state == state) {
+            let probe = c
+                .open_until
+                .filter(|_| area.width >= 100)
+                .map_or_else(String::new, |at| format!(" (probe {})", time_of_day(at)));
+            names.push(format!("{}{probe}", super::format::short(&c.downstream, 24)));
+        }
+        if !names.is_empty() {
+            l1.push(Span::styled(format!("  BREAKER {label}: {}", names.join(", ")), t.bad()));
+        }
+    }
     let count = |s: &str| app.header.by_state.iter().find(|(k, _)| k == s).map_or(0, |(_, v)| *v);
     let mut l2 = Vec::new();
     let narrow = area.width < 100;
