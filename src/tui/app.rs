@@ -649,6 +649,10 @@ pub struct App {
     pub rows_at: Option<i64>,
 }
 
+/// The smallest terminal every pane is laid out for; below it the console
+/// only says what it needs, and takes no key but quit.
+pub const MIN_SIZE: (u16, u16) = (80, 24);
+
 /// Rows of chrome around a pane's table: header (3), tabs (1), table border and
 /// header (3), footer (2).
 pub const CHROME_ROWS: u16 = 9;
@@ -714,6 +718,11 @@ impl App {
             db_down: None,
             rows_at: None,
         }
+    }
+
+    /// The terminal is below [`MIN_SIZE`]: nothing is drawn but what it needs.
+    pub fn too_small(&self) -> bool {
+        self.size.0 < MIN_SIZE.0 || self.size.1 < MIN_SIZE.1
     }
 
     /// How many table rows fit.

@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 use base64::Engine as _;
 use futures_util::StreamExt;
 use ratatui::crossterm::event::{
-    DisableMouseCapture, EnableMouseCapture, Event, EventStream, KeyEventKind, MouseButton, MouseEventKind,
+    DisableMouseCapture, EnableMouseCapture, Event, EventStream, KeyCode, KeyEventKind, KeyModifiers, MouseButton,
+    MouseEventKind,
 };
 use ratatui::crossterm::execute;
 
@@ -82,6 +83,21 @@ const FRAME: Duration = Duration::from_millis(33);
 
 /// Maps a terminal event to an action through the current mode's keymap.
 pub fn map_event(app: &App, ev: &Event) -> Option<Action> {
+    // Too small to draw: only quit and resize (a key must not land in a
+    // field or dialog nobody can see).
+    if app.too_small() {
+        return match ev {
+            Event::Key(k)
+                if k.kind == KeyEventKind::Press
+                    && (k.code == KeyCode::Char('Q')
+                        || (k.code == KeyCode::Char('c') && k.modifiers.contains(KeyModifiers::CONTROL))) =>
+            {
+                Some(Action::Quit)
+            }
+            Event::Resize(w, h) => Some(Action::Resize(*w, *h)),
+            _ => None,
+        };
+    }
     match ev {
         Event::Key(k) if k.kind == KeyEventKind::Press => keymap::lookup(app.mode, k, app.read_only),
         Event::Mouse(m) => match m.kind {

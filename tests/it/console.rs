@@ -2567,3 +2567,52 @@ fn an_open_breaker_is_in_the_header() {
     let screen = text(&draw(&app_on(&mut d, Pane::Unknown, 140, 40), 140, 40));
     assert!(line_of(&screen, "toolgate ").ends_with("BREAKER HALF-OPEN: payments"), "{screen}");
 }
+
+/// Issue 32 §2: `:sort age` was refused although the filter calls the same
+/// thing `age`; a refused `:sort` lost what was typed; Tab did not cycle among
+/// several `:op` matches; on the "too small" screen `Q` went into a hidden
+/// text field.
+#[test]
+fn sort_age_a_refused_sort_keeps_its_line_tab_cycles_op_matches_and_too_small_only_quits() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "sort age desc");
+    assert!(matches!(press(&mut app, KeyCode::Enter), Some(Request::Fetch { .. })));
+    assert_eq!(app.sort_label().as_deref(), Some("since ↓"));
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "sort colour desc");
+    assert_eq!(press(&mut app, KeyCode::Enter), None);
+    assert_eq!(app.mode, Mode::Command);
+    assert_eq!(app.command.input, "sort colour desc", "the typed line stays to be mended");
+    assert!(app.command.error.as_deref().is_some_and(|e| e.contains("no column")), "{:?}", app.command.error);
+    press(&mut app, KeyCode::Esc);
+    // Several :op matches: Tab goes through them, one after the other.
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "op op_");
+    let Some(Request::FindOperation { prefix, limit }) = press(&mut app, KeyCode::Enter) else { panic!() };
+    let ids = d.engine.operation_ids_with_prefix(&prefix, limit).unwrap();
+    assert!(ids.len() > 2);
+    app.update(Action::Engine(EngineEvent::Found { asked: prefix.clone(), prefix: Some(prefix), ids: ids.clone() }));
+    let shown = app.command.candidates.clone();
+    let mut seen = Vec::new();
+    for _ in 0..=shown.len() {
+        press(&mut app, KeyCode::Tab);
+        seen.push(app.command.input.clone());
+    }
+    let expect: Vec<String> = shown.iter().chain(shown.first()).map(|id| format!("op {id}")).collect();
+    assert_eq!(seen, expect, "Tab cycles and wraps");
+    press(&mut app, KeyCode::Esc);
+    // Too small: a filter open, and Q quits instead of being typed into it.
+    press(&mut app, KeyCode::Char('/'));
+    assert_eq!(app.mode, Mode::Filter);
+    app.update(Action::Resize(60, 20));
+    let ev = |c: KeyCode| ratatui::crossterm::event::Event::Key(KeyEvent::new(c, KeyModifiers::NONE));
+    assert_eq!(toolgate::tui::map_event(&app, &ev(KeyCode::Char('x'))), None, "no key but quit");
+    assert_eq!(toolgate::tui::map_event(&app, &ev(KeyCode::Enter)), None);
+    assert_eq!(toolgate::tui::map_event(&app, &ev(KeyCode::Char('Q'))), Some(Action::Quit));
+    let resize = ratatui::crossterm::event::Event::Resize(80, 24);
+    assert_eq!(toolgate::tui::map_event(&app, &resize), Some(Action::Resize(80, 24)));
+    app.update(Action::Resize(80, 24));
+    assert_eq!(toolgate::tui::map_event(&app, &ev(KeyCode::Char('Q'))), Some(Action::Input('Q')), "big again: typed");
+}

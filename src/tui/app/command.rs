@@ -309,6 +309,15 @@ impl CommandBar {
         } else {
             Vec::new()
         };
+        // Among the operations an ambiguous `:op` listed, Tab on a whole id
+        // goes to the next one (Shift-less cycling, as a shell menu does).
+        if head.trim() == "op" {
+            if let Some(i) = self.candidates.iter().position(|c| *c == word) {
+                let next = &self.candidates[(i + 1) % self.candidates.len()];
+                self.input = format!("{head}{next}");
+                return;
+            }
+        }
         let hits: Vec<String> = pool.into_iter().filter(|c| c.starts_with(&word)).collect();
         match hits.as_slice() {
             [] => {
@@ -319,12 +328,15 @@ impl CommandBar {
                 if head.is_empty() && COMMANDS.iter().any(|c| c.name == one && !c.args.is_empty()) {
                     self.input.push(' ');
                 }
-                if !head.is_empty() {
+                // The listed operations stay: Tab cycles among them.
+                if !head.is_empty() && head.trim() != "op" {
                     self.candidates.clear();
                 }
             }
             many => {
                 let common = common_prefix(many);
+                // Nothing more in common: the first match, and Tab cycles on.
+                let common = if head.trim() == "op" && common == word { many[0].clone() } else { common };
                 self.input = format!("{head}{common}");
                 if head.is_empty() || head.trim() == "sort" || head.trim() == "filter" {
                     self.candidates = many.to_vec();
@@ -367,12 +379,14 @@ impl App {
             }
             Ok(cmd) => {
                 self.mode = self.command_return;
-                self.run_command(cmd)
+                self.run_command(cmd, &line)
             }
         }
     }
 
-    fn run_command(&mut self, cmd: Command) -> Option<Request> {
+    /// Runs a parsed command; `line` is what was typed (put back in the bar,
+    /// whole, when the command is refused).
+    fn run_command(&mut self, cmd: Command, line: &str) -> Option<Request> {
         match cmd {
             Command::Quit => {
                 self.quit = true;
@@ -425,7 +439,7 @@ impl App {
                         Some(self.fetch())
                     }
                     Err(e) => {
-                        self.command.input = format!("filter {expr}");
+                        self.command.input = line.to_string();
                         self.command.error = Some(e);
                         self.mode = Mode::Command;
                         None
@@ -448,7 +462,7 @@ impl App {
             Command::Sort { column, desc } => match self.sort_by(&column, desc) {
                 Ok(r) => Some(r),
                 Err(e) => {
-                    self.command.input = format!("sort {column}");
+                    self.command.input = line.to_string();
                     self.command.error = Some(e);
                     self.mode = Mode::Command;
                     None
@@ -585,12 +599,26 @@ mod tests {
         assert!(b.error.as_deref().is_some_and(|e| e.contains("nothing to complete")));
         // An ambiguous :op listed its matches: Tab completes among them.
         let mut b = bar("op op_6");
-        b.candidates = vec!["op_64a".into(), "op_64b".into()];
+        b.candidates = vec!["op_64a1".into(), "op_64b1".into()];
         b.complete(&[], &[]);
         assert_eq!(b.input, "op op_64");
         b.push('b');
         b.complete(&[], &[]);
-        assert_eq!(b.input, "op op_64b");
+        assert_eq!(b.input, "op op_64b1");
+        // Tab on a whole listed id goes to the next one (issue 32 §2).
+        b.complete(&[], &[]);
+        assert_eq!(b.input, "op op_64a1");
+        b.complete(&[], &[]);
+        assert_eq!(b.input, "op op_64b1");
+        let mut b = bar("op op_");
+        b.candidates = vec!["op_1a".into(), "op_2b".into(), "op_3c".into()];
+        b.complete(&[], &[]);
+        assert_eq!(b.input, "op op_1a", "nothing more in common: the first");
+        b.complete(&[], &[]);
+        b.complete(&[], &[]);
+        assert_eq!(b.input, "op op_3c");
+        b.complete(&[], &[]);
+        assert_eq!(b.input, "op op_1a");
         // After `sort `, the pane's columns.
         let mut b = bar("sort s");
         b.complete(&["since", "state", "tool"], &[]);

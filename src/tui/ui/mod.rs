@@ -89,8 +89,7 @@ pub fn escaped(lines: Vec<ratatui::text::Line<'_>>) -> Vec<ratatui::text::Line<'
         .collect()
 }
 
-/// The smallest terminal every pane is laid out for.
-pub const MIN_SIZE: (u16, u16) = (80, 24);
+pub use super::app::MIN_SIZE;
 
 /// Draws the whole console (below [`MIN_SIZE`], only what size it needs: the
 /// console comes back as soon as the terminal is large enough).
