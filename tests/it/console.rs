@@ -2616,3 +2616,36 @@ fn sort_age_a_refused_sort_keeps_its_line_tab_cycles_op_matches_and_too_small_on
     app.update(Action::Resize(80, 24));
     assert_eq!(toolgate::tui::map_event(&app, &ev(KeyCode::Char('Q'))), Some(Action::Input('Q')), "big again: typed");
 }
+
+/// Issue 32 §2: the detail's footer offered `q`/`r` on a succeeded operation
+/// and never `c` on an accepted one; the footer now offers what applies to the
+/// state. And `j` stops at the end of every detail (an approval's too).
+#[test]
+fn the_detail_footer_offers_the_keys_of_its_state_and_j_stops_at_the_end() {
+    let mut d = demo();
+    let footer = |detail: toolgate::engine::OperationDetail| {
+        detail_screen(detail).lines().last().unwrap_or_default().to_string()
+    };
+    let succeeded = footer(detail_in(&mut d, "succeeded", None));
+    assert!(!succeeded.contains(" q ") && !succeeded.contains(" r ") && !succeeded.contains(" c "), "{succeeded}");
+    let accepted = footer(detail_in(&mut d, "accepted", None));
+    assert!(accepted.contains(" c cancel") && accepted.contains(" q query") && !accepted.contains(" r "), "{accepted}");
+    let unknown = footer(detail_in(&mut d, "unknown", None));
+    assert!(unknown.contains(" q query") && unknown.contains(" r resolve") && !unknown.contains(" c "), "{unknown}");
+    // A pending approval's detail scrolls to its end and no further.
+    let mut app = app_on(&mut d, Pane::Approvals, 80, 24);
+    app.update(Action::OpenDetail);
+    assert!(app.approval.is_some());
+    let extent = |app: &App| {
+        let mut t = Terminal::new(TestBackend::new(80, 24)).unwrap();
+        let mut n = 0;
+        t.draw(|f| n = ui::render(app, f)).unwrap();
+        n
+    };
+    let end = extent(&app);
+    app.update(Action::DetailExtent(end));
+    for _ in 0..50 {
+        press(&mut app, KeyCode::Char('j'));
+    }
+    assert_eq!(app.detail_scroll, end, "j stops at the end");
+}

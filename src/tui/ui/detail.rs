@@ -25,7 +25,7 @@ fn why_lines(why: crate::tui::app::Why, width: u16, t: Theme) -> Vec<Line<'stati
 }
 
 /// The detail of a pending approval: why it waits, then what an approver sees.
-fn render_approval(app: &App, a: &crate::store::ApprovalRow, frame: &mut Frame, area: Rect, t: Theme) {
+fn render_approval(app: &App, a: &crate::store::ApprovalRow, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
     let block =
         Block::default().borders(Borders::TOP).title(Span::styled(" Pending approval (Esc: back) ", t.accent()));
     let state = if app.now_ms >= a.expires_at { "expired" } else { "pending" };
@@ -41,17 +41,19 @@ fn render_approval(app: &App, a: &crate::store::ApprovalRow, frame: &mut Frame, 
         rfc3339(a.created_at),
         human_ms(app.now_ms.saturating_sub(a.created_at))
     )));
-    frame.render_widget(
-        Paragraph::new(super::escaped(lines)).block(block).wrap(Wrap { trim: false }).scroll((app.detail_scroll, 0)),
-        area,
-    );
+    // As the operation's detail: the extent comes back, so j stops at the end.
+    let paragraph = Paragraph::new(super::escaped(lines)).wrap(Wrap { trim: false });
+    let inner = block.inner(area);
+    let total = u16::try_from(paragraph.line_count(inner.width)).unwrap_or(u16::MAX);
+    let extent = total.saturating_sub(inner.height);
+    frame.render_widget(paragraph.block(block).scroll((app.detail_scroll.min(extent), 0)), area);
+    extent
 }
 
 /// Draws the detail view.
 pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
     if let Some(a) = &app.approval {
-        render_approval(app, a, frame, area, t);
-        return 0;
+        return render_approval(app, a, frame, area, t);
     }
     let block =
         Block::default().borders(Borders::TOP).title(Span::styled(" Operation detail (Esc: back) ", t.accent()));

@@ -267,18 +267,27 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         frame.render_widget(Paragraph::new(vec![first, bar]), area);
         return;
     }
+    // The detail offers the keys that apply to its operation's state.
+    let detail_keys: Vec<(&str, &str, bool)> = {
+        let state = app.detail.as_ref().map_or("", |d| d.operation.state.as_str());
+        let mut keys = vec![("Esc", "back", false), ("j/k", "scroll", false)];
+        if matches!(state, "accepted" | "in_flight" | "unknown" | "needs_review") {
+            keys.push(("q", "query", true));
+        }
+        if matches!(state, "unknown" | "needs_review") {
+            keys.push(("r", "resolve", true));
+        }
+        if matches!(state, "accepted" | "in_flight") {
+            keys.push(("c", "cancel", true));
+        }
+        keys.extend([("F", if app.follow { "stop following" } else { "follow" }, false), ("y", "copy id", false)]);
+        keys
+    };
     let hints: &[(&str, &str, bool)] = match (app.mode, app.pane) {
         (Mode::Detail, _) if app.approval.is_some() => {
             &[("Esc", "back", false), ("a", "approve", true), ("d", "deny", true), ("y", "copy id", false)]
         }
-        (Mode::Detail, _) => &[
-            ("Esc", "back", false),
-            ("j/k", "scroll", false),
-            ("q", "query", true),
-            ("r", "resolve", true),
-            ("F", if app.follow { "stop following" } else { "follow" }, false),
-            ("y", "copy id", false),
-        ],
+        (Mode::Detail, _) => &detail_keys,
         (Mode::Filter, _) => &[("Enter", "apply", false), ("Esc", "cancel", false)],
         // A dialog's own keys (the pane's do nothing while it is open).
         (Mode::Confirm, _) => {
