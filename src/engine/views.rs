@@ -107,6 +107,12 @@ impl Engine {
         })?)
     }
 
+    /// Of `ids`, the operations a person acted on: never purged (the console's
+    /// "kept" column says so instead of a retention countdown).
+    pub fn acted_on_by_a_person(&mut self, ids: &[String]) -> Result<Vec<String>, EngineError> {
+        Ok(self.store.read(|tx| tx.acted_on_by_a_person(ids))?)
+    }
+
     /// SQLite's data version: changes when any other connection commits.
     pub fn data_version(&mut self) -> Result<i64, EngineError> {
         Ok(self.store.data_version()?)

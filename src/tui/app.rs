@@ -290,6 +290,9 @@ pub enum EngineEvent {
         /// The refused request.
         request: Box<Request>,
     },
+    /// Of the Ledger page that follows, the operations a person acted on
+    /// (never purged: no retention countdown for them).
+    ActedOn(Vec<String>),
     /// A walkthrough step ran.
     Walkthrough(WalkthroughView),
     /// The lab's state (with every refresh).
@@ -647,6 +650,8 @@ pub struct App {
     pub db_down: Option<(i64, String)>,
     /// When the rows on screen were fetched.
     pub rows_at: Option<i64>,
+    /// Operations of the Ledger page a person acted on (never purged).
+    pub acted_on: std::collections::HashSet<String>,
 }
 
 /// The smallest terminal every pane is laid out for; below it the console
@@ -717,6 +722,7 @@ impl App {
             pending_requests: Vec::new(),
             db_down: None,
             rows_at: None,
+            acted_on: std::collections::HashSet::new(),
         }
     }
 
@@ -1416,6 +1422,10 @@ impl App {
             }
             EngineEvent::Tools { unaskable } => {
                 self.unaskable_tools = unaskable;
+                None
+            }
+            EngineEvent::ActedOn(ids) => {
+                self.acted_on = ids.into_iter().collect();
                 None
             }
             EngineEvent::Contradicted { code, why, request } => Some(self.on_contradicted(&code, &why, *request)),

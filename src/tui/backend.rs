@@ -150,6 +150,14 @@ fn fetch(engine: &mut Engine, v: &View) -> Result<EngineEvent, EngineError> {
     Ok(EngineEvent::Page { pane: v.pane, rows, header: engine.header_counts()? })
 }
 
+/// For a Ledger page: which of its operations a person acted on (the purge
+/// never takes those).
+pub fn acted_on(engine: &mut Engine, page: &EngineEvent) -> Option<EngineEvent> {
+    let EngineEvent::Page { pane: Pane::Ledger, rows: Rows::Ops(rows), .. } = page else { return None };
+    let ids: Vec<String> = rows.iter().filter(|o| o.terminal_at.is_some()).map(|o| o.id.clone()).collect();
+    Some(engine.acted_on_by_a_person(&ids).map_or_else(|e| EngineEvent::Error(e.to_string()), EngineEvent::ActedOn))
+}
+
 fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>, events: &UnboundedSender<Action>) {
     // `:operator NAME` changes who the actions are recorded as.
     let mut opts = opts.clone();
@@ -221,6 +229,12 @@ fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>
             };
             let ev = fetch(eng, &view)
                 .unwrap_or_else(|e| EngineEvent::RefreshFailed { code: e.code().to_string(), error: e.to_string() });
+            // Before the page it is about: its "kept" column reads it.
+            if let Some(acted) = acted_on(eng, &ev) {
+                if !send(acted) {
+                    return;
+                }
+            }
             if !send(ev) {
                 return;
             }

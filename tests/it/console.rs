@@ -2649,3 +2649,24 @@ fn the_detail_footer_offers_the_keys_of_its_state_and_j_stops_at_the_end() {
     }
     assert_eq!(app.detail_scroll, end, "j stops at the end");
 }
+
+/// Issue 32 §2: the Ledger said "kept for 29d 23h" on operations a person
+/// acted on, which the purge never takes (the store's rule: an approval, or an
+/// operator-log entry other than a caller's own query). It says `always`.
+fn the_ledger_says_always_for_what_a_person_acted_on_and_the_time_left_for_the_rest(backend: crate::support::Backend) {
+    let mut d = demo_on(backend);
+    let mut app = app_on(&mut d, Pane::Ledger, 140, 40);
+    let ev = page(&mut d, Pane::Ledger, app.visible_rows());
+    let acted = toolgate::tui::backend::acted_on(&mut d.engine, &ev).expect("a Ledger page");
+    app.update(Action::Engine(acted));
+    app.update(Action::Engine(ev));
+    let screen = text(&draw(&app, 140, 40));
+    // The demo's resolved operation was decided by a person; its succeeded ones were not.
+    let resolved = line_of(&screen, " resolved     ");
+    assert!(resolved.trim_end().ends_with(" always"), "{screen}");
+    let succeeded = line_of(&screen, " succeeded    rcpt_");
+    assert!(succeeded.trim_end().ends_with("29d 23h"), "{screen}");
+    assert!(line_of(&screen, "operation ").trim_end().ends_with(" kept"), "{screen}");
+}
+
+crate::on_both_backends!(the_ledger_says_always_for_what_a_person_acted_on_and_the_time_left_for_the_rest);

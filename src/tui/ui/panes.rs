@@ -244,9 +244,10 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 Cell::from(crate::display::digest(&o.request_sha256, 8)),
                 Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state.as_str()))),
                 Cell::from(short(o.receipt_id.as_deref().or(o.code.as_deref()).unwrap_or("-"), 22)),
-                // Retention runs from the moment an operation settled; until then it is kept.
-                Cell::from(o.terminal_at.map_or_else(
-                    || "-".to_string(),
+                // Retention runs from the moment an operation settled; until
+                // then it is kept. One a person acted on is never purged.
+                Cell::from(o.terminal_at.filter(|_| !app.acted_on.contains(&o.id)).map_or_else(
+                    || if o.terminal_at.is_some() { "always".to_string() } else { "-".to_string() },
                     // Past it, the row waits for the purge.
                     |_| {
                         let left = o.expires_at.saturating_sub(now);
@@ -263,7 +264,7 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let (tb, mut st) = table(
         app,
         "Idempotency ledger",
-        vec!["operation", "scope tenant/subject", "tool", "key#", "digest", "state", "result ref / code", "kept for"],
+        vec!["operation", "scope tenant/subject", "tool", "key#", "digest", "state", "result ref / code", "kept"],
         body,
         widths,
         area.width,
