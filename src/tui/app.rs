@@ -612,8 +612,10 @@ pub struct App {
     pub dialog_return: Mode,
     /// Status-bar line and whether it is an error.
     pub status: Option<(String, bool)>,
-    /// Now, for countdowns.
+    /// Now, for the ages and countdowns on screen (stands still while paused).
     pub now_ms: i64,
+    /// Now, by the wall clock (status messages, refusals, the connection state).
+    pub wall_ms: i64,
     /// Terminal size.
     pub size: (u16, u16),
     /// Walkthrough.
@@ -714,6 +716,7 @@ impl App {
             unaskable_tools: std::collections::BTreeSet::new(),
             walk_restart_armed: false,
             status_at: now_ms,
+            wall_ms: now_ms,
             messages: std::collections::VecDeque::new(),
             help_messages: false,
             lab_selected: 0,
@@ -857,9 +860,9 @@ impl App {
         if self.messages.len() == MESSAGE_LOG {
             self.messages.pop_front();
         }
-        self.messages.push_back((self.now_ms, text.clone(), error));
+        self.messages.push_back((self.wall_ms, text.clone(), error));
         self.status = Some((text, error));
-        self.status_at = self.now_ms;
+        self.status_at = self.wall_ms;
     }
 
     /// An action that does not apply: in the detail view, to this operation's
@@ -952,7 +955,12 @@ impl App {
                 None
             }
             Action::Tick(now) => {
-                self.now_ms = now;
+                self.wall_ms = now;
+                // Paused, the screen is a snapshot: its ages and countdowns
+                // stand still with its rows (messages still expire).
+                if self.live {
+                    self.now_ms = now;
+                }
                 // A message says what just happened: once the state moved on,
                 // it goes (the log keeps it).
                 let ttl = match &self.status {
@@ -1191,6 +1199,7 @@ impl App {
             }
             Action::TogglePause => {
                 self.live = !self.live;
+                self.now_ms = self.wall_ms;
                 self.say(if self.live { "live refresh resumed" } else { "paused: the panes stop refreshing" }, false);
                 Some(Request::SetLive(self.live))
             }
@@ -1355,7 +1364,7 @@ impl App {
         match ev {
             EngineEvent::Page { pane, rows, header } => {
                 self.header = header;
-                self.rows_at = Some(self.now_ms);
+                self.rows_at = Some(self.wall_ms);
                 if let Some((since, _)) = self.db_down.take() {
                     self.say(
                         format!(
@@ -1437,7 +1446,7 @@ impl App {
                 // Said once; the header keeps saying it while it lasts.
                 if self.db_down.is_none() {
                     self.say(format!("refresh failed: {code}: {error}; the rows shown are not live"), true);
-                    self.db_down = Some((self.now_ms, code));
+                    self.db_down = Some((self.wall_ms, code));
                 }
                 None
             }
@@ -1541,11 +1550,12 @@ impl App {
     /// Whether this operator may decide this approval now; the reason if not
     /// (said before any dialog opens, as the engine would refuse it after).
     pub fn may_decide(&self, a: &ApprovalRow) -> Result<(), String> {
-        if self.now_ms >= a.expires_at {
+        // The wall clock: a paused screen does not make a request younger.
+        if self.wall_ms >= a.expires_at {
             return Err(format!(
                 "{} expired {} ago (expiry is exclusive): it can no longer be approved or denied; the agent's next call asks anew",
                 a.id,
-                super::format::human_ms(self.now_ms.saturating_sub(a.expires_at))
+                super::format::human_ms(self.wall_ms.saturating_sub(a.expires_at))
             ));
         }
         let allowed = self.header.approvers.get(&a.tenant).is_some_and(|l| l.contains(&self.operator));

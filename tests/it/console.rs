@@ -2670,3 +2670,32 @@ fn the_ledger_says_always_for_what_a_person_acted_on_and_the_time_left_for_the_r
 }
 
 crate::on_both_backends!(the_ledger_says_always_for_what_a_person_acted_on_and_the_time_left_for_the_rest);
+
+/// Issue 32 §2: `since` cut its unit (`339d 13`), and the ages went on
+/// ticking while the panes were paused (rows frozen, ages not).
+#[test]
+fn since_keeps_whole_units_and_ages_stand_still_while_paused() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    let day = 86_400_000;
+    app.update(Action::Tick(NOW + 339 * day + 13 * 3_600_000));
+    let screen = text(&draw(&app, 80, 24));
+    assert!(line_of(&screen, "op_a04bfa").contains(" 339d    reply"), "at 80 columns the day alone:\n{screen}");
+    let mut wide = app_on(&mut d, Pane::Unknown, 140, 40);
+    wide.update(Action::Tick(NOW + 339 * day + 13 * 3_600_000));
+    let screen = text(&draw(&wide, 140, 40));
+    assert!(line_of(&screen, "op_a04bfa").contains(" 339d 13h "), "{screen}");
+    // Paused: a minute later the screen still says what it said.
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    app.update(key(' '));
+    let before = text(&draw(&app, 80, 24));
+    assert!(line_of(&before, "toolgate ").contains("‖ PAUSED at 08:00:00"), "{before}");
+    app.update(Action::Tick(NOW + 60_000));
+    let after = text(&draw(&app, 80, 24));
+    assert!(after.contains("oldest 3m14s") && line_of(&after, "op_a04bfa").contains(" 3m14s "), "{after}");
+    // Resumed: the ages catch up with the clock.
+    app.update(key(' '));
+    app.update(Action::Tick(NOW + 61_000));
+    let resumed = text(&draw(&app, 80, 24));
+    assert!(resumed.contains("oldest 4m15s"), "{resumed}");
+}

@@ -146,7 +146,7 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         (Some((_, code)), _) if code == "DB_UNAVAILABLE" => Span::styled("● DB DOWN", t.bad()),
         (Some(_), _) => Span::styled("● REFRESH FAILING", t.bad()),
         (None, true) => Span::styled("● LIVE", t.ok()),
-        (None, false) => Span::styled("‖ PAUSED", t.warn()),
+        (None, false) => Span::styled(format!("‖ PAUSED at {}", time_of_day(app.now_ms)), t.warn()),
     };
     let mut l1 = vec![
         Span::styled("toolgate ", t.accent()),

@@ -10,7 +10,7 @@ use ratatui::Frame;
 use super::Theme;
 use crate::engine::clock::rfc3339;
 use crate::tui::app::{App, Pane, Rows};
-use crate::tui::format::{human_ms, short};
+use crate::tui::format::{duration_in, human_ms, short};
 
 /// Draws the current pane.
 pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
@@ -254,7 +254,7 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                         if left <= 0 {
                             "expired".to_string()
                         } else {
-                            human_ms(left)
+                            duration_in(left, 8)
                         }
                     },
                 )),
@@ -341,12 +341,14 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let Rows::Ops(rows) = &app.rows else {
         return loading(app, frame, area, "Outcome unknown", t);
     };
+    let since_w: u16 = if area.width < 140 { 7 } else { 8 };
     let now = app.now_ms;
     let mut widths = vec![
         Constraint::Length(16),
         Constraint::Length(15),
         Constraint::Length(12),
-        Constraint::Length(7),
+        // `339d 13h` whole; below 140 columns `339d` (no other column gives way).
+        Constraint::Length(since_w),
         Constraint::Length(26),
         Constraint::Length(18),
         Constraint::Length(14),
@@ -365,7 +367,10 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 Cell::from(short(&o.tool, 15)),
                 Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state.as_str()))),
                 // Since it entered this state: a query that changes nothing does not reset it.
-                Cell::from(human_ms(now.saturating_sub(o.state_since.unwrap_or(o.updated_at)))),
+                Cell::from(duration_in(
+                    now.saturating_sub(o.state_since.unwrap_or(o.updated_at)),
+                    usize::from(since_w),
+                )),
                 // Why it is stuck and the key that moves it (the detail says it in full).
                 Cell::from(Span::styled(crate::tui::app::reason(o), t.warn())),
                 Cell::from(short(o.code.as_deref().unwrap_or("-"), 18)),
