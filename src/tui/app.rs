@@ -654,6 +654,10 @@ pub struct App {
     pub rows_at: Option<i64>,
     /// Operations of the Ledger page a person acted on (never purged).
     pub acted_on: std::collections::HashSet<String>,
+    /// How far the walkthrough's steps are scrolled (`u16::MAX`: the end).
+    pub walk_scroll: u16,
+    /// Walkthrough requests (picks, steps) not answered yet.
+    pub walk_pending: usize,
 }
 
 /// The smallest terminal every pane is laid out for; below it the console
@@ -726,12 +730,19 @@ impl App {
             db_down: None,
             rows_at: None,
             acted_on: std::collections::HashSet::new(),
+            walk_scroll: u16::MAX,
+            walk_pending: 0,
         }
     }
 
     /// The terminal is below [`MIN_SIZE`]: nothing is drawn but what it needs.
     pub fn too_small(&self) -> bool {
         self.size.0 < MIN_SIZE.0 || self.size.1 < MIN_SIZE.1
+    }
+
+    /// Keys scroll the walkthrough's steps (its pane, browsing).
+    fn walk_scrolls(&self) -> bool {
+        self.pane == Pane::Walkthrough && self.mode == Mode::Normal
     }
 
     /// How many table rows fit.
@@ -1001,6 +1012,33 @@ impl App {
                 self.switch_pane(Pane::ALL[(self.pane.index() + Pane::ALL.len() - 1) % Pane::ALL.len()])
             }
             Action::SelectPane(p) => self.switch_pane(p),
+            // The walkthrough's steps scroll (the pane has no rows to select).
+            Action::Up | Action::Scroll(-1) if self.walk_scrolls() => {
+                self.walk_scroll = self.walk_scroll.min(self.detail_extent).saturating_sub(1);
+                None
+            }
+            Action::Down | Action::Scroll(1) if self.walk_scrolls() => {
+                self.walk_scroll = self.walk_scroll.min(self.detail_extent).saturating_add(1).min(self.detail_extent);
+                None
+            }
+            Action::Top if self.walk_scrolls() => {
+                self.walk_scroll = 0;
+                None
+            }
+            Action::Bottom if self.walk_scrolls() => {
+                self.walk_scroll = u16::MAX;
+                None
+            }
+            Action::PageUp if self.walk_scrolls() => {
+                let page = self.size.1.saturating_sub(14).max(1);
+                self.walk_scroll = self.walk_scroll.min(self.detail_extent).saturating_sub(page);
+                None
+            }
+            Action::PageDown if self.walk_scrolls() => {
+                let page = self.size.1.saturating_sub(14).max(1);
+                self.walk_scroll = self.walk_scroll.saturating_add(page).min(self.detail_extent);
+                None
+            }
             Action::Up | Action::Scroll(-1) => {
                 if self.mode == Mode::Detail {
                     self.stop_following();
@@ -1309,14 +1347,19 @@ impl App {
                     return None;
                 }
                 self.walk_restart_armed = false;
+                self.walk_pending += 1;
                 Some(Request::ScenarioStep)
             }
             Action::ScenarioPick(d) => {
                 if self.pane != Pane::Walkthrough || self.walkthrough.scenarios.is_empty() {
                     return None;
                 }
+                // From the scenario last picked, not the last one the engine
+                // answered: `]]]` typed at once moves three.
                 let n = self.walkthrough.scenarios.len() as i32;
                 let i = (self.walkthrough.selected as i32 + d).rem_euclid(n) as usize;
+                self.walkthrough.selected = i;
+                self.walk_pending += 1;
                 Some(Request::ScenarioSelect(i))
             }
         }
@@ -1439,7 +1482,17 @@ impl App {
             }
             EngineEvent::Contradicted { code, why, request } => Some(self.on_contradicted(&code, &why, *request)),
             EngineEvent::Walkthrough(w) => {
+                let picked = self.walkthrough.selected;
+                if w.steps.len() != self.walkthrough.steps.len() {
+                    // A step ran (or the scenario changed): the newest in view.
+                    self.walk_scroll = u16::MAX;
+                }
                 self.walkthrough = w;
+                // Answers to earlier picks still coming: the last pick stays shown.
+                self.walk_pending = self.walk_pending.saturating_sub(1);
+                if self.walk_pending > 0 {
+                    self.walkthrough.selected = picked;
+                }
                 None
             }
             EngineEvent::RefreshFailed { code, error } => {

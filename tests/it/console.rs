@@ -2699,3 +2699,66 @@ fn since_keeps_whole_units_and_ages_stand_still_while_paused() {
     let resumed = text(&draw(&app, 80, 24));
     assert!(resumed.contains("oldest 4m15s"), "{resumed}");
 }
+
+/// Issue 32 §2: at 80×24 the walkthrough's table was unreadable and could not
+/// be scrolled back; `[`/`]` typed in a burst were lost (each picked from the
+/// scenario the engine last answered). Below 120 columns each step is a few
+/// readable lines, j/k (and g/G, PgUp/PgDn) scroll them, the footer says so,
+/// and `]]]` moves three scenarios.
+#[test]
+fn the_walkthrough_at_80x24_is_readable_scrolls_back_and_keeps_a_burst_of_picks() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = toolgate::tui::walkthrough::Walkthrough::new(dir.path().to_path_buf(), None);
+    let mut app = App::new("demo.db (working copy)", "alice", false, false, NOW);
+    app.size = (80, 24);
+    app.update(Action::SelectPane(Pane::Walkthrough));
+    let EngineEvent::Walkthrough(v) = w.view() else { panic!() };
+    let four = v.scenarios.iter().position(|(n, _)| n == "4").unwrap();
+    w.select(four);
+    for _ in 0..40 {
+        w.step();
+        let EngineEvent::Walkthrough(v) = w.view() else { panic!() };
+        if !v.more {
+            break;
+        }
+    }
+    app.update(Action::Engine(w.view()));
+    let extent = |app: &App| {
+        let mut t = Terminal::new(TestBackend::new(80, 24)).unwrap();
+        let mut n = 0;
+        t.draw(|f| n = ui::render(app, f)).unwrap();
+        n
+    };
+    let end = extent(&app);
+    assert!(end > 0, "scenario 4's steps are longer than 80×24");
+    app.update(Action::DetailExtent(end));
+    let screen = text(&draw(&app, 80, 24));
+    assert!(screen.lines().all(|l| l.chars().count() <= 80), "{screen}");
+    assert!(screen.lines().last().unwrap().contains("j/k scroll"), "{screen}");
+    assert!(screen.contains(&format!("j/k scroll {end}/{end}")), "the newest step in view:\n{screen}");
+    insta::assert_snapshot!("walkthrough_end_80x24", screen);
+    press(&mut app, KeyCode::Char('g'));
+    let top = text(&draw(&app, 80, 24));
+    assert!(top.contains(&format!("j/k scroll 0/{end}")) && top.contains("  1  "), "{top}");
+    insta::assert_snapshot!("walkthrough_top_80x24", top);
+    press(&mut app, KeyCode::Char('j'));
+    assert_eq!(app.walk_scroll, 1);
+    for _ in 0..200 {
+        press(&mut app, KeyCode::Char('j'));
+    }
+    assert_eq!(app.walk_scroll, end, "j stops at the end");
+    press(&mut app, KeyCode::Char('k'));
+    assert_eq!(app.walk_scroll, end - 1);
+    // `]` three times before any answer: three scenarios on.
+    let first = app.walkthrough.selected;
+    let n = app.walkthrough.scenarios.len();
+    let picks: Vec<Option<Request>> = (0..3).map(|_| app.update(key(']'))).collect();
+    let expect: Vec<Option<Request>> = (1..=3).map(|k| Some(Request::ScenarioSelect((first + k) % n))).collect();
+    assert_eq!(picks, expect);
+    // The answers come back one by one: the last pick stays shown throughout.
+    for k in 1..=3 {
+        w.select((first + k) % n);
+        app.update(Action::Engine(w.view()));
+        assert_eq!(app.walkthrough.selected, (first + 3) % n);
+    }
+}

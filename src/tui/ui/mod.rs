@@ -123,12 +123,7 @@ pub fn render(app: &App, frame: &mut Frame) -> u16 {
         Mode::Confirm | Mode::Form => app.dialog_return == Mode::Detail,
         _ => false,
     };
-    let extent = if over_detail {
-        detail::render(app, frame, body, t)
-    } else {
-        panes::render(app, frame, body, t);
-        0
-    };
+    let extent = if over_detail { detail::render(app, frame, body, t) } else { panes::render(app, frame, body, t) };
     render_footer(app, frame, footer, t);
     match app.mode {
         Mode::Help => popups::help(app, frame, t),
@@ -315,7 +310,7 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         (_, Pane::Approvals) => {
             &[("a", "approve", true), ("d", "deny", true), ("Enter", "detail", false), ("/", "filter", false)]
         }
-        (_, Pane::Walkthrough) => &[("n", "next step", false), ("[ ]", "scenario", false)],
+        (_, Pane::Walkthrough) => &[("n", "next step", false), ("[ ]", "scenario", false), ("j/k", "scroll", false)],
         _ => &[("Enter", "detail", false), ("/", "filter", false), ("PgDn", "page", false)],
     };
     let mut spans = Vec::new();

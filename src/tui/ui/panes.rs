@@ -13,16 +13,19 @@ use crate::tui::app::{App, Pane, Rows};
 use crate::tui::format::{duration_in, human_ms, short};
 
 /// Draws the current pane.
-pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+/// Draws the current pane; returns how far it can scroll (the walkthrough's
+/// steps below 120 columns; 0 for a table, which pages instead).
+pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
     match app.pane {
         Pane::Live => live(app, frame, area, t),
         Pane::Ledger => ledger(app, frame, area, t),
         Pane::Approvals => approvals(app, frame, area, t),
         Pane::Unknown => unknown(app, frame, area, t),
         Pane::Audit => audit(app, frame, area, t),
-        Pane::Walkthrough => walkthrough(app, frame, area, t),
+        Pane::Walkthrough => return walkthrough(app, frame, area, t),
         Pane::Metrics => super::metrics::render(app, frame, area, t),
     }
+    0
 }
 
 /// Columns needed by the kept ones, with the spacing between them.
@@ -461,7 +464,50 @@ fn when(at: i64, now: i64) -> String {
     }
 }
 
-fn walkthrough(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+/// Below 120 columns the steps' table does not fit: each step is a few lines
+/// instead (action and verdict; transition, retryable, effects; what the user
+/// sees, wrapped), scrolled with j/k (the newest step in view as steps run).
+fn walk_steps(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
+    let w = &app.walkthrough;
+    let room = usize::from(area.width.saturating_sub(11)).max(20);
+    let mut lines: Vec<Line> = Vec::new();
+    for s in &w.steps {
+        let v = if s.verdict == "PASS" { t.ok() } else { t.bad() };
+        lines.push(Line::from(vec![
+            Span::styled(format!(" {:>2}  ", s.n), t.accent()),
+            Span::raw(format!("{}  ", short(&s.action, room))),
+            Span::styled(s.verdict.clone(), v),
+        ]));
+        lines.push(Line::from(Span::styled(
+            format!(
+                "     {} · retryable {} · effects {}",
+                short(&s.transition, room),
+                short(&s.retryable, 9),
+                s.effects
+            ),
+            t.dim(),
+        )));
+        for (i, part) in super::lab::wrap(&crate::display::escape(&s.user_sees), room).into_iter().enumerate() {
+            let label = if i == 0 { "sees" } else { "" };
+            lines.push(Line::from(vec![Span::styled(format!("     {label:<5} "), t.dim()), Span::raw(part)]));
+        }
+    }
+    if lines.is_empty() {
+        lines.push(Line::from(Span::styled("  no step yet: n runs the first", t.dim())));
+    }
+    let block = Block::default().borders(Borders::TOP);
+    let inner = block.inner(area);
+    let extent = (lines.len() as u16).saturating_sub(inner.height);
+    let scroll = app.walk_scroll.min(extent);
+    let title = if extent == 0 { String::new() } else { format!(" steps · j/k scroll {scroll}/{extent} ") };
+    frame.render_widget(
+        Paragraph::new(super::escaped(lines)).block(block.title(Span::styled(title, t.dim()))).scroll((scroll, 0)),
+        area,
+    );
+    extent
+}
+
+fn walkthrough(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
     let w = &app.walkthrough;
     if w.scenarios.is_empty() {
         let p = Paragraph::new(vec![
@@ -470,7 +516,7 @@ fn walkthrough(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             Line::from(Span::styled("  loading scenarios…", t.dim())),
         ]);
         frame.render_widget(p, area);
-        return;
+        return 0;
     }
     let (num, title) = w.scenarios.get(w.selected).cloned().unwrap_or_default();
     let mut lines = vec![
@@ -490,6 +536,9 @@ fn walkthrough(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let top_h = u16::try_from(top_text.line_count(area.width)).unwrap_or(3).clamp(3, 6);
     let [top, rest] = ratatui::layout::Layout::vertical([Constraint::Length(top_h), Constraint::Min(1)]).areas(area);
     frame.render_widget(top_text, top);
+    if area.width < 120 {
+        return walk_steps(app, frame, rest, t);
+    }
     let body: Vec<Row> = w
         .steps
         .iter()
@@ -529,6 +578,7 @@ fn walkthrough(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         st.select(Some(n - 1));
     }
     frame.render_stateful_widget(tb, rest, &mut st);
+    0
 }
 
 fn loading(app: &App, frame: &mut Frame, area: Rect, title: &str, t: Theme) {
