@@ -144,7 +144,8 @@ pub fn run(opts: &ConsoleOptions) -> Result<(), ConsoleError> {
         },
         ev_tx,
     )?;
-    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
+    // I/O enabled for the signal driver (SIGHUP, SIGTERM).
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().enable_io().build()?;
     rt.block_on(run_async(opts, backend, ev_rx))
 }
 
@@ -154,19 +155,62 @@ async fn run_async(
     mut ev_rx: tokio::sync::mpsc::UnboundedReceiver<Action>,
 ) -> Result<(), ConsoleError> {
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
-    let mut terminal = ratatui::try_init()?;
+    // The hook from before ratatui's: ratatui's restores with `restore`, which
+    // on a terminal that hung up reports its failure on stderr, which fails
+    // too and panics inside the hook (the process aborted before the caller
+    // removed the working copy). Ours uses `try_restore`.
     let hook = std::panic::take_hook();
+    let mut terminal = ratatui::try_init()?;
+    drop(std::panic::take_hook());
     std::panic::set_hook(Box::new(move |info| {
         let _ = execute!(std::io::stdout(), DisableMouseCapture);
-        ratatui::restore();
+        let _ = ratatui::try_restore();
         hook(info);
     }));
     let _ = execute!(std::io::stdout(), EnableMouseCapture);
     let result = event_loop(&mut terminal, opts, no_color, &backend, &mut ev_rx).await;
     let _ = execute!(std::io::stdout(), DisableMouseCapture);
-    ratatui::restore();
+    let _ = ratatui::try_restore();
+    // A terminal that cannot show its cursor again is gone (hung up): its
+    // drop would try again and report on stderr, which panics.
+    if terminal.show_cursor().is_err() {
+        std::mem::forget(terminal);
+    }
     backend.shutdown();
     result
+}
+
+/// The signals that end the console as `Q` does (so the caller cleans up,
+/// e.g. removes the demo's working copy): the terminal hung up (SIGHUP, its
+/// window closed) or the process was asked to stop (SIGTERM).
+struct Stop {
+    #[cfg(unix)]
+    hup: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+}
+
+impl Stop {
+    fn new() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(Self { hup: signal(SignalKind::hangup())?, term: signal(SignalKind::terminate())? })
+        }
+        #[cfg(not(unix))]
+        Ok(Self {})
+    }
+
+    /// Resolves when one of the signals arrives.
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.hup.recv() => {}
+            _ = self.term.recv() => {}
+        }
+        #[cfg(not(unix))]
+        std::future::pending::<()>().await;
+    }
 }
 
 async fn event_loop(
@@ -201,6 +245,7 @@ async fn event_loop(
         }
     }
     let _ = backend.requests.send(app.fetch());
+    let mut stop = Stop::new()?;
     let mut events = EventStream::new();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     let mut last_tick_second = 0;
@@ -227,6 +272,8 @@ async fn event_loop(
                 None => Some(Action::Quit),
             },
             a = ev_rx.recv() => a,
+            // Closed or stopped: leave as Q does, so the caller cleans up.
+            () = stop.recv() => return Ok(()),
             _ = tick.tick() => {
                 let now = now_ms();
                 // Countdowns move once a second.

@@ -706,6 +706,24 @@ impl Pty {
         self.master.resize(portable_pty::PtySize { rows, cols, pixel_width: 0, pixel_height: 0 }).unwrap();
     }
 
+    /// Sends the console `signal` (`HUP`: what a terminal whose window is
+    /// closed sends; `TERM`), then waits for it to end.
+    fn signal(self, signal: &str) -> portable_pty::ExitStatus {
+        let Self { master, mut child, writer, parser: _ } = self;
+        let pid = child.process_id().unwrap().to_string();
+        assert!(std::process::Command::new("kill").args([&format!("-{signal}"), &pid]).status().unwrap().success());
+        let start = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(start.elapsed() < std::time::Duration::from_secs(20), "the console did not end on SIG{signal}");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        drop((writer, master));
+        status
+    }
+
     /// `Q`, and a clean exit.
     fn quit(mut self) {
         self.keys(b"Q");
@@ -2760,5 +2778,29 @@ fn the_walkthrough_at_80x24_is_readable_scrolls_back_and_keeps_a_burst_of_picks(
         w.select((first + k) % n);
         app.update(Action::Engine(w.view()));
         assert_eq!(app.walkthrough.selected, (first + 3) % n);
+    }
+}
+
+/// Issue 32 §2: closing the terminal (SIGHUP) left the demo's working copy
+/// under the temporary directory. A hang-up, or SIGTERM, ends the console as
+/// `Q` does: the working copy is removed.
+#[cfg(unix)]
+#[test]
+fn closing_the_terminal_or_sigterm_removes_the_working_copy() {
+    for how in ["HUP", "TERM"] {
+        let config = tempfile::tempdir().unwrap();
+        let t = Pty::spawn(&[], config.path());
+        t.wait_for("OUTCOME_UNKNOWN");
+        let copies = || {
+            std::fs::read_dir(config.path())
+                .unwrap()
+                .filter_map(Result::ok)
+                .filter(|e| e.file_name().to_string_lossy().starts_with("toolgate-console-"))
+                .count()
+        };
+        assert_eq!(copies(), 1, "{how}: the working copy is there while the console runs");
+        let status = t.signal(how);
+        eprintln!("SIG{how}: {status:?}");
+        assert_eq!(copies(), 0, "{how}: the working copy is removed");
     }
 }
