@@ -2804,3 +2804,27 @@ fn closing_the_terminal_or_sigterm_removes_the_working_copy() {
         assert_eq!(copies(), 0, "{how}: the working copy is removed");
     }
 }
+
+/// Issue 32 §2: at 160 columns the tables cut text while space was free (a
+/// code at 22 characters, the operator log's reasons at 40). The room left
+/// over goes to that text.
+#[test]
+fn at_160_columns_the_tables_use_the_free_space() {
+    let mut d = demo();
+    let screen = text(&draw(&app_on(&mut d, Pane::Ledger, 160, 45), 160, 45));
+    assert!(screen.contains(" BUSINESS_RULE_VIOLATION "), "{screen}");
+    let app = app_on(&mut d, Pane::Audit, 160, 45);
+    let Rows::Audit(rows) = &app.rows else { panic!() };
+    let screen = text(&draw(&app, 160, 45));
+    for r in rows.iter().filter(|r| r.reason.chars().count() < 70) {
+        assert!(screen.contains(&r.reason), "{:?} whole:\n{screen}", r.reason);
+    }
+    let screen = text(&draw(&app_on(&mut d, Pane::Unknown, 160, 45), 160, 45));
+    assert!(line_of(&screen, "op_a04bfa").contains("sr1_8d07446c00697e02171b7"), "{screen}");
+    for (w, h) in [(80, 24), (160, 45)] {
+        for pane in [Pane::Ledger, Pane::Audit, Pane::Unknown] {
+            let screen = text(&draw(&app_on(&mut d, pane, w, h), w, h));
+            fits(&screen, w, h);
+        }
+    }
+}

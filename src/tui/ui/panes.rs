@@ -56,6 +56,12 @@ fn kept(widths: &[Constraint], width: u16, drop_first: &[usize]) -> Vec<bool> {
     keep
 }
 
+/// Columns left over at `width` once the kept columns have theirs: a wide
+/// terminal gives them to the pane's text that would be cut.
+fn spare(widths: &[Constraint], width: u16, drop_first: &[usize]) -> u16 {
+    width.saturating_sub(need(widths, &kept(widths, width, drop_first)))
+}
+
 /// Ids in full: `op_` or `apr_` and 24 hex digits.
 const ID_FULL: u16 = 28;
 /// Ids at their narrowest (`op_0123456789…`).
@@ -236,6 +242,10 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         Constraint::Length(8),
     ];
     let id_w = widen_id(&mut widths, area.width, &[3, 1, 4], 0);
+    // Room left over goes to the result ref / code (a code cut at 22 otherwise).
+    let result_w = 22 + spare(&widths, area.width, &[3, 1, 4]).min(26);
+    widths[6] = Constraint::Length(result_w);
+    let result_w = usize::from(result_w);
     let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|o| {
@@ -246,7 +256,7 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 Cell::from(crate::display::digest(&o.key_sha256, 8)),
                 Cell::from(crate::display::digest(&o.request_sha256, 8)),
                 Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state.as_str()))),
-                Cell::from(short(o.receipt_id.as_deref().or(o.code.as_deref()).unwrap_or("-"), 22)),
+                Cell::from(short(o.receipt_id.as_deref().or(o.code.as_deref()).unwrap_or("-"), result_w)),
                 // Retention runs from the moment an operation settled; until
                 // then it is kept. One a person acted on is never purged.
                 Cell::from(o.terminal_at.filter(|_| !app.acted_on.contains(&o.id)).map_or_else(
@@ -358,6 +368,10 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         Constraint::Min(20),
     ];
     let id_w = widen_id(&mut widths, area.width, &[6, 5, 7, 1], 0);
+    // Room left over goes to the status_ref (68 characters whole).
+    let ref_w = 14 + spare(&widths, area.width, &[6, 5, 7, 1]).min(54);
+    widths[6] = Constraint::Length(ref_w);
+    let ref_w = usize::from(ref_w);
     let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|o| {
@@ -377,7 +391,7 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 // Why it is stuck and the key that moves it (the detail says it in full).
                 Cell::from(Span::styled(crate::tui::app::reason(o), t.warn())),
                 Cell::from(short(o.code.as_deref().unwrap_or("-"), 18)),
-                Cell::from(short(&o.status_ref, 14)),
+                Cell::from(short(&o.status_ref, ref_w)),
                 Cell::from(short(&last, 26)),
             ]
         })
@@ -417,6 +431,8 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     // Where the result column does not fit (80 columns), the action says it:
     // a refused action is marked and coloured, never shown like an applied one.
     let result_shown = kept(&widths, area.width, &[0, 4]).get(4).copied().unwrap_or(true);
+    // The reason takes what is left of the line (it was cut at 40 with room to spare).
+    let reason_w = usize::from(20 + spare(&widths, area.width, &[0, 4]));
     let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|r| {
@@ -433,7 +449,7 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 action,
                 Cell::from(Span::styled(short(&r.result, 8), res)),
                 Cell::from(short(r.operation_id.as_deref().or(r.approval_id.as_deref()).unwrap_or("-"), id_w)),
-                Cell::from(short(&r.reason, 40)),
+                Cell::from(short(&r.reason, reason_w)),
             ]
         })
         .collect();
