@@ -2828,3 +2828,14 @@ fn at_160_columns_the_tables_use_the_free_space() {
         }
     }
 }
+
+/// Found trying issue 32 §2 in a terminal: `f` typed four times at once asked
+/// for 1% four times (each stepped from the rate the engine last reported).
+#[test]
+fn f_typed_in_a_burst_steps_the_fault_rate_each_time() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    let asked: Vec<Option<Request>> = (0..4).map(|_| app.update(key('f'))).collect();
+    let expect: Vec<Option<Request>> = [100, 500, 2_000, 10_000].map(|bp| Some(Request::SetFaultRate(bp))).to_vec();
+    assert_eq!(asked, expect);
+}
