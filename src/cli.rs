@@ -2114,8 +2114,10 @@ fn print_detail(d: &crate::engine::OperationDetail) {
 // ------------------------------------------------------- tokens and serve
 
 /// The operator an operator-log entry names: `--operator`, else `$USER`.
+/// The operator a command acts as: `--operator`, else the login name (the
+/// console's default too), else `operator`.
 fn operator_or_user(cli: &Cli) -> String {
-    cli.operator.clone().or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "operator".into())
+    cli.operator.clone().unwrap_or_else(crate::tui::default_operator)
 }
 
 fn tenant_command(cli: &Cli, what: &TenantCommand) -> Result<i32, CliError> {

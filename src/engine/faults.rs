@@ -260,6 +260,17 @@ impl FaultPlan {
             return f;
         }
         if let Some((rate, rng)) = &mut self.random {
+            // A rate of 1 is an outage: the provider is down, so every call
+            // fails the way a down provider fails (the breaker counts each),
+            // and nothing commits. A 429 or a committed lost reply is a
+            // provider that is up: one of those closed the breaker again.
+            if *rate >= 1.0 {
+                return match rng.gen_range(0..3) {
+                    0 => Fault::Unavailable(None),
+                    1 => Fault::ConnectTimeout,
+                    _ => Fault::TimeoutBeforeCommit,
+                };
+            }
             if rng.gen_bool(*rate) {
                 // Mostly transient faults, some lost replies: what a flaky provider does.
                 return match rng.gen_range(0..6) {
@@ -351,5 +362,22 @@ mod tests {
         check("latency(5", Err(()));
         check("random(2.0,seed=1)", Err(()));
         assert!(FaultPlan::parse("random(0.5,seed=1)").is_ok());
+    }
+
+    /// Issue 32 §2: at 100% one fault in six was a 429 (a provider that is
+    /// up, which closed the breaker again) and some committed. An outage is
+    /// an outage: every fault is one a down provider gives, and none commits.
+    #[test]
+    fn a_rate_of_one_is_an_outage() {
+        for seed in 0..20 {
+            let mut p = FaultPlan::parse(&format!("random(1.0,seed={seed})")).unwrap();
+            for _ in 0..200 {
+                let f = p.next_fault();
+                assert!(
+                    matches!(f, Fault::Unavailable(None) | Fault::ConnectTimeout | Fault::TimeoutBeforeCommit),
+                    "seed {seed}: {f:?}"
+                );
+            }
+        }
     }
 }

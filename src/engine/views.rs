@@ -20,6 +20,8 @@ pub struct HeaderCounts {
     pub approvers: std::collections::BTreeMap<String, Vec<String>>,
     /// Why the ledger's clock pauses reaping and purging on this host, if it does.
     pub clock_paused: Option<String>,
+    /// The circuit breakers that are not closed (open or half-open), by downstream.
+    pub breakers: Vec<crate::store::CircuitRow>,
 }
 
 impl Engine {
@@ -100,8 +102,15 @@ impl Engine {
                 oldest_unknown_at: tx.oldest_unknown_at()?,
                 approvers,
                 clock_paused: clock_paused.clone(),
+                breakers: tx.circuits()?.into_iter().filter(|c| c.state != "closed").collect(),
             })
         })?)
+    }
+
+    /// Of `ids`, the operations a person acted on: never purged (the console's
+    /// "kept" column says so instead of a retention countdown).
+    pub fn acted_on_by_a_person(&mut self, ids: &[String]) -> Result<Vec<String>, EngineError> {
+        Ok(self.store.read(|tx| tx.acted_on_by_a_person(ids))?)
     }
 
     /// SQLite's data version: changes when any other connection commits.

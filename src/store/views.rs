@@ -469,6 +469,34 @@ fn audit_where(f: &Filter, now: i64, first: usize) -> Where {
 }
 
 impl Tx<'_> {
+    /// Of `ids`, the operations a person acted on (an approval, or an
+    /// operator-log entry other than a caller's own status query): the purge
+    /// never takes them, whatever their retention says
+    /// ([`Tx::purgeable_operations`] has the same rule).
+    pub fn acted_on_by_a_person(&self, ids: &[String]) -> R<Vec<String>> {
+        // A fixed number of parameters, so one statement serves every page.
+        const CHUNK: usize = 16;
+        let marks: Vec<String> = (1..=CHUNK).map(|i| format!("?{i}")).collect();
+        let sql = format!(
+            "SELECT o.id FROM operations o
+             WHERE o.id IN ({})
+               AND (o.approval_id IS NOT NULL
+                    OR EXISTS (SELECT 1 FROM audit_log a WHERE a.operation_id = o.id AND {}))",
+            marks.join(", "),
+            self.by_a_person()
+        );
+        let mut out = Vec::new();
+        for chunk in ids.chunks(CHUNK) {
+            // Padding: an empty id matches no operation.
+            let list: [String; CHUNK] = std::array::from_fn(|i| chunk.get(i).cloned().unwrap_or_default());
+            let mut st = self.conn.prepare_cached(&sql)?;
+            for id in st.query_map(list, |r| r.get(0))? {
+                out.push(id?);
+            }
+        }
+        Ok(out)
+    }
+
     /// One page of operations in `order`, after `cursor`, matching `filter`
     /// (ages measured at `now`).
     pub fn ops_page(

@@ -19,7 +19,7 @@ pub use lab::{percent, AgentsView, LabView, FAULT_STEPS};
 pub use marks::{marks_of, BulkKey, BulkPlan, BulkProgress, Mark, MarkKind, MAX_MARKS};
 pub use prefs::{PanePrefs, Prefs};
 pub use sort::{columns as sort_columns, default_order};
-pub use why::{explain, explain_approval, reason, Why};
+pub use why::{explain, explain_approval, found_receipt, reason, request_terms, FoundReceipt, Why};
 
 /// The panes, in tab order (number keys 1..=7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -279,6 +279,20 @@ pub enum EngineEvent {
         /// Nothing was refused or left unknown.
         ok: bool,
     },
+    /// A resolve the engine refused because only a decision against the
+    /// evidence can pass (the provider's evidence contradicts it, or a receipt
+    /// may still appear): the console offers that, in its own confirm.
+    Contradicted {
+        /// The refusal's code (`STATUS_CONFLICT`, `RECEIPT_MAY_STILL_APPEAR`).
+        code: String,
+        /// The engine's words: what contradicts the decision.
+        why: String,
+        /// The refused request.
+        request: Box<Request>,
+    },
+    /// Of the Ledger page that follows, the operations a person acted on
+    /// (never purged: no retention countdown for them).
+    ActedOn(Vec<String>),
     /// A walkthrough step ran.
     Walkthrough(WalkthroughView),
     /// The lab's state (with every refresh).
@@ -287,6 +301,14 @@ pub enum EngineEvent {
     Tools {
         /// Their names.
         unaskable: std::collections::BTreeSet<String>,
+    },
+    /// Refreshing the visible page failed (the database is down or
+    /// unreachable): the rows on screen are the last ones fetched.
+    RefreshFailed {
+        /// The store's code (`DB_UNAVAILABLE` when the server is gone).
+        code: String,
+        /// What failed.
+        error: String,
     },
     /// Something failed in the engine thread.
     Error(String),
@@ -394,6 +416,10 @@ pub enum Request {
         /// The operator states that no evidence exists either way (a failed
         /// decision on a tool whose downstream cannot be asked).
         no_evidence: bool,
+        /// Applied although the provider's evidence contradicts it (asked
+        /// only from the dialog that names the contradiction); the operator
+        /// log records it as made against the evidence.
+        against_evidence: bool,
     },
     /// Cancel an operation.
     Cancel {
@@ -428,6 +454,8 @@ pub enum Request {
         /// The rows it applies to.
         targets: Vec<crate::engine::BulkTarget>,
     },
+    /// Act as this operator from now on (`:operator NAME`).
+    SetOperator(String),
     /// Walkthrough: choose a scenario (restarts it).
     ScenarioSelect(usize),
     /// Walkthrough: run the next step.
@@ -468,6 +496,11 @@ pub enum FormKind {
         /// The tool's downstream cannot be asked: a failed decision states
         /// that no evidence exists either way.
         unaskable: bool,
+        /// What the call asked for (amount, currency, order), when it says.
+        terms: Option<String>,
+        /// The receipt a status query found and why it did not settle the
+        /// operation (known when the form is opened from the detail view).
+        found: Option<String>,
     },
     /// Cancel an operation.
     Cancel {
@@ -579,8 +612,10 @@ pub struct App {
     pub dialog_return: Mode,
     /// Status-bar line and whether it is an error.
     pub status: Option<(String, bool)>,
-    /// Now, for countdowns.
+    /// Now, for the ages and countdowns on screen (stands still while paused).
     pub now_ms: i64,
+    /// Now, by the wall clock (status messages, refusals, the connection state).
+    pub wall_ms: i64,
     /// Terminal size.
     pub size: (u16, u16),
     /// Walkthrough.
@@ -612,7 +647,22 @@ pub struct App {
     pub queued: std::collections::VecDeque<Action>,
     /// Requests produced by replaying queued keys (the event loop sends them).
     pub pending_requests: Vec<Request>,
+    /// Refreshes fail: since when, and the store's code (the header says so
+    /// instead of `LIVE`, with the time of the rows shown).
+    pub db_down: Option<(i64, String)>,
+    /// When the rows on screen were fetched.
+    pub rows_at: Option<i64>,
+    /// Operations of the Ledger page a person acted on (never purged).
+    pub acted_on: std::collections::HashSet<String>,
+    /// How far the walkthrough's steps are scrolled (`u16::MAX`: the end).
+    pub walk_scroll: u16,
+    /// Walkthrough requests (picks, steps) not answered yet.
+    pub walk_pending: usize,
 }
+
+/// The smallest terminal every pane is laid out for; below it the console
+/// only says what it needs, and takes no key but quit.
+pub const MIN_SIZE: (u16, u16) = (80, 24);
 
 /// Rows of chrome around a pane's table: header (3), tabs (1), table border and
 /// header (3), footer (2).
@@ -670,13 +720,29 @@ impl App {
             unaskable_tools: std::collections::BTreeSet::new(),
             walk_restart_armed: false,
             status_at: now_ms,
+            wall_ms: now_ms,
             messages: std::collections::VecDeque::new(),
             help_messages: false,
             lab_selected: 0,
             awaiting_page: false,
             queued: std::collections::VecDeque::new(),
             pending_requests: Vec::new(),
+            db_down: None,
+            rows_at: None,
+            acted_on: std::collections::HashSet::new(),
+            walk_scroll: u16::MAX,
+            walk_pending: 0,
         }
+    }
+
+    /// The terminal is below [`MIN_SIZE`]: nothing is drawn but what it needs.
+    pub fn too_small(&self) -> bool {
+        self.size.0 < MIN_SIZE.0 || self.size.1 < MIN_SIZE.1
+    }
+
+    /// Keys scroll the walkthrough's steps (its pane, browsing).
+    fn walk_scrolls(&self) -> bool {
+        self.pane == Pane::Walkthrough && self.mode == Mode::Normal
     }
 
     /// How many table rows fit.
@@ -805,9 +871,9 @@ impl App {
         if self.messages.len() == MESSAGE_LOG {
             self.messages.pop_front();
         }
-        self.messages.push_back((self.now_ms, text.clone(), error));
+        self.messages.push_back((self.wall_ms, text.clone(), error));
         self.status = Some((text, error));
-        self.status_at = self.now_ms;
+        self.status_at = self.wall_ms;
     }
 
     /// An action that does not apply: in the detail view, to this operation's
@@ -900,7 +966,12 @@ impl App {
                 None
             }
             Action::Tick(now) => {
-                self.now_ms = now;
+                self.wall_ms = now;
+                // Paused, the screen is a snapshot: its ages and countdowns
+                // stand still with its rows (messages still expire).
+                if self.live {
+                    self.now_ms = now;
+                }
                 // A message says what just happened: once the state moved on,
                 // it goes (the log keeps it).
                 let ttl = match &self.status {
@@ -941,6 +1012,33 @@ impl App {
                 self.switch_pane(Pane::ALL[(self.pane.index() + Pane::ALL.len() - 1) % Pane::ALL.len()])
             }
             Action::SelectPane(p) => self.switch_pane(p),
+            // The walkthrough's steps scroll (the pane has no rows to select).
+            Action::Up | Action::Scroll(-1) if self.walk_scrolls() => {
+                self.walk_scroll = self.walk_scroll.min(self.detail_extent).saturating_sub(1);
+                None
+            }
+            Action::Down | Action::Scroll(1) if self.walk_scrolls() => {
+                self.walk_scroll = self.walk_scroll.min(self.detail_extent).saturating_add(1).min(self.detail_extent);
+                None
+            }
+            Action::Top if self.walk_scrolls() => {
+                self.walk_scroll = 0;
+                None
+            }
+            Action::Bottom if self.walk_scrolls() => {
+                self.walk_scroll = u16::MAX;
+                None
+            }
+            Action::PageUp if self.walk_scrolls() => {
+                let page = self.size.1.saturating_sub(14).max(1);
+                self.walk_scroll = self.walk_scroll.min(self.detail_extent).saturating_sub(page);
+                None
+            }
+            Action::PageDown if self.walk_scrolls() => {
+                let page = self.size.1.saturating_sub(14).max(1);
+                self.walk_scroll = self.walk_scroll.saturating_add(page).min(self.detail_extent);
+                None
+            }
             Action::Up | Action::Scroll(-1) => {
                 if self.mode == Mode::Detail {
                     self.stop_following();
@@ -1139,6 +1237,7 @@ impl App {
             }
             Action::TogglePause => {
                 self.live = !self.live;
+                self.now_ms = self.wall_ms;
                 self.say(if self.live { "live refresh resumed" } else { "paused: the panes stop refreshing" }, false);
                 Some(Request::SetLive(self.live))
             }
@@ -1198,10 +1297,22 @@ impl App {
                     );
                     return None;
                 };
+                let found = self
+                    .detail
+                    .as_deref()
+                    .filter(|d| self.mode == Mode::Detail && d.operation.id == op.id)
+                    .and_then(found_receipt)
+                    .filter(|r| op.receipt_id.as_deref() != Some(r.receipt_id.as_str()))
+                    .map(|r| match &r.why_not {
+                        Some(w) => format!("{}: {}", r.ids(), w),
+                        None => r.ids(),
+                    });
                 let kind = FormKind::Resolve {
                     operation_id: op.id.clone(),
                     seen_version: op.version,
                     unaskable: self.unaskable_tools.contains(&op.tool),
+                    terms: request_terms(op),
+                    found,
                     last_query: format!(
                         "{} ({})",
                         op.last_query_result.clone().unwrap_or_else(|| "no query yet".into()),
@@ -1236,14 +1347,19 @@ impl App {
                     return None;
                 }
                 self.walk_restart_armed = false;
+                self.walk_pending += 1;
                 Some(Request::ScenarioStep)
             }
             Action::ScenarioPick(d) => {
                 if self.pane != Pane::Walkthrough || self.walkthrough.scenarios.is_empty() {
                     return None;
                 }
+                // From the scenario last picked, not the last one the engine
+                // answered: `]]]` typed at once moves three.
                 let n = self.walkthrough.scenarios.len() as i32;
                 let i = (self.walkthrough.selected as i32 + d).rem_euclid(n) as usize;
+                self.walkthrough.selected = i;
+                self.walk_pending += 1;
                 Some(Request::ScenarioSelect(i))
             }
         }
@@ -1291,6 +1407,16 @@ impl App {
         match ev {
             EngineEvent::Page { pane, rows, header } => {
                 self.header = header;
+                self.rows_at = Some(self.wall_ms);
+                if let Some((since, _)) = self.db_down.take() {
+                    self.say(
+                        format!(
+                            "the database is back (down since {}): the panes are live again",
+                            super::format::time_of_day(since)
+                        ),
+                        false,
+                    );
+                }
                 // A page comes whenever the ledger changed (and every few
                 // seconds): a followed detail is fetched again with it.
                 let followed = self
@@ -1350,8 +1476,31 @@ impl App {
                 self.unaskable_tools = unaskable;
                 None
             }
+            EngineEvent::ActedOn(ids) => {
+                self.acted_on = ids.into_iter().collect();
+                None
+            }
+            EngineEvent::Contradicted { code, why, request } => Some(self.on_contradicted(&code, &why, *request)),
             EngineEvent::Walkthrough(w) => {
+                let picked = self.walkthrough.selected;
+                if w.steps.len() != self.walkthrough.steps.len() {
+                    // A step ran (or the scenario changed): the newest in view.
+                    self.walk_scroll = u16::MAX;
+                }
                 self.walkthrough = w;
+                // Answers to earlier picks still coming: the last pick stays shown.
+                self.walk_pending = self.walk_pending.saturating_sub(1);
+                if self.walk_pending > 0 {
+                    self.walkthrough.selected = picked;
+                }
+                None
+            }
+            EngineEvent::RefreshFailed { code, error } => {
+                // Said once; the header keeps saying it while it lasts.
+                if self.db_down.is_none() {
+                    self.say(format!("refresh failed: {code}: {error}; the rows shown are not live"), true);
+                    self.db_down = Some((self.wall_ms, code));
+                }
                 None
             }
             EngineEvent::Error(e) => {
@@ -1359,6 +1508,57 @@ impl App {
                 None
             }
         }
+    }
+
+    /// A resolve refused on the provider's evidence: said, and the same
+    /// decision offered against the evidence in a confirm that names the
+    /// contradiction (Go back focused). The pane (and detail) refresh.
+    fn on_contradicted(&mut self, code: &str, why: &str, request: Request) -> Request {
+        let Request::Resolve {
+            operation_id,
+            resolution,
+            note,
+            evidence,
+            seen_version,
+            no_evidence,
+            against_evidence: false,
+        } = request
+        else {
+            self.say(format!("{code}: {why}"), true);
+            return self.fetch();
+        };
+        self.say(format!("resolve {operation_id}: {code} {why}"), true);
+        if let Some(d) = self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
+            self.pending_requests.push(Request::Detail(d.operation.id.clone()));
+        }
+        // Another dialog opened meanwhile: the status line (and the log) say it.
+        if !matches!(self.mode, Mode::Normal | Mode::Detail) {
+            return self.fetch();
+        }
+        let lines = vec![
+            format!("operation   {operation_id} (version {seen_version})"),
+            format!("resolve as  {}, AGAINST the provider's evidence", resolution.as_str()),
+            format!("contradicts {code}: {why}"),
+            format!("evidence    {}", evidence.as_deref().unwrap_or("-")),
+            format!("note        {note}"),
+            "the operator log records it as decided against the evidence".to_string(),
+        ];
+        self.confirm = Some(Confirm {
+            title: "Decide against the evidence".into(),
+            evidence: lines,
+            request: Request::Resolve {
+                operation_id,
+                resolution,
+                note,
+                evidence,
+                seen_version,
+                no_evidence,
+                against_evidence: true,
+            },
+            on_confirm: false,
+        });
+        self.mode = Mode::Confirm;
+        self.fetch()
     }
 
     fn ask_query(&mut self) -> Option<Request> {
@@ -1403,17 +1603,18 @@ impl App {
     /// Whether this operator may decide this approval now; the reason if not
     /// (said before any dialog opens, as the engine would refuse it after).
     pub fn may_decide(&self, a: &ApprovalRow) -> Result<(), String> {
-        if self.now_ms >= a.expires_at {
+        // The wall clock: a paused screen does not make a request younger.
+        if self.wall_ms >= a.expires_at {
             return Err(format!(
                 "{} expired {} ago (expiry is exclusive): it can no longer be approved or denied; the agent's next call asks anew",
                 a.id,
-                super::format::human_ms(self.now_ms.saturating_sub(a.expires_at))
+                super::format::human_ms(self.wall_ms.saturating_sub(a.expires_at))
             ));
         }
         let allowed = self.header.approvers.get(&a.tenant).is_some_and(|l| l.contains(&self.operator));
         if !allowed {
             return Err(format!(
-                "{} is not on {}'s approver list (may approve: {}); start the console with --operator NAME",
+                "{} is not on {}'s approver list (may approve: {}); act as one of them with :operator NAME",
                 self.operator,
                 a.tenant,
                 self.approvers_of(&a.tenant)
@@ -1627,7 +1828,7 @@ impl App {
                         evidence.iter().cloned().chain([format!("note        {}", f.note)]).collect(),
                         Request::Deny { approval_id: approval_id.clone(), note: f.note.clone() },
                     ),
-                    FormKind::Resolve { operation_id, seen_version, last_query, unaskable } => {
+                    FormKind::Resolve { operation_id, seen_version, last_query, unaskable, terms, found } => {
                         let Some(choice) = f.choice else {
                             if let Some(form) = self.form.as_mut() {
                                 form.error = Some("choose a decision with ←/→ first".into());
@@ -1650,15 +1851,18 @@ impl App {
                         } else {
                             evidence.clone().unwrap_or_else(|| "-".into())
                         };
+                        let mut lines = vec![
+                            format!("operation   {operation_id} (version {seen_version})"),
+                            format!("resolve as  {}", resolution.as_str()),
+                            format!("evidence    {evidence_line}"),
+                            format!("last query  {last_query}"),
+                        ];
+                        lines.extend(terms.iter().map(|t| format!("amount      {t}")));
+                        lines.extend(found.iter().map(|r| format!("found       {r}")));
+                        lines.push(format!("note        {}", f.note));
                         (
                             "Resolve operation".to_string(),
-                            vec![
-                                format!("operation   {operation_id} (version {seen_version})"),
-                                format!("resolve as  {}", resolution.as_str()),
-                                format!("evidence    {evidence_line}"),
-                                format!("last query  {last_query}"),
-                                format!("note        {}", f.note),
-                            ],
+                            lines,
                             Request::Resolve {
                                 operation_id: operation_id.clone(),
                                 resolution,
@@ -1666,6 +1870,7 @@ impl App {
                                 evidence,
                                 seen_version: *seen_version,
                                 no_evidence,
+                                against_evidence: false,
                             },
                         )
                     }

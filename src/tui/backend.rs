@@ -150,7 +150,17 @@ fn fetch(engine: &mut Engine, v: &View) -> Result<EngineEvent, EngineError> {
     Ok(EngineEvent::Page { pane: v.pane, rows, header: engine.header_counts()? })
 }
 
+/// For a Ledger page: which of its operations a person acted on (the purge
+/// never takes those).
+pub fn acted_on(engine: &mut Engine, page: &EngineEvent) -> Option<EngineEvent> {
+    let EngineEvent::Page { pane: Pane::Ledger, rows: Rows::Ops(rows), .. } = page else { return None };
+    let ids: Vec<String> = rows.iter().filter(|o| o.terminal_at.is_some()).map(|o| o.id.clone()).collect();
+    Some(engine.acted_on_by_a_person(&ids).map_or_else(|e| EngineEvent::Error(e.to_string()), EngineEvent::ActedOn))
+}
+
 fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>, events: &UnboundedSender<Action>) {
+    // `:operator NAME` changes who the actions are recorded as.
+    let mut opts = opts.clone();
     let mut view = View {
         pane: Pane::Unknown,
         filter: String::new(),
@@ -176,9 +186,10 @@ fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>
             None => &mut engine,
         };
         match received {
+            Ok(Request::SetOperator(name)) => opts.operator = name,
             Ok(req) => {
                 let walk_step = matches!(req, Request::ScenarioStep | Request::ScenarioSelect(_));
-                let (ev, then_refresh) = handle(eng, opts, &mut view, &mut live, &mut walk, req, &send);
+                let (ev, then_refresh) = handle(eng, &opts, &mut view, &mut live, &mut walk, req, &send);
                 if let Some(ev) = ev {
                     if !send(ev) {
                         return;
@@ -216,7 +227,14 @@ fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>
                 Some((_, e)) => e,
                 None => &mut engine,
             };
-            let ev = fetch(eng, &view).unwrap_or_else(|e| EngineEvent::Error(e.to_string()));
+            let ev = fetch(eng, &view)
+                .unwrap_or_else(|e| EngineEvent::RefreshFailed { code: e.code().to_string(), error: e.to_string() });
+            // Before the page it is about: its "kept" column reads it.
+            if let Some(acted) = acted_on(eng, &ev) {
+                if !send(acted) {
+                    return;
+                }
+            }
             if !send(ev) {
                 return;
             }
@@ -264,6 +282,44 @@ pub fn run_bulk(
             verb,
         },
         Err(e) => EngineEvent::BulkDone { verb, summary: format!("{}: {e}", e.code()), acted: Vec::new(), ok: false },
+    }
+}
+
+/// A resolve as `operator`. A refusal that only a decision against the
+/// evidence can pass (the provider's evidence contradicts the decision, or a
+/// receipt may still appear) comes back as [`EngineEvent::Contradicted`], for
+/// the console's own confirm; any other answer as [`EngineEvent::Done`].
+pub fn resolve(engine: &mut Engine, operator: &str, request: Request) -> EngineEvent {
+    let Request::Resolve { operation_id, resolution, note, evidence, seen_version, no_evidence, against_evidence } =
+        request.clone()
+    else {
+        return EngineEvent::Error("not a resolve request".into());
+    };
+    let req = ResolveRequest {
+        operation_id: operation_id.clone(),
+        resolution,
+        operator: operator.to_string(),
+        note,
+        evidence,
+        seen_version: Some(seen_version),
+        action_id: None,
+        no_evidence,
+    };
+    let out = if against_evidence { engine.resolve_against_evidence(&req) } else { engine.resolve(&req) };
+    match out {
+        Ok(o)
+            if !o.applied
+                && !against_evidence
+                && matches!(o.code.as_str(), "STATUS_CONFLICT" | "RECEIPT_MAY_STILL_APPEAR") =>
+        {
+            EngineEvent::Contradicted { code: o.code, why: o.message, request: Box::new(request) }
+        }
+        Ok(o) if o.applied => {
+            let against = if against_evidence { ", against the evidence" } else { "" };
+            EngineEvent::Done { ok: true, summary: format!("resolve {operation_id}: {}{against}", o.message) }
+        }
+        Ok(o) => EngineEvent::Done { ok: false, summary: format!("resolve {operation_id}: {} {}", o.code, o.message) },
+        Err(e) => EngineEvent::Done { ok: false, summary: format!("{}: {e}", e.code()) },
     }
 }
 
@@ -399,26 +455,9 @@ fn handle(
                 .map(|o| (o.applied, format!("deny {approval_id}: {}", o.message)));
             (Some(done(r)), true)
         }
-        Request::Resolve { operation_id, resolution, note, evidence, seen_version, no_evidence } => {
-            let r = engine
-                .resolve(&ResolveRequest {
-                    operation_id: operation_id.clone(),
-                    resolution,
-                    operator: opts.operator.clone(),
-                    note,
-                    evidence,
-                    seen_version: Some(seen_version),
-                    action_id: None,
-                    no_evidence,
-                })
-                .map(|o| {
-                    (
-                        o.applied,
-                        format!("resolve {operation_id}: {} {}", if o.applied { "" } else { &o.code }, o.message),
-                    )
-                });
-            (Some(done(r)), true)
-        }
+        req @ Request::Resolve { .. } => (Some(resolve(engine, &opts.operator, req)), true),
+        // Taken by `serve`, which owns the options.
+        Request::SetOperator(_) => (None, false),
         Request::ScenarioSelect(i) => {
             walk.select(i);
             (Some(walk.view()), false)

@@ -9,6 +9,24 @@ pub fn human_ms(ms: i64) -> String {
     crate::display::duration(ms)
 }
 
+/// [`human_ms`] in at most `width` cells, in whole units: `339d 13h`, or
+/// `339d` when that does not fit (never `339d 13`, a number without its unit).
+pub fn duration_in(ms: i64, width: usize) -> String {
+    let full = human_ms(ms);
+    if full.chars().count() <= width {
+        return full;
+    }
+    // The largest unit alone: its digits and its letters.
+    let mut major = String::new();
+    for c in full.chars() {
+        if (c.is_ascii_digit() && major.chars().last().is_some_and(|l| l.is_ascii_alphabetic())) || c == ' ' {
+            break;
+        }
+        major.push(c);
+    }
+    major
+}
+
 /// At most `n` characters of stored text, control characters written out first
 /// (a control character never reaches the terminal), `…` when cut.
 pub fn short(s: &str, n: usize) -> String {
@@ -105,6 +123,16 @@ mod tests {
         // Stored times out of chrono's range never panic.
         assert!(lapses_at(i64::MAX, i64::MIN).contains("(expired 106751991167d 7h ago)"));
         assert!(due_at(i64::MIN, i64::MAX).contains("(in 106751991167d 7h)"));
+    }
+
+    #[test]
+    fn a_duration_in_a_narrow_cell_keeps_whole_units() {
+        let day = 86_400_000;
+        check(duration_in(339 * day + 13 * 3_600_000, 8), "339d 13h");
+        check(duration_in(339 * day + 13 * 3_600_000, 7), "339d");
+        check(duration_in(1_339 * day + 13 * 3_600_000, 7), "1339d");
+        check(duration_in(12 * 3_600_000 + 5 * 60_000, 5), "12h");
+        check(duration_in(5 * 60_000 + 3_000, 7), "5m03s");
     }
 
     #[test]

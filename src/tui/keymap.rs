@@ -83,9 +83,9 @@ pub fn normal() -> Vec<Binding> {
             KeyCode::BackTab => Some(Action::PrevPane),
             _ => None,
         }),
-        bind!("j k / Down Up", "move the selection", false, up_down),
+        bind!("j k / Down Up", "move the selection (the walkthrough: scroll its steps)", false, up_down),
         bind!("PgDn PgUp / Ctrl-F Ctrl-B", "next / previous page (keyset paging)", false, paging),
-        bind!("g G / Home End", "first / last row", false, ends),
+        bind!("g G / Home End", "first / last row (the walkthrough: first / newest step)", false, ends),
         bind!("Enter", "detail: record, bindings, trace timeline, operator log", false, |k| {
             (k.code == KeyCode::Enter).then_some(Action::OpenDetail)
         }),

@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 use base64::Engine as _;
 use futures_util::StreamExt;
 use ratatui::crossterm::event::{
-    DisableMouseCapture, EnableMouseCapture, Event, EventStream, KeyEventKind, MouseButton, MouseEventKind,
+    DisableMouseCapture, EnableMouseCapture, Event, EventStream, KeyCode, KeyEventKind, KeyModifiers, MouseButton,
+    MouseEventKind,
 };
 use ratatui::crossterm::execute;
 
@@ -61,11 +62,42 @@ pub struct ConsoleOptions {
     pub toolset: std::sync::Arc<crate::engine::tool::Toolset>,
 }
 
+/// The operator a console acts as without `--operator`: the login name
+/// (`USER`, then `LOGNAME`, when it is a valid operator name), else
+/// `operator`. `:operator NAME` changes it for the session.
+pub fn default_operator() -> String {
+    operator_from(|k| std::env::var(k).ok())
+}
+
+fn operator_from(var: impl Fn(&str) -> Option<String>) -> String {
+    ["USER", "LOGNAME"]
+        .into_iter()
+        .filter_map(var)
+        .map(|v| v.trim().to_string())
+        .find(|v| crate::engine::check_name("the operator name", v, crate::engine::MAX_NAME_CHARS).is_ok())
+        .unwrap_or_else(|| "operator".into())
+}
+
 /// Most frames per second when the engine is busy.
 const FRAME: Duration = Duration::from_millis(33);
 
 /// Maps a terminal event to an action through the current mode's keymap.
 pub fn map_event(app: &App, ev: &Event) -> Option<Action> {
+    // Too small to draw: only quit and resize (a key must not land in a
+    // field or dialog nobody can see).
+    if app.too_small() {
+        return match ev {
+            Event::Key(k)
+                if k.kind == KeyEventKind::Press
+                    && (k.code == KeyCode::Char('Q')
+                        || (k.code == KeyCode::Char('c') && k.modifiers.contains(KeyModifiers::CONTROL))) =>
+            {
+                Some(Action::Quit)
+            }
+            Event::Resize(w, h) => Some(Action::Resize(*w, *h)),
+            _ => None,
+        };
+    }
     match ev {
         Event::Key(k) if k.kind == KeyEventKind::Press => keymap::lookup(app.mode, k, app.read_only),
         Event::Mouse(m) => match m.kind {
@@ -112,7 +144,8 @@ pub fn run(opts: &ConsoleOptions) -> Result<(), ConsoleError> {
         },
         ev_tx,
     )?;
-    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
+    // I/O enabled for the signal driver (SIGHUP, SIGTERM).
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().enable_io().build()?;
     rt.block_on(run_async(opts, backend, ev_rx))
 }
 
@@ -122,19 +155,62 @@ async fn run_async(
     mut ev_rx: tokio::sync::mpsc::UnboundedReceiver<Action>,
 ) -> Result<(), ConsoleError> {
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
-    let mut terminal = ratatui::try_init()?;
+    // The hook from before ratatui's: ratatui's restores with `restore`, which
+    // on a terminal that hung up reports its failure on stderr, which fails
+    // too and panics inside the hook (the process aborted before the caller
+    // removed the working copy). Ours uses `try_restore`.
     let hook = std::panic::take_hook();
+    let mut terminal = ratatui::try_init()?;
+    drop(std::panic::take_hook());
     std::panic::set_hook(Box::new(move |info| {
         let _ = execute!(std::io::stdout(), DisableMouseCapture);
-        ratatui::restore();
+        let _ = ratatui::try_restore();
         hook(info);
     }));
     let _ = execute!(std::io::stdout(), EnableMouseCapture);
     let result = event_loop(&mut terminal, opts, no_color, &backend, &mut ev_rx).await;
     let _ = execute!(std::io::stdout(), DisableMouseCapture);
-    ratatui::restore();
+    let _ = ratatui::try_restore();
+    // A terminal that cannot show its cursor again is gone (hung up): its
+    // drop would try again and report on stderr, which panics.
+    if terminal.show_cursor().is_err() {
+        std::mem::forget(terminal);
+    }
     backend.shutdown();
     result
+}
+
+/// The signals that end the console as `Q` does (so the caller cleans up,
+/// e.g. removes the demo's working copy): the terminal hung up (SIGHUP, its
+/// window closed) or the process was asked to stop (SIGTERM).
+struct Stop {
+    #[cfg(unix)]
+    hup: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+}
+
+impl Stop {
+    fn new() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(Self { hup: signal(SignalKind::hangup())?, term: signal(SignalKind::terminate())? })
+        }
+        #[cfg(not(unix))]
+        Ok(Self {})
+    }
+
+    /// Resolves when one of the signals arrives.
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.hup.recv() => {}
+            _ = self.term.recv() => {}
+        }
+        #[cfg(not(unix))]
+        std::future::pending::<()>().await;
+    }
 }
 
 async fn event_loop(
@@ -169,6 +245,7 @@ async fn event_loop(
         }
     }
     let _ = backend.requests.send(app.fetch());
+    let mut stop = Stop::new()?;
     let mut events = EventStream::new();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     let mut last_tick_second = 0;
@@ -195,6 +272,8 @@ async fn event_loop(
                 None => Some(Action::Quit),
             },
             a = ev_rx.recv() => a,
+            // Closed or stopped: leave as Q does, so the caller cleans up.
+            () = stop.recv() => return Ok(()),
             _ = tick.tick() => {
                 let now = now_ms();
                 // Countdowns move once a second.
@@ -226,5 +305,24 @@ async fn event_loop(
         if app.quit {
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(env: &[(&str, &str)], expect: &str) {
+        let got = operator_from(|k| env.iter().find(|(n, _)| *n == k).map(|(_, v)| (*v).to_string()));
+        assert_eq!(got, expect);
+    }
+
+    #[test]
+    fn the_default_operator_is_the_login_name() {
+        check(&[("USER", "dana"), ("LOGNAME", "other")], "dana");
+        check(&[("LOGNAME", "erin")], "erin");
+        check(&[("USER", ""), ("LOGNAME", "erin")], "erin");
+        check(&[("USER", "a\u{1b}b")], "operator");
+        check(&[], "operator");
     }
 }

@@ -186,7 +186,9 @@ fn fits_under(screen: &str, w: u16, h: u16, tabs: bool) {
     let walk = if w < 100 { "6 Walk │" } else { "6 Walkthrough │" };
     assert!(!tabs || (lines[3].contains(walk) && lines[3].contains("7 Metrics")), "the tabs are whole:\n{screen}");
     assert!(
-        lines[usize::from(h) - 1].ends_with("? help  Q quit") || lines[usize::from(h) - 1].contains("Enter run"),
+        lines[usize::from(h) - 1].ends_with("? help  Q quit")
+            || lines[usize::from(h) - 1].contains("Enter run")
+            || lines[usize::from(h) - 1].ends_with("Esc go back  Ctrl-C quit"),
         "{screen}"
     );
 }
@@ -434,6 +436,7 @@ fn failed_on_a_tool_that_cannot_be_asked_states_no_evidence_in_the_confirm() {
             evidence: None,
             seen_version: op.version,
             no_evidence: true,
+            against_evidence: false,
         })
     );
 }
@@ -525,6 +528,7 @@ fn query_and_resolve_send_what_was_shown() {
             evidence: None,
             seen_version: op.version,
             no_evidence: false,
+            against_evidence: false,
         })
     );
     // Succeeded needs a receipt id.
@@ -637,6 +641,11 @@ struct Pty {
 impl Pty {
     /// `toolgate ARGS` at 140×40, with its settings under `config` (never the real home).
     fn spawn(args: &[&std::ffi::OsStr], config: &std::path::Path) -> Self {
+        Self::spawn_with(args, config, &[])
+    }
+
+    /// [`Pty::spawn`] with these environment variables set.
+    fn spawn_with(args: &[&std::ffi::OsStr], config: &std::path::Path, env: &[(&str, &str)]) -> Self {
         use std::io::Read;
         let pty = portable_pty::native_pty_system();
         let pair = pty.openpty(portable_pty::PtySize { rows: 40, cols: 140, pixel_width: 0, pixel_height: 0 }).unwrap();
@@ -646,6 +655,9 @@ impl Pty {
         cmd.env("XDG_CONFIG_HOME", config);
         // Working copies and scratch directories go there too (a test can look).
         cmd.env("TMPDIR", config);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
         let child = pair.slave.spawn_command(cmd).unwrap();
         drop(pair.slave);
         let parser = std::sync::Arc::new(std::sync::Mutex::new(vt100::Parser::new(40, 140, 0)));
@@ -692,6 +704,24 @@ impl Pty {
     fn resize(&self, rows: u16, cols: u16) {
         self.parser.lock().unwrap().screen_mut().set_size(rows, cols);
         self.master.resize(portable_pty::PtySize { rows, cols, pixel_width: 0, pixel_height: 0 }).unwrap();
+    }
+
+    /// Sends the console `signal` (`HUP`: what a terminal whose window is
+    /// closed sends; `TERM`), then waits for it to end.
+    fn signal(self, signal: &str) -> portable_pty::ExitStatus {
+        let Self { master, mut child, writer, parser: _ } = self;
+        let pid = child.process_id().unwrap().to_string();
+        assert!(std::process::Command::new("kill").args([&format!("-{signal}"), &pid]).status().unwrap().success());
+        let start = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(start.elapsed() < std::time::Duration::from_secs(20), "the console did not end on SIG{signal}");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        drop((writer, master));
+        status
     }
 
     /// `Q`, and a clean exit.
@@ -1264,11 +1294,13 @@ fn help_lists_the_commands_and_scrolls() {
     assert_eq!(app.mode, Mode::Help);
     let first = text(&draw(&app, 80, 24));
     assert!(first.contains("j/k scroll 0/"), "{first}");
-    for _ in 0..40 {
+    // Every command is on one of the screens j scrolls through.
+    let mut last = String::new();
+    for _ in 0..60 {
         press(&mut app, KeyCode::Char('j'));
+        last.push_str(&text(&draw(&app, 80, 24)));
     }
     assert_eq!(app.mode, Mode::Help, "j scrolls the help, it does not close it");
-    let last = text(&draw(&app, 80, 24));
     for c in toolgate::tui::app::COMMANDS {
         assert!(last.contains(&format!(":{}", c.name)), "{} missing:\n{last}", c.name);
     }
@@ -1367,7 +1399,7 @@ fn why_is_this_stuck_one_sentence_per_state_and_reason() {
         ("unknown_cancelled_after_send", cancelled, "Cancelled by bob", "Press q"),
         ("unknown_not_found", not_found, "does not know the key", "Press r"),
         ("unknown_unavailable", unavailable, "could not be reached", "Press q"),
-        ("needs_review_mismatch", mismatch, "does not match this request", "Press r"),
+        ("needs_review_mismatch", mismatch, "does not match this request", "then press r"),
         ("accepted_retry_waits", waits, "the next waits until", "a worker takes it"),
         ("accepted_due_past_deadline", due, "Its deadline passed", "nothing was sent"),
         ("in_flight_lease_held", leased, "Lease held by worker w-2", "wait for the worker"),
@@ -2347,4 +2379,463 @@ fn the_detail_scrolls_with_g_big_g_and_page_keys_and_stops_at_its_end() {
     press(&mut app, KeyCode::PageUp);
     assert_eq!(app.detail_scroll, 0);
     assert_eq!(app.mode, Mode::Detail, "still in the detail");
+}
+
+/// Issue 32 §2: the lab's confirm dialog (its lines wrapped at the border, the
+/// box closed before the button row) showed no buttons at 80×24 and 160×45,
+/// and the footer offered the pane's keys. Every line of a dialog is inside
+/// its box, the buttons are on screen, and the footer has the dialog's keys.
+#[test]
+fn the_lab_confirm_shows_its_buttons_at_80x24_and_160x45_and_the_footer_its_keys() {
+    let mut d = demo();
+    for (w, h) in [(80u16, 24u16), (160, 45)] {
+        let mut app = app_on(&mut d, Pane::Unknown, w, h);
+        app.lab.demo = true;
+        app.update(key('L'));
+        for _ in 0..2 {
+            press(&mut app, KeyCode::Char('j'));
+        }
+        press(&mut app, KeyCode::Enter);
+        assert_eq!(app.mode, Mode::Confirm);
+        let screen = text(&draw(&app, w, h));
+        assert!(screen.contains("[ Go back ]   [ Turn the defense off ]"), "{w}x{h}:\n{screen}");
+        // Every line of the box starts and ends at its border.
+        let (top, bottom) = (line_of(&screen, "┌ Lab"), line_of(&screen, "┘"));
+        let left = top.chars().position(|c| c == '┌').unwrap();
+        let right = top.chars().position(|c| c == '┐').unwrap();
+        let rows: Vec<&str> = screen.lines().skip_while(|l| *l != top).skip(1).take_while(|l| *l != bottom).collect();
+        assert!(rows.len() > 3, "{screen}");
+        for l in &rows {
+            let cs: Vec<char> = l.chars().collect();
+            assert!(cs[left] == '│' && cs[right] == '│', "a line outside the box:\n{screen}");
+        }
+        let footer = screen.lines().last().unwrap();
+        assert!(footer.contains("Enter choose") && footer.contains("Esc go back"), "{screen}");
+        assert!(!footer.contains("PgDn") && !footer.contains("? help"), "{screen}");
+        insta::assert_snapshot!(format!("confirm_lab_{w}x{h}"), screen);
+    }
+}
+
+/// Issue 32 §2: a needs_review operation asked to check "the receipt" and
+/// never showed it; the refusal that named it was cut off, and only the CLI
+/// could decide against the evidence. The detail (and the resolve form) show
+/// the receipt and downstream request the query found and the refund's
+/// amount, order and currency; a decision the evidence contradicts is offered
+/// against the evidence in a confirm of its own that names the contradiction.
+#[test]
+fn a_needs_review_operation_shows_the_receipt_found_and_can_be_decided_against_the_evidence() {
+    let mut d = demo();
+    let target = detail_in(&mut d, "needs_review", Some("mismatch"));
+    let id = target.operation.id.clone();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    app.update(Action::Engine(EngineEvent::Found {
+        asked: id.clone(),
+        prefix: Some(id.clone()),
+        ids: vec![id.clone()],
+    }));
+    app.update(Action::Engine(EngineEvent::Detail(Box::new(target.clone()))));
+    assert_eq!(app.mode, Mode::Detail);
+    let screen = text(&draw(&app, 80, 24));
+    for fact in ["rcpt_9cc44104a6e05938", "dreq_f62d0e11d0d68e33", "4.00 EUR", "ord_2001", "another request's digest"] {
+        assert!(screen.contains(fact), "{fact}:\n{screen}");
+    }
+    insta::assert_snapshot!("detail_needs_review_80x24", screen);
+    // r, failed, a note: the form shows the receipt too.
+    press(&mut app, KeyCode::Char('r'));
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Right);
+    let form = text(&draw(&app, 80, 24));
+    assert!(form.contains("rcpt_9cc44104a6e05938") && form.contains("4.00 EUR"), "{form}");
+    press(&mut app, KeyCode::Tab);
+    type_text(&mut app, "customer says no refund arrived");
+    press(&mut app, KeyCode::Enter);
+    press(&mut app, KeyCode::Tab);
+    let req = press(&mut app, KeyCode::Enter).expect("a resolve request");
+    assert!(matches!(req, Request::Resolve { against_evidence: false, .. }), "{req:?}");
+    // The engine refuses it on the provider's word: a confirm of its own.
+    let answer = toolgate::tui::backend::resolve(&mut d.engine, "alice", req);
+    let EngineEvent::Contradicted { code, why, .. } = &answer else { panic!("{answer:?}") };
+    assert_eq!(code, "STATUS_CONFLICT");
+    assert!(why.contains("rcpt_9cc44104a6e05938"), "{why}");
+    app.update(Action::Engine(answer));
+    assert_eq!(app.mode, Mode::Confirm);
+    let screen = text(&draw(&app, 80, 24));
+    assert!(screen.contains("Decide against the evidence") && screen.contains("rcpt_9cc44104a6e05938"), "{screen}");
+    assert!(screen.contains("[ Resolve as failed against the evidence ]"), "{screen}");
+    insta::assert_snapshot!("confirm_against_evidence_80x24", screen);
+    assert_eq!(press(&mut app, KeyCode::Enter), None, "Go back is the default");
+    assert_eq!(app.mode, Mode::Detail);
+    assert_eq!(d.engine.operation_detail(&id).unwrap().unwrap().operation.state.as_str(), "needs_review");
+    // Asked again and confirmed: applied, and logged as against the evidence.
+    press(&mut app, KeyCode::Char('r'));
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Right);
+    press(&mut app, KeyCode::Tab);
+    type_text(&mut app, "customer says no refund arrived");
+    press(&mut app, KeyCode::Enter);
+    press(&mut app, KeyCode::Tab);
+    let req = press(&mut app, KeyCode::Enter).unwrap();
+    let answer = toolgate::tui::backend::resolve(&mut d.engine, "alice", req);
+    app.update(Action::Engine(answer));
+    press(&mut app, KeyCode::Tab);
+    let req = press(&mut app, KeyCode::Enter).unwrap();
+    assert!(matches!(req, Request::Resolve { against_evidence: true, .. }), "{req:?}");
+    let EngineEvent::Done { ok: true, summary } = toolgate::tui::backend::resolve(&mut d.engine, "alice", req) else {
+        panic!("applied")
+    };
+    assert!(summary.contains("against the evidence"), "{summary}");
+    let after = d.engine.operation_detail(&id).unwrap().unwrap();
+    assert_eq!(after.operation.state.as_str(), "resolved");
+    let entry = after.audit.iter().rev().find(|r| r.action == "resolve" && r.result == "applied").unwrap();
+    assert!(
+        entry.evidence.contains("rcpt_9cc44104a6e05938") && entry.evidence.contains("against_evidence"),
+        "{entry:?}"
+    );
+}
+
+/// Issue 32 §2: the default operator was literally `operator` (every audit
+/// row said so, and it could approve nothing). It is the login name, and
+/// `:operator NAME` changes it: the header and the status line say so, and
+/// the next action is recorded under the new name.
+#[cfg(unix)]
+#[test]
+fn the_operator_defaults_to_the_login_name_and_colon_operator_changes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tempfile::tempdir().unwrap();
+    let db = toolgate::demo::working_copy(dir.path(), chrono::Utc::now().timestamp_millis()).unwrap();
+    let args = ["--db".as_ref(), db.as_os_str()];
+    let mut t = Pty::spawn_with(&args, config.path(), &[("USER", "dana"), ("LOGNAME", "dana")]);
+    t.wait_for("OUTCOME_UNKNOWN");
+    assert!(t.line_with("toolgate ").contains("operator dana  "), "{}", t.screen());
+    t.keys(b":operator erin\r");
+    t.wait_for("operator is now erin (was dana)");
+    assert!(t.line_with("toolgate ").contains("operator erin  "), "{}", t.screen());
+    // A bad name is refused in the bar, and the operator stays.
+    t.keys(b":operator \r");
+    t.wait_for(":operator needs a name");
+    t.keys(b"\x1b");
+    // (Esc and the next key apart, or the terminal reads Alt-q.)
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // A status query on the first unknown row, recorded as erin.
+    t.keys(b"q");
+    t.wait_for("Status query");
+    t.keys(b"\t\r");
+    t.wait_for("query op_");
+    t.quit();
+    let log = cli_json(&db, &["audit", "--log", "--json"]);
+    let actors: Vec<&str> = log["log"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["action"] == "query")
+        .filter_map(|r| r["actor"].as_str())
+        .collect();
+    assert!(actors.contains(&"erin") && !actors.contains(&"operator"), "{actors:?}");
+}
+
+/// Issue 32 §2: while PostgreSQL was down the header said `● LIVE` over stale
+/// rows. A failed refresh says the connection state, since when, and how old
+/// the rows shown are; the next page puts `LIVE` back.
+#[test]
+fn a_failed_refresh_says_db_down_since_when_and_how_old_the_rows_are() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    app.update(Action::Tick(NOW + 5_000));
+    app.update(Action::Engine(EngineEvent::RefreshFailed {
+        code: "DB_UNAVAILABLE".into(),
+        error: "the database server is unreachable or restarting".into(),
+    }));
+    app.update(Action::Tick(NOW + 9_000));
+    // A second failure does not move "since".
+    app.update(Action::Engine(EngineEvent::RefreshFailed { code: "DB_UNAVAILABLE".into(), error: "again".into() }));
+    let screen = text(&draw(&app, 80, 24));
+    let lines: Vec<&str> = screen.lines().collect();
+    assert!(lines[0].ends_with("● DB DOWN") && !screen.contains("LIVE"), "{screen}");
+    assert!(lines[1].starts_with("● DB DOWN since 08:00:05, showing rows of 08:00:00"), "{screen}");
+    insta::assert_snapshot!("db_down_80x24", screen);
+    let req = app.update(Action::Engine(page(&mut d, Pane::Unknown, 15)));
+    assert!(req.is_none());
+    let screen = text(&draw(&app, 80, 24));
+    assert!(screen.lines().next().unwrap().ends_with("● LIVE") && !screen.contains("DB DOWN"), "{screen}");
+    assert!(app.status.as_ref().is_some_and(|(s, _)| s.contains("the database is back")), "{:?}", app.status);
+}
+
+/// Issue 32 §2: the breaker is shown in the header while it is open (at 80
+/// columns without the probe time, which the Metrics pane has).
+#[test]
+fn an_open_breaker_is_in_the_header() {
+    let mut d = demo();
+    let screen = text(&draw(&app_on(&mut d, Pane::Unknown, 140, 40), 140, 40));
+    assert!(!screen.contains("BREAKER"), "closed: not shown\n{screen}");
+    let c = crate::support::raw(&d.dir.path().join("demo.db"));
+    c.execute("UPDATE circuits SET state = 'open', open_until = ?1 WHERE downstream = 'payments'", [NOW + 20_000])
+        .unwrap();
+    let screen = text(&draw(&app_on(&mut d, Pane::Unknown, 140, 40), 140, 40));
+    assert!(line_of(&screen, "toolgate ").ends_with("● LIVE  BREAKER OPEN: payments (probe 08:00:20)"), "{screen}");
+    let screen = text(&draw(&app_on(&mut d, Pane::Unknown, 80, 24), 80, 24));
+    fits(&screen, 80, 24);
+    assert!(line_of(&screen, "toolgate ").ends_with("● LIVE  BREAKER OPEN: payments"), "{screen}");
+    c.execute(
+        "UPDATE circuits SET state = 'half_open', open_until = NULL, probe_until = ?1 WHERE downstream = 'payments'",
+        [NOW + 3_000],
+    )
+    .unwrap();
+    let screen = text(&draw(&app_on(&mut d, Pane::Unknown, 80, 24), 80, 24));
+    assert!(line_of(&screen, "toolgate ").ends_with("BREAKER PROBE: payments"), "{screen}");
+    let screen = text(&draw(&app_on(&mut d, Pane::Unknown, 140, 40), 140, 40));
+    assert!(line_of(&screen, "toolgate ").ends_with("BREAKER HALF-OPEN: payments"), "{screen}");
+}
+
+/// Issue 32 §2: `:sort age` was refused although the filter calls the same
+/// thing `age`; a refused `:sort` lost what was typed; Tab did not cycle among
+/// several `:op` matches; on the "too small" screen `Q` went into a hidden
+/// text field.
+#[test]
+fn sort_age_a_refused_sort_keeps_its_line_tab_cycles_op_matches_and_too_small_only_quits() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "sort age desc");
+    assert!(matches!(press(&mut app, KeyCode::Enter), Some(Request::Fetch { .. })));
+    assert_eq!(app.sort_label().as_deref(), Some("since ↓"));
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "sort colour desc");
+    assert_eq!(press(&mut app, KeyCode::Enter), None);
+    assert_eq!(app.mode, Mode::Command);
+    assert_eq!(app.command.input, "sort colour desc", "the typed line stays to be mended");
+    assert!(app.command.error.as_deref().is_some_and(|e| e.contains("no column")), "{:?}", app.command.error);
+    press(&mut app, KeyCode::Esc);
+    // Several :op matches: Tab goes through them, one after the other.
+    press(&mut app, KeyCode::Char(':'));
+    type_text(&mut app, "op op_");
+    let Some(Request::FindOperation { prefix, limit }) = press(&mut app, KeyCode::Enter) else { panic!() };
+    let ids = d.engine.operation_ids_with_prefix(&prefix, limit).unwrap();
+    assert!(ids.len() > 2);
+    app.update(Action::Engine(EngineEvent::Found { asked: prefix.clone(), prefix: Some(prefix), ids: ids.clone() }));
+    let shown = app.command.candidates.clone();
+    let mut seen = Vec::new();
+    for _ in 0..=shown.len() {
+        press(&mut app, KeyCode::Tab);
+        seen.push(app.command.input.clone());
+    }
+    let expect: Vec<String> = shown.iter().chain(shown.first()).map(|id| format!("op {id}")).collect();
+    assert_eq!(seen, expect, "Tab cycles and wraps");
+    press(&mut app, KeyCode::Esc);
+    // Too small: a filter open, and Q quits instead of being typed into it.
+    press(&mut app, KeyCode::Char('/'));
+    assert_eq!(app.mode, Mode::Filter);
+    app.update(Action::Resize(60, 20));
+    let ev = |c: KeyCode| ratatui::crossterm::event::Event::Key(KeyEvent::new(c, KeyModifiers::NONE));
+    assert_eq!(toolgate::tui::map_event(&app, &ev(KeyCode::Char('x'))), None, "no key but quit");
+    assert_eq!(toolgate::tui::map_event(&app, &ev(KeyCode::Enter)), None);
+    assert_eq!(toolgate::tui::map_event(&app, &ev(KeyCode::Char('Q'))), Some(Action::Quit));
+    let resize = ratatui::crossterm::event::Event::Resize(80, 24);
+    assert_eq!(toolgate::tui::map_event(&app, &resize), Some(Action::Resize(80, 24)));
+    app.update(Action::Resize(80, 24));
+    assert_eq!(toolgate::tui::map_event(&app, &ev(KeyCode::Char('Q'))), Some(Action::Input('Q')), "big again: typed");
+}
+
+/// Issue 32 §2: the detail's footer offered `q`/`r` on a succeeded operation
+/// and never `c` on an accepted one; the footer now offers what applies to the
+/// state. And `j` stops at the end of every detail (an approval's too).
+#[test]
+fn the_detail_footer_offers_the_keys_of_its_state_and_j_stops_at_the_end() {
+    let mut d = demo();
+    let footer = |detail: toolgate::engine::OperationDetail| {
+        detail_screen(detail).lines().last().unwrap_or_default().to_string()
+    };
+    let succeeded = footer(detail_in(&mut d, "succeeded", None));
+    assert!(!succeeded.contains(" q ") && !succeeded.contains(" r ") && !succeeded.contains(" c "), "{succeeded}");
+    let accepted = footer(detail_in(&mut d, "accepted", None));
+    assert!(accepted.contains(" c cancel") && accepted.contains(" q query") && !accepted.contains(" r "), "{accepted}");
+    let unknown = footer(detail_in(&mut d, "unknown", None));
+    assert!(unknown.contains(" q query") && unknown.contains(" r resolve") && !unknown.contains(" c "), "{unknown}");
+    // A pending approval's detail scrolls to its end and no further.
+    let mut app = app_on(&mut d, Pane::Approvals, 80, 24);
+    app.update(Action::OpenDetail);
+    assert!(app.approval.is_some());
+    let extent = |app: &App| {
+        let mut t = Terminal::new(TestBackend::new(80, 24)).unwrap();
+        let mut n = 0;
+        t.draw(|f| n = ui::render(app, f)).unwrap();
+        n
+    };
+    let end = extent(&app);
+    app.update(Action::DetailExtent(end));
+    for _ in 0..50 {
+        press(&mut app, KeyCode::Char('j'));
+    }
+    assert_eq!(app.detail_scroll, end, "j stops at the end");
+}
+
+/// Issue 32 §2: the Ledger said "kept for 29d 23h" on operations a person
+/// acted on, which the purge never takes (the store's rule: an approval, or an
+/// operator-log entry other than a caller's own query). It says `always`.
+fn the_ledger_says_always_for_what_a_person_acted_on_and_the_time_left_for_the_rest(backend: crate::support::Backend) {
+    let mut d = demo_on(backend);
+    let mut app = app_on(&mut d, Pane::Ledger, 140, 40);
+    let ev = page(&mut d, Pane::Ledger, app.visible_rows());
+    let acted = toolgate::tui::backend::acted_on(&mut d.engine, &ev).expect("a Ledger page");
+    app.update(Action::Engine(acted));
+    app.update(Action::Engine(ev));
+    let screen = text(&draw(&app, 140, 40));
+    // The demo's resolved operation was decided by a person; its succeeded ones were not.
+    let resolved = line_of(&screen, " resolved     ");
+    assert!(resolved.trim_end().ends_with(" always"), "{screen}");
+    let succeeded = line_of(&screen, " succeeded    rcpt_");
+    assert!(succeeded.trim_end().ends_with("29d 23h"), "{screen}");
+    assert!(line_of(&screen, "operation ").trim_end().ends_with(" kept"), "{screen}");
+}
+
+crate::on_both_backends!(the_ledger_says_always_for_what_a_person_acted_on_and_the_time_left_for_the_rest);
+
+/// Issue 32 §2: `since` cut its unit (`339d 13`), and the ages went on
+/// ticking while the panes were paused (rows frozen, ages not).
+#[test]
+fn since_keeps_whole_units_and_ages_stand_still_while_paused() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    let day = 86_400_000;
+    app.update(Action::Tick(NOW + 339 * day + 13 * 3_600_000));
+    let screen = text(&draw(&app, 80, 24));
+    assert!(line_of(&screen, "op_a04bfa").contains(" 339d    reply"), "at 80 columns the day alone:\n{screen}");
+    let mut wide = app_on(&mut d, Pane::Unknown, 140, 40);
+    wide.update(Action::Tick(NOW + 339 * day + 13 * 3_600_000));
+    let screen = text(&draw(&wide, 140, 40));
+    assert!(line_of(&screen, "op_a04bfa").contains(" 339d 13h "), "{screen}");
+    // Paused: a minute later the screen still says what it said.
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    app.update(key(' '));
+    let before = text(&draw(&app, 80, 24));
+    assert!(line_of(&before, "toolgate ").contains("‖ PAUSED at 08:00:00"), "{before}");
+    app.update(Action::Tick(NOW + 60_000));
+    let after = text(&draw(&app, 80, 24));
+    assert!(after.contains("oldest 3m14s") && line_of(&after, "op_a04bfa").contains(" 3m14s "), "{after}");
+    // Resumed: the ages catch up with the clock.
+    app.update(key(' '));
+    app.update(Action::Tick(NOW + 61_000));
+    let resumed = text(&draw(&app, 80, 24));
+    assert!(resumed.contains("oldest 4m15s"), "{resumed}");
+}
+
+/// Issue 32 §2: at 80×24 the walkthrough's table was unreadable and could not
+/// be scrolled back; `[`/`]` typed in a burst were lost (each picked from the
+/// scenario the engine last answered). Below 120 columns each step is a few
+/// readable lines, j/k (and g/G, PgUp/PgDn) scroll them, the footer says so,
+/// and `]]]` moves three scenarios.
+#[test]
+fn the_walkthrough_at_80x24_is_readable_scrolls_back_and_keeps_a_burst_of_picks() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = toolgate::tui::walkthrough::Walkthrough::new(dir.path().to_path_buf(), None);
+    let mut app = App::new("demo.db (working copy)", "alice", false, false, NOW);
+    app.size = (80, 24);
+    app.update(Action::SelectPane(Pane::Walkthrough));
+    let EngineEvent::Walkthrough(v) = w.view() else { panic!() };
+    let four = v.scenarios.iter().position(|(n, _)| n == "4").unwrap();
+    w.select(four);
+    for _ in 0..40 {
+        w.step();
+        let EngineEvent::Walkthrough(v) = w.view() else { panic!() };
+        if !v.more {
+            break;
+        }
+    }
+    app.update(Action::Engine(w.view()));
+    let extent = |app: &App| {
+        let mut t = Terminal::new(TestBackend::new(80, 24)).unwrap();
+        let mut n = 0;
+        t.draw(|f| n = ui::render(app, f)).unwrap();
+        n
+    };
+    let end = extent(&app);
+    assert!(end > 0, "scenario 4's steps are longer than 80×24");
+    app.update(Action::DetailExtent(end));
+    let screen = text(&draw(&app, 80, 24));
+    assert!(screen.lines().all(|l| l.chars().count() <= 80), "{screen}");
+    assert!(screen.lines().last().unwrap().contains("j/k scroll"), "{screen}");
+    assert!(screen.contains(&format!("j/k scroll {end}/{end}")), "the newest step in view:\n{screen}");
+    insta::assert_snapshot!("walkthrough_end_80x24", screen);
+    press(&mut app, KeyCode::Char('g'));
+    let top = text(&draw(&app, 80, 24));
+    assert!(top.contains(&format!("j/k scroll 0/{end}")) && top.contains("  1  "), "{top}");
+    insta::assert_snapshot!("walkthrough_top_80x24", top);
+    press(&mut app, KeyCode::Char('j'));
+    assert_eq!(app.walk_scroll, 1);
+    for _ in 0..200 {
+        press(&mut app, KeyCode::Char('j'));
+    }
+    assert_eq!(app.walk_scroll, end, "j stops at the end");
+    press(&mut app, KeyCode::Char('k'));
+    assert_eq!(app.walk_scroll, end - 1);
+    // `]` three times before any answer: three scenarios on.
+    let first = app.walkthrough.selected;
+    let n = app.walkthrough.scenarios.len();
+    let picks: Vec<Option<Request>> = (0..3).map(|_| app.update(key(']'))).collect();
+    let expect: Vec<Option<Request>> = (1..=3).map(|k| Some(Request::ScenarioSelect((first + k) % n))).collect();
+    assert_eq!(picks, expect);
+    // The answers come back one by one: the last pick stays shown throughout.
+    for k in 1..=3 {
+        w.select((first + k) % n);
+        app.update(Action::Engine(w.view()));
+        assert_eq!(app.walkthrough.selected, (first + 3) % n);
+    }
+}
+
+/// Issue 32 §2: closing the terminal (SIGHUP) left the demo's working copy
+/// under the temporary directory. A hang-up, or SIGTERM, ends the console as
+/// `Q` does: the working copy is removed.
+#[cfg(unix)]
+#[test]
+fn closing_the_terminal_or_sigterm_removes_the_working_copy() {
+    for how in ["HUP", "TERM"] {
+        let config = tempfile::tempdir().unwrap();
+        let t = Pty::spawn(&[], config.path());
+        t.wait_for("OUTCOME_UNKNOWN");
+        let copies = || {
+            std::fs::read_dir(config.path())
+                .unwrap()
+                .filter_map(Result::ok)
+                .filter(|e| e.file_name().to_string_lossy().starts_with("toolgate-console-"))
+                .count()
+        };
+        assert_eq!(copies(), 1, "{how}: the working copy is there while the console runs");
+        let status = t.signal(how);
+        eprintln!("SIG{how}: {status:?}");
+        assert_eq!(copies(), 0, "{how}: the working copy is removed");
+    }
+}
+
+/// Issue 32 §2: at 160 columns the tables cut text while space was free (a
+/// code at 22 characters, the operator log's reasons at 40). The room left
+/// over goes to that text.
+#[test]
+fn at_160_columns_the_tables_use_the_free_space() {
+    let mut d = demo();
+    let screen = text(&draw(&app_on(&mut d, Pane::Ledger, 160, 45), 160, 45));
+    assert!(screen.contains(" BUSINESS_RULE_VIOLATION "), "{screen}");
+    let app = app_on(&mut d, Pane::Audit, 160, 45);
+    let Rows::Audit(rows) = &app.rows else { panic!() };
+    let screen = text(&draw(&app, 160, 45));
+    for r in rows.iter().filter(|r| r.reason.chars().count() < 70) {
+        assert!(screen.contains(&r.reason), "{:?} whole:\n{screen}", r.reason);
+    }
+    let screen = text(&draw(&app_on(&mut d, Pane::Unknown, 160, 45), 160, 45));
+    assert!(line_of(&screen, "op_a04bfa").contains("sr1_8d07446c00697e02171b7"), "{screen}");
+    for (w, h) in [(80, 24), (160, 45)] {
+        for pane in [Pane::Ledger, Pane::Audit, Pane::Unknown] {
+            let screen = text(&draw(&app_on(&mut d, pane, w, h), w, h));
+            fits(&screen, w, h);
+        }
+    }
+}
+
+/// Found trying issue 32 §2 in a terminal: `f` typed four times at once asked
+/// for 1% four times (each stepped from the rate the engine last reported).
+#[test]
+fn f_typed_in_a_burst_steps_the_fault_rate_each_time() {
+    let mut d = demo();
+    let mut app = app_on(&mut d, Pane::Unknown, 80, 24);
+    let asked: Vec<Option<Request>> = (0..4).map(|_| app.update(key('f'))).collect();
+    let expect: Vec<Option<Request>> = [100, 500, 2_000, 10_000].map(|bp| Some(Request::SetFaultRate(bp))).to_vec();
+    assert_eq!(asked, expect);
 }

@@ -45,6 +45,11 @@ pub const COMMANDS: &[CommandSpec] = &[
     },
     CommandSpec { name: "filter", args: "save NAME", help: "save this pane's filter under a name (kept across restarts)" },
     CommandSpec { name: "filter", args: "NAME", help: "apply a saved filter" },
+    CommandSpec {
+        name: "operator",
+        args: "NAME",
+        help: "act as NAME from now on (approvals, decisions and the operator log use it)",
+    },
     CommandSpec { name: "messages", args: "", help: "every status message of this session, newest first" },
     CommandSpec { name: "help", args: "", help: "keys and commands" },
     CommandSpec { name: "q", args: "", help: "quit" },
@@ -79,6 +84,8 @@ pub enum Command {
     Help,
     /// The message log.
     Messages,
+    /// Act as this operator from now on.
+    Operator(String),
     /// Leave the console.
     Quit,
 }
@@ -114,6 +121,14 @@ pub fn parse(line: &str) -> Result<Command, String> {
         "q" | "quit" => no_args(Command::Quit),
         "help" => no_args(Command::Help),
         "messages" => no_args(Command::Messages),
+        "operator" => {
+            if rest.is_empty() {
+                return Err(":operator needs a name: :operator NAME".into());
+            }
+            crate::engine::check_name("the operator name", rest, crate::engine::MAX_NAME_CHARS)
+                .map(|()| Command::Operator(rest.to_string()))
+                .map_err(|e| short(&e, 120))
+        }
         "op" => {
             let mut words = rest.split_whitespace();
             match (words.next(), words.next()) {
@@ -294,6 +309,15 @@ impl CommandBar {
         } else {
             Vec::new()
         };
+        // Among the operations an ambiguous `:op` listed, Tab on a whole id
+        // goes to the next one (Shift-less cycling, as a shell menu does).
+        if head.trim() == "op" {
+            if let Some(i) = self.candidates.iter().position(|c| *c == word) {
+                let next = &self.candidates[(i + 1) % self.candidates.len()];
+                self.input = format!("{head}{next}");
+                return;
+            }
+        }
         let hits: Vec<String> = pool.into_iter().filter(|c| c.starts_with(&word)).collect();
         match hits.as_slice() {
             [] => {
@@ -304,12 +328,15 @@ impl CommandBar {
                 if head.is_empty() && COMMANDS.iter().any(|c| c.name == one && !c.args.is_empty()) {
                     self.input.push(' ');
                 }
-                if !head.is_empty() {
+                // The listed operations stay: Tab cycles among them.
+                if !head.is_empty() && head.trim() != "op" {
                     self.candidates.clear();
                 }
             }
             many => {
                 let common = common_prefix(many);
+                // Nothing more in common: the first match, and Tab cycles on.
+                let common = if head.trim() == "op" && common == word { many[0].clone() } else { common };
                 self.input = format!("{head}{common}");
                 if head.is_empty() || head.trim() == "sort" || head.trim() == "filter" {
                     self.candidates = many.to_vec();
@@ -352,12 +379,14 @@ impl App {
             }
             Ok(cmd) => {
                 self.mode = self.command_return;
-                self.run_command(cmd)
+                self.run_command(cmd, &line)
             }
         }
     }
 
-    fn run_command(&mut self, cmd: Command) -> Option<Request> {
+    /// Runs a parsed command; `line` is what was typed (put back in the bar,
+    /// whole, when the command is refused).
+    fn run_command(&mut self, cmd: Command, line: &str) -> Option<Request> {
         match cmd {
             Command::Quit => {
                 self.quit = true;
@@ -381,6 +410,21 @@ impl App {
                 self.mode = Mode::Normal;
                 self.switch_pane(p)
             }
+            Command::Operator(name) => {
+                if self.refuse_read_only() {
+                    return None;
+                }
+                let was = std::mem::replace(&mut self.operator, name.clone());
+                self.say(
+                    format!(
+                        "operator is now {} (was {}): approvals, decisions and the operator log use this name",
+                        short(&name, 40),
+                        short(&was, 40)
+                    ),
+                    false,
+                );
+                Some(Request::SetOperator(name))
+            }
             Command::Filter(expr) => {
                 // A saved name recalls its filter; anything else is an expression.
                 let (text, named) = match self.saved_filters.get(expr.trim()) {
@@ -395,7 +439,7 @@ impl App {
                         Some(self.fetch())
                     }
                     Err(e) => {
-                        self.command.input = format!("filter {expr}");
+                        self.command.input = line.to_string();
                         self.command.error = Some(e);
                         self.mode = Mode::Command;
                         None
@@ -418,7 +462,7 @@ impl App {
             Command::Sort { column, desc } => match self.sort_by(&column, desc) {
                 Ok(r) => Some(r),
                 Err(e) => {
-                    self.command.input = format!("sort {column}");
+                    self.command.input = line.to_string();
                     self.command.error = Some(e);
                     self.mode = Mode::Command;
                     None
@@ -511,6 +555,10 @@ mod tests {
         check("filter saved:x", &Ok(Command::Filter("saved:x".into())));
         check("q", &Ok(Command::Quit));
         check("help", &Ok(Command::Help));
+        check("operator dana", &Ok(Command::Operator("dana".into())));
+        check("operator  Dana Scully ", &Ok(Command::Operator("Dana Scully".into())));
+        check("operator", &Err("needs a name"));
+        check("operator a\u{1b}b", &Err("control characters"));
         check("", &Err("type a command"));
         check("op", &Err(":op needs an operation id"));
         check("op a b", &Err("one id"));
@@ -540,20 +588,37 @@ mod tests {
         let mut b = bar("a");
         b.complete(&[], &[]);
         assert_eq!((b.input.as_str(), b.candidates.clone()), ("a", vec!["approvals".to_string(), "audit".into()]));
-        let mut b = bar("o");
+        let mut b = bar("ope");
         b.complete(&[], &[]);
-        assert_eq!(b.input, "op ", "a command with arguments gets its space");
+        assert_eq!(b.input, "operator ", "a command with arguments gets its space");
+        let mut b = bar("op");
+        b.complete(&[], &[]);
+        assert_eq!(b.candidates, vec!["op".to_string(), "operator".into()]);
         let mut b = bar("zz");
         b.complete(&[], &[]);
         assert!(b.error.as_deref().is_some_and(|e| e.contains("nothing to complete")));
         // An ambiguous :op listed its matches: Tab completes among them.
         let mut b = bar("op op_6");
-        b.candidates = vec!["op_64a".into(), "op_64b".into()];
+        b.candidates = vec!["op_64a1".into(), "op_64b1".into()];
         b.complete(&[], &[]);
         assert_eq!(b.input, "op op_64");
         b.push('b');
         b.complete(&[], &[]);
-        assert_eq!(b.input, "op op_64b");
+        assert_eq!(b.input, "op op_64b1");
+        // Tab on a whole listed id goes to the next one (issue 32 §2).
+        b.complete(&[], &[]);
+        assert_eq!(b.input, "op op_64a1");
+        b.complete(&[], &[]);
+        assert_eq!(b.input, "op op_64b1");
+        let mut b = bar("op op_");
+        b.candidates = vec!["op_1a".into(), "op_2b".into(), "op_3c".into()];
+        b.complete(&[], &[]);
+        assert_eq!(b.input, "op op_1a", "nothing more in common: the first");
+        b.complete(&[], &[]);
+        b.complete(&[], &[]);
+        assert_eq!(b.input, "op op_3c");
+        b.complete(&[], &[]);
+        assert_eq!(b.input, "op op_1a");
         // After `sort `, the pane's columns.
         let mut b = bar("sort s");
         b.complete(&["since", "state", "tool"], &[]);

@@ -144,6 +144,9 @@ impl App {
             return None;
         }
         let next = FAULT_STEPS.iter().position(|s| *s == self.lab.fault_bp).map_or(0, |i| (i + 1) % FAULT_STEPS.len());
+        // From the step last asked for, not the last one the engine reported:
+        // `ffff` typed at once goes four steps (each `f` had asked for 1%).
+        self.lab.fault_bp = FAULT_STEPS[next];
         Some(Request::SetFaultRate(FAULT_STEPS[next]))
     }
 

@@ -93,7 +93,12 @@ impl App {
         if cols.is_empty() {
             return Err(format!("the {} pane has no table to sort", self.pane.title()));
         }
-        let Some(i) = cols.iter().position(|c| c.eq_ignore_ascii_case(column)) else {
+        // The filter calls the time in the current state `age`: so does `:sort`.
+        let named = match column.to_ascii_lowercase().as_str() {
+            "age" if cols.contains(&"since") => "since".to_string(),
+            other => other.to_string(),
+        };
+        let Some(i) = cols.iter().position(|c| c.eq_ignore_ascii_case(&named)) else {
             return Err(format!(
                 "the {} pane has no column {:?}; it sorts by {}",
                 self.pane.title(),

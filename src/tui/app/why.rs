@@ -40,6 +40,59 @@ fn times(n: usize) -> String {
     }
 }
 
+/// A receipt a status query found under the operation's key (kept in the
+/// query's trace event, also when it did not settle the operation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FoundReceipt {
+    /// The provider's receipt id.
+    pub receipt_id: String,
+    /// The provider's id of the request that made it.
+    pub request_id: Option<String>,
+    /// Why the engine did not take it as this request's (the query's note).
+    pub why_not: Option<String>,
+}
+
+impl FoundReceipt {
+    /// `receipt rcpt_… (downstream request dreq_…)`.
+    pub fn ids(&self) -> String {
+        match &self.request_id {
+            Some(r) => format!("receipt {} (downstream request {})", short(&self.receipt_id, 48), short(r, 48)),
+            None => format!("receipt {}", short(&self.receipt_id, 48)),
+        }
+    }
+}
+
+/// The receipt the latest status query that found one reported, if any.
+pub fn found_receipt(d: &OperationDetail) -> Option<FoundReceipt> {
+    d.trace.iter().rev().filter(|e| e.step == "query").find_map(|e| {
+        let f: serde_json::Value = serde_json::from_str(&e.fields).ok()?;
+        let text = |k: &str| f.get(k).and_then(serde_json::Value::as_str).map(str::to_string);
+        Some(FoundReceipt {
+            receipt_id: text("receipt_id")?,
+            request_id: text("downstream_request_id"),
+            why_not: text("note").filter(|_| e.reason.as_deref() == Some("mismatch")),
+        })
+    })
+}
+
+/// What a call asked for, in money and order (`4.00 EUR on order ord_2001`),
+/// read from the bound request only when it matches its digest (as the
+/// approval dialog does); `None` for a call without an amount.
+pub fn request_terms(o: &OperationRow) -> Option<String> {
+    if crate::engine::canonical::sha256_hex(o.request_json.as_bytes()) != o.request_sha256 {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_str(&o.request_json).ok()?;
+    let args = v.get("arguments")?;
+    let minor = args.get("amount_minor")?.as_i64()?;
+    let currency = args.get("currency").and_then(serde_json::Value::as_str).unwrap_or("");
+    let order = args
+        .get("order_ref")
+        .and_then(serde_json::Value::as_str)
+        .map_or_else(String::new, |o| format!(" on order {}", short(o, 40)));
+    Some(format!("{}  ({minor} minor units){order}", crate::tui::format::money(minor, currency)))
+}
+
 /// The sentence and next action for operation detail `d` at `now`; `None` for a
 /// terminal operation (nothing is stuck).
 pub fn explain(d: &OperationDetail, now: i64) -> Option<Why> {
@@ -138,17 +191,31 @@ pub fn explain(d: &OperationDetail, now: i64) -> Option<Why> {
                 },
             }
         }
-        "needs_review" => {
-            let sentence = if o.last_query_result.as_deref() == Some("mismatch") {
-                format!(
-                    "The provider holds a receipt that does not match this request ({code}; queried {}{last_query}): needs a human decision.",
+        "needs_review" => match found_receipt(d) {
+            Some(r) if o.last_query_result.as_deref() == Some("mismatch") => Why {
+                sentence: format!(
+                    "The provider holds {} that does not match this request: {} ({code}; queried {}{last_query}). Needs a human decision.",
+                    r.ids(),
+                    r.why_not.as_deref().map_or_else(|| "not bound to it".to_string(), |w| short(w, 80)),
                     times(queries.max(1))
-                )
-            } else {
-                format!("Needs review ({code}): a person must decide what happened.")
-            };
-            Why { sentence, next: "Press r to resolve it once the receipt is checked with the provider.".into() }
-        }
+                ),
+                next: format!(
+                    "Check receipt {} with the provider, then press r: succeeded with that receipt id if it is this call's; another decision goes against the evidence (its own confirm).",
+                    short(&r.receipt_id, 48)
+                ),
+            },
+            _ => {
+                let sentence = if o.last_query_result.as_deref() == Some("mismatch") {
+                    format!(
+                        "The provider holds a receipt that does not match this request ({code}; queried {}{last_query}): needs a human decision.",
+                        times(queries.max(1))
+                    )
+                } else {
+                    format!("Needs review ({code}): a person must decide what happened.")
+                };
+                Why { sentence, next: "Press r to resolve it once the receipt is checked with the provider.".into() }
+            }
+        },
         "accepted" | "in_flight" => queued(d, now, &code),
         _ => return None,
     };

@@ -25,7 +25,7 @@ fn why_lines(why: crate::tui::app::Why, width: u16, t: Theme) -> Vec<Line<'stati
 }
 
 /// The detail of a pending approval: why it waits, then what an approver sees.
-fn render_approval(app: &App, a: &crate::store::ApprovalRow, frame: &mut Frame, area: Rect, t: Theme) {
+fn render_approval(app: &App, a: &crate::store::ApprovalRow, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
     let block =
         Block::default().borders(Borders::TOP).title(Span::styled(" Pending approval (Esc: back) ", t.accent()));
     let state = if app.now_ms >= a.expires_at { "expired" } else { "pending" };
@@ -41,17 +41,19 @@ fn render_approval(app: &App, a: &crate::store::ApprovalRow, frame: &mut Frame, 
         rfc3339(a.created_at),
         human_ms(app.now_ms.saturating_sub(a.created_at))
     )));
-    frame.render_widget(
-        Paragraph::new(super::escaped(lines)).block(block).wrap(Wrap { trim: false }).scroll((app.detail_scroll, 0)),
-        area,
-    );
+    // As the operation's detail: the extent comes back, so j stops at the end.
+    let paragraph = Paragraph::new(super::escaped(lines)).wrap(Wrap { trim: false });
+    let inner = block.inner(area);
+    let total = u16::try_from(paragraph.line_count(inner.width)).unwrap_or(u16::MAX);
+    let extent = total.saturating_sub(inner.height);
+    frame.render_widget(paragraph.block(block).scroll((app.detail_scroll.min(extent), 0)), area);
+    extent
 }
 
 /// Draws the detail view.
 pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
     if let Some(a) = &app.approval {
-        render_approval(app, a, frame, area, t);
-        return 0;
+        return render_approval(app, a, frame, area, t);
     }
     let block =
         Block::default().borders(Borders::TOP).title(Span::styled(" Operation detail (Esc: back) ", t.accent()));
@@ -70,6 +72,23 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
     // Wrapped under their label, so the label column stays clear.
     if let Some(why) = crate::tui::app::explain(d, app.now_ms) {
         lines.extend(why_lines(why, area.width, t));
+    }
+    // What the call asked for, and what the provider's queries found: the
+    // facts a person checks before deciding, before the rest.
+    if let Some(terms) = crate::tui::app::request_terms(o) {
+        lines.push(kv("amount", terms));
+    }
+    if let Some(r) = crate::tui::app::found_receipt(d).filter(|r| o.receipt_id.as_deref() != Some(&r.receipt_id)) {
+        // Wrapped under the value column (the ids are what to check).
+        let text = match &r.why_not {
+            Some(w) => format!("{}; not this request's: {w}", r.ids()),
+            None => r.ids(),
+        };
+        let room = usize::from(area.width.saturating_sub(18)).max(20);
+        for (i, part) in super::lab::wrap(&text, room).into_iter().enumerate() {
+            let label = if i == 0 { "query found" } else { "" };
+            lines.push(Line::from(vec![Span::styled(format!("  {label:<16}"), t.dim()), Span::styled(part, t.warn())]));
+        }
     }
     lines.extend([
         kv(

@@ -13,7 +13,7 @@ use ratatui::widgets::{Paragraph, Tabs};
 use ratatui::Frame;
 
 use super::app::{App, Mode, Pane};
-use super::format::human_ms;
+use super::format::{human_ms, time_of_day};
 
 /// Colours, or their absence (NO_COLOR).
 #[derive(Debug, Clone, Copy)]
@@ -89,8 +89,7 @@ pub fn escaped(lines: Vec<ratatui::text::Line<'_>>) -> Vec<ratatui::text::Line<'
         .collect()
 }
 
-/// The smallest terminal every pane is laid out for.
-pub const MIN_SIZE: (u16, u16) = (80, 24);
+pub use super::app::MIN_SIZE;
 
 /// Draws the whole console (below [`MIN_SIZE`], only what size it needs: the
 /// console comes back as soon as the terminal is large enough).
@@ -121,14 +120,10 @@ pub fn render(app: &App, frame: &mut Frame) -> u16 {
         Mode::Detail => true,
         Mode::Command => app.command_return == Mode::Detail,
         Mode::Help => app.help_return == Mode::Detail,
+        Mode::Confirm | Mode::Form => app.dialog_return == Mode::Detail,
         _ => false,
     };
-    let extent = if over_detail {
-        detail::render(app, frame, body, t)
-    } else {
-        panes::render(app, frame, body, t);
-        0
-    };
+    let extent = if over_detail { detail::render(app, frame, body, t) } else { panes::render(app, frame, body, t) };
     render_footer(app, frame, footer, t);
     match app.mode {
         Mode::Help => popups::help(app, frame, t),
@@ -142,7 +137,12 @@ pub fn render(app: &App, frame: &mut Frame) -> u16 {
 }
 
 fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
-    let live = if app.live { Span::styled("● LIVE", t.ok()) } else { Span::styled("‖ PAUSED", t.warn()) };
+    let live = match (&app.db_down, app.live) {
+        (Some((_, code)), _) if code == "DB_UNAVAILABLE" => Span::styled("● DB DOWN", t.bad()),
+        (Some(_), _) => Span::styled("● REFRESH FAILING", t.bad()),
+        (None, true) => Span::styled("● LIVE", t.ok()),
+        (None, false) => Span::styled(format!("‖ PAUSED at {}", time_of_day(app.now_ms)), t.warn()),
+    };
     let mut l1 = vec![
         Span::styled("toolgate ", t.accent()),
         Span::raw(format!("{}  ", app.walkthrough.db_label.as_deref().unwrap_or(&app.db_label))),
@@ -160,9 +160,33 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     if let Some(x) = app.lab.toggle {
         l1.push(Span::styled(format!("  LAB: {} OFF", x.as_str()), t.bad()));
     }
+    // While a breaker is open no call goes to its downstream: say so up top
+    // (the Metrics pane has the details).
+    let half_open = if area.width < 100 { "PROBE" } else { "HALF-OPEN" };
+    for (state, label) in [("open", "OPEN"), ("half_open", half_open)] {
+        let mut names: Vec<String> = Vec::new();
+        for c in app.header.breakers.iter().filter(|c| c.state == state) {
+            let probe = c
+                .open_until
+                .filter(|_| area.width >= 100)
+                .map_or_else(String::new, |at| format!(" (probe {})", time_of_day(at)));
+            names.push(format!("{}{probe}", super::format::short(&c.downstream, 24)));
+        }
+        if !names.is_empty() {
+            l1.push(Span::styled(format!("  BREAKER {label}: {}", names.join(", ")), t.bad()));
+        }
+    }
     let count = |s: &str| app.header.by_state.iter().find(|(k, _)| k == s).map_or(0, |(_, v)| *v);
     let mut l2 = Vec::new();
     let narrow = area.width < 100;
+    if let Some((since, code)) = &app.db_down {
+        // The counts below are as stale as the rows: say how stale instead.
+        let what = if code == "DB_UNAVAILABLE" { "DB DOWN" } else { "REFRESH FAILING" };
+        let rows =
+            app.rows_at.map_or_else(|| "no rows yet".to_string(), |at| format!("showing rows of {}", time_of_day(at)));
+        l2.push(Span::styled(format!("● {what} since {}, {rows}", time_of_day(*since)), t.bad()));
+        l2.push(Span::styled(format!("  ({code}; retrying)"), t.dim()));
+    }
     for (s, abbr) in [
         ("accepted", "acc"),
         ("in_flight", "flight"),
@@ -172,6 +196,9 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         ("needs_review", "review"),
         ("resolved", "resolved"),
     ] {
+        if app.db_down.is_some() {
+            break;
+        }
         l2.push(Span::styled(format!("{} ", if narrow { abbr } else { s }), t.dim()));
         l2.push(Span::styled(format!("{}  ", count(s)), t.state(s)));
     }
@@ -235,19 +262,38 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         frame.render_widget(Paragraph::new(vec![first, bar]), area);
         return;
     }
+    // The detail offers the keys that apply to its operation's state.
+    let detail_keys: Vec<(&str, &str, bool)> = {
+        let state = app.detail.as_ref().map_or("", |d| d.operation.state.as_str());
+        let mut keys = vec![("Esc", "back", false), ("j/k", "scroll", false)];
+        if matches!(state, "accepted" | "in_flight" | "unknown" | "needs_review") {
+            keys.push(("q", "query", true));
+        }
+        if matches!(state, "unknown" | "needs_review") {
+            keys.push(("r", "resolve", true));
+        }
+        if matches!(state, "accepted" | "in_flight") {
+            keys.push(("c", "cancel", true));
+        }
+        keys.extend([("F", if app.follow { "stop following" } else { "follow" }, false), ("y", "copy id", false)]);
+        keys
+    };
     let hints: &[(&str, &str, bool)] = match (app.mode, app.pane) {
         (Mode::Detail, _) if app.approval.is_some() => {
             &[("Esc", "back", false), ("a", "approve", true), ("d", "deny", true), ("y", "copy id", false)]
         }
-        (Mode::Detail, _) => &[
-            ("Esc", "back", false),
-            ("j/k", "scroll", false),
-            ("q", "query", true),
-            ("r", "resolve", true),
-            ("F", if app.follow { "stop following" } else { "follow" }, false),
-            ("y", "copy id", false),
-        ],
+        (Mode::Detail, _) => &detail_keys,
         (Mode::Filter, _) => &[("Enter", "apply", false), ("Esc", "cancel", false)],
+        // A dialog's own keys (the pane's do nothing while it is open).
+        (Mode::Confirm, _) => {
+            &[("Tab ←/→", "switch button", false), ("Enter", "choose", false), ("Esc", "go back", false)]
+        }
+        (Mode::Form, _) => &[
+            ("Tab", "next field", false),
+            ("←/→", "choice", false),
+            ("Enter", "review", false),
+            ("Esc", "go back", false),
+        ],
         (Mode::Lab, _) => &[
             ("j/k", "choose", false),
             ("Enter", "switch off", true),
@@ -264,7 +310,7 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         (_, Pane::Approvals) => {
             &[("a", "approve", true), ("d", "deny", true), ("Enter", "detail", false), ("/", "filter", false)]
         }
-        (_, Pane::Walkthrough) => &[("n", "next step", false), ("[ ]", "scenario", false)],
+        (_, Pane::Walkthrough) => &[("n", "next step", false), ("[ ]", "scenario", false), ("j/k", "scroll", false)],
         _ => &[("Enter", "detail", false), ("/", "filter", false), ("PgDn", "page", false)],
     };
     let mut spans = Vec::new();
@@ -275,10 +321,16 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         spans.push(Span::styled(format!(" {k} "), t.accent()));
         spans.push(Span::raw(format!("{what} ")));
     }
-    spans.push(Span::styled(" ? ", t.accent()));
-    spans.push(Span::raw("help "));
-    spans.push(Span::styled(" Q ", t.accent()));
-    spans.push(Span::raw("quit"));
+    if matches!(app.mode, Mode::Confirm | Mode::Form) {
+        // `?` and `Q` are not a dialog's keys: it is answered or left first.
+        spans.push(Span::styled(" Ctrl-C ", t.accent()));
+        spans.push(Span::raw("quit"));
+    } else {
+        spans.push(Span::styled(" ? ", t.accent()));
+        spans.push(Span::raw("help "));
+        spans.push(Span::styled(" Q ", t.accent()));
+        spans.push(Span::raw("quit"));
+    }
     let [status_area, hints_area] = Layout::vertical([Constraint::Length(1), Constraint::Length(1)]).areas(area);
     frame.render_widget(Paragraph::new(Line::from(spans)), hints_area);
     // A running bulk action: its gauge takes the status line.

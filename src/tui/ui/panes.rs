@@ -10,19 +10,22 @@ use ratatui::Frame;
 use super::Theme;
 use crate::engine::clock::rfc3339;
 use crate::tui::app::{App, Pane, Rows};
-use crate::tui::format::{human_ms, short};
+use crate::tui::format::{duration_in, human_ms, short};
 
 /// Draws the current pane.
-pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+/// Draws the current pane; returns how far it can scroll (the walkthrough's
+/// steps below 120 columns; 0 for a table, which pages instead).
+pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
     match app.pane {
         Pane::Live => live(app, frame, area, t),
         Pane::Ledger => ledger(app, frame, area, t),
         Pane::Approvals => approvals(app, frame, area, t),
         Pane::Unknown => unknown(app, frame, area, t),
         Pane::Audit => audit(app, frame, area, t),
-        Pane::Walkthrough => walkthrough(app, frame, area, t),
+        Pane::Walkthrough => return walkthrough(app, frame, area, t),
         Pane::Metrics => super::metrics::render(app, frame, area, t),
     }
+    0
 }
 
 /// Columns needed by the kept ones, with the spacing between them.
@@ -51,6 +54,12 @@ fn kept(widths: &[Constraint], width: u16, drop_first: &[usize]) -> Vec<bool> {
         }
     }
     keep
+}
+
+/// Columns left over at `width` once the kept columns have theirs: a wide
+/// terminal gives them to the pane's text that would be cut.
+fn spare(widths: &[Constraint], width: u16, drop_first: &[usize]) -> u16 {
+    width.saturating_sub(need(widths, &kept(widths, width, drop_first)))
 }
 
 /// Ids in full: `op_` or `apr_` and 24 hex digits.
@@ -233,6 +242,10 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         Constraint::Length(8),
     ];
     let id_w = widen_id(&mut widths, area.width, &[3, 1, 4], 0);
+    // Room left over goes to the result ref / code (a code cut at 22 otherwise).
+    let result_w = 22 + spare(&widths, area.width, &[3, 1, 4]).min(26);
+    widths[6] = Constraint::Length(result_w);
+    let result_w = usize::from(result_w);
     let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|o| {
@@ -243,17 +256,18 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 Cell::from(crate::display::digest(&o.key_sha256, 8)),
                 Cell::from(crate::display::digest(&o.request_sha256, 8)),
                 Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state.as_str()))),
-                Cell::from(short(o.receipt_id.as_deref().or(o.code.as_deref()).unwrap_or("-"), 22)),
-                // Retention runs from the moment an operation settled; until then it is kept.
-                Cell::from(o.terminal_at.map_or_else(
-                    || "-".to_string(),
+                Cell::from(short(o.receipt_id.as_deref().or(o.code.as_deref()).unwrap_or("-"), result_w)),
+                // Retention runs from the moment an operation settled; until
+                // then it is kept. One a person acted on is never purged.
+                Cell::from(o.terminal_at.filter(|_| !app.acted_on.contains(&o.id)).map_or_else(
+                    || if o.terminal_at.is_some() { "always".to_string() } else { "-".to_string() },
                     // Past it, the row waits for the purge.
                     |_| {
                         let left = o.expires_at.saturating_sub(now);
                         if left <= 0 {
                             "expired".to_string()
                         } else {
-                            human_ms(left)
+                            duration_in(left, 8)
                         }
                     },
                 )),
@@ -263,7 +277,7 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let (tb, mut st) = table(
         app,
         "Idempotency ledger",
-        vec!["operation", "scope tenant/subject", "tool", "key#", "digest", "state", "result ref / code", "kept for"],
+        vec!["operation", "scope tenant/subject", "tool", "key#", "digest", "state", "result ref / code", "kept"],
         body,
         widths,
         area.width,
@@ -340,18 +354,24 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let Rows::Ops(rows) = &app.rows else {
         return loading(app, frame, area, "Outcome unknown", t);
     };
+    let since_w: u16 = if area.width < 140 { 7 } else { 8 };
     let now = app.now_ms;
     let mut widths = vec![
         Constraint::Length(16),
         Constraint::Length(15),
         Constraint::Length(12),
-        Constraint::Length(7),
+        // `339d 13h` whole; below 140 columns `339d` (no other column gives way).
+        Constraint::Length(since_w),
         Constraint::Length(26),
         Constraint::Length(18),
         Constraint::Length(14),
         Constraint::Min(20),
     ];
     let id_w = widen_id(&mut widths, area.width, &[6, 5, 7, 1], 0);
+    // Room left over goes to the status_ref (68 characters whole).
+    let ref_w = 14 + spare(&widths, area.width, &[6, 5, 7, 1]).min(54);
+    widths[6] = Constraint::Length(ref_w);
+    let ref_w = usize::from(ref_w);
     let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|o| {
@@ -364,11 +384,14 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 Cell::from(short(&o.tool, 15)),
                 Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state.as_str()))),
                 // Since it entered this state: a query that changes nothing does not reset it.
-                Cell::from(human_ms(now.saturating_sub(o.state_since.unwrap_or(o.updated_at)))),
+                Cell::from(duration_in(
+                    now.saturating_sub(o.state_since.unwrap_or(o.updated_at)),
+                    usize::from(since_w),
+                )),
                 // Why it is stuck and the key that moves it (the detail says it in full).
                 Cell::from(Span::styled(crate::tui::app::reason(o), t.warn())),
                 Cell::from(short(o.code.as_deref().unwrap_or("-"), 18)),
-                Cell::from(short(&o.status_ref, 14)),
+                Cell::from(short(&o.status_ref, ref_w)),
                 Cell::from(short(&last, 26)),
             ]
         })
@@ -408,6 +431,8 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     // Where the result column does not fit (80 columns), the action says it:
     // a refused action is marked and coloured, never shown like an applied one.
     let result_shown = kept(&widths, area.width, &[0, 4]).get(4).copied().unwrap_or(true);
+    // The reason takes what is left of the line (it was cut at 40 with room to spare).
+    let reason_w = usize::from(20 + spare(&widths, area.width, &[0, 4]));
     let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|r| {
@@ -424,7 +449,7 @@ fn audit(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 action,
                 Cell::from(Span::styled(short(&r.result, 8), res)),
                 Cell::from(short(r.operation_id.as_deref().or(r.approval_id.as_deref()).unwrap_or("-"), id_w)),
-                Cell::from(short(&r.reason, 40)),
+                Cell::from(short(&r.reason, reason_w)),
             ]
         })
         .collect();
@@ -455,7 +480,50 @@ fn when(at: i64, now: i64) -> String {
     }
 }
 
-fn walkthrough(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
+/// Below 120 columns the steps' table does not fit: each step is a few lines
+/// instead (action and verdict; transition, retryable, effects; what the user
+/// sees, wrapped), scrolled with j/k (the newest step in view as steps run).
+fn walk_steps(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
+    let w = &app.walkthrough;
+    let room = usize::from(area.width.saturating_sub(11)).max(20);
+    let mut lines: Vec<Line> = Vec::new();
+    for s in &w.steps {
+        let v = if s.verdict == "PASS" { t.ok() } else { t.bad() };
+        lines.push(Line::from(vec![
+            Span::styled(format!(" {:>2}  ", s.n), t.accent()),
+            Span::raw(format!("{}  ", short(&s.action, room))),
+            Span::styled(s.verdict.clone(), v),
+        ]));
+        lines.push(Line::from(Span::styled(
+            format!(
+                "     {} · retryable {} · effects {}",
+                short(&s.transition, room),
+                short(&s.retryable, 9),
+                s.effects
+            ),
+            t.dim(),
+        )));
+        for (i, part) in super::lab::wrap(&crate::display::escape(&s.user_sees), room).into_iter().enumerate() {
+            let label = if i == 0 { "sees" } else { "" };
+            lines.push(Line::from(vec![Span::styled(format!("     {label:<5} "), t.dim()), Span::raw(part)]));
+        }
+    }
+    if lines.is_empty() {
+        lines.push(Line::from(Span::styled("  no step yet: n runs the first", t.dim())));
+    }
+    let block = Block::default().borders(Borders::TOP);
+    let inner = block.inner(area);
+    let extent = (lines.len() as u16).saturating_sub(inner.height);
+    let scroll = app.walk_scroll.min(extent);
+    let title = if extent == 0 { String::new() } else { format!(" steps · j/k scroll {scroll}/{extent} ") };
+    frame.render_widget(
+        Paragraph::new(super::escaped(lines)).block(block.title(Span::styled(title, t.dim()))).scroll((scroll, 0)),
+        area,
+    );
+    extent
+}
+
+fn walkthrough(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
     let w = &app.walkthrough;
     if w.scenarios.is_empty() {
         let p = Paragraph::new(vec![
@@ -464,7 +532,7 @@ fn walkthrough(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             Line::from(Span::styled("  loading scenarios…", t.dim())),
         ]);
         frame.render_widget(p, area);
-        return;
+        return 0;
     }
     let (num, title) = w.scenarios.get(w.selected).cloned().unwrap_or_default();
     let mut lines = vec![
@@ -484,6 +552,9 @@ fn walkthrough(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let top_h = u16::try_from(top_text.line_count(area.width)).unwrap_or(3).clamp(3, 6);
     let [top, rest] = ratatui::layout::Layout::vertical([Constraint::Length(top_h), Constraint::Min(1)]).areas(area);
     frame.render_widget(top_text, top);
+    if area.width < 120 {
+        return walk_steps(app, frame, rest, t);
+    }
     let body: Vec<Row> = w
         .steps
         .iter()
@@ -523,6 +594,7 @@ fn walkthrough(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         st.select(Some(n - 1));
     }
     frame.render_stateful_widget(tb, rest, &mut st);
+    0
 }
 
 fn loading(app: &App, frame: &mut Frame, area: Rect, title: &str, t: Theme) {

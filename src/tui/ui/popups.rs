@@ -4,7 +4,7 @@
 use ratatui::layout::{Constraint, Flex, Layout, Rect};
 use ratatui::style::Modifier;
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Block, Borders, Clear, Paragraph, Wrap};
+use ratatui::widgets::{Block, Borders, Clear, Paragraph};
 use ratatui::Frame;
 
 use super::Theme;
@@ -143,6 +143,9 @@ fn button_labels(request: &Request) -> (&'static str, String) {
         Request::Query { .. } => ("Go back", "Query the provider".into()),
         Request::Approve { .. } => ("Go back", "Approve".into()),
         Request::Deny { .. } => ("Go back", "Deny".into()),
+        Request::Resolve { resolution, against_evidence: true, .. } => {
+            ("Go back", format!("Resolve as {} against the evidence", resolution.as_str()))
+        }
         Request::Resolve { resolution, .. } => ("Go back", format!("Resolve as {}", resolution.as_str())),
         Request::SetLab(Some(_)) => ("Go back", "Turn the defense off".into()),
         Request::SetLab(None) => ("Go back", "Turn every defense on".into()),
@@ -156,17 +159,86 @@ fn capitalized(s: &str) -> String {
     c.next().map_or_else(String::new, |f| f.to_uppercase().collect::<String>() + c.as_str())
 }
 
-/// A confirm dialog.
+/// `text` in lines at most `width` cells wide; lines after the first are
+/// indented by `indent` (the evidence's value column), and a word longer than
+/// a line is cut across lines (a digest, an id), so nothing runs past the border.
+fn wrap_hanging(text: &str, width: usize, indent: usize) -> Vec<String> {
+    let width = width.max(indent + 8);
+    let mut out: Vec<String> = Vec::new();
+    let mut line = String::new();
+    // Cells used on this line, and where its text starts.
+    let (mut len, mut start) = (0usize, 0usize);
+    for word in text.split(' ') {
+        let mut rest: Vec<char> = word.chars().collect();
+        loop {
+            let gap = usize::from(len > start);
+            if len + gap + rest.len() <= width {
+                line.extend(std::iter::repeat_n(' ', gap).chain(rest.iter().copied()));
+                len += gap + rest.len();
+                break;
+            }
+            if len == start || rest.len() > width - indent {
+                // A word longer than a line: what fits here, the rest below.
+                let take = width.saturating_sub(len + gap).min(rest.len());
+                line.extend(std::iter::repeat_n(' ', gap).chain(rest.drain(..take)));
+            }
+            out.push(std::mem::take(&mut line));
+            line = " ".repeat(indent);
+            (len, start) = (indent, indent);
+            if rest.is_empty() {
+                break;
+            }
+        }
+    }
+    if len > start || out.is_empty() {
+        out.push(line);
+    }
+    out
+}
+
+/// The confirm dialog's lines: the evidence wrapped inside the border under
+/// its value column, cut (with a line saying so) so that the blank line and
+/// the buttons always fit in `height` rows.
+pub(super) fn confirm_lines(evidence: &[String], width: u16, height: u16) -> Vec<String> {
+    // Inside the border, after the one-cell margin.
+    let text_w = usize::from(width.saturating_sub(3));
+    let mut lines: Vec<String> = Vec::new();
+    for e in evidence {
+        let e = crate::display::escape(e);
+        // An indented line (a list under a heading) keeps its indent.
+        let body = e.trim_start_matches(' ');
+        let lead = " ".repeat(e.len() - body.len());
+        // "label       value": continuation lines start under the value.
+        let indent = if body.chars().nth(11) == Some(' ') && lead.is_empty() { 12 } else { 2 };
+        lines.extend(
+            wrap_hanging(body, text_w.saturating_sub(lead.len()), indent).into_iter().map(|l| lead.clone() + &l),
+        );
+    }
+    // Borders (2), the blank line and the buttons (2).
+    let room = usize::from(height.saturating_sub(4)).max(1);
+    if lines.len() > room {
+        lines.truncate(room - 1);
+        lines.push("… (cut to fit the terminal: the detail view has the rest)".chars().take(text_w).collect());
+    }
+    lines
+}
+
+/// A confirm dialog: the evidence wrapped inside the border, the buttons
+/// always on screen below it.
 pub fn confirm(app: &App, frame: &mut Frame, t: Theme) {
     let Some(c) = &app.confirm else { return };
-    let mut lines: Vec<Line> = c.evidence.iter().map(|e| Line::from(format!(" {e}"))).collect();
+    let full = frame.area();
+    let w = full.width.saturating_sub(4).clamp(40, 100).min(full.width);
+    // Over the body: the header's first line and the footer stay in view.
+    let h_max = full.height.saturating_sub(3);
+    let mut lines: Vec<Line> =
+        confirm_lines(&c.evidence, w, h_max).into_iter().map(|e| Line::from(format!(" {e}"))).collect();
     lines.push(Line::from(""));
     lines.push(buttons(&c.request, c.on_confirm, t));
-    let area = centered(frame.area(), 76, lines.len() as u16 + 2);
+    let area = centered(full, w, lines.len() as u16 + 2);
     frame.render_widget(Clear, area);
     frame.render_widget(
         Paragraph::new(super::escaped(lines))
-            .wrap(Wrap { trim: false })
             .block(Block::default().borders(Borders::ALL).title(Span::styled(format!(" {} ", c.title), t.accent()))),
         area,
     );
@@ -224,9 +296,16 @@ pub fn form(app: &App, frame: &mut Frame, t: Theme) {
             };
             format!(" {verb} {n} marked ")
         }
-        FormKind::Resolve { operation_id, seen_version, last_query, unaskable } => {
+        FormKind::Resolve { operation_id, seen_version, last_query, unaskable, terms, found } => {
             lines.push(Line::from(format!(" {operation_id} (version {seen_version})")));
             lines.push(Line::from(Span::styled(format!(" last query: {last_query}"), t.dim())));
+            if let Some(terms) = terms {
+                lines.push(Line::from(Span::styled(format!(" amount: {terms}"), t.dim())));
+            }
+            // The receipt the queries found, whole: it is what to check.
+            for part in found.iter().flat_map(|r| wrap_hanging(&format!("found: {r}"), 72, 7)) {
+                lines.push(Line::from(Span::styled(format!(" {part}"), t.warn())));
+            }
             let choices = ["succeeded", "failed", "compensated"];
             let mut spans = vec![Span::styled(" resolve as  ", focus(0))];
             for (i, c) in choices.iter().enumerate() {
@@ -266,4 +345,22 @@ pub fn form(app: &App, frame: &mut Frame, t: Theme) {
             .block(Block::default().borders(Borders::ALL).title(Span::styled(title, t.accent()))),
         area,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(text: &str, width: usize, indent: usize, expect: &[&str]) {
+        assert_eq!(wrap_hanging(text, width, indent), expect);
+    }
+
+    #[test]
+    fn evidence_wraps_under_its_value_column_and_long_words_are_cut() {
+        check("operation   op_1", 40, 12, &["operation   op_1"]);
+        check("breaks      one two three four", 24, 12, &["breaks      one two", "            three four"]);
+        check("hash        0123456789abcdef0123", 22, 12, &["hash        0123456789", "            abcdef0123"]);
+        check("", 20, 2, &[""]);
+        check("a b", 20, 2, &["a b"]);
+    }
 }
