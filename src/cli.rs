@@ -2395,7 +2395,9 @@ fn write_stdout(text: &str) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
         Err(e) => {
-            eprintln!("error[STDOUT_FAILED]: cannot write the output: {}", e.kind());
+            // Not `eprintln!`: on a closed terminal stderr fails too, and it
+            // would panic instead of exiting with the code.
+            let _ = writeln!(std::io::stderr(), "error[STDOUT_FAILED]: cannot write the output: {}", e.kind());
             std::process::exit(2);
         }
     }

@@ -850,6 +850,13 @@ impl Engine {
                     (_, Some(c)) if c != receipt.receipt_id => {
                         Some(format!("the provider's receipt is {}, not {c}", receipt.receipt_id))
                     }
+                    // The receipt named is the one under this key, but what it
+                    // carries binds it to another request.
+                    (Resolution::Succeeded, Some(_)) if unbound.is_some() => Some(format!(
+                        "receipt {} is under this operation's key but not this request's ({})",
+                        receipt.receipt_id,
+                        unbound.unwrap_or_default()
+                    )),
                     _ => None,
                 };
                 (seen, contra)
@@ -991,6 +998,16 @@ impl Engine {
             let evidence = r.evidence.as_deref().map(str::trim).filter(|e| !e.is_empty());
             if r.resolution == Resolution::Succeeded && evidence.is_none() {
                 return refuse("EVIDENCE_REQUIRED", "resolving as succeeded needs a receipt id as evidence".into());
+            }
+            // One receipt is evidence for one operation: a receipt the ledger
+            // recorded for another is never this one's, whatever a person says.
+            if let (Resolution::Succeeded, Some(e)) = (r.resolution, evidence) {
+                if let Some(owner) = tx.receipt_owner(e)?.filter(|o| *o != op.id) {
+                    return refuse(
+                        "STATUS_CONFLICT",
+                        format!("receipt {e} is recorded for operation {owner}: a receipt is evidence for one operation only; name this operation's own receipt"),
+                    );
+                }
             }
             let contradiction = provider.as_ref().and_then(|(_, c)| c.clone());
             if let Some(why) = &contradiction {

@@ -423,7 +423,32 @@ fn a_receipt_bound_twice_is_found_and_resolved_against_its_recorded_success(back
     assert_eq!(effects(&mut e), 1, "one refund was ever paid");
 }
 
+/// A person cannot bind one receipt to two operations either: resolving an
+/// unknown operation as succeeded with a receipt the ledger recorded for
+/// another operation is refused, even against the evidence, and changes
+/// nothing. Before: applied (the console helper's review found it).
+fn a_person_cannot_resolve_with_another_operations_receipt(backend: Backend) {
+    let fx = Fixture::on(backend);
+    let mut e = fx.engine();
+    let a = dispatch_with(&mut e, &refund("other-receipt-a-01", 500), "ok");
+    let a = a.protected_audit.operation_id.clone().unwrap();
+    let b = dispatch_with(&mut e, &refund("other-receipt-b-01", 300), "timeout_before_commit");
+    let b = b.protected_audit.operation_id.clone().unwrap();
+    fx.clock.advance(70_000);
+    let mut claim = crate::support::failed_by(&b, "oncall-kim", "the customer says it arrived");
+    claim.resolution = toolgate::engine::Resolution::Succeeded;
+    claim.evidence = fx.query_text(&format!("SELECT receipt_id FROM operations WHERE id = '{a}'"));
+    for against in [false, true] {
+        let out = if against { e.resolve_against_evidence(&claim) } else { e.resolve(&claim) }.unwrap();
+        assert_eq!((out.applied, out.code.as_str()), (false, "STATUS_CONFLICT"), "{out:?}");
+        assert!(out.message.contains(&a), "{out:?}");
+    }
+    assert_eq!(fx.query_text(&format!("SELECT state FROM operations WHERE id = '{b}'")).as_deref(), Some("unknown"));
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+}
+
 crate::on_both_backends!(
+    a_person_cannot_resolve_with_another_operations_receipt,
     a_trace_event_dated_before_its_operation_is_a_warning,
     a_receipt_bound_twice_is_found_and_resolved_against_its_recorded_success,
     decisions_without_their_log_entries_are_found,
