@@ -63,6 +63,20 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
     };
     let o = &d.operation;
     let kv = |k: &str, v: String| Line::from(vec![Span::styled(format!("  {k:<16}"), t.dim()), Span::raw(v)]);
+    // A digest or reference longer than the value column: cut in pieces that
+    // continue under the value column, never back at column 0.
+    let room = usize::from(area.width.saturating_sub(20)).max(16);
+    let kv_long = |k: &str, v: String| -> Vec<Line<'static>> {
+        let chars: Vec<char> = v.chars().collect();
+        chars
+            .chunks(room)
+            .enumerate()
+            .map(|(i, part)| {
+                let label = if i == 0 { k } else { "" };
+                Line::from(vec![Span::styled(format!("  {label:<16}"), t.dim()), Span::raw(part.iter().collect::<String>())])
+            })
+            .collect()
+    };
     let mut lines = vec![Line::from(vec![
         Span::styled(format!("  {}  ", o.id), t.accent()),
         Span::styled(o.state.as_str(), t.state(o.state.as_str())),
@@ -109,10 +123,12 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
         ),
         kv("code", o.code.clone().unwrap_or_else(|| "-".into())),
         Line::from(Span::styled("  bindings", t.accent())),
-        kv("request_sha256", o.request_sha256.clone()),
-        kv("result_sha256", o.result_sha256.clone().unwrap_or_else(|| "-".into())),
-        kv("call_binding", o.call_binding_sha256.clone()),
-        kv("status_ref", o.status_ref.clone()),
+    ]);
+    lines.extend(kv_long("request_sha256", o.request_sha256.clone()));
+    lines.extend(kv_long("result_sha256", o.result_sha256.clone().unwrap_or_else(|| "-".into())));
+    lines.extend(kv_long("call_binding", o.call_binding_sha256.clone()));
+    lines.extend(kv_long("status_ref", o.status_ref.clone()));
+    lines.extend([
         kv(
             "downstream",
             format!(
