@@ -397,6 +397,12 @@ impl ScenarioRun {
         &self.path
     }
 
+    /// The scenario's own clock now (ms): the instant its ledger is at, which
+    /// a console showing its database measures ages and deadlines against.
+    pub fn now_ms(&self) -> i64 {
+        self.clock.now_ms()
+    }
+
     /// The crash mode in force.
     pub fn crash_kind(&self) -> CrashKind {
         match self.crash_mode {

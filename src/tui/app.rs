@@ -329,6 +329,9 @@ pub struct WalkthroughView {
     pub crash_note: String,
     /// While a scenario runs, the panes show its scratch database.
     pub db_label: Option<String>,
+    /// The scenario's clock while it runs: the panes measure the scratch
+    /// database's ages and deadlines against it, not the wall clock.
+    pub clock_ms: Option<i64>,
 }
 
 /// One executed walkthrough step.
@@ -970,7 +973,8 @@ impl App {
                 // Paused, the screen is a snapshot: its ages and countdowns
                 // stand still with its rows (messages still expire).
                 if self.live {
-                    self.now_ms = now;
+                    // A scenario's scratch database is measured on its own clock.
+                    self.now_ms = self.walkthrough.clock_ms.unwrap_or(now);
                 }
                 // A message says what just happened: once the state moved on,
                 // it goes (the log keeps it).
@@ -1488,6 +1492,9 @@ impl App {
                     self.walk_scroll = u16::MAX;
                 }
                 self.walkthrough = w;
+                if self.live {
+                    self.now_ms = self.walkthrough.clock_ms.unwrap_or(self.wall_ms);
+                }
                 // Answers to earlier picks still coming: the last pick stays shown.
                 self.walk_pending = self.walk_pending.saturating_sub(1);
                 if self.walk_pending > 0 {

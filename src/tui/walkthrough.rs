@@ -98,6 +98,7 @@ impl Walkthrough {
             more,
             crash_note,
             db_label: self.run.as_ref().map(|r| format!("scenario {} scratch db", r.script().id)),
+            clock_ms: self.run.as_ref().map(ScenarioRun::now_ms),
         })
     }
 }

@@ -2839,3 +2839,26 @@ fn f_typed_in_a_burst_steps_the_fault_rate_each_time() {
     let expect: Vec<Option<Request>> = [100, 500, 2_000, 10_000].map(|bp| Some(Request::SetFaultRate(bp))).to_vec();
     assert_eq!(asked, expect);
 }
+
+/// Issue 32 §2: in a walkthrough every pane showed the scratch database
+/// against the wall clock ("339 days overdue", "oldest 340d"). While a
+/// scenario runs, the panes measure against the scenario's own clock; once
+/// none runs, against the wall clock again.
+#[test]
+fn a_walkthrough_measures_its_scratch_database_on_the_scenarios_clock() {
+    use toolgate::tui::app::WalkthroughView;
+    let mut app = App::new("demo", "alice", false, false, NOW);
+    let scenario_now = NOW - 339 * 86_400_000;
+    let running = WalkthroughView {
+        db_label: Some("scenario 1 scratch db".into()),
+        clock_ms: Some(scenario_now),
+        ..WalkthroughView::default()
+    };
+    app.update(Action::Engine(EngineEvent::Walkthrough(running.clone())));
+    assert_eq!(app.now_ms, scenario_now);
+    app.update(Action::Tick(NOW + 1_000));
+    assert_eq!(app.now_ms, scenario_now, "a tick keeps the scenario's clock");
+    app.update(Action::Engine(EngineEvent::Walkthrough(WalkthroughView::default())));
+    app.update(Action::Tick(NOW + 2_000));
+    assert_eq!(app.now_ms, NOW + 2_000, "no scenario: the wall clock");
+}

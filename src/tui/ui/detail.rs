@@ -73,7 +73,10 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
             .enumerate()
             .map(|(i, part)| {
                 let label = if i == 0 { k } else { "" };
-                Line::from(vec![Span::styled(format!("  {label:<16}"), t.dim()), Span::raw(part.iter().collect::<String>())])
+                Line::from(vec![
+                    Span::styled(format!("  {label:<16}"), t.dim()),
+                    Span::raw(part.iter().collect::<String>()),
+                ])
             })
             .collect()
     };
