@@ -931,6 +931,14 @@ fn refuse_read_only(cli: &Cli) -> Result<(), CliError> {
 /// database re-based to now (the committed file is never written).
 fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
     use std::io::IsTerminal;
+    // Said, not ignored: the console's panes, countdowns and working copy
+    // run on the wall clock.
+    if cli.now.is_some() {
+        return Err(CliError::new(
+            "INVALID_ARGUMENTS",
+            "--now fixes the clock of a scripted command; the console runs on the wall clock (leave --now out)",
+        ));
+    }
     if !std::io::stdout().is_terminal() {
         return Err(CliError::new(
             "NOT_A_TERMINAL",

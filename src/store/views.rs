@@ -730,7 +730,59 @@ impl Tx<'_> {
                 self.conn.execute(&format!("UPDATE {table} SET minute = minute - ?1"), [FAR - minutes])?;
             }
         }
-        // The audit log is append-only even here: its times stay as recorded.
-        Ok(())
+        self.rebase_operator_log(delta_ms)
+    }
+
+    /// The operator log moved with everything else (a working copy only,
+    /// from [`Tx::rebase_times`]): each entry's time shifts, its chain is
+    /// re-linked over the new times, every anchor follows its entry and the
+    /// head is the new newest. The append-only trigger is lifted for this one
+    /// transaction and put back as its migration wrote it.
+    fn rebase_operator_log(&self, delta_ms: i64) -> R<()> {
+        let rows = self.audit_log_ascending()?;
+        if rows.is_empty() || delta_ms == 0 {
+            return Ok(());
+        }
+        let (lift, restore) = match self.backend() {
+            Backend::Sqlite => (
+                "DROP TRIGGER audit_log_no_update",
+                "CREATE TRIGGER audit_log_no_update BEFORE UPDATE ON audit_log
+                 BEGIN SELECT RAISE(ABORT, 'audit_log is append-only'); END",
+            ),
+            Backend::Postgres => (
+                "ALTER TABLE audit_log DISABLE TRIGGER audit_log_no_update",
+                "ALTER TABLE audit_log ENABLE TRIGGER audit_log_no_update",
+            ),
+        };
+        self.conn.execute_batch(lift)?;
+        let mut prev: Option<String> = None;
+        let mut moved = Vec::with_capacity(rows.len());
+        for mut r in rows {
+            let old = r.chain_hash();
+            r.at += delta_ms;
+            if r.chain_sha256.is_some() {
+                r.chain_sha256 = Some(prev.clone().unwrap_or_else(|| super::AUDIT_GENESIS.to_string()));
+            }
+            self.conn
+                .prepare_cached("UPDATE audit_log SET at = ?1, chain_sha256 = ?2 WHERE seq = ?3")?
+                .execute(params![r.at, r.chain_sha256, r.seq])?;
+            let new = r.chain_hash();
+            moved.push((old, new.clone()));
+            prev = Some(new);
+        }
+        for (old, new) in &moved {
+            for sql in [
+                "UPDATE operations SET audit_anchor = ?1 WHERE audit_anchor = ?2",
+                "UPDATE approvals SET audit_anchor = ?1 WHERE audit_anchor = ?2",
+            ] {
+                self.conn.prepare_cached(sql)?.execute(params![new, old])?;
+            }
+        }
+        if self.meta("audit_head")?.is_some() {
+            if let Some(head) = &prev {
+                self.meta_set("audit_head", head)?;
+            }
+        }
+        self.conn.execute_batch(restore)
     }
 }

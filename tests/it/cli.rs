@@ -860,3 +860,14 @@ fn counts_say_per_downstream_what_they_count(backend: crate::support::Backend) {
 }
 
 crate::on_both_backends!(counts_say_per_downstream_what_they_count);
+
+/// Issue 32 §2: `--now` was silently ignored by the console. It is refused
+/// with a clear error (the console runs on the wall clock), before anything
+/// is made.
+#[test]
+fn the_console_refuses_now_instead_of_ignoring_it() {
+    let out = tg().args(["--now", NOW]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("INVALID_ARGUMENTS") && err.contains("wall clock"), "{err}");
+}

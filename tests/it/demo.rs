@@ -100,3 +100,32 @@ fn the_demo_holds_every_state_and_the_working_copy_is_rebased() {
         .unwrap();
     assert_eq!(dups, 0);
 }
+
+/// Issue 32 §2: the working copy's operator log stayed at the demo's own
+/// times while everything else moved to now. It moves too, its chain re-linked
+/// over the new times and every anchor with it: the copy audits clean, its
+/// newest entry is at most minutes old, and the log is append-only again.
+fn the_working_copy_moves_its_operator_log_and_audits_clean(backend: crate::support::Backend) {
+    let dir = tempfile::tempdir().unwrap();
+    let pg = (backend == crate::support::Backend::Postgres).then(|| crate::support::PgDb::new().unwrap());
+    let now = chrono::Utc::now().timestamp_millis();
+    let db = match &pg {
+        None => toolgate::demo::working_copy(dir.path(), now).unwrap(),
+        Some(p) => toolgate::demo::working_copy_at(Path::new(&p.url), now).unwrap(),
+    };
+    let clock = toolgate::engine::clock::ManualClock::new(now);
+    let mut e = toolgate::engine::Engine::open(&db, crate::support::opts(&clock, "copy")).unwrap();
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+    assert!(e.audit_warnings().unwrap().is_empty(), "{:?}", e.audit_warnings().unwrap());
+    let log = e.audit_log(1_000).unwrap();
+    assert!(!log.is_empty());
+    let newest = log.iter().map(|r| r.at).max().unwrap();
+    assert!(newest <= now && now - newest < 3_600_000, "the log is at the demo's own time: {newest} vs {now}");
+    let refused = match &pg {
+        None => raw(&db).execute("UPDATE audit_log SET reason = 'x'", []).is_err(),
+        Some(p) => p.client().execute("UPDATE audit_log SET reason = 'x'", &[]).is_err(),
+    };
+    assert!(refused, "the operator log is append-only again");
+}
+
+crate::on_both_backends!(the_working_copy_moves_its_operator_log_and_audits_clean);
