@@ -23,8 +23,8 @@ use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, DefensesOff, Engine, EngineError};
 use crate::failpoint;
 use crate::store::{
-    ApprovalRow, ApprovalState, AttemptOutcome, CallIdentityRow, CallKey, ForClaim, OpState, OperationRow, OutboxState,
-    ReceiptRow, StoreError, Sync, Tx, SENDER_DETACHED,
+    ApprovalRow, ApprovalState, AttemptOutcome, CallIdentityRow, CallKey, CircuitState, ForClaim, OpState,
+    OperationRow, OutboxState, ReceiptRow, StoreError, Sync, Tx, SENDER_DETACHED,
 };
 
 /// One tool call as a harness sends it.
@@ -1554,9 +1554,9 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
         cev.attempt = Some(c.attempt);
         cev.note = Some(format!("circuit of {}: {} → {}", c.contract.downstream.as_str(), t.from, t.to));
         cev.because(match t.to {
-            "open" => "circuit_opened",
-            "half_open" => "circuit_half_open",
-            _ => "circuit_closed",
+            CircuitState::Open => "circuit_opened",
+            CircuitState::HalfOpen => "circuit_half_open",
+            CircuitState::Closed | CircuitState::Unrecognized => "circuit_closed",
         })
         .write(tx, c.now)?;
     }

@@ -25,7 +25,7 @@
 use super::contracts::{CircuitPolicy, RetryPolicy};
 use super::ids::Ids;
 use super::tool::Reply;
-use crate::store::{CircuitRow, StoreError, Tx, MILLI_TOKEN};
+use crate::store::{CircuitRow, CircuitState, StoreError, Tx, MILLI_TOKEN};
 
 /// Full-jitter exponential backoff: uniform in `[0, min(cap, base·2^(attempt-1))]`
 /// for the `attempt`-th retry.
@@ -118,9 +118,9 @@ fn wait_until(until: Option<i64>, now: i64) -> u64 {
 /// and cooling down, or half-open with a probe out. It never takes the probe
 /// slot (nothing is sent at accept; the claim does that). A refusal is counted.
 pub(crate) fn admit_new(tx: &Tx<'_>, downstream: &str, now: i64) -> Result<Option<u64>, StoreError> {
-    let refusal = |c: &CircuitRow| match c.state.as_str() {
-        "open" if c.open_until.is_some_and(|u| now < u) => Some(wait_until(c.open_until, now)),
-        "half_open" if c.probe_until.is_some_and(|u| now < u) => Some(wait_until(c.probe_until, now)),
+    let refusal = |c: &CircuitRow| match c.state {
+        CircuitState::Open if c.open_until.is_some_and(|u| now < u) => Some(wait_until(c.open_until, now)),
+        CircuitState::HalfOpen if c.probe_until.is_some_and(|u| now < u) => Some(wait_until(c.probe_until, now)),
         _ => None,
     };
     let Some(c) = tx.circuit(downstream)? else { return Ok(None) };
@@ -150,7 +150,7 @@ pub(crate) fn admit_send(
 ) -> Result<Admission, StoreError> {
     match tx.circuit(downstream)? {
         None => return Ok(Admission::Closed),
-        Some(c) if c.state == "closed" => return Ok(Admission::Closed),
+        Some(c) if c.state == CircuitState::Closed => return Ok(Admission::Closed),
         Some(_) => {}
     }
     // Not closed: whatever this claim decides (become the probe, be refused)
@@ -158,7 +158,7 @@ pub(crate) fn admit_send(
     // both become the probe).
     let Some(mut c) = tx.circuit_for_change(downstream)? else { return Ok(Admission::Closed) };
     let take_probe = |c: &mut CircuitRow| -> Result<Admission, StoreError> {
-        c.state = "half_open".into();
+        c.state = CircuitState::HalfOpen;
         c.open_until = None;
         c.probe_operation = Some(operation_id.to_string());
         c.probe_until = Some(now + probe_ms);
@@ -166,15 +166,15 @@ pub(crate) fn admit_send(
         tx.put_circuit(c)?;
         Ok(Admission::Probe)
     };
-    match c.state.as_str() {
-        "open" if c.open_until.is_some_and(|u| now < u) => {}
-        "open" => return take_probe(&mut c),
-        "half_open" if c.probe_operation.as_deref() == Some(operation_id) => return take_probe(&mut c),
-        "half_open" if c.probe_until.is_some_and(|u| now < u) => {}
-        "half_open" => return take_probe(&mut c),
-        _ => return Ok(Admission::Closed),
+    match c.state {
+        CircuitState::Open if c.open_until.is_some_and(|u| now < u) => {}
+        CircuitState::Open => return take_probe(&mut c),
+        CircuitState::HalfOpen if c.probe_operation.as_deref() == Some(operation_id) => return take_probe(&mut c),
+        CircuitState::HalfOpen if c.probe_until.is_some_and(|u| now < u) => {}
+        CircuitState::HalfOpen => return take_probe(&mut c),
+        CircuitState::Closed | CircuitState::Unrecognized => return Ok(Admission::Closed),
     }
-    let until = if c.state == "open" { c.open_until } else { c.probe_until };
+    let until = if c.state == CircuitState::Open { c.open_until } else { c.probe_until };
     c.refused_total += 1;
     c.updated_at = now;
     tx.put_circuit(&c)?;
@@ -185,7 +185,7 @@ pub(crate) fn admit_send(
 /// reason after the circuit let it through).
 pub(crate) fn release_probe(tx: &Tx<'_>, downstream: &str, operation_id: &str, now: i64) -> Result<(), StoreError> {
     if let Some(mut c) = tx.circuit_for_change(downstream)? {
-        if c.state == "half_open" && c.probe_operation.as_deref() == Some(operation_id) {
+        if c.state == CircuitState::HalfOpen && c.probe_operation.as_deref() == Some(operation_id) {
             c.probe_operation = None;
             c.probe_until = Some(now);
             c.updated_at = now;
@@ -199,16 +199,16 @@ pub(crate) fn release_probe(tx: &Tx<'_>, downstream: &str, operation_id: &str, n
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Transition {
     /// From.
-    pub from: &'static str,
+    pub from: CircuitState,
     /// To.
-    pub to: &'static str,
+    pub to: CircuitState,
 }
 
-fn state_name(s: &str) -> &'static str {
+/// A stored state as the breaker acts on it: unrecognized text is closed.
+fn known(s: CircuitState) -> CircuitState {
     match s {
-        "open" => "open",
-        "half_open" => "half_open",
-        _ => "closed",
+        CircuitState::Unrecognized => CircuitState::Closed,
+        s => s,
     }
 }
 
@@ -223,7 +223,7 @@ pub(crate) fn record(
 ) -> Result<Option<Transition>, StoreError> {
     let clean = |c: &Option<CircuitRow>| match (health, c) {
         (Health::Neutral, _) | (Health::Healthy, None) => true,
-        (Health::Healthy, Some(c)) => c.state == "closed" && c.consecutive_failures == 0,
+        (Health::Healthy, Some(c)) => c.state == CircuitState::Closed && c.consecutive_failures == 0,
         (Health::Failing, _) => false,
     };
     if clean(&tx.circuit(downstream)?) {
@@ -235,17 +235,17 @@ pub(crate) fn record(
         return Ok(None);
     }
     let mut c = existing.unwrap_or_else(|| CircuitRow::closed(downstream, now));
-    let from = state_name(&c.state);
+    let from = known(c.state);
     c.updated_at = now;
     let open = |c: &mut CircuitRow| {
-        c.state = "open".into();
+        c.state = CircuitState::Open;
         c.open_until = Some(now + policy.cool_down_ms as i64);
         c.probe_operation = None;
         c.probe_until = None;
         c.opened_total += 1;
     };
     if health == Health::Healthy {
-        c.state = "closed".into();
+        c.state = CircuitState::Closed;
         c.consecutive_failures = 0;
         c.open_until = None;
         c.probe_operation = None;
@@ -253,13 +253,15 @@ pub(crate) fn record(
     } else {
         c.consecutive_failures += 1;
         match from {
-            "closed" if c.consecutive_failures >= i64::from(policy.failure_threshold.max(1)) => open(&mut c),
-            "half_open" => open(&mut c),
+            CircuitState::Closed if c.consecutive_failures >= i64::from(policy.failure_threshold.max(1)) => {
+                open(&mut c);
+            }
+            CircuitState::HalfOpen => open(&mut c),
             _ => {}
         }
     }
     tx.put_circuit(&c)?;
-    let to = state_name(&c.state);
+    let to = known(c.state);
     Ok((from != to).then_some(Transition { from, to }))
 }
 

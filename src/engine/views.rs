@@ -102,7 +102,11 @@ impl Engine {
                 oldest_unknown_at: tx.oldest_unknown_at()?,
                 approvers,
                 clock_paused: clock_paused.clone(),
-                breakers: tx.circuits()?.into_iter().filter(|c| c.state != "closed").collect(),
+                breakers: tx
+                    .circuits()?
+                    .into_iter()
+                    .filter(|c| c.state != crate::store::CircuitState::Closed)
+                    .collect(),
             })
         })?)
     }

@@ -40,7 +40,7 @@ pub use resilience::{CircuitRow, RateLimitedRow, RetryBudgetRow, MILLI_TOKEN};
 pub use rows::*;
 pub use sql::Backend;
 use sql::{params, Conn};
-pub use states::{ApprovalState, AttemptOutcome, OpState, OutboxState};
+pub use states::{ApprovalState, AttemptOutcome, CircuitState, OpState, OutboxState};
 pub use tokens::TokenRow;
 pub use views::{
     cursor_after, Cursor, Filter, FilterTarget, Key, LiveRow, OpsView, Order, SortColumn, APPROVALS_SORT, AUDIT_SORT,

@@ -7,7 +7,7 @@ use super::sql::sql_text;
 use super::sql::{params, Row};
 use serde::Serialize;
 
-use super::{Tx, R};
+use super::{CircuitState, Tx, R};
 
 /// One thousandth of a retry token: the unit of [`RetryBudgetRow`].
 pub const MILLI_TOKEN: i64 = 1000;
@@ -47,8 +47,8 @@ impl RetryBudgetRow {
 pub struct CircuitRow {
     /// Downstream (`payments`, `notifications`).
     pub downstream: String,
-    /// `closed` | `open` | `half_open`.
-    pub state: String,
+    /// Closed, open or half-open.
+    pub state: CircuitState,
     /// Transient failures in a row.
     pub consecutive_failures: i64,
     /// While open: no call before this instant.
@@ -70,7 +70,7 @@ impl CircuitRow {
     pub fn closed(downstream: &str, now: i64) -> Self {
         Self {
             downstream: downstream.to_string(),
-            state: "closed".into(),
+            state: CircuitState::Closed,
             consecutive_failures: 0,
             open_until: None,
             probe_operation: None,
@@ -198,7 +198,7 @@ impl Tx<'_> {
             ))?
             .execute(params![
                 c.downstream,
-                c.state,
+                c.state.as_str(),
                 c.consecutive_failures,
                 c.open_until,
                 c.probe_operation,

@@ -194,6 +194,18 @@ state_enum! {
     }
 }
 
+state_enum! {
+    /// Where a downstream's circuit breaker is.
+    CircuitState {
+        /// Calls go through.
+        Closed => "closed",
+        /// Nothing is sent until `open_until`.
+        Open => "open",
+        /// One probe call may go; the rest wait for its outcome.
+        HalfOpen => "half_open",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use super::histogram::{Histogram, Percentiles, PROMETHEUS_BOUNDS_US};
 use crate::engine::{Engine, EngineError};
-use crate::store::{ApprovalStateRow, LatencyRow, MetricRow, OpenOperationsRow, StoreError};
+use crate::store::{ApprovalStateRow, CircuitState, LatencyRow, MetricRow, OpenOperationsRow, StoreError};
 
 pub use crate::engine::trace::{minutes_retained_from, MINUTES_RETAINED};
 
@@ -156,7 +156,7 @@ pub struct ToolResilience {
     /// The bucket's size, in thousandths.
     pub capacity_milli: i64,
     /// `closed`, `open` or `half_open`.
-    pub circuit: String,
+    pub circuit: CircuitState,
     /// While open: since when (ms since the epoch).
     pub open_since_ms: Option<i64>,
     /// While open: the first instant a probe may go; while half-open: when the
@@ -268,17 +268,17 @@ fn resilience_families(families: &mut Vec<Family>, engine: &Engine, raw: &Raw, s
         capacity.insert(tool, cap);
         let downstream = c.downstream.as_str();
         let row = raw.circuits.iter().find(|r| r.downstream == downstream);
-        let current = row.map_or("closed", |r| r.state.as_str());
-        for s in ["closed", "open", "half_open"] {
+        let current = row.map_or(CircuitState::Closed, |r| r.state);
+        for s in CircuitState::ALL {
             let labels = BTreeMap::from([
                 ("tool", c.name.clone()),
                 ("downstream", downstream.to_string()),
-                ("state", s.to_string()),
+                ("state", s.as_str().to_string()),
             ]);
-            state.insert(labels, if s == current { 1.0 } else { 0.0 });
+            state.insert(labels, if *s == current { 1.0 } else { 0.0 });
         }
         let mut since_ms = None;
-        if let (Some(r), "open") = (row, current) {
+        if let (Some(r), CircuitState::Open) = (row, current) {
             if let Some(until) = r.open_until {
                 let since = until - c.circuit.cool_down_ms as i64;
                 let labels = BTreeMap::from([("tool", c.name.clone()), ("downstream", downstream.to_string())]);
@@ -293,12 +293,12 @@ fn resilience_families(families: &mut Vec<Family>, engine: &Engine, raw: &Raw, s
             downstream: downstream.to_string(),
             budget_milli: raw.budgets.iter().find(|b| b.tool == c.name).map_or(cap_milli, |b| b.tokens_milli),
             capacity_milli: cap_milli,
-            circuit: current.to_string(),
+            circuit: current,
             open_since_ms: since_ms,
             next_probe_ms: match current {
-                "open" => row.and_then(|r| r.open_until),
-                "half_open" => row.and_then(|r| r.probe_until),
-                _ => None,
+                CircuitState::Open => row.and_then(|r| r.open_until),
+                CircuitState::HalfOpen => row.and_then(|r| r.probe_until),
+                CircuitState::Closed | CircuitState::Unrecognized => None,
             },
             rate_limited: limited.map_or(0, |r| r.waiting),
             rate_limited_until_ms: limited.map(|r| r.until),

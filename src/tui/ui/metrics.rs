@@ -12,6 +12,7 @@ use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row, Sparkline, Table};
 use ratatui::Frame;
 
 use super::Theme;
+use crate::store::CircuitState;
 use crate::telemetry::metrics::{MetricsSnapshot, ToolLatency, ToolResilience};
 use crate::tui::app::{App, Rows};
 use crate::tui::format::{human_ms, short, time_of_day, tokens};
@@ -32,9 +33,9 @@ fn resilience(r: &ToolResilience, now: i64, t: Theme) -> Resilience {
         // The cool-down is over: the next send is the probe.
         _ => "probe due".to_string(),
     };
-    let breaker = match r.circuit.as_str() {
-        "closed" => ("closed".to_string(), t.ok()),
-        "open" => (
+    let breaker = match r.circuit {
+        CircuitState::Closed => ("closed".to_string(), t.ok()),
+        CircuitState::Open => (
             format!(
                 "open since {}, {}",
                 r.open_since_ms.map_or_else(|| "?".to_string(), time_of_day),
@@ -42,14 +43,14 @@ fn resilience(r: &ToolResilience, now: i64, t: Theme) -> Resilience {
             ),
             t.bad(),
         ),
-        "half_open" => {
+        CircuitState::HalfOpen => {
             let what = match r.next_probe_ms {
                 Some(at) if at > now => format!("probe out until {}", time_of_day(at)),
                 _ => "probe due".to_string(),
             };
             (format!("half-open, {what}"), t.warn())
         }
-        other => (short(other, 12), t.warn()),
+        CircuitState::Unrecognized => ("?".to_string(), t.warn()),
     };
     // A cooldown that ended since the snapshot is over: the next refresh drops it.
     let cooldown = match r.rate_limited_until_ms {

@@ -163,7 +163,9 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     // While a breaker is open no call goes to its downstream: say so up top
     // (the Metrics pane has the details).
     let half_open = if area.width < 100 { "PROBE" } else { "HALF-OPEN" };
-    for (state, label) in [("open", "OPEN"), ("half_open", half_open)] {
+    for (state, label) in
+        [(crate::store::CircuitState::Open, "OPEN"), (crate::store::CircuitState::HalfOpen, half_open)]
+    {
         let mut names: Vec<String> = Vec::new();
         for c in app.header.breakers.iter().filter(|c| c.state == state) {
             let probe = c
