@@ -324,7 +324,18 @@ impl Drop for ClientSlot {
 
 /// The answer to a connection over its client's limit: written in one
 /// non-blocking write and closed, before anything is read from it.
-const TOO_MANY_CONNECTIONS: &[u8] = b"HTTP/1.1 429 Too Many Requests\r\nconnection: close\r\ncontent-type: application/json\r\nretry-after: 1\r\ncontent-length: 97\r\n\r\n{\"code\":\"TOO_MANY_CONNECTIONS\",\"message\":\"too many connections from this client address at once\"}";
+fn too_many_connections() -> &'static [u8] {
+    static ANSWER: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    ANSWER.get_or_init(|| {
+        let body = json!({"code": "TOO_MANY_CONNECTIONS", "message": "too many connections from this client address at once"})
+            .to_string();
+        format!(
+            "HTTP/1.1 429 Too Many Requests\r\nconnection: close\r\ncontent-type: application/json\r\nretry-after: 1\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes()
+    })
+}
 
 async fn accept_loop(
     app: Arc<App>,
@@ -383,7 +394,7 @@ async fn serve_connections(
                     let Some(slot) = per_client.take(peer.ip(), limits.per_client) else {
                         // Over its client's limit: refused at once, without
                         // holding a slot another client could use.
-                        let _ = s.try_write(TOO_MANY_CONNECTIONS);
+                        let _ = s.try_write(too_many_connections());
                         crate::telemetry::metrics::CONNECTIONS_REFUSED
                             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         continue;

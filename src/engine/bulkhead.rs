@@ -37,29 +37,38 @@ pub fn limit_of(max_in_flight: Option<u32>) -> usize {
     max_in_flight.map_or_else(|| DEFAULT_LIMIT.load(Ordering::SeqCst), |n| (n as usize).max(1))
 }
 
-/// One send in flight to a downstream; given back when dropped.
+/// One send in flight to a downstream; given back when dropped. A downstream
+/// with no limit is not counted (the claim's hot path takes no lock).
 #[derive(Debug)]
 pub struct Slot {
-    count: Arc<AtomicUsize>,
+    count: Option<Arc<AtomicUsize>>,
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.count.fetch_sub(1, Ordering::SeqCst);
+        if let Some(c) = &self.count {
+            c.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 }
 
 /// A slot for one more send to `downstream`, or `None` when `limit` are in
 /// flight already.
 pub fn try_acquire(downstream: &str, limit: usize) -> Option<Slot> {
+    if limit == usize::MAX {
+        return Some(Slot { count: None });
+    }
     let count = {
         let mut all = in_flight().lock().unwrap_or_else(PoisonError::into_inner);
-        all.entry(downstream.to_string()).or_default().clone()
+        match all.get(downstream) {
+            Some(c) => c.clone(),
+            None => all.entry(downstream.to_string()).or_default().clone(),
+        }
     };
     count
         .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < limit).then_some(n + 1))
         .ok()
-        .map(|_| Slot { count })
+        .map(|_| Slot { count: Some(count) })
 }
 
 /// Sends in flight to `downstream` from this process now.
@@ -83,5 +92,8 @@ mod tests {
         assert_eq!(in_flight_now("bulkhead-test-ds"), 2);
         drop((b, c));
         assert_eq!(in_flight_now("bulkhead-test-ds"), 0);
+        let unlimited: Vec<_> = (0..3).map(|_| try_acquire("bulkhead-test-free", usize::MAX).unwrap()).collect();
+        assert_eq!(in_flight_now("bulkhead-test-free"), 0, "no limit: not counted");
+        drop(unlimited);
     }
 }

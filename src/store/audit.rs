@@ -222,16 +222,17 @@ impl Tx<'_> {
     /// operation id, at, the operation's creation), at most `limit` of them,
     /// oldest first, and how many there are.
     pub fn trace_times_before_creation(&self, slack: i64, limit: i64) -> R<(Vec<EarlyEvent>, i64)> {
-        let mut st = self.conn.prepare_cached(
-            "SELECT t.seq, t.operation_id, t.at, o.created_at FROM trace_events t
-               JOIN operations o ON o.id = t.operation_id
-              WHERE t.at < o.created_at - ?1
-              ORDER BY t.seq",
-        )?;
-        let rows = st.query_map([slack], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?;
-        let all = rows.collect::<Result<Vec<EarlyEvent>, _>>()?;
-        let n = all.len() as i64;
-        Ok((all.into_iter().take(usize::try_from(limit).unwrap_or(0)).collect(), n))
+        const EARLY: &str =
+            "FROM trace_events t JOIN operations o ON o.id = t.operation_id WHERE t.at < o.created_at - ?1";
+        let n: i64 = self.conn.prepare_cached(&format!("SELECT count(*) {EARLY}"))?.query_row([slack], |r| r.get(0))?;
+        if n == 0 {
+            return Ok((Vec::new(), 0));
+        }
+        let mut st = self.conn.prepare_cached(&format!(
+            "SELECT t.seq, t.operation_id, t.at, o.created_at {EARLY} ORDER BY t.seq LIMIT ?2"
+        ))?;
+        let rows = st.query_map(params![slack, limit], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?;
+        Ok((rows.collect::<Result<Vec<EarlyEvent>, _>>()?, n))
     }
 
     /// Every approval request (for the integrity audit).

@@ -392,15 +392,15 @@ fn lite_read_only(path: &Path) -> Result<(Connection, i64), StoreError> {
             rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::NotADatabase => {
                 StoreError::NotToolgate
             }
+            // "Unable to open": WAL's shared memory could not be made.
+            e @ rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::CannotOpen => open_error(&e),
             other => StoreError::from(other),
         })
     };
     let conn = Connection::open_with_flags(path, flags).map_err(|e| open_error(&e))?;
     conn.busy_timeout(BUSY_TIMEOUT)?;
-    match conn.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0)) {
-        Err(rusqlite::Error::SqliteFailure(f, _))
-            if f.code == rusqlite::ErrorCode::CannotOpen && on_read_only_filesystem(path) =>
-        {
+    match version(&conn) {
+        Err(StoreError::Open(_)) if on_read_only_filesystem(path) => {
             if has_wal(path) {
                 return Err(StoreError::Open(
                     "the file is on a read-only filesystem with a write-ahead log beside it that cannot be read there; copy the file and its -wal to a writable place".into(),
@@ -411,10 +411,7 @@ fn lite_read_only(path: &Path) -> Result<(Connection, i64), StoreError> {
             let v = version(&conn)?;
             Ok((conn, v))
         }
-        _ => {
-            let v = version(&conn)?;
-            Ok((conn, v))
-        }
+        v => Ok((conn, v?)),
     }
 }
 
