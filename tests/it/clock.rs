@@ -46,7 +46,12 @@ fn json_of(c: &mut Command) -> (i32, Value) {
     (out.status.code().unwrap_or(-1), v)
 }
 
-fn dispatch_cmd(mut c: Command, db: &Path, key: &str) -> Command {
+fn dispatch_cmd(c: Command, db: &Path, key: &str) -> Command {
+    dispatch_args(c, db, key, ARGS)
+}
+
+/// `dispatch --json` of a refund with these arguments.
+fn dispatch_args(mut c: Command, db: &Path, key: &str, args: &str) -> Command {
     c.arg("--db").arg(db).args([
         "dispatch",
         "--tenant",
@@ -58,7 +63,7 @@ fn dispatch_cmd(mut c: Command, db: &Path, key: &str) -> Command {
         "--key",
         key,
         "--args",
-        ARGS,
+        args,
         "--json",
     ]);
     c
@@ -136,21 +141,7 @@ fn an_approver_with_a_wrong_clock_judges_expiry_on_ledger_time(backend: Backend)
     let db = fx.path();
     assert!(real().arg("--db").arg(db).args(["reap", "--json"]).output().unwrap().status.success());
     let big = r#"{"order_ref":"ord_1002","amount_minor":120000,"currency":"EUR","reason":"damaged"}"#;
-    let mut ask = real();
-    ask.arg("--db").arg(db).args([
-        "dispatch",
-        "--tenant",
-        "acme",
-        "--subject",
-        "agent_ana",
-        "--tool",
-        "create_refund",
-        "--key",
-        "clock-approval-0001",
-        "--args",
-        big,
-        "--json",
-    ]);
+    let mut ask = dispatch_args(real(), db, "clock-approval-0001", big);
     let (_, asked) = json_of(&mut ask);
     assert_eq!(asked["model_result"]["error"]["code"], "APPROVAL_REQUIRED", "{asked}");
     let id = asked["protected_audit"]["approval_id"].as_str().unwrap().to_string();
@@ -164,21 +155,7 @@ fn an_approver_with_a_wrong_clock_judges_expiry_on_ledger_time(backend: Backend)
     // its own clock): before, "expired"; now approved on ledger time, and the
     // audit finds no event dated before its operation.
     let second = r#"{"order_ref":"ord_1002","amount_minor":110000,"currency":"EUR","reason":"damaged"}"#;
-    let mut ask = real();
-    ask.arg("--db").arg(db).args([
-        "dispatch",
-        "--tenant",
-        "acme",
-        "--subject",
-        "agent_ana",
-        "--tool",
-        "create_refund",
-        "--key",
-        "clock-approval-0002",
-        "--args",
-        second,
-        "--json",
-    ]);
+    let mut ask = dispatch_args(real(), db, "clock-approval-0002", second);
     let (_, asked) = json_of(&mut ask);
     let id = asked["protected_audit"]["approval_id"].as_str().unwrap().to_string();
     let Some(mut behind) = faketime("-5m") else { return };
@@ -265,21 +242,10 @@ fn a_version_14_ledger_migrates_and_keeps_its_keys() {
     assert_eq!(env.code(), None::<Code>);
 }
 
-/// `toolgate serve` on `db` under `faketime`, and its address.
-fn serve_under(mut c: Command, db: &Path) -> (std::process::Child, String) {
-    use std::io::BufRead as _;
-    let mut child = c
-        .arg("--db")
-        .arg(db)
-        .args(["serve", "--listen", "127.0.0.1:0", "--threads", "2"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let url = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("no address in {line:?}")).to_string();
-    (child, url)
+/// `toolgate serve` on `db`, run by `c` (under `faketime`).
+fn serve_under(mut c: Command, db: &Path) -> crate::serve::Server {
+    c.arg("--db").arg(db).args(["serve", "--listen", "127.0.0.1:0", "--threads", "2"]);
+    crate::serve::Server::from_command(c)
 }
 
 /// Table row "a replica ahead reaps the others' live leases". Before: with one
@@ -295,7 +261,7 @@ fn a_replica_ahead_does_not_reap_live_calls(backend: Backend) {
     let ana = crate::serve::agent_token(db, "acme", "agent_ana");
     let server = crate::serve::Server::start(db, &[]);
     let Some(ahead) = faketime("+5m") else { return };
-    let (mut replica, _) = serve_under(ahead, db);
+    let replica = serve_under(ahead, db);
     let c = std::sync::Arc::new(crate::serve::Client::new(&server));
     let calls: Vec<_> = (0..5)
         .map(|i| {
@@ -313,8 +279,7 @@ fn a_replica_ahead_does_not_reap_live_calls(backend: Backend) {
         })
         .collect();
     let answers: Vec<_> = calls.into_iter().map(|h| h.join().unwrap()).collect();
-    let _ = replica.kill();
-    let _ = replica.wait();
+    drop(replica);
     for a in &answers {
         assert_eq!((a.status, a.body["model_result"]["status"].as_str()), (200, Some("succeeded")), "{:#}", a.body);
     }
@@ -382,7 +347,8 @@ fn a_step_back_during_a_retry_after_wait_moves_no_deadline(backend: Backend) {
         .env("FAKETIME_TIMESTAMP_FILE", &spec)
         .env("FAKETIME_NO_CACHE", "1")
         .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
-    let (mut server, url) = serve_under(c, db);
+    let server = serve_under(c, db);
+    let url = server.url.clone();
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .timeout_global(Some(Duration::from_secs(120)))
@@ -406,8 +372,7 @@ fn a_step_back_during_a_retry_after_wait_moves_no_deadline(backend: Backend) {
     std::thread::sleep(Duration::from_secs(1));
     std::fs::write(&spec, "-90s\n").unwrap();
     let (status, body) = call.join().unwrap();
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!((status, v["model_result"]["status"].as_str()), (200, Some("succeeded")), "{v:#}");
     let mut e = fx.engine();

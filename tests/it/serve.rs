@@ -26,34 +26,22 @@ pub(crate) struct Server {
 
 impl Server {
     pub(crate) fn start(db: &Path, extra: &[&str]) -> Self {
-        let mut child = Command::new(bin())
-            .arg("--db")
-            .arg(db)
-            .args(extra)
-            .args(["serve", "--listen", "127.0.0.1:0", "--threads", "2"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let url =
-            line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("no address in {line:?}")).to_string();
-        let addr = url.trim_start_matches("http://").to_string();
-        Self { child: Some(child), url, addr }
+        let mut c = Command::new(bin());
+        c.arg("--db").arg(db).args(extra).args(["serve", "--listen", "127.0.0.1:0", "--threads", "2"]);
+        Self::from_command(c)
     }
 
     /// [`Server::start`] with arguments of `serve` itself.
     pub(crate) fn start_serving(db: &Path, serve: &[&str]) -> Self {
-        let mut child = Command::new(bin())
-            .arg("--db")
-            .arg(db)
-            .args(["serve", "--listen", "127.0.0.1:0", "--threads", "2"])
-            .args(serve)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+        let mut c = Command::new(bin());
+        c.arg("--db").arg(db).args(["serve", "--listen", "127.0.0.1:0", "--threads", "2"]).args(serve);
+        Self::from_command(c)
+    }
+
+    /// Spawns a `serve` command (any program that runs one, `faketime` too)
+    /// and waits for the address it prints.
+    pub(crate) fn from_command(mut c: Command) -> Self {
+        let mut child = c.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
         let url =
