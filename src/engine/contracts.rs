@@ -535,26 +535,30 @@ fn join_path(prefix: &str, field: &str) -> String {
     }
 }
 
+/// A subschema of the derived catalog schema `root` as it is meant: a
+/// `$ref` into `$defs` followed, an `Option<T>` (anyOf T and null in some
+/// schemars versions) taken as T.
+pub fn resolve_subschema<'s>(root: &'s Value, mut s: &'s Value) -> Option<&'s Value> {
+    for _ in 0..8 {
+        if let Some(r) = s.get("$ref").and_then(Value::as_str) {
+            s = root.pointer(r.strip_prefix('#')?)?;
+        } else if let Some(alt) = s
+            .get("anyOf")
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().find(|x| x.get("type").and_then(Value::as_str) != Some("null")))
+        {
+            s = alt;
+        } else {
+            break;
+        }
+    }
+    Some(s)
+}
+
 /// The subschema of `schema` (a schemars schema: local `$ref`s into `$defs`)
 /// that describes the value at a field path (`downstream.http`, `x[0]`).
 pub fn subschema_at<'s>(schema: &'s Value, path: &str) -> Option<&'s Value> {
-    let resolve = |mut s: &'s Value| -> Option<&'s Value> {
-        // `Option<T>` is an anyOf of T and null in some schemars versions.
-        for _ in 0..8 {
-            if let Some(r) = s.get("$ref").and_then(Value::as_str) {
-                s = schema.pointer(r.strip_prefix('#')?)?;
-            } else if let Some(alt) = s
-                .get("anyOf")
-                .and_then(Value::as_array)
-                .and_then(|a| a.iter().find(|x| x.get("type").and_then(Value::as_str) != Some("null")))
-            {
-                s = alt;
-            } else {
-                break;
-            }
-        }
-        Some(s)
-    };
+    let resolve = |s: &'s Value| resolve_subschema(schema, s);
     let mut cur = resolve(schema)?;
     for part in path.split('.').filter(|p| !p.is_empty()) {
         let (name, indexed) = match part.find('[') {

@@ -9,22 +9,9 @@ use serde_json::Value;
 use toolgate::downstream::http::http_section_schema;
 use toolgate::engine::contracts::catalog_file_schema;
 
-/// Resolves a schemars subschema (`$ref` into `$defs`, `Option` as anyOf with null).
-fn resolve<'a>(root: &'a Value, mut s: &'a Value) -> &'a Value {
-    for _ in 0..8 {
-        if let Some(r) = s.get("$ref").and_then(Value::as_str) {
-            s = root.pointer(r.trim_start_matches('#')).unwrap();
-        } else if let Some(alt) = s
-            .get("anyOf")
-            .and_then(Value::as_array)
-            .and_then(|a| a.iter().find(|x| x.get("type").and_then(Value::as_str) != Some("null")))
-        {
-            s = alt;
-        } else {
-            break;
-        }
-    }
-    s
+/// Resolves a schemars subschema, as the loader does.
+fn resolve<'a>(root: &'a Value, s: &'a Value) -> &'a Value {
+    toolgate::engine::contracts::resolve_subschema(root, s).unwrap()
 }
 
 /// Every field path a schema accepts under `prefix`, with whether it is required.
