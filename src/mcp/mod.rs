@@ -180,14 +180,21 @@ pub fn serve_stdio(db: &Path, token: &str, opts: StdioOptions) -> Result<(), Mcp
                 queued.discard_queued();
             }
         });
-        let transport = wire::Stdio::start(stop.clone()).map_err(|e| runtime(&e))?;
+        let (transport, flush) = wire::Stdio::start(stop.clone()).map_err(|e| runtime(&e))?;
         let running = match gate.serve(transport).await {
             Ok(r) => r,
             // Stopped before the client initialized: nothing to serve.
-            Err(_) if stop.is_cancelled() => return Ok(()),
+            Err(_) if stop.is_cancelled() => {
+                flush.finish(Duration::from_secs(5)).await;
+                return Ok(());
+            }
             Err(e) => return Err(runtime(&e)),
         };
-        running.waiting().await.map_err(|e| runtime(&e))?;
+        let waited = running.waiting().await;
+        // Every answer queued (the detached calls' last ones too) reaches
+        // stdout before the runtime stops.
+        flush.finish(Duration::from_secs(5)).await;
+        waited.map_err(|e| runtime(&e))?;
         Ok::<_, McpError>(())
     });
     rt.shutdown_timeout(Duration::from_millis(500));

@@ -205,9 +205,28 @@ pub(crate) struct Stdio {
     stop: tokio_util::sync::CancellationToken,
 }
 
+/// The stdout writer's end: [`Flush::finish`] writes every answer queued
+/// before it, then ends the writer. A runtime shut down without it drops the
+/// writer task with answers still queued (the last call's answer, lost when
+/// the session ended right after it was queued).
+pub(crate) struct Flush {
+    queue: tokio::sync::mpsc::UnboundedSender<Vec<u8>>,
+    writer: tokio::task::JoinHandle<()>,
+}
+
+impl Flush {
+    /// Waits (at most `limit`) until everything queued so far is written.
+    pub(crate) async fn finish(self, limit: std::time::Duration) {
+        // An empty line is the writer's end mark (no answer is empty).
+        if self.queue.send(Vec::new()).is_ok() {
+            let _ = tokio::time::timeout(limit, self.writer).await;
+        }
+    }
+}
+
 impl Stdio {
     /// Starts the reader thread and the writer task (on the current runtime).
-    pub(crate) fn start(stop: tokio_util::sync::CancellationToken) -> std::io::Result<Self> {
+    pub(crate) fn start(stop: tokio_util::sync::CancellationToken) -> std::io::Result<(Self, Flush)> {
         let (to_rmcp, incoming) = tokio::sync::mpsc::channel::<ClientJsonRpcMessage>(64);
         let (outgoing, mut lines) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
         let answers = outgoing.clone();
@@ -241,9 +260,13 @@ impl Stdio {
                 }
             }
         })?;
-        tokio::spawn(async move {
+        let flush = outgoing.clone();
+        let writer = tokio::spawn(async move {
             // One writer, so that answers from the screen and rmcp's never interleave.
             while let Some(mut l) = lines.recv().await {
+                if l.is_empty() {
+                    return;
+                }
                 l.push(b'\n');
                 let done = tokio::task::spawn_blocking(move || {
                     let mut out = std::io::stdout().lock();
@@ -255,7 +278,7 @@ impl Stdio {
                 }
             }
         });
-        Ok(Self { incoming, outgoing, stop })
+        Ok((Self { incoming, outgoing, stop }, Flush { queue: flush, writer }))
     }
 }
 
