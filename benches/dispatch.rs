@@ -29,7 +29,7 @@ fn bench(c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("ledger.db");
     let mut engine =
-        Engine::create(&path, EngineOptions { sync: Sync::Normal, ..EngineOptions::default() }).expect("engine");
+        Engine::create(&path, EngineOptions { sync: Sync::Normal, ..toolgate::tools::demo_options() }).expect("engine");
     let mut world = World::parse(DEMO_WORLD.as_bytes()).expect("world");
     for o in &mut world.orders {
         o.captured_minor = 1_000_000_000_000;

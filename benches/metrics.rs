@@ -23,7 +23,7 @@ use toolgate::telemetry::prometheus;
 const NOW: i64 = 1_767_312_000_000;
 
 fn opts(clock: &ManualClock) -> EngineOptions {
-    EngineOptions { clock: Arc::new(clock.clone()), sync: Sync::Normal, ..EngineOptions::default() }
+    EngineOptions { clock: Arc::new(clock.clone()), sync: Sync::Normal, ..toolgate::tools::demo_options() }
 }
 
 /// One synthetic dispatch's events: the steps a fresh execution writes, or a

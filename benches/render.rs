@@ -15,7 +15,7 @@ use std::path::Path;
 use criterion::{criterion_group, criterion_main, Criterion};
 use ratatui::backend::TestBackend;
 use ratatui::Terminal;
-use toolgate::engine::{Engine, EngineOptions};
+use toolgate::engine::Engine;
 use toolgate::store::Order;
 use toolgate::tui::app::{default_order, sort_columns, Action, App, Pane};
 use toolgate::tui::backend::fetch_page;
@@ -80,7 +80,7 @@ fn bench(c: &mut Criterion) {
         let sub = dir.path().join(label);
         std::fs::create_dir_all(&sub).expect("dir");
         let path = ledger(&sub, n);
-        let mut engine = Engine::open(&path, EngineOptions::default()).expect("engine");
+        let mut engine = Engine::open(&path, toolgate::tools::demo_options()).expect("engine");
         let mut app = App::new("bench", "bench", false, false, 1_800_000_000_000);
         app.size = (140, 40);
         let mut term = Terminal::new(TestBackend::new(140, 40)).expect("terminal");

@@ -119,7 +119,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let dir = tempfile::tempdir()?;
     let db = dir.path().join("ledger.db");
-    let mut engine = Engine::create(&db, EngineOptions { toolset: Arc::new(toolset), ..EngineOptions::default() })?;
+    let mut engine = Engine::create(&db, EngineOptions::new(Arc::new(toolset)))?;
     engine.load_world(&World::parse(WORLD.as_bytes())?)?;
 
     let call = DispatchRequest {

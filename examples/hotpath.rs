@@ -66,7 +66,8 @@ fn run(mode: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
     } else {
         Sync::Normal
     };
-    let mut engine = Engine::create(&dir.path().join("ledger.db"), EngineOptions { sync, ..EngineOptions::default() })?;
+    let mut engine =
+        Engine::create(&dir.path().join("ledger.db"), EngineOptions { sync, ..toolgate::tools::demo_options() })?;
     let mut world = World::parse(DEMO_WORLD.as_bytes())?;
     for o in &mut world.orders {
         o.captured_minor = 1_000_000_000_000;
@@ -143,7 +144,7 @@ fn run(mode: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
                 .map(|t| {
                     Engine::open(
                         &path,
-                        EngineOptions { sync, worker_id: format!("hotpath-w{t}"), ..EngineOptions::default() },
+                        EngineOptions { sync, worker_id: format!("hotpath-w{t}"), ..toolgate::tools::demo_options() },
                     )
                 })
                 .collect::<Result<Vec<_>, _>>()?;

@@ -332,7 +332,7 @@ fn options(sync: Sync, worker: &str) -> EngineOptions {
         clock: Arc::new(SystemClock) as Arc<dyn Clock>,
         sync,
         worker_id: worker.to_string(),
-        ..EngineOptions::default()
+        ..crate::tools::demo_options()
     }
 }
 
@@ -542,7 +542,7 @@ fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan, http: boo
             bare_written += 1;
             Ok(())
         })?;
-        let synced_before = engine.store.synced_commits();
+        let synced_before = engine.synced_commits();
         let fresh_before = fd.us.len();
         let fresh_rate = timed(&mut fd, plan, |i| {
             let key = format!("bench-fresh-{round:02}-{i:08}");
@@ -557,7 +557,7 @@ fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan, http: boo
             Ok(())
         })?;
         write_ratios.push(fresh_rate / bare_rate);
-        fresh_synced += engine.store.synced_commits() - synced_before;
+        fresh_synced += engine.synced_commits() - synced_before;
         fresh_calls += fd.us.len() - fresh_before;
         let written = bare_written.max(1);
         let lookup_rate = timed(&mut bl, plan, |i| {
@@ -575,14 +575,14 @@ fn mode(ledgers: &Ledgers, sync: Sync, name: &'static str, plan: Plan, http: boo
                 None => Err(BenchError::Check(format!("bare replay {n} found nothing"))),
             }
         })?;
-        let synced_before = engine.store.synced_commits();
+        let synced_before = engine.synced_commits();
         let replay_before = rp.us.len();
         let replay_rate = timed(&mut rp, plan, |i| {
             let key = settled[i % settled.len()].0.clone();
             let env = engine.dispatch(&refund(0, key))?;
             check(&env, Status::Succeeded, Delivery::LocalReplay, "replay")
         })?;
-        replay_synced += engine.store.synced_commits() - synced_before;
+        replay_synced += engine.synced_commits() - synced_before;
         replay_calls += rp.us.len() - replay_before;
         replay_ratios.push(replay_rate / lookup_rate);
         bare_replay_ratios.push(replay_rate / bare_replay_rate);
@@ -729,10 +729,10 @@ fn contention(path: &Path, sync: Sync, plan: Plan) -> Result<(Phase, Phase, Cont
     let before = probe.counts()?.downstream_effects;
     // Every thread dispatches the same intents in the same order: the worst case.
     let shared_key = |i: usize| format!("bench-shared-{i:04}");
-    let retries_before = probe.store.write_retries();
+    let retries_before = probe.write_retries();
     let (shared, st) =
         threads(path, sync, "contention_shared", |_| (0..SHARED_INTENTS).map(|i| (0, shared_key(i))).collect())?;
-    let shared_retries = probe.store.write_retries() - retries_before;
+    let shared_retries = probe.write_retries() - retries_before;
     let mid = probe.counts()?.downstream_effects;
     // Every intent settled exactly once: a later dispatch of each replays.
     for i in 0..SHARED_INTENTS {
@@ -740,13 +740,13 @@ fn contention(path: &Path, sync: Sync, plan: Plan) -> Result<(Phase, Phase, Cont
         check(&env, Status::Succeeded, Delivery::LocalReplay, "dispatch after the shared phase")?;
     }
     let per = plan.distinct_per_thread;
-    let synced_before = probe.store.synced_commits();
-    let retries_before = probe.store.write_retries();
+    let synced_before = probe.synced_commits();
+    let retries_before = probe.write_retries();
     let (distinct, dt) = threads(path, sync, "contention_distinct", |t| {
         (0..per).map(|i| (t, format!("bench-distinct-{t}-{i:04}"))).collect()
     })?;
-    let synced_per_call = (probe.store.synced_commits() - synced_before) as f64 / (THREADS * per).max(1) as f64;
-    let distinct_retries = probe.store.write_retries() - retries_before;
+    let synced_per_call = (probe.synced_commits() - synced_before) as f64 / (THREADS * per).max(1) as f64;
+    let distinct_retries = probe.write_retries() - retries_before;
     let counts = probe.counts()?;
     let c = Contention {
         threads: THREADS,

@@ -898,7 +898,7 @@ fn db_path(cli: &Cli) -> Result<&Path, CliError> {
 fn engine_options(cli: &Cli) -> Result<EngineOptions, CliError> {
     let clock = clock_from(cli.now.as_deref())?;
     let toolset = crate::tools::load_toolset(cli.catalog.as_deref()).map_err(EngineError::from)?;
-    Ok(EngineOptions { clock, toolset, ..EngineOptions::default() })
+    Ok(EngineOptions { clock, ..EngineOptions::new(toolset) })
 }
 
 fn open(cli: &Cli) -> Result<Engine, CliError> {
@@ -951,10 +951,10 @@ fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
         if Location::is_postgres(p) || p.exists() {
             // Looked at without writing: a refused command changes nothing
             // (an empty file or database is not made a ledger to be refused).
-            let demo = match Engine::open_read_only(p, EngineOptions::default()) {
+            let demo = match Engine::open_read_only(p, crate::tools::demo_options()) {
                 Ok(e) => e.is_demo(),
                 // An older demo database is migrated by the console, as any ledger.
-                Err(e) if e.code() == "DB_SCHEMA_OLD" => Engine::open(p, EngineOptions::default())?.is_demo(),
+                Err(e) if e.code() == "DB_SCHEMA_OLD" => Engine::open(p, crate::tools::demo_options())?.is_demo(),
                 Err(e) if e.code() == "DB_NOT_TOOLGATE" => false,
                 Err(e) => return Err(e.into()),
             };
@@ -974,7 +974,7 @@ fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
         }
         // A file that is not a ledger is refused before anything is made
         // beside it (no working directory, no log file).
-        match Engine::open_read_only(p, EngineOptions::default()) {
+        match Engine::open_read_only(p, crate::tools::demo_options()) {
             Err(e) if e.code() != "DB_SCHEMA_OLD" => return Err(e.into()),
             _ => {}
         }

@@ -103,7 +103,7 @@ pub fn generate(out: &Path, seed: u64) -> Result<(), EngineError> {
         clock: Arc::new(clock.clone()),
         worker_id: "demo-worker".into(),
         seed: Some(seed),
-        ..EngineOptions::default()
+        ..crate::tools::demo_options()
     };
     let mut engine = Engine::create(out, opts)?;
     engine.load_world(&World::parse(DEMO_WORLD.as_bytes())?)?;

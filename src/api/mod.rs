@@ -213,10 +213,9 @@ pub fn serve_until(
     let pid = std::process::id();
     let engine_opts = |role: String| EngineOptions {
         worker_id: format!("serve-{pid}-{role}"),
-        toolset: opts.toolset.clone(),
         sync: opts.sync,
         clock: opts.clock.clone(),
-        ..EngineOptions::default()
+        ..EngineOptions::new(opts.toolset.clone())
     };
     // Every engine is opened here, on a plain thread, before any runtime exists.
     let mut engines = Vec::with_capacity(opts.threads);

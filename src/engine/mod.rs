@@ -18,6 +18,7 @@ pub mod ids;
 pub mod lab;
 pub mod ledger_clock;
 pub(crate) mod operation;
+pub use operation::intent_of;
 pub mod policy;
 pub mod projection;
 mod recovery;
@@ -45,7 +46,7 @@ pub use trace::TraceEvent;
 
 use crate::store::{OpenOptions, Store, StoreError, Sync, Tx};
 use canonical::{sha256_hex, CallIdentity, StatusRefKey};
-use clock::Clock;
+use clock::{Clock, SystemClock};
 use contracts::{ContractError, Contracts};
 use envelope::{Code, Delivery, Envelope, ErrorInfo, Execution, ModelResult, Outcome, ProtectedAudit, Status};
 use faults::FaultPlan;
@@ -87,7 +88,9 @@ impl EngineError {
         }
     }
 
-    pub(crate) fn invalid(code: &'static str, message: impl Into<String>) -> Self {
+    /// Bad input refused with a stable `code` (`INVALID_ARGUMENTS`, …) and a
+    /// message for a person.
+    pub fn invalid(code: &'static str, message: impl Into<String>) -> Self {
         EngineError::Invalid { code, message: message.into() }
     }
 }
@@ -169,8 +172,7 @@ pub struct EngineOptions {
     /// This worker's lease-owner name.
     pub worker_id: String,
     /// The tools: a catalog with the domains and downstream adapters that
-    /// serve it. `EngineOptions::default()` (defined in `crate::tools`) is the
-    /// demo toolset.
+    /// serve it (`tools::demo_options()` is the demo toolset's).
     pub toolset: Arc<Toolset>,
     /// Replaces the toolset's catalog (tests and the lab change revisions with it).
     pub contracts: Option<Arc<Contracts>>,
@@ -179,6 +181,24 @@ pub struct EngineOptions {
     /// Classroom / lab toggles that switch individual defenses off. All off (every
     /// defense on) by default; never set them on a ledger that matters.
     pub defenses_off: DefensesOff,
+}
+
+impl EngineOptions {
+    /// The options of an engine serving `toolset`: the system clock, a
+    /// `synchronous=FULL` ledger, a random worker id, the toolset's own catalog,
+    /// OS entropy and every defense on. Set the other fields with struct update
+    /// syntax: `EngineOptions { clock, ..EngineOptions::new(toolset) }`.
+    pub fn new(toolset: Arc<Toolset>) -> Self {
+        Self {
+            clock: Arc::new(SystemClock),
+            sync: Sync::Full,
+            worker_id: format!("w{}-{}", std::process::id(), hex::encode(rand::random::<[u8; 4]>())),
+            toolset,
+            contracts: None,
+            seed: None,
+            defenses_off: DefensesOff::default(),
+        }
+    }
 }
 
 /// Lab mode: each `true` switches one defense off so that a class (or a test of
@@ -428,6 +448,20 @@ impl Engine {
         &self.contracts
     }
 
+    /// Commits of this process's writers on this ledger that waited for the
+    /// disk (a group commit counts once), all time: `toolgate bench` reports
+    /// them per call. The engine still hands out no store.
+    pub fn synced_commits(&self) -> u64 {
+        self.store.synced_commits()
+    }
+
+    /// Write transactions this process ran again on this ledger after a
+    /// serialization failure, deadlock or unique violation (PostgreSQL; 0 on
+    /// SQLite), all time.
+    pub fn write_retries(&self) -> u64 {
+        self.store.write_retries()
+    }
+
     /// Replaces the tool catalog (a contract revision change).
     pub fn set_contracts(&mut self, contracts: Arc<Contracts>) {
         self.contracts = contracts;
@@ -675,7 +709,9 @@ fn check_contract_revisions(tx: &Tx<'_>, entries: &[(String, String, String)]) -
     Ok(())
 }
 
-pub(crate) fn error_envelope(code: Code, audit: ProtectedAudit) -> Envelope {
+/// The envelope of a refused or failed call: `code`'s catalog entry decides
+/// its status and outcome; `audit` says what the ledger recorded.
+pub fn error_envelope(code: Code, audit: ProtectedAudit) -> Envelope {
     let (_, outcome, _) = code.catalog();
     Envelope {
         model_result: ModelResult {
@@ -697,7 +733,7 @@ pub(crate) fn with_detail(mut env: Envelope, detail: Value) -> Envelope {
 }
 
 /// Adds retry_after_ms to an envelope's error.
-pub(crate) fn with_retry_after(mut env: Envelope, ms: u64) -> Envelope {
+pub fn with_retry_after(mut env: Envelope, ms: u64) -> Envelope {
     if let Some(e) = env.model_result.error.as_mut() {
         e.retry_after_ms = Some(ms);
     }

@@ -19,7 +19,7 @@ use crate::store::{Access, ApprovalRow, OpState, OperationRow, StoreError, Tx};
 
 /// The business intent a downstream effect is counted under: the whole scope
 /// (tenant, subject, tool, caller's key), hashed.
-pub(crate) fn intent_of(tenant: &str, subject: &str, tool: &str, caller_key: &str) -> String {
+pub fn intent_of(tenant: &str, subject: &str, tool: &str, caller_key: &str) -> String {
     sha256_hex(format!("{tenant}\0{subject}\0{tool}\0{caller_key}").as_bytes())
 }
 

@@ -26,7 +26,7 @@ use crate::engine::{DispatchRequest, Engine, EngineError, QueryRequest};
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The replicas and the run's tokens.
-pub(crate) struct HttpDoor {
+pub struct HttpDoor {
     agent: ureq::Agent,
     urls: Vec<String>,
     /// `tenant/subject` → agent token; `operator` → operator token.
@@ -204,7 +204,7 @@ fn http_error(what: &str) -> EngineError {
 }
 
 impl HttpDoor {
-    pub(crate) fn new(urls: &[String], tokens: HashMap<String, String>) -> Self {
+    pub fn new(urls: &[String], tokens: HashMap<String, String>) -> Self {
         let config =
             ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(REQUEST_TIMEOUT)).build();
         let agent =
@@ -268,12 +268,7 @@ impl HttpDoor {
 
     /// `POST /v1/tools/{tool}/calls` as the request's subject, with a fault
     /// for this call (demo databases) when the run has a fault rate.
-    pub(crate) fn dispatch(
-        &self,
-        at: usize,
-        r: &DispatchRequest,
-        fault: Option<String>,
-    ) -> Result<Envelope, EngineError> {
+    pub fn dispatch(&self, at: usize, r: &DispatchRequest, fault: Option<String>) -> Result<Envelope, EngineError> {
         let token = self.token(&format!("{}/{}", r.tenant, r.subject))?;
         let mut headers = Self::identity_headers(r.call.as_ref());
         if let Some(k) = &r.idempotency_key {

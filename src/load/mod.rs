@@ -29,7 +29,7 @@
 
 mod http;
 
-pub(crate) use http::HttpDoor;
+pub use http::HttpDoor;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -426,8 +426,7 @@ fn open_replicas(shared: &Shared, n: usize, generation: u64) -> Result<Vec<Engin
                     worker_id: format!("agent-{n}-{generation}-r{r}"),
                     seed: Some(seed),
                     sync: shared.opts.sync,
-                    toolset: shared.opts.toolset.clone(),
-                    ..EngineOptions::default()
+                    ..EngineOptions::new(shared.opts.toolset.clone())
                 },
             )
         })
@@ -778,8 +777,7 @@ fn spawn_worker(shared: &Arc<Shared>) -> Result<Option<std::thread::JoinHandle<R
             clock: shared.opts.clock.clone(),
             worker_id: format!("loadgen-worker-{}", shared.run_id),
             sync: shared.opts.sync,
-            toolset: shared.opts.toolset.clone(),
-            ..EngineOptions::default()
+            ..EngineOptions::new(shared.opts.toolset.clone())
         },
     )?;
     let s = shared.clone();
@@ -816,7 +814,7 @@ pub fn spawn_agents(path: &Path, n: usize) -> Result<Agents, EngineError> {
         worker_interval_ms: Some(500),
         ..LoadOptions::default()
     };
-    let mut control = Engine::open(path, EngineOptions::default())?;
+    let mut control = Engine::open(path, crate::tools::demo_options())?;
     if control.lab_controls()?.1 == 0 {
         control.set_load_fault_rate(500)?;
     }
@@ -828,12 +826,7 @@ pub fn spawn_agents(path: &Path, n: usize) -> Result<Agents, EngineError> {
 }
 
 fn engine_options(opts: &LoadOptions) -> EngineOptions {
-    EngineOptions {
-        clock: opts.clock.clone(),
-        sync: opts.sync,
-        toolset: opts.toolset.clone(),
-        ..EngineOptions::default()
-    }
+    EngineOptions { clock: opts.clock.clone(), sync: opts.sync, ..EngineOptions::new(opts.toolset.clone()) }
 }
 
 /// The referee's count: (effects, intents with more than one effect), where
@@ -893,7 +886,7 @@ fn effects_for_intent(
     match provider_db {
         None => e.effects_for_intent(tenant, subject, tool, key),
         Some(p) => {
-            let intent = crate::engine::operation::intent_of(tenant, subject, tool, key);
+            let intent = crate::engine::intent_of(tenant, subject, tool, key);
             Ok(ProviderStore::open_read_only(p)?.read(|tx| tx.count_effects_for_intent(&intent))?)
         }
     }

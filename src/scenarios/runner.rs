@@ -961,9 +961,8 @@ fn engine_options(
         sync: Sync::Normal,
         worker_id: worker.to_string(),
         contracts: Some(contracts.clone()),
-        toolset: toolset.clone(),
         seed: Some(seed),
-        ..EngineOptions::default()
+        ..EngineOptions::new(toolset.clone())
     }
 }
 

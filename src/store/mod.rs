@@ -13,6 +13,7 @@ pub mod bench;
 mod clock;
 mod group;
 mod holds;
+pub mod latency_bucket;
 mod ops;
 mod pg;
 mod provider;

@@ -36,7 +36,7 @@ impl Tx<'_> {
             e.timeout_stage,
             e.reason,
             // The one rounding rule of the latency rollups (migration 0006).
-            e.latency_us.map(crate::telemetry::histogram::bucket_upper)
+            e.latency_us.map(super::latency_bucket::bucket_upper)
         ])?;
         // SQLite folds the rollups every FOLD_EVERY events (migration 0012):
         // `seq` is the rowid, gapless, so exactly one insert in FOLD_EVERY

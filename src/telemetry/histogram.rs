@@ -3,8 +3,9 @@
 //! true ones, and the Prometheus `le` bounds ([`PROMETHEUS_BOUNDS_US`]) fall on
 //! bucket edges, so the exported cumulative counts are exact.
 //!
-//! The rollup trigger of migration 0002 buckets in SQL; [`bucket_upper`] is the
-//! same rule in Rust (a test checks they agree).
+//! The rollup trigger of migration 0002 buckets in SQL; [`bucket_upper`] (kept
+//! in the store, which computes each answer's bucket) is the same rule in Rust
+//! (a test checks they agree).
 
 use std::collections::BTreeMap;
 
@@ -15,25 +16,9 @@ pub const PROMETHEUS_BOUNDS_US: [i64; 17] = [
     10_000_000, 30_000_000, 60_000_000,
 ];
 
-/// The bucket a latency falls in: the latency rounded up to three significant
-/// digits (exact below 1000 µs; negative values count as 0; above 10^9 µs the
-/// step stays 10^7 µs).
-pub fn bucket_upper(us: i64) -> i64 {
-    if us < 1_000 {
-        return us.max(0);
-    }
-    if us >= 1_000_000_000 {
-        let v = us.min(999_000_000_000);
-        return (v + 9_999_999) / 10_000_000 * 10_000_000;
-    }
-    let mut step = 10;
-    let mut limit = 10_000;
-    while us >= limit {
-        step *= 10;
-        limit *= 10;
-    }
-    (us + step - 1) / step * step
-}
+/// The one rounding rule, kept in the ledger (which stores each answer's
+/// bucket beside its latency) and re-exported here for the histograms.
+pub use crate::store::latency_bucket::bucket_upper;
 
 /// Counts per bucket (bucket upper bound in µs → count).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

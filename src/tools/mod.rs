@@ -3,7 +3,7 @@
 //! the toolsets that put a catalog together with the domains and adapters
 //! that serve it (`simulated`, `http`).
 //!
-//! `EngineOptions::default()` is defined here, not in the engine: it is the
+//! `crate::tools::demo_options()` is defined here, not in the engine: it is the
 //! demo toolset, so the engine itself names no tool and no provider. An
 //! embedder builds its own [`Toolset`] (see `examples/embed.rs`).
 
@@ -14,11 +14,9 @@ use std::sync::Arc;
 
 use crate::downstream::http::HttpAdapter;
 use crate::downstream::SimulatedAdapter;
-use crate::engine::clock::SystemClock;
 use crate::engine::contracts::{ContractError, Contracts};
 use crate::engine::tool::{ToolDomain, Toolset};
-use crate::engine::{DefensesOff, EngineOptions};
-use crate::store::Sync;
+use crate::engine::EngineOptions;
 
 const DEMO_CATALOG: [(&str, &str); 3] = [
     ("create_refund.json", include_str!("../../assets/catalog/create_refund.json")),
@@ -79,18 +77,10 @@ fn problem_file(e: &ContractError) -> &str {
     }
 }
 
-impl Default for EngineOptions {
-    fn default() -> Self {
-        Self {
-            clock: Arc::new(SystemClock),
-            sync: Sync::Full,
-            worker_id: format!("w{}-{}", std::process::id(), hex::encode(rand::random::<[u8; 4]>())),
-            toolset: demo_toolset(),
-            contracts: None,
-            seed: None,
-            defenses_off: DefensesOff::default(),
-        }
-    }
+/// The engine options of the demo toolset: the defaults of
+/// [`EngineOptions::new`] over [`demo_toolset`].
+pub fn demo_options() -> EngineOptions {
+    EngineOptions::new(demo_toolset())
 }
 
 #[cfg(test)]

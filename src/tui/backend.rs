@@ -68,8 +68,7 @@ pub fn spawn(opts: &BackendOptions, events: UnboundedSender<Action>) -> Result<B
         &opts.path,
         EngineOptions {
             worker_id: format!("console-{}", std::process::id()),
-            toolset: opts.toolset.clone(),
-            ..EngineOptions::default()
+            ..EngineOptions::new(opts.toolset.clone())
         },
     )?;
     // The tools whose downstream cannot be asked: a failed decision on one
@@ -86,8 +85,7 @@ pub fn spawn(opts: &BackendOptions, events: UnboundedSender<Action>) -> Result<B
             &opts.path,
             EngineOptions {
                 worker_id: format!("console-worker-{}", std::process::id()),
-                toolset: opts.toolset.clone(),
-                ..EngineOptions::default()
+                ..EngineOptions::new(opts.toolset.clone())
             },
         )?;
         let s = stop.clone();
@@ -203,7 +201,10 @@ fn serve(mut engine: Engine, opts: &BackendOptions, rx: &mpsc::Receiver<Request>
                         scenario = path.and_then(|p| {
                             Engine::open(
                                 &p,
-                                EngineOptions { worker_id: "console-walkthrough".into(), ..EngineOptions::default() },
+                                EngineOptions {
+                                    worker_id: "console-walkthrough".into(),
+                                    ..crate::tools::demo_options()
+                                },
                             )
                             .ok()
                             .map(|e| (p, e))

@@ -36,7 +36,8 @@ fn demo_on(backend: crate::support::Backend) -> Demo {
     };
     let clock = toolgate::engine::clock::ManualClock::new(NOW);
     let engine =
-        Engine::open(&path, EngineOptions { clock: std::sync::Arc::new(clock), ..EngineOptions::default() }).unwrap();
+        Engine::open(&path, EngineOptions { clock: std::sync::Arc::new(clock), ..toolgate::tools::demo_options() })
+            .unwrap();
     Demo { dir, engine, _pg: pg }
 }
 
@@ -2275,9 +2276,11 @@ fn an_operations_attempts_past_the_per_call_cap_are_not_shown_as_n_of_m() {
     let dir = tempfile::tempdir().unwrap();
     let path = toolgate::demo::working_copy(dir.path(), NOW).unwrap();
     let clock = toolgate::engine::clock::ManualClock::new(NOW);
-    let engine =
-        Engine::open(&path, EngineOptions { clock: std::sync::Arc::new(clock.clone()), ..EngineOptions::default() })
-            .unwrap();
+    let engine = Engine::open(
+        &path,
+        EngineOptions { clock: std::sync::Arc::new(clock.clone()), ..toolgate::tools::demo_options() },
+    )
+    .unwrap();
     let mut d = Demo { dir, engine, _pg: None };
     let faults = vec!["unavailable(1)"; 40].join(",");
     d.engine.set_faults(toolgate::engine::faults::FaultPlan::parse(&faults).unwrap());

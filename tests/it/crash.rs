@@ -183,8 +183,7 @@ fn engine_at(path: &Path, clock: &ManualClock, worker: &str, defense_off: bool, 
             worker_id: worker.to_string(),
             sync: Sync::Full,
             defenses_off: DefensesOff { unique_downstream_key_per_attempt: defense_off, ..DefensesOff::default() },
-            toolset: toolgate::tools::load_toolset(catalog).unwrap(),
-            ..EngineOptions::default()
+            ..EngineOptions::new(toolgate::tools::load_toolset(catalog).unwrap())
         },
     )
     .unwrap()

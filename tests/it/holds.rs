@@ -90,7 +90,7 @@ fn race(fx: &Fixture) -> (Vec<Answer>, Vec<Seen>) {
             let o = EngineOptions {
                 clock: gate.clone() as Arc<dyn Clock>,
                 worker_id: format!("race-{t}"),
-                ..EngineOptions::default()
+                ..toolgate::tools::demo_options()
             };
             let mut e = Engine::open(fx.path(), o).unwrap();
             let barrier = barrier.clone();

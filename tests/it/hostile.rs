@@ -338,8 +338,7 @@ fn read_commands_open_read_only_and_never_create_or_migrate(backend: Backend) {
     let before = (bytes(), crate::support::snapshot(fx.path()));
     let out = tg().args([os("ops"), os("list"), os("--db"), fx.path().as_os_str()]).output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    let mut ro =
-        toolgate::engine::Engine::open_read_only(fx.path(), toolgate::engine::EngineOptions::default()).unwrap();
+    let mut ro = toolgate::engine::Engine::open_read_only(fx.path(), toolgate::tools::demo_options()).unwrap();
     match ro.dispatch(&crate::support::refund("refund-read-only-1", 100)) {
         Err(e) => assert_eq!(e.code(), "DB_READ_ONLY", "{e}"),
         Ok(env) => panic!("a read-only engine dispatched: {env:?}"),

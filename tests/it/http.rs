@@ -157,8 +157,7 @@ impl HttpFixture {
         EngineOptions {
             clock: Arc::new(self.clock.clone()),
             worker_id: "w-http".into(),
-            toolset: toolgate::tools::load_toolset(Some(&self.catalog)).unwrap(),
-            ..EngineOptions::default()
+            ..EngineOptions::new(toolgate::tools::load_toolset(Some(&self.catalog)).unwrap())
         }
     }
 
@@ -207,8 +206,7 @@ fn a_refused_connection_is_provably_not_received_and_retried() {
     let clock = ManualClock::new(T0);
     let opts = || EngineOptions {
         clock: Arc::new(clock.clone()),
-        toolset: toolgate::tools::load_toolset(Some(&catalog)).unwrap(),
-        ..EngineOptions::default()
+        ..EngineOptions::new(toolgate::tools::load_toolset(Some(&catalog)).unwrap())
     };
     let mut e = Engine::create(&ledger, opts()).unwrap();
     e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
@@ -1113,8 +1111,7 @@ fn a_connect_that_times_out_is_timeout_before_execute_and_nothing_arrives() {
     let clock = ManualClock::new(T0);
     let opts = || EngineOptions {
         clock: Arc::new(clock.clone()),
-        toolset: toolgate::tools::load_toolset(Some(&catalog)).unwrap(),
-        ..EngineOptions::default()
+        ..EngineOptions::new(toolgate::tools::load_toolset(Some(&catalog)).unwrap())
     };
     let mut e = Engine::create(&ledger, opts()).unwrap();
     e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
@@ -1315,8 +1312,7 @@ fn ledger_behind(dir: &Path, url: &str, attempt_timeout_ms: u64) -> (PathBuf, Ma
     let shared = clock.clone();
     let opts = move || EngineOptions {
         clock: Arc::new(shared.clone()),
-        toolset: toolgate::tools::load_toolset(Some(&catalog)).unwrap(),
-        ..EngineOptions::default()
+        ..EngineOptions::new(toolgate::tools::load_toolset(Some(&catalog)).unwrap())
     };
     let ledger = dir.join("ledger.db");
     let mut e = Engine::create(&ledger, opts()).unwrap();
@@ -1414,8 +1410,7 @@ fn a_lookup_that_answers_5xx_or_times_out_is_unavailable_and_the_operation_stays
     let clock = ManualClock::new(T0);
     let opts = || EngineOptions {
         clock: Arc::new(clock.clone()),
-        toolset: toolgate::tools::load_toolset(Some(&catalog)).unwrap(),
-        ..EngineOptions::default()
+        ..EngineOptions::new(toolgate::tools::load_toolset(Some(&catalog)).unwrap())
     };
     let mut e = Engine::create(&ledger, opts()).unwrap();
     e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
@@ -1497,8 +1492,7 @@ fn a_lookup_answering_another_requests_receipt_is_not_evidence() {
     let clock = ManualClock::new(T0);
     let opts = || EngineOptions {
         clock: Arc::new(clock.clone()),
-        toolset: toolgate::tools::load_toolset(Some(&catalog)).unwrap(),
-        ..EngineOptions::default()
+        ..EngineOptions::new(toolgate::tools::load_toolset(Some(&catalog)).unwrap())
     };
     let mut e = Engine::create(&ledger, opts()).unwrap();
     e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
@@ -1569,8 +1563,7 @@ fn a_downstream_without_a_lookup_goes_to_review_and_failed_needs_a_statement() {
     let clock = ManualClock::new(T0);
     let opts = || EngineOptions {
         clock: Arc::new(clock.clone()),
-        toolset: toolgate::tools::load_toolset(Some(&catalog)).unwrap(),
-        ..EngineOptions::default()
+        ..EngineOptions::new(toolgate::tools::load_toolset(Some(&catalog)).unwrap())
     };
     let mut e = Engine::create(&ledger, opts()).unwrap();
     e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
@@ -1721,8 +1714,7 @@ fn a_tls_handshake_refused_is_provably_not_received_and_retried_with_the_same_ke
     let clock = ManualClock::new(T0);
     let opts = EngineOptions {
         clock: Arc::new(clock.clone()),
-        toolset: toolgate::tools::load_toolset(Some(&catalog)).unwrap(),
-        ..EngineOptions::default()
+        ..EngineOptions::new(toolgate::tools::load_toolset(Some(&catalog)).unwrap())
     };
     let mut e = Engine::create(&ledger, opts).unwrap();
     e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use assert_cmd::Command;
 use serde_json::Value;
 use toolgate::engine::clock::ManualClock;
-use toolgate::engine::{Engine, EngineOptions, LabToggle};
+use toolgate::engine::{Engine, LabToggle};
 use toolgate::load::{self, LoadOptions, LoadReport};
 use toolgate::store::Sync;
 
@@ -64,7 +64,7 @@ fn both(backend: Backend, toggle: LabToggle, tune: impl Fn(&mut LoadOptions)) ->
         tune(&mut o);
         let r = load::run(&db, &o, &mut |_| {}).unwrap();
         // The run puts the defense back; the lab never leaks past it.
-        let mut e = Engine::open(&db, EngineOptions::default()).unwrap();
+        let mut e = Engine::open(&db, toolgate::tools::demo_options()).unwrap();
         assert_eq!(e.lab_state().unwrap().toggle, None);
         assert_eq!(r.ops, o.ops);
         r
@@ -154,7 +154,7 @@ fn the_lab_is_refused_on_a_database_not_marked_as_a_demo(backend: Backend) {
 fn a_demo_database_takes_one_toggle_at_a_time_and_logs_who(backend: Backend) {
     let dir = tempfile::tempdir().unwrap();
     let (db, _pg) = demo_on(backend, dir.path());
-    let mut e = Engine::open(&db, EngineOptions::default()).unwrap();
+    let mut e = Engine::open(&db, toolgate::tools::demo_options()).unwrap();
     assert!(e.lab_state().unwrap().demo);
     e.set_lab_toggle(Some(LabToggle::ServerGeneratedKey), "teacher").unwrap();
     e.set_lab_toggle(Some(LabToggle::InMemoryLedger), "teacher").unwrap();
@@ -285,13 +285,14 @@ mod console {
             toolgate::demo::working_copy(dir, NOW).unwrap()
         } else {
             let p = dir.join("ledger.db");
-            let mut e = Engine::create(&p, EngineOptions::default()).unwrap();
+            let mut e = Engine::create(&p, toolgate::tools::demo_options()).unwrap();
             let w = toolgate::engine::world::World::parse(toolgate::engine::world::DEMO_WORLD.as_bytes()).unwrap();
             e.load_world(&w).unwrap();
             p
         };
         let clock = toolgate::engine::clock::ManualClock::new(NOW);
-        Engine::open(&path, EngineOptions { clock: std::sync::Arc::new(clock), ..EngineOptions::default() }).unwrap()
+        Engine::open(&path, EngineOptions { clock: std::sync::Arc::new(clock), ..toolgate::tools::demo_options() })
+            .unwrap()
     }
 
     /// The console on a pane, fed what the backend would send.

@@ -287,7 +287,7 @@ fn sm_engine(path: &Path, clock: &ManualClock, worker: &str) -> Engine {
         clock: Arc::new(clock.clone()),
         worker_id: worker.into(),
         sync: Sync::Normal,
-        ..EngineOptions::default()
+        ..toolgate::tools::demo_options()
     };
     Engine::open(path, o).unwrap()
 }
@@ -310,7 +310,7 @@ impl Machine {
         let pg = (backend == crate::support::Backend::Postgres).then(|| crate::support::PgDb::new().unwrap());
         let path = pg.as_ref().map_or_else(|| dir.path().join("sm.db"), |db| PathBuf::from(&db.url));
         let clock = ManualClock::new(T0);
-        let o = EngineOptions { clock: Arc::new(clock.clone()), sync: Sync::Normal, ..EngineOptions::default() };
+        let o = EngineOptions { clock: Arc::new(clock.clone()), sync: Sync::Normal, ..toolgate::tools::demo_options() };
         let mut engine = Engine::create(&path, o).unwrap();
         engine.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
         Self {

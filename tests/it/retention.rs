@@ -110,7 +110,8 @@ fn the_consoles_reaper_on_a_plain_copy_of_demo_db_deletes_nothing() {
     std::fs::write(&path, toolgate::demo::DEMO_DB).unwrap();
     let before: i64 = raw(&path).query_row("SELECT count(*) FROM operations", [], |r| r.get(0)).unwrap();
     assert!(before >= 10);
-    let mut e = Engine::open(&path, EngineOptions { worker_id: "console".into(), ..EngineOptions::default() }).unwrap();
+    let mut e =
+        Engine::open(&path, EngineOptions { worker_id: "console".into(), ..toolgate::tools::demo_options() }).unwrap();
     for _ in 0..3 {
         e.reap().unwrap();
         e.work(64).unwrap();
@@ -132,7 +133,7 @@ fn a_version_4_ledger_migrates_with_retention_counted_from_its_last_change() {
     let v: i64 = raw(&path).query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
     assert_eq!(v, 4);
     let ops: i64 = raw(&path).query_row("SELECT count(*) FROM operations", [], |r| r.get(0)).unwrap();
-    drop(Engine::open(&path, EngineOptions::default()).unwrap());
+    drop(Engine::open(&path, toolgate::tools::demo_options()).unwrap());
     let c = raw(&path);
     let v: i64 = c.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
     assert_eq!(v, toolgate::store::SCHEMA_VERSION);

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use assert_cmd::Command;
 use serde_json::{json, Value};
-use toolgate::engine::{Engine, EngineOptions};
+use toolgate::engine::Engine;
 use toolgate::scenarios::{
     self, report, script, CrashKind, CrashMode, Mismatch, RunOptions, ScenarioError, ScenarioRun, Script,
 };
@@ -61,7 +61,7 @@ fn every_scenario_passes_with_a_real_crash_and_leaves_a_ledger_that_audits_clean
         if !r.passed {
             failed.push(report::render(&r));
         }
-        let findings = Engine::open(&db, EngineOptions::default()).unwrap().audit().unwrap();
+        let findings = Engine::open(&db, toolgate::tools::demo_options()).unwrap().audit().unwrap();
         assert!(findings.is_empty(), "scenario {}: {findings:?}", s.id);
     }
     assert!(failed.is_empty(), "{}", failed.join("\n"));

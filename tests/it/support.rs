@@ -229,7 +229,7 @@ impl Fixture {
 }
 
 pub fn opts(clock: &ManualClock, worker: &str) -> EngineOptions {
-    EngineOptions { clock: Arc::new(clock.clone()), worker_id: worker.to_string(), ..EngineOptions::default() }
+    EngineOptions { clock: Arc::new(clock.clone()), worker_id: worker.to_string(), ..toolgate::tools::demo_options() }
 }
 
 pub fn refund_args(order: &str, amount: i64) -> String {
@@ -514,7 +514,7 @@ impl toolgate::engine::clock::Clock for GateClock {
 }
 
 pub fn gated_engine(fx: &Fixture, clock: &Arc<GateClock>, worker: &str) -> Engine {
-    let opts = EngineOptions { clock: clock.clone(), worker_id: worker.into(), ..EngineOptions::default() };
+    let opts = EngineOptions { clock: clock.clone(), worker_id: worker.into(), ..toolgate::tools::demo_options() };
     Engine::open(fx.path(), opts).unwrap()
 }
 

@@ -1,5 +1,5 @@
 -- 0006: the latency bucket of an answer event is computed once, in Rust
--- (`telemetry::histogram::bucket_upper`), and stored beside the latency; the
+-- (`store::latency_bucket::bucket_upper`), and stored beside the latency; the
 -- rollup trigger reads it instead of repeating the rounding rule in SQL twice.
 
 ALTER TABLE trace_events ADD COLUMN latency_bucket_us INTEGER;
