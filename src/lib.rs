@@ -31,18 +31,21 @@
 //!   catalog tools with an idempotency key, `query_operation_status`.
 //! - [`cli`]: the command line (the binary's only dependency on this crate).
 
+pub use toolgate_core::{display, engine, failpoint, store};
+
+/// The core's telemetry, with the binary's diagnostic log beside it.
+pub mod telemetry {
+    pub use toolgate_core::telemetry::*;
+    pub mod logging;
+}
+
 pub mod api;
 pub mod bench;
 pub mod cli;
 pub mod demo;
-pub mod display;
 pub mod downstream;
-pub mod engine;
-pub mod failpoint;
 pub mod load;
 pub mod mcp;
 pub mod scenarios;
-pub mod store;
-pub mod telemetry;
 pub mod tools;
 pub mod tui;

@@ -1151,7 +1151,7 @@ fn the_model_never_imports_the_view_and_the_engine_no_terminal_crate() {
             assert!(!text.contains(needle), "{} names {needle}", path.display());
         }
     }
-    let engine = sources("src/engine");
+    let engine = sources("crates/toolgate-core/src/engine");
     assert!(!engine.is_empty());
     for (path, text) in &engine {
         for needle in ["ratatui", "crossterm"] {

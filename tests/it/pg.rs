@@ -435,9 +435,9 @@ fn a_schema_3_ledger_keeps_its_counts_through_the_slot_migration() {
     let db = crate::support::PgDb::new().unwrap();
     let mut c = db.client();
     for sql in [
-        include_str!("../../src/store/pg/0001_ledger.sql"),
-        include_str!("../../src/store/pg/0002_api_tokens.sql"),
-        include_str!("../../src/store/pg/0003_sort_indexes.sql"),
+        include_str!("../../crates/toolgate-core/src/store/pg/0001_ledger.sql"),
+        include_str!("../../crates/toolgate-core/src/store/pg/0002_api_tokens.sql"),
+        include_str!("../../crates/toolgate-core/src/store/pg/0003_sort_indexes.sql"),
     ] {
         c.batch_execute(sql).unwrap();
     }

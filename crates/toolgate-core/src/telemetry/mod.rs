@@ -1,13 +1,12 @@
 //! Observability (docs/design.md §12): the trace export, metrics computed from the
-//! database, their Prometheus text format and `/metrics` endpoint, and the
-//! diagnostic log.
+//! database and their Prometheus text format. (The diagnostic log, which needs
+//! a subscriber, is the binary's: `toolgate::telemetry::logging`.)
 //!
 //! - [`export`]: trace events as JSON lines with stable field names, and as text.
 //! - [`metrics`]: [`metrics::snapshot`], every metric at one instant, read from
 //!   the rollups the trace insert maintains (never a scan of the trace).
 //! - [`histogram`]: latency buckets and nearest-rank percentiles.
 //! - [`prometheus`]: the text exposition format of a snapshot.
-//! - [`logging`]: `tracing` to `<db>.log` (or `$TOOLGATE_LOG`), never the terminal.
 //!
 //! Redaction is structural: the trace can only hold what
 //! [`crate::engine::TraceEvent`] has fields for (ids, digests, classes, salted
@@ -17,7 +16,6 @@
 
 pub mod export;
 pub mod histogram;
-pub mod logging;
 pub mod metrics;
 pub mod prometheus;
 

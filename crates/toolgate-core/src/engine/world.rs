@@ -10,7 +10,7 @@ use super::{Engine, EngineError};
 use crate::store::{AuditRow, OrderRow, Principal, StoreError, Tx};
 
 /// The demo world shipped in `assets/`.
-pub const DEMO_WORLD: &str = include_str!("../../assets/world.json");
+pub const DEMO_WORLD: &str = include_str!("../../../../assets/world.json");
 
 /// Largest world file accepted.
 const MAX_WORLD_BYTES: usize = 16 * 1024 * 1024;
