@@ -31,6 +31,7 @@
 //!   catalog tools with an idempotency key, `query_operation_status`.
 //! - [`cli`]: the command line (the binary's only dependency on this crate).
 
+pub use toolgate_adapters::{downstream, tools};
 pub use toolgate_core::{display, engine, failpoint, store};
 
 /// The core's telemetry, with the binary's diagnostic log beside it.
@@ -43,9 +44,7 @@ pub mod api;
 pub mod bench;
 pub mod cli;
 pub mod demo;
-pub mod downstream;
 pub mod load;
 pub mod mcp;
 pub mod scenarios;
-pub mod tools;
 pub mod tui;

@@ -19,9 +19,9 @@ use crate::engine::tool::{ToolDomain, Toolset};
 use crate::engine::EngineOptions;
 
 const DEMO_CATALOG: [(&str, &str); 3] = [
-    ("create_refund.json", include_str!("../../assets/catalog/create_refund.json")),
-    ("get_order.json", include_str!("../../assets/catalog/get_order.json")),
-    ("notify_customer.json", include_str!("../../assets/catalog/notify_customer.json")),
+    ("create_refund.json", include_str!("../../../../assets/catalog/create_refund.json")),
+    ("get_order.json", include_str!("../../../../assets/catalog/get_order.json")),
+    ("notify_customer.json", include_str!("../../../../assets/catalog/notify_customer.json")),
 ];
 
 /// The demo catalog shipped in `assets/catalog/` (embedded in the binary).
