@@ -33,6 +33,7 @@
 
 pub use toolgate_adapters::{downstream, tools};
 pub use toolgate_core::{display, engine, failpoint, store};
+pub use toolgate_sim::{demo, load, scenarios};
 
 /// The core's telemetry, with the binary's diagnostic log beside it.
 pub mod telemetry {
@@ -43,8 +44,5 @@ pub mod telemetry {
 pub mod api;
 pub mod bench;
 pub mod cli;
-pub mod demo;
-pub mod load;
 pub mod mcp;
-pub mod scenarios;
 pub mod tui;

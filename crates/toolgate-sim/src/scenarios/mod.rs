@@ -25,18 +25,18 @@ use crate::store::StoreError;
 
 /// The scenario files shipped in `assets/scenarios/`, in order.
 pub const BUILTIN: &[(&str, &str)] = &[
-    ("01_first_success.json", include_str!("../../assets/scenarios/01_first_success.json")),
-    ("02_retry_same_key.json", include_str!("../../assets/scenarios/02_retry_same_key.json")),
-    ("03_same_key_other_amount.json", include_str!("../../assets/scenarios/03_same_key_other_amount.json")),
-    ("04_crash_after_commit.json", include_str!("../../assets/scenarios/04_crash_after_commit.json")),
-    ("05_approval_expired.json", include_str!("../../assets/scenarios/05_approval_expired.json")),
-    ("06_permission_revoked.json", include_str!("../../assets/scenarios/06_permission_revoked.json")),
-    ("07_rate_limited.json", include_str!("../../assets/scenarios/07_rate_limited.json")),
-    ("08_timeout_before_execute.json", include_str!("../../assets/scenarios/08_timeout_before_execute.json")),
-    ("09_concurrent_duplicate.json", include_str!("../../assets/scenarios/09_concurrent_duplicate.json")),
-    ("10_notify_lost_reply.json", include_str!("../../assets/scenarios/10_notify_lost_reply.json")),
-    ("11_late_reply_after_lease.json", include_str!("../../assets/scenarios/11_late_reply_after_lease.json")),
-    ("12_last_ten_euros.json", include_str!("../../assets/scenarios/12_last_ten_euros.json")),
+    ("01_first_success.json", include_str!("../../../../assets/scenarios/01_first_success.json")),
+    ("02_retry_same_key.json", include_str!("../../../../assets/scenarios/02_retry_same_key.json")),
+    ("03_same_key_other_amount.json", include_str!("../../../../assets/scenarios/03_same_key_other_amount.json")),
+    ("04_crash_after_commit.json", include_str!("../../../../assets/scenarios/04_crash_after_commit.json")),
+    ("05_approval_expired.json", include_str!("../../../../assets/scenarios/05_approval_expired.json")),
+    ("06_permission_revoked.json", include_str!("../../../../assets/scenarios/06_permission_revoked.json")),
+    ("07_rate_limited.json", include_str!("../../../../assets/scenarios/07_rate_limited.json")),
+    ("08_timeout_before_execute.json", include_str!("../../../../assets/scenarios/08_timeout_before_execute.json")),
+    ("09_concurrent_duplicate.json", include_str!("../../../../assets/scenarios/09_concurrent_duplicate.json")),
+    ("10_notify_lost_reply.json", include_str!("../../../../assets/scenarios/10_notify_lost_reply.json")),
+    ("11_late_reply_after_lease.json", include_str!("../../../../assets/scenarios/11_late_reply_after_lease.json")),
+    ("12_last_ten_euros.json", include_str!("../../../../assets/scenarios/12_last_ten_euros.json")),
 ];
 
 /// Why a scenario could not be loaded or started. A step that fails its

@@ -13,7 +13,7 @@ use crate::engine::{DispatchRequest, Engine, EngineError, EngineOptions, QueryRe
 use crate::store::{Location, OpenOptions, Store, StoreError, Sync};
 
 /// The committed demo database.
-pub const DEMO_DB: &[u8] = include_bytes!("../demo.db");
+pub const DEMO_DB: &[u8] = include_bytes!("../../../demo.db");
 
 /// The generator's clock starts here: 2026-01-01T09:00:00Z.
 pub const DEMO_T0: i64 = 1_767_258_000_000;
