@@ -33,6 +33,7 @@
 
 pub use toolgate_adapters::{downstream, tools};
 pub use toolgate_core::{display, engine, failpoint, store};
+pub use toolgate_server::{api, mcp};
 pub use toolgate_sim::{demo, load, scenarios};
 
 /// The core's telemetry, with the binary's diagnostic log beside it.
@@ -41,8 +42,6 @@ pub mod telemetry {
     pub mod logging;
 }
 
-pub mod api;
 pub mod bench;
 pub mod cli;
-pub mod mcp;
 pub mod tui;

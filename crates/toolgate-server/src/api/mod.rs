@@ -24,8 +24,7 @@
 // request; boxing it would only add an allocation.
 #![allow(clippy::result_large_err)]
 
-pub mod pool;
-pub mod status;
+pub use crate::{pool, status, MAX_BODY_BYTES};
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -43,7 +42,7 @@ use http_body_util::{BodyExt, Limited};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::engine::canonical::{parse_strict, CallIdentity, MAX_DEPTH, MAX_INPUT_BYTES};
+use crate::engine::canonical::{parse_strict, CallIdentity, MAX_DEPTH};
 use crate::engine::envelope::{Code, Envelope};
 use crate::engine::faults::FaultPlan;
 use crate::engine::projection::{Projection, QUERY_STATUS_TOOL};
@@ -53,13 +52,12 @@ use crate::engine::{
     CancelRequest, DispatchRequest, Engine, EngineError, EngineOptions, OperatorOutcome, QueryRequest, Resolution,
     ResolveRequest,
 };
+use crate::shutdown::shutdown_signal;
 use pool::{Pool, Refused};
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::StreamableHttpService;
 use status::ServerCode;
 
-/// Largest request body: the engine's own limit on a call's arguments.
-pub const MAX_BODY_BYTES: usize = MAX_INPUT_BYTES;
 /// Most connections served at once (`serve --max-connections`).
 pub const MAX_CONNECTIONS: usize = 1024;
 /// Most connections served at once from one client address
@@ -517,28 +515,6 @@ where
     drop(rt);
     pool.close();
     served
-}
-
-/// SIGTERM or SIGINT (Ctrl-C). Registered when called, not when first polled.
-#[cfg(unix)]
-pub(crate) fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    Ok(async move {
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-    })
-}
-
-/// Ctrl-C.
-#[cfg(not(unix))]
-pub(crate) fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
-    Ok(async {
-        let _ = tokio::signal::ctrl_c().await;
-    })
 }
 
 fn router(app: Arc<App>) -> Router {

@@ -13,7 +13,7 @@
 //! The caller is whoever the token says (`--token` on stdio, the request's
 //! `Authorization` header over HTTP), re-checked at every call (a revoked
 //! token is refused from the next call on). The engine runs on plain threads
-//! of its own ([`crate::api::pool`]): the async runtime only moves messages.
+//! of its own ([`crate::pool`]): the async runtime only moves messages.
 //!
 //! A call in flight reports progress (`notifications/progress`, when the
 //! request carries a progress token) while it waits, and a
@@ -42,7 +42,6 @@ use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
 use rmcp::{ErrorData, RoleServer, ServerHandler, ServiceExt};
 use serde_json::{json, Value};
 
-use crate::api::pool::Pool;
 use crate::engine::canonical::CallIdentity;
 use crate::engine::contracts::{Contract, Effect};
 use crate::engine::envelope::{Envelope, Status};
@@ -50,6 +49,7 @@ use crate::engine::faults::FaultPlan;
 use crate::engine::projection::QUERY_STATUS_TOOL;
 use crate::engine::tokens::Principal;
 use crate::engine::{CancelSignal, DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest};
+use crate::pool::Pool;
 
 /// `/mcp` inside `serve`: the grace of a call in flight at shutdown (within
 /// the server's drain timeout).
@@ -162,7 +162,7 @@ pub fn serve_stdio(db: &Path, token: &str, opts: StdioOptions) -> Result<(), Mcp
         // closes stdin, then sends SIGTERM 2 s later) is a shutdown, as the end
         // of input is: stop reading, let calls in flight reach their next
         // durable step within the grace period, start nothing queued.
-        let signalled = crate::api::shutdown_signal().map_err(|e| runtime(&e))?;
+        let signalled = crate::shutdown::shutdown_signal().map_err(|e| runtime(&e))?;
         tokio::spawn({
             let stop = stop.clone();
             async move {
@@ -228,7 +228,7 @@ pub(crate) fn http_service(
 ) -> StreamableHttpService<Gate, LocalSessionManager> {
     let mut config = StreamableHttpServerConfig::default()
         .with_cancellation_token(ct.clone())
-        .with_max_request_body_bytes(crate::api::MAX_BODY_BYTES);
+        .with_max_request_body_bytes(crate::MAX_BODY_BYTES);
     if public {
         config = config.disable_allowed_hosts();
     }
@@ -405,7 +405,7 @@ pub(crate) struct Gate {
 /// A failure of the server's own (a refused token, a busy engine), in the
 /// model result's shape.
 fn refusal(code: &str, category: &str, recovery: &str, message: &str) -> CallToolResult {
-    let env = crate::api::status::envelope_json(code, category, recovery, message, None, false);
+    let env = crate::status::envelope_json(code, category, recovery, message, None, false);
     CallToolResult::structured_error(env["model_result"].clone())
 }
 
@@ -436,11 +436,11 @@ fn result_of(env: &Envelope) -> CallToolResult {
 /// An environment failure: the ledger is the truth, the outcome unknown to
 /// us; a retry with the same key is safe.
 fn environment(e: &EngineError) -> CallToolResult {
-    let env = crate::api::status::envelope_json(
+    let env = crate::status::envelope_json(
         e.code(),
         "environment",
         "retry_after",
-        crate::api::status::INTERNAL.message,
+        crate::status::INTERNAL.message,
         Some(1000),
         true,
     );
@@ -464,7 +464,7 @@ impl Prepared {
         let (tenant, subject, token_id) = match e.authenticate(Some(&self.authorization))? {
             Ok(Principal::Subject { tenant, subject, token_id }) => (tenant, subject, token_id),
             Ok(Principal::Operator { .. }) => {
-                let c = crate::api::status::SUBJECT_TOKEN_REQUIRED;
+                let c = crate::status::SUBJECT_TOKEN_REQUIRED;
                 return Ok(refusal(c.code, c.category, c.recovery, c.message));
             }
             Err(f) => return Ok(refusal(f.code(), "authentication", "request_authorization", f.message())),
@@ -577,7 +577,7 @@ impl Gate {
         let prepared = Arc::new(Prepared { authorization: self.authorization(ctx), name, args, key, call, faults });
         let signal = CancelSignal::default();
         let busy = || {
-            let c = crate::api::status::SERVER_BUSY;
+            let c = crate::status::SERVER_BUSY;
             refusal(c.code, c.category, c.recovery, c.message)
         };
         let job = {
@@ -682,7 +682,7 @@ impl Gate {
             // Its accept is being committed: look again in a moment (or take its end).
             if let Ok(done) = tokio::time::timeout(Duration::from_millis(50), &mut answer).await {
                 return done.ok().and_then(Result::ok).unwrap_or_else(|| {
-                    let c = crate::api::status::INTERNAL;
+                    let c = crate::status::INTERNAL;
                     refusal(c.code, c.category, c.recovery, c.message)
                 });
             }
@@ -705,7 +705,7 @@ impl Gate {
         mut answer: tokio::sync::oneshot::Receiver<Result<CallToolResult, EngineError>>,
     ) -> CallToolResult {
         let nothing_done = || {
-            let c = crate::api::status::SERVER_BUSY;
+            let c = crate::status::SERVER_BUSY;
             refusal(c.code, c.category, c.recovery, c.message)
         };
         match tokio::time::timeout(self.grace, &mut answer).await {
@@ -732,7 +732,7 @@ impl Gate {
         tracing::warn!(?detached, "MCP call detached at shutdown");
         let c = crate::engine::envelope::Code::OutcomeUnknown;
         let (category, _, _) = c.catalog();
-        let env = crate::api::status::envelope_json(c.as_str(), category, "query_status", c.message(), None, true);
+        let env = crate::status::envelope_json(c.as_str(), category, "query_status", c.message(), None, true);
         CallToolResult::structured_error(env["model_result"].clone())
     }
 
@@ -744,7 +744,7 @@ impl Gate {
         if let Ok(Ok(r)) = answer.await {
             r
         } else {
-            let c = crate::api::status::INTERNAL;
+            let c = crate::status::INTERNAL;
             refusal(c.code, c.category, c.recovery, c.message)
         }
     }

@@ -1,0 +1,24 @@
+//! How a server learns to stop: the signal both `toolgate serve` and
+//! `toolgate mcp` wait for.
+
+/// SIGTERM or SIGINT (Ctrl-C). Registered when called, not when first polled.
+#[cfg(unix)]
+pub(crate) fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
+}
+
+/// Ctrl-C.
+#[cfg(not(unix))]
+pub(crate) fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+}
