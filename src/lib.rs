@@ -32,6 +32,7 @@
 //! - [`cli`]: the command line (the binary's only dependency on this crate).
 
 pub use toolgate_adapters::{downstream, tools};
+pub use toolgate_console::tui;
 pub use toolgate_core::{display, engine, failpoint, store};
 pub use toolgate_server::{api, mcp};
 pub use toolgate_sim::{demo, load, scenarios};
@@ -44,4 +45,3 @@ pub mod telemetry {
 
 pub mod bench;
 pub mod cli;
-pub mod tui;
