@@ -1124,48 +1124,6 @@ fn the_filter_applies_to_every_pane_and_an_empty_filtered_pane_says_so() {
     assert!(!screen.contains("nothing in flight"), "{screen}");
 }
 
-/// Every `.rs` file under `dir` (relative to the crate), with its text.
-fn sources(dir: &str) -> Vec<(std::path::PathBuf, String)> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
-    let mut out = Vec::new();
-    let mut stack = vec![root];
-    while let Some(p) = stack.pop() {
-        if p.is_dir() {
-            stack.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
-        } else if p.extension().is_some_and(|e| e == "rs") {
-            let text = std::fs::read_to_string(&p).unwrap();
-            out.push((p, text));
-        }
-    }
-    out
-}
-
-#[test]
-fn the_model_never_imports_the_view_and_the_engine_no_terminal_crate() {
-    // issue 19 §8: the view imports the model, never the reverse.
-    let model: Vec<_> = [
-        "crates/toolgate-console/src/tui/app.rs",
-        "crates/toolgate-console/src/tui/app",
-        "crates/toolgate-console/src/tui/format.rs",
-    ]
-    .iter()
-    .flat_map(|d| sources(d))
-    .collect();
-    assert!(model.len() >= 3, "{model:?}");
-    for (path, text) in &model {
-        for needle in ["super::ui", "tui::ui", "ratatui::", "crossterm::"] {
-            assert!(!text.contains(needle), "{} names {needle}", path.display());
-        }
-    }
-    let engine = sources("crates/toolgate-core/src/engine");
-    assert!(!engine.is_empty());
-    for (path, text) in &engine {
-        for needle in ["ratatui", "crossterm"] {
-            assert!(!text.contains(needle), "{} names {needle}", path.display());
-        }
-    }
-}
-
 fn type_text(app: &mut App, s: &str) -> Vec<Request> {
     s.chars().filter_map(|c| press(app, KeyCode::Char(c))).collect()
 }

@@ -3,6 +3,7 @@
 // This whole crate is test code: helpers unwrap like tests do.
 #![allow(clippy::unwrap_used, clippy::many_single_char_names, clippy::items_after_statements)]
 
+mod architecture;
 mod bench;
 mod canonical;
 mod catalog;
