@@ -1449,13 +1449,13 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         }
         Command::Orders { json } => {
             let mut engine = open_read(cli)?;
-            let orders = engine.orders()?;
+            let orders = crate::tools::demo::orders(&mut engine)?;
             // What accepted refunds that may still take effect hold of each order.
             let mut held: std::collections::BTreeMap<String, i64> = std::collections::BTreeMap::new();
             for (_, resource, amount) in engine.holds()? {
                 *held.entry(resource).or_default() += amount;
             }
-            let held_of = |o: &crate::store::OrderRow| {
+            let held_of = |o: &crate::tools::demo::OrderRow| {
                 held.get(&crate::tools::demo::resource(&o.order_ref)).copied().unwrap_or(0)
             };
             if *json {

@@ -230,3 +230,28 @@ fn the_code_map_names_paths_that_exist_and_every_module_of_every_crate() {
         }
     }
 }
+
+/// Whether a file may hold SQL: the ledger's store, or a domain's own store
+/// module (the demo's orders).
+fn may_hold_sql(rel: &str) -> bool {
+    rel.starts_with("crates/toolgate-core/src/store/") || rel == "crates/toolgate-adapters/src/tools/demo/store.rs"
+}
+
+#[test]
+fn no_sql_outside_a_store_module() {
+    let statements = ["\"SELECT ", "\"INSERT INTO ", "\"DELETE FROM ", "\"UPDATE ", "\"CREATE TABLE", "\"PRAGMA "];
+    let mut files = sources("crates");
+    files.extend(sources("src"));
+    assert!(files.len() > 50);
+    for (file, text) in &files {
+        let rel = file.strip_prefix(root()).unwrap().to_string_lossy().replace('\\', "/");
+        if may_hold_sql(&rel) {
+            continue;
+        }
+        for (n, line) in text.lines().enumerate() {
+            for s in statements {
+                assert!(!code(line).contains(s), "{rel}:{} holds SQL outside a store module: {}", n + 1, line.trim());
+            }
+        }
+    }
+}

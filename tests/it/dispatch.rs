@@ -31,7 +31,8 @@ fn first_success_then_replay_after_restart_and_from_another_connection(backend: 
     replay.model_result.data.as_mut().unwrap()["refund_id"] = Value::from("re_tampered");
     let again = e2.dispatch(&refund("refund-key-001", 1000)).unwrap();
     assert_eq!(again.model_result.data, first.model_result.data);
-    let order = e2.orders().unwrap().into_iter().find(|o| o.order_ref == "ord_1001").unwrap();
+    let order =
+        toolgate::tools::demo::orders(&mut e2).unwrap().into_iter().find(|o| o.order_ref == "ord_1001").unwrap();
     assert_eq!((order.refunded_minor, order.status.as_str()), (1000, "partially_refunded"));
 }
 

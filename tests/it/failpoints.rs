@@ -221,7 +221,8 @@ fn check_failpoint_on(backend: crate::support::Backend, failpoint: &str, tool: T
         // Settled: converted into the refund, or released by the human's "failed".
         let mut e = fx.engine();
         assert!(e.holds().unwrap().is_empty(), "{failpoint}: a hold outlived its operation");
-        let order = e.orders().unwrap().into_iter().find(|o| o.order_ref == "ord_1001").unwrap();
+        let order =
+            toolgate::tools::demo::orders(&mut e).unwrap().into_iter().find(|o| o.order_ref == "ord_1001").unwrap();
         let refunded = if end == End::Succeeded { 1_000 } else { 0 };
         assert_eq!(order.refunded_minor, refunded, "{failpoint}");
     }

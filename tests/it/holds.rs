@@ -28,8 +28,8 @@ fn held(e: &mut Engine) -> i64 {
     e.holds().unwrap().iter().filter(|(_, r, _)| r == &format!("order:{ORDER}")).map(|h| h.2).sum()
 }
 
-fn order(e: &mut Engine) -> toolgate::store::OrderRow {
-    e.orders().unwrap().into_iter().find(|o| o.order_ref == ORDER).unwrap()
+fn order(e: &mut Engine) -> toolgate::tools::demo::OrderRow {
+    toolgate::tools::demo::orders(e).unwrap().into_iter().find(|o| o.order_ref == ORDER).unwrap()
 }
 
 fn paid(e: &mut Engine) -> i64 {

@@ -192,7 +192,15 @@ fn a_committed_reply_succeeds_once_and_a_retry_replays_it() {
     let again = e.dispatch(&refund("http-ok-000001", 1500)).unwrap();
     assert_eq!(again.model_result.data, first.model_result.data);
     assert_eq!(fx.server.effects(), 1);
-    assert_eq!(e.orders().unwrap().iter().find(|o| o.order_ref == "ord_1001").unwrap().refunded_minor, 1500);
+    assert_eq!(
+        toolgate::tools::demo::orders(&mut e)
+            .unwrap()
+            .iter()
+            .find(|o| o.order_ref == "ord_1001")
+            .unwrap()
+            .refunded_minor,
+        1500
+    );
     assert!(e.audit().unwrap().is_empty(), "the audit looks the effect up over HTTP and finds it");
 }
 

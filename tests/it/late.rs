@@ -73,7 +73,7 @@ fn failed_is_refused_while_the_send_may_still_land(backend: Backend) {
     let replay = e.dispatch(&refund("late-send-00001", 1_000)).unwrap();
     assert_eq!(replay.model_result.status, Status::Succeeded);
     assert_eq!(replay.model_result.execution.delivery, Delivery::LocalReplay);
-    let order = e.orders().unwrap().into_iter().find(|o| o.order_ref == "ord_1001").unwrap();
+    let order = toolgate::tools::demo::orders(&mut e).unwrap().into_iter().find(|o| o.order_ref == "ord_1001").unwrap();
     assert_eq!(order.refunded_minor, 1_000, "the refund is on the order once");
     assert!(e.holds().unwrap().is_empty());
     assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
@@ -125,7 +125,7 @@ fn a_late_receipt_reopens_a_failed_decision_as_a_contradiction(backend: Backend)
         })
         .unwrap();
     assert!(again.applied, "{again:?}");
-    let order = e.orders().unwrap().into_iter().find(|o| o.order_ref == "ord_1001").unwrap();
+    let order = toolgate::tools::demo::orders(&mut e).unwrap().into_iter().find(|o| o.order_ref == "ord_1001").unwrap();
     assert_eq!(order.refunded_minor, 1_000);
     assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
 }

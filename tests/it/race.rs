@@ -200,7 +200,7 @@ fn four_processes_refunding_one_order_are_never_paid_past_its_capture(backend: B
         );
     }
     let mut e = fx.engine();
-    let order = e.orders().unwrap().into_iter().find(|o| o.order_ref == "ord_1001").unwrap();
+    let order = toolgate::tools::demo::orders(&mut e).unwrap().into_iter().find(|o| o.order_ref == "ord_1001").unwrap();
     assert_eq!((order.refunded_minor, order.over_refunded_minor), (12_000, 0));
     assert_eq!(e.paid_by_order().unwrap().get("ord_1001").copied(), Some(12_000));
     assert!(e.holds().unwrap().is_empty());

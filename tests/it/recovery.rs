@@ -36,7 +36,7 @@ fn unknown_then_query_reconciles_then_replays_with_one_effect(backend: Backend) 
     assert_eq!(r.model_result.data, q.model_result.data);
     assert_eq!(effects(&mut e), 1);
     // The order reflects the reconciled refund exactly once.
-    let o = e.orders().unwrap().into_iter().find(|o| o.order_ref == "ord_1001").unwrap();
+    let o = toolgate::tools::demo::orders(&mut e).unwrap().into_iter().find(|o| o.order_ref == "ord_1001").unwrap();
     assert_eq!(o.refunded_minor, 500);
     assert!(e.audit().unwrap().is_empty());
 }

@@ -504,7 +504,8 @@ impl Engine {
                     },
                     now,
                 )?;
-                let data = domain.read(tx, &ToolCall { tenant, subject, tool, arguments: args, operation_id: None })?;
+                let data = domain
+                    .read(&tx.domain(), &ToolCall { tenant, subject, tool, arguments: args, operation_id: None })?;
                 ev.step = "read";
                 match data {
                     Some(d) if contract.check_output(&d).is_ok() => {

@@ -583,7 +583,7 @@ pub(crate) fn authorize(
         Access::NotGranted => return Ok(Some(Code::PolicyDenied)),
         Access::Disabled => return Ok(Some(Code::SubjectDisabled)),
     }
-    if !domain.visible(tx, &ToolCall { tenant, subject, tool, arguments: args, operation_id: None })? {
+    if !domain.visible(&tx.domain(), &ToolCall { tenant, subject, tool, arguments: args, operation_id: None })? {
         return Ok(Some(Code::NotFound));
     }
     Ok(None)
@@ -599,7 +599,7 @@ pub(crate) fn business_rules(
     args: &Value,
     operation_id: Option<&str>,
 ) -> Result<Option<&'static str>, StoreError> {
-    domain.rules(tx, &ToolCall { tenant, subject, tool, arguments: args, operation_id })
+    domain.rules(&tx.domain(), &ToolCall { tenant, subject, tool, arguments: args, operation_id })
 }
 
 /// The call of a stored operation as its tool's domain sees it (`args`: its
@@ -633,7 +633,7 @@ pub(crate) fn apply_business_effect(
 ) -> Result<Option<String>, StoreError> {
     let args = args_of(&op.request_json);
     let result = op.result_json.as_deref().and_then(|r| serde_json::from_str(r).ok()).unwrap_or(Value::Null);
-    domain.apply(tx, &domain_call(op, &args), &result)
+    domain.apply(&tx.domain(), &domain_call(op, &args), &result)
 }
 
 #[cfg(test)]

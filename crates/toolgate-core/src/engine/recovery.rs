@@ -1070,7 +1070,7 @@ impl Engine {
                 (Some(_), _) => {
                     let args = super::operation::args_of(&op.request_json);
                     let result = contested_result.as_deref().and_then(|t| serde_json::from_str(t).ok()).unwrap_or(Value::Null);
-                    toolset.domain(&op.tool).revert(tx, &super::operation::domain_call(&op, &args), &result)?;
+                    toolset.domain(&op.tool).revert(&tx.domain(), &super::operation::domain_call(&op, &args), &result)?;
                     None
                 }
                 (None, Resolution::Succeeded) => apply_business_effect(tx, &*toolset.domain(&op.tool), &op)?,
@@ -1124,7 +1124,7 @@ impl Engine {
                 None => None,
             };
             let args = args_of(&operation.request_json);
-            let context = toolset.domain(&operation.tool).context(tx, &domain_call(&operation, &args))?;
+            let context = toolset.domain(&operation.tool).context(&tx.domain(), &domain_call(&operation, &args))?;
             Ok(Some(Ok(OperationDetail {
                 outbox: tx.outbox(id)?,
                 attempts,
@@ -1253,7 +1253,7 @@ impl Engine {
                     .filter(|(o, ..)| tools.contains(&o.tool))
                     .map(|(o, a, r)| (domain_call(o, a), r.clone()))
                     .collect();
-                domain.audit(tx, &calls, &mut find)?;
+                domain.audit(&tx.domain(), &calls, &mut find)?;
             }
             let (bad, gaps) = tx.trace_damage()?;
             for seq in bad {

@@ -20,7 +20,7 @@ use super::clock::Clock;
 use super::contracts::{Contract, ContractError, Contracts, DownstreamRef, Effect};
 use super::faults::FaultPlan;
 use super::ids::Ids;
-use crate::store::{StoreError, Tx};
+use crate::store::{DomainTx, StoreError};
 
 /// The parts of a call a domain sees (arguments already schema-valid).
 #[derive(Debug, Clone, Copy)]
@@ -58,19 +58,20 @@ pub struct Hold {
 /// domain code (the common case for a real API): authorized by grants alone,
 /// no rules beyond the schema, no local effect (the downstream's receipt is the
 /// result). Methods run inside the ledger transaction of the step that asks, so
-/// what they read and write commits or rolls back with it.
+/// what they read and write commits or rolls back with it; they see it as a
+/// [`DomainTx`]: the holds, and the domain's own tables, never the ledger's.
 pub trait ToolDomain: Send + Sync {
     /// Whether the resource the call touches exists and the subject may see it.
     /// `false` answers `NOT_FOUND`: not owned, another tenant's and missing look
     /// the same (fail closed).
-    fn visible(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>) -> Result<bool, StoreError> {
+    fn visible(&self, _tx: &DomainTx<'_, '_>, _call: &ToolCall<'_>) -> Result<bool, StoreError> {
         Ok(true)
     }
 
     /// The business rules of a new execution (checked at admission and again
     /// before the send): `Some(rule)` refuses it as `BUSINESS_RULE_VIOLATION`
     /// with that rule name (a stable, lower-case identifier).
-    fn rules(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>) -> Result<Option<&'static str>, StoreError> {
+    fn rules(&self, _tx: &DomainTx<'_, '_>, _call: &ToolCall<'_>) -> Result<Option<&'static str>, StoreError> {
         Ok(None)
     }
 
@@ -86,7 +87,12 @@ pub trait ToolDomain: Send + Sync {
     /// is an anomaly the engine writes into the step's trace event (money paid
     /// above what the domain allowed): the effect is recorded as it happened,
     /// never clipped to look right.
-    fn apply(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>, _result: &Value) -> Result<Option<String>, StoreError> {
+    fn apply(
+        &self,
+        _tx: &DomainTx<'_, '_>,
+        _call: &ToolCall<'_>,
+        _result: &Value,
+    ) -> Result<Option<String>, StoreError> {
         Ok(None)
     }
 
@@ -94,28 +100,34 @@ pub trait ToolDomain: Send + Sync {
     /// evidence (a receipt that was another operation's), when a person
     /// resolves the operation as having had no effect of its own. Nothing by
     /// default.
-    fn revert(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>, _result: &Value) -> Result<(), StoreError> {
+    fn revert(&self, _tx: &DomainTx<'_, '_>, _call: &ToolCall<'_>, _result: &Value) -> Result<(), StoreError> {
         Ok(())
     }
 
     /// What the resource the call touches looks like now, for an operator's
     /// detail view: (label, value) lines (an order's capture, refunds and
     /// holds). Read in the detail's read transaction; nothing by default.
-    fn context(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>) -> Result<Vec<(String, String)>, StoreError> {
+    fn context(&self, _tx: &DomainTx<'_, '_>, _call: &ToolCall<'_>) -> Result<Vec<(String, String)>, StoreError> {
         Ok(Vec::new())
     }
 
     /// A read tool answered from local state; `None` when there is nothing to
     /// show (the caller gets `TOOL_ERROR`).
-    fn read(&self, _tx: &Tx<'_>, _call: &ToolCall<'_>) -> Result<Option<Value>, StoreError> {
+    fn read(&self, _tx: &DomainTx<'_, '_>, _call: &ToolCall<'_>) -> Result<Option<Value>, StoreError> {
         Ok(None)
+    }
+
+    /// Seeds the domain's own tables from a world file being loaded, in the
+    /// transaction that loads it (all or nothing). Nothing by default.
+    fn load_world(&self, _tx: &DomainTx<'_, '_>, _world: &super::world::World) -> Result<(), StoreError> {
+        Ok(())
     }
 
     /// The integrity audit of the domain's local state against the calls the
     /// ledger holds as succeeded: `find(kind, id, what)` reports a finding.
     fn audit(
         &self,
-        _tx: &Tx<'_>,
+        _tx: &DomainTx<'_, '_>,
         _succeeded: &[(ToolCall<'_>, Value)],
         _find: &mut dyn FnMut(&str, &str, &str),
     ) -> Result<(), StoreError> {

@@ -7,7 +7,7 @@ use serde_json::json;
 
 use super::canonical::{canonical_string, parse_strict};
 use super::{Engine, EngineError};
-use crate::store::{AuditRow, OrderRow, Principal, StoreError, Tx};
+use crate::store::{AuditRow, Principal, StoreError, Tx};
 
 /// The demo world shipped in `assets/`.
 pub const DEMO_WORLD: &str = include_str!("../../../../assets/world.json");
@@ -247,18 +247,9 @@ impl Engine {
             for g in &world.grants {
                 tx.grant(&g.tenant, &g.subject, &g.tool, now)?;
             }
-            for o in &world.orders {
-                tx.insert_order(&OrderRow {
-                    order_ref: o.order_ref.clone(),
-                    tenant: o.tenant.clone(),
-                    owner: o.owner.clone(),
-                    currency: o.currency.clone(),
-                    captured_minor: o.captured_minor,
-                    refunded_minor: o.refunded_minor,
-                    status: o.status.clone(),
-                    revision: 1,
-                    over_refunded_minor: 0,
-                })?;
+            // Each domain seeds its own tables (the demo domain: its orders).
+            for (_, domain) in self.toolset.domain_groups() {
+                domain.load_world(&tx.domain(), world)?;
             }
             tx.meta_set("world_loaded", &now.to_string())?;
             Ok(())
@@ -270,11 +261,6 @@ impl Engine {
             d.load_world(world)?;
         }
         Ok(())
-    }
-
-    /// All orders.
-    pub fn orders(&mut self) -> Result<Vec<OrderRow>, EngineError> {
-        Ok(self.store.read(|tx| -> Result<_, StoreError> { tx.orders() })?)
     }
 
     /// Every hold of an operation that may still take effect: (operation id,

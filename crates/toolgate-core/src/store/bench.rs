@@ -33,7 +33,7 @@ use std::path::Path;
 
 use super::sql::params;
 
-use super::{OpenOptions, OperationRow, OrderRow, Store, StoreError, Sync, Tx, OP_COLS, R};
+use super::{OpenOptions, OperationRow, Store, StoreError, Sync, Tx, OP_COLS, R};
 
 /// The texts a bare write stores: the engine's own, so rows have the same size.
 #[derive(Debug, Clone)]
@@ -143,17 +143,16 @@ impl BareLedger {
         ledger.write(|tx| -> R<()> {
             tx.insert_tenant(TENANT, i64::MAX / 2)?;
             tx.insert_subject(SUBJECT, TENANT)?;
-            tx.insert_order(&OrderRow {
-                order_ref: ORDER.into(),
-                tenant: TENANT.into(),
-                owner: SUBJECT.into(),
-                currency: "EUR".into(),
-                captured_minor: i64::MAX / 2,
-                refunded_minor: 0,
-                status: "paid".into(),
-                revision: 1,
-                over_refunded_minor: 0,
-            })
+            // The demo domain's one order, as the engine's world load writes
+            // it through the domain (the bare loop copies the rows the engine
+            // and the demo domain commit; write 3 updates it below).
+            tx.conn
+                .prepare_cached(
+                    "INSERT INTO orders (order_ref, tenant, owner, currency, captured_minor, refunded_minor, status, revision)
+                     VALUES (?1, ?2, ?3, 'EUR', ?4, 0, 'paid', 1)",
+                )?
+                .execute(params![ORDER, TENANT, SUBJECT, i64::MAX / 2])?;
+            Ok(())
         })?;
         let provider = Store::open(path, OpenOptions { create: false, sync })?;
         Ok(Self { ledger, provider, payload })

@@ -11,6 +11,7 @@ mod approvals;
 mod audit;
 pub mod bench;
 mod clock;
+mod domain;
 mod group;
 mod holds;
 pub mod latency_bucket;
@@ -35,12 +36,13 @@ use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 
+pub use domain::{DomainRow, DomainTx};
 pub use pg::ScratchDatabase;
 pub use provider::{ProviderStore, ProviderTx};
 pub use resilience::{CircuitRow, RateLimitedRow, RetryBudgetRow, MILLI_TOKEN};
 pub use rows::*;
-pub use sql::Backend;
 use sql::{params, Conn};
+pub use sql::{Backend, Col, Param};
 pub use states::{ApprovalState, AttemptOutcome, CircuitState, OpState, OutboxState};
 pub use tokens::TokenRow;
 pub use views::{

@@ -74,33 +74,6 @@ pub struct TenantRow {
     pub policy_revision: i64,
 }
 
-row! {
-    /// An order.
-    #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
-    pub struct OrderRow [ORDER_COLS] {
-        /// Reference.
-        pub order_ref: String,
-        /// Tenant.
-        pub tenant: String,
-        /// Owner subject.
-        pub owner: String,
-        /// ISO currency.
-        pub currency: String,
-        /// Captured, minor units.
-        pub captured_minor: i64,
-        /// Refunded so far.
-        pub refunded_minor: i64,
-        /// `paid` | `partially_refunded` | `refunded`.
-        pub status: String,
-        /// Revision (bumped on every change).
-        pub revision: i64,
-        /// Money paid above the capture (minor units): refunds the provider
-        /// committed past what the order had, kept instead of clipped (0 when
-        /// all is well; the audit reports anything else).
-        pub over_refunded_minor: i64,
-    }
-}
-
 /// Key of a call identity.
 #[derive(Debug, Clone, Copy)]
 pub struct CallKey<'a> {

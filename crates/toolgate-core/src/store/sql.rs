@@ -339,8 +339,10 @@ impl Row<'_> {
 }
 
 /// A Rust type a column can be read as, on both backends.
-pub(crate) trait Col: Sized {
+pub trait Col: Sized {
+    #[doc(hidden)]
     fn lite(r: &rusqlite::Row<'_>, i: usize) -> R<Self>;
+    #[doc(hidden)]
     fn pg(r: &postgres::Row, i: usize) -> R<Self>;
 }
 
@@ -405,9 +407,12 @@ impl Col for Option<String> {
     }
 }
 
-/// A parameter value both drivers can bind.
-pub(crate) trait Param: Sync {
+/// A parameter value both drivers can bind (`&str`, `String`, `i64`,
+/// `bool`, their `Option`s).
+pub trait Param: Sync {
+    #[doc(hidden)]
     fn lite(&self) -> &dyn rusqlite::ToSql;
+    #[doc(hidden)]
     fn pg(&self) -> &(dyn postgres::types::ToSql + Sync);
 }
 

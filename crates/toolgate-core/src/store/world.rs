@@ -1,7 +1,6 @@
-//! Typed queries: World and grants (tenants, subjects, approvers, grants, the demo world's orders) and the ledger's meta rows.
+//! Typed queries: the world and grants (tenants, subjects, approvers, grants) and the ledger's meta rows. (A domain's own records, like the demo's orders, are its store's.)
 
-use super::sql::sql_text;
-use super::{params, OrderRow, StoreError, TenantRow, Tx, ORDER_COLS, R};
+use super::{params, StoreError, TenantRow, Tx, R};
 
 /// Which kind of principal a disable mark names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,27 +110,6 @@ impl Tx<'_> {
         Ok(n > 0)
     }
 
-    /// Inserts an order.
-    pub fn insert_order(&self, o: &OrderRow) -> R<()> {
-        self.conn
-            .prepare_cached(
-                "INSERT INTO orders (order_ref, tenant, owner, currency, captured_minor, refunded_minor, status, revision)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-            )?
-            .execute(params![
-                o.order_ref,
-                o.tenant,
-                o.owner,
-                o.currency,
-                o.captured_minor,
-                o.refunded_minor,
-                o.status,
-                o.revision
-            ])?;
-        debug_assert_eq!(o.over_refunded_minor, 0, "a new order has paid nothing above its capture");
-        Ok(())
-    }
-
     /// The tenant a subject acts for.
     pub fn subject_tenant(&self, subject: &str) -> R<Option<String>> {
         self.conn.prepare_cached("SELECT tenant FROM subjects WHERE id = ?1")?.query_opt([subject], |r| r.get(0))
@@ -224,76 +202,5 @@ impl Tx<'_> {
             .prepare_cached("SELECT 1 FROM approvers WHERE tenant = ?1 AND approver = ?2")?
             .query_opt([tenant, approver], |_| Ok(()))?
             .is_some())
-    }
-
-    /// An order.
-    pub fn order(&self, order_ref: &str) -> R<Option<OrderRow>> {
-        self.conn
-            .prepare_cached(sql_text!("SELECT {ORDER_COLS} FROM orders WHERE order_ref = ?1"))?
-            .query_opt([order_ref], OrderRow::from_row)
-    }
-
-    /// All orders, in order_ref order.
-    pub fn orders(&self) -> R<Vec<OrderRow>> {
-        let mut st = self.conn.prepare_cached(sql_text!("SELECT {ORDER_COLS} FROM orders ORDER BY order_ref"))?;
-        let rows = st.query_map((), OrderRow::from_row)?;
-        rows.collect::<Result<_, _>>()
-    }
-
-    /// An order, locked for this transaction on PostgreSQL (`FOR UPDATE`):
-    /// transactions deciding from its balance queue behind each other (the
-    /// SERIALIZABLE conflict on what they read and hold keeps them correct
-    /// either way); on SQLite the write lock is already held.
-    pub fn order_for_update(&self, order_ref: &str) -> R<Option<OrderRow>> {
-        if self.backend() == super::Backend::Postgres {
-            return self
-                .conn
-                .prepare_cached(sql_text!("SELECT {ORDER_COLS} FROM orders WHERE order_ref = ?1 FOR UPDATE"))?
-                .query_opt([order_ref], OrderRow::from_row);
-        }
-        self.order(order_ref)
-    }
-
-    /// Takes back a refund [`Tx::apply_refund`] recorded on wrong evidence:
-    /// first from what it recorded above the capture, then from the refunded
-    /// total.
-    pub fn revert_refund(&self, order_ref: &str, amount: i64) -> R<()> {
-        let Some(o) = self.order_for_update(order_ref)? else { return Ok(()) };
-        let from_over = amount.min(o.over_refunded_minor).max(0);
-        let refunded = (o.refunded_minor - (amount - from_over)).max(0);
-        let status = if refunded == 0 {
-            "paid"
-        } else if refunded >= o.captured_minor {
-            "refunded"
-        } else {
-            "partially_refunded"
-        };
-        self.conn
-            .prepare_cached(
-                "UPDATE orders SET refunded_minor = ?2, over_refunded_minor = ?3, status = ?4, revision = revision + 1
-                 WHERE order_ref = ?1",
-            )?
-            .execute(params![order_ref, refunded, o.over_refunded_minor - from_over, status])?;
-        Ok(())
-    }
-
-    /// Applies a committed refund to an order. Nothing is clipped: what would
-    /// take `refunded_minor` past the capture is added to `over_refunded_minor`
-    /// (money the provider paid that the order did not have), which the audit
-    /// reports.
-    pub fn apply_refund(&self, order_ref: &str, amount: i64) -> R<()> {
-        self.conn
-            .prepare_cached(
-                "UPDATE orders SET
-                   over_refunded_minor = over_refunded_minor
-                     + CASE WHEN refunded_minor + ?2 > captured_minor THEN refunded_minor + ?2 - captured_minor ELSE 0 END,
-                   refunded_minor = CASE WHEN refunded_minor + ?2 > captured_minor THEN captured_minor
-                                         ELSE refunded_minor + ?2 END,
-                   status = CASE WHEN refunded_minor + ?2 >= captured_minor THEN 'refunded' ELSE 'partially_refunded' END,
-                   revision = revision + 1
-                 WHERE order_ref = ?1",
-            )?
-            .execute(params![order_ref, amount])?;
-        Ok(())
     }
 }

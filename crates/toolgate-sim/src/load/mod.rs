@@ -850,8 +850,7 @@ struct Money {
 }
 
 fn money(referee: &mut Engine, provider_db: Option<&Path>) -> Result<Money, EngineError> {
-    let orders = referee
-        .orders()?
+    let orders = crate::tools::demo::orders(referee)?
         .into_iter()
         .map(|o| (o.order_ref, (o.captured_minor, o.refunded_minor + o.over_refunded_minor)))
         .collect();

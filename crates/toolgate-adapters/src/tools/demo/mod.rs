@@ -2,12 +2,18 @@
 //! from them, `create_refund`'s rules (refundable, same currency, within what
 //! is left) and its balance update, and the audit of the balances against the
 //! ledger's succeeded refunds. `notify_customer` only needs the order to be
-//! the caller's. Nothing else in toolgate names an order.
+//! the caller's. Its orders live in its own store module ([`store`]), reached
+//! through the step's [`DomainTx`], not the ledger's transaction.
 
 use serde_json::{json, Value};
 
+pub mod store;
+
 use crate::engine::tool::{Hold, ToolCall, ToolDomain};
-use crate::store::{StoreError, Tx};
+use crate::engine::world::World;
+use crate::engine::{Engine, EngineError};
+use crate::store::{DomainTx, StoreError};
+pub use store::OrderRow;
 
 /// The tools this domain serves.
 pub const TOOLS: [&str; 3] = ["get_order", "create_refund", "notify_customer"];
@@ -37,14 +43,20 @@ fn order_ref<'a>(call: &ToolCall<'a>) -> Option<&'a str> {
     call.arguments.get("order_ref").and_then(Value::as_str)
 }
 
+/// Every order of the ledger's demo world, in order_ref order (`toolgate
+/// orders`, the load generator's referee, tests).
+pub fn orders(engine: &mut Engine) -> Result<Vec<OrderRow>, EngineError> {
+    engine.read(|tx| -> Result<_, EngineError> { Ok(store::orders(&tx.domain())?) })
+}
+
 impl ToolDomain for DemoDomain {
-    fn visible(&self, tx: &Tx<'_>, call: &ToolCall<'_>) -> Result<bool, StoreError> {
+    fn visible(&self, tx: &DomainTx<'_, '_>, call: &ToolCall<'_>) -> Result<bool, StoreError> {
         let Some(r) = order_ref(call) else { return Ok(true) };
         // Not owned, cross-tenant and nonexistent look the same.
-        Ok(tx.order(r)?.is_some_and(|o| o.tenant == call.tenant && o.owner == call.subject))
+        Ok(store::order(tx, r)?.is_some_and(|o| o.tenant == call.tenant && o.owner == call.subject))
     }
 
-    fn rules(&self, tx: &Tx<'_>, call: &ToolCall<'_>) -> Result<Option<&'static str>, StoreError> {
+    fn rules(&self, tx: &DomainTx<'_, '_>, call: &ToolCall<'_>) -> Result<Option<&'static str>, StoreError> {
         if call.tool != "create_refund" {
             return Ok(None);
         }
@@ -53,7 +65,7 @@ impl ToolDomain for DemoDomain {
         // below conflicts with a concurrent accept's new hold, and one of the two
         // is retried by the store. The row lock makes accepts of one order queue
         // behind each other instead of both running to that conflict.
-        let Some(o) = tx.order_for_update(order_ref)? else {
+        let Some(o) = store::order_for_update(tx, order_ref)? else {
             return Ok(Some("order_missing"));
         };
         let Some(amount) = amount(call) else {
@@ -75,32 +87,52 @@ impl ToolDomain for DemoDomain {
         Ok(None)
     }
 
+    fn load_world(&self, tx: &DomainTx<'_, '_>, world: &World) -> Result<(), StoreError> {
+        for o in &world.orders {
+            store::insert_order(
+                tx,
+                &OrderRow {
+                    order_ref: o.order_ref.clone(),
+                    tenant: o.tenant.clone(),
+                    owner: o.owner.clone(),
+                    currency: o.currency.clone(),
+                    captured_minor: o.captured_minor,
+                    refunded_minor: o.refunded_minor,
+                    status: o.status.clone(),
+                    revision: 1,
+                    over_refunded_minor: 0,
+                },
+            )?;
+        }
+        Ok(())
+    }
+
     fn hold(&self, call: &ToolCall<'_>) -> Option<Hold> {
         let amount = amount(call)?;
         let order = order_ref(call)?;
         (call.tool == "create_refund" && amount > 0).then(|| Hold { resource: resource(order), amount })
     }
 
-    fn apply(&self, tx: &Tx<'_>, call: &ToolCall<'_>, _result: &Value) -> Result<Option<String>, StoreError> {
+    fn apply(&self, tx: &DomainTx<'_, '_>, call: &ToolCall<'_>, _result: &Value) -> Result<Option<String>, StoreError> {
         if call.tool != "create_refund" {
             return Ok(None);
         }
         let amount = amount(call).unwrap_or(0);
         let order_ref = order_ref(call).unwrap_or_default();
-        let over = tx.order(order_ref)?.map_or(0, |o| (o.refunded_minor + amount - o.captured_minor).max(0));
-        tx.apply_refund(order_ref, amount)?;
+        let over = store::order(tx, order_ref)?.map_or(0, |o| (o.refunded_minor + amount - o.captured_minor).max(0));
+        store::apply_refund(tx, order_ref, amount)?;
         Ok((over > 0).then(|| format!("refund paid {over} above the capture of {order_ref} (over_captured)")))
     }
 
-    fn revert(&self, tx: &Tx<'_>, call: &ToolCall<'_>, _result: &Value) -> Result<(), StoreError> {
+    fn revert(&self, tx: &DomainTx<'_, '_>, call: &ToolCall<'_>, _result: &Value) -> Result<(), StoreError> {
         if call.tool == "create_refund" {
-            tx.revert_refund(order_ref(call).unwrap_or_default(), amount(call).unwrap_or(0))?;
+            store::revert_refund(tx, order_ref(call).unwrap_or_default(), amount(call).unwrap_or(0))?;
         }
         Ok(())
     }
 
-    fn context(&self, tx: &Tx<'_>, call: &ToolCall<'_>) -> Result<Vec<(String, String)>, StoreError> {
-        let Some(o) = tx.order(order_ref(call).unwrap_or_default())? else { return Ok(Vec::new()) };
+    fn context(&self, tx: &DomainTx<'_, '_>, call: &ToolCall<'_>) -> Result<Vec<(String, String)>, StoreError> {
+        let Some(o) = store::order(tx, order_ref(call).unwrap_or_default())? else { return Ok(Vec::new()) };
         let held = tx.held_on(&resource(&o.order_ref), None)?;
         let own = match call.operation_id {
             Some(id) => tx.hold_of(id)?.map_or(0, |(_, amount)| amount),
@@ -129,8 +161,8 @@ impl ToolDomain for DemoDomain {
         Ok(lines)
     }
 
-    fn read(&self, tx: &Tx<'_>, call: &ToolCall<'_>) -> Result<Option<Value>, StoreError> {
-        Ok(tx.order(order_ref(call).unwrap_or_default())?.map(|o| {
+    fn read(&self, tx: &DomainTx<'_, '_>, call: &ToolCall<'_>) -> Result<Option<Value>, StoreError> {
+        Ok(store::order(tx, order_ref(call).unwrap_or_default())?.map(|o| {
             json!({
                 "order_ref": o.order_ref, "currency": o.currency, "captured_minor": o.captured_minor,
                 "refunded_minor": o.refunded_minor, "status": o.status,
@@ -143,7 +175,7 @@ impl ToolDomain for DemoDomain {
     /// above the ledger's refunds is not a finding), and its status matches it.
     fn audit(
         &self,
-        tx: &Tx<'_>,
+        tx: &DomainTx<'_, '_>,
         succeeded: &[(ToolCall<'_>, Value)],
         find: &mut dyn FnMut(&str, &str, &str),
     ) -> Result<(), StoreError> {
@@ -159,7 +191,7 @@ impl ToolDomain for DemoDomain {
         for (_, r, amount) in tx.holds()? {
             *holds.entry(r).or_default() += amount;
         }
-        for o in tx.orders()? {
+        for o in store::orders(tx)? {
             if o.over_refunded_minor > 0 {
                 find(
                     "order",
