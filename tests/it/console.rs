@@ -1820,7 +1820,10 @@ fn v_marks_big_v_marks_every_match_and_esc_clears() {
     let req = app.update(key('V'));
     app.update(Action::Engine(marked(&mut d, req)));
     assert_eq!(app.marks.len(), 1);
-    assert!(app.marks.iter().all(|m| m.state == "needs_review"));
+    assert!(app
+        .marks
+        .iter()
+        .all(|m| m.kind == toolgate::tui::app::MarkKind::Operation(toolgate::store::OpState::NeedsReview)));
     // The operator log has nothing to mark.
     app.update(key('5'));
     app.update(Action::Engine(page(&mut d, Pane::Audit, 10)));

@@ -1596,7 +1596,7 @@ fn a_downstream_without_a_lookup_goes_to_review_and_failed_needs_a_statement() {
         no_evidence,
     };
     let refused = e.resolve(&req(false)).unwrap();
-    assert_eq!((refused.applied, refused.code.as_str()), (false, "NO_EVIDENCE_STATEMENT_REQUIRED"), "{refused:?}");
+    assert_eq!((refused.applied, refused.code), (false, "NO_EVIDENCE_STATEMENT_REQUIRED"), "{refused:?}");
     let bulk = e
         .bulk(
             &toolgate::engine::BulkAction::Resolve {

@@ -395,7 +395,7 @@ fn a_human_decision_that_contradicts_the_providers_evidence_is_refused_unless_ov
     assert!(out.message.contains("the provider holds receipt"), "{}", out.message);
     // "succeeded" with a receipt id the provider does not hold: refused too.
     let out = e.resolve(&resolve_req(&op, Resolution::Succeeded, Some("rcpt_made_up"), "ev-2")).unwrap();
-    assert_eq!((out.applied, out.code.as_str()), (false, "STATUS_CONFLICT"), "{}", out.message);
+    assert_eq!((out.applied, out.code), (false, "STATUS_CONFLICT"), "{}", out.message);
     let detail = e.operation_detail(&op).unwrap().unwrap();
     assert_eq!(detail.operation.state, "unknown", "nothing changed");
     // An explicit override applies, and the audit entry says it was made against the evidence.
@@ -440,7 +440,7 @@ fn no_receipt_inside_the_visibility_window_is_not_proof_of_absence(backend: Back
     assert!(detail.receipt_window_until.is_some());
     // failed is refused while the window is open...
     let out = e.resolve(&resolve_req(&op, Resolution::Failed, None, "lag-1")).unwrap();
-    assert_eq!((out.applied, out.code.as_str()), (false, "RECEIPT_MAY_STILL_APPEAR"), "{}", out.message);
+    assert_eq!((out.applied, out.code), (false, "RECEIPT_MAY_STILL_APPEAR"), "{}", out.message);
     assert_eq!(state(&mut e, &op), "unknown");
     // ...and the receipt does appear: the query settles it.
     fx.clock.advance(40_000);

@@ -299,7 +299,7 @@ fn cancelling_before_send_cancels_with_no_effect(backend: Backend) {
     assert_eq!(effects(&mut e), 0);
     // Cancelling again is refused, and both attempts are in the operator log.
     let again = cancel(&mut e, &waiting, "again");
-    assert_eq!((again.applied, again.code.as_str()), (false, "NOT_CANCELLABLE"));
+    assert_eq!((again.applied, again.code), (false, "NOT_CANCELLABLE"));
     let log = e.audit_log(10).unwrap();
     let mine: Vec<_> = log.iter().filter(|a| a.action == "cancel").map(|a| a.result.as_str()).collect();
     assert_eq!(mine, vec!["refused", "applied"]);
@@ -351,7 +351,7 @@ fn cancelling_after_send_parks_it_and_a_late_receipt_settles_it_through_the_prov
             ..CancelRequest::default()
         })
         .unwrap();
-    assert_eq!((again.applied, again.code.as_str()), (false, "NOT_CANCELLABLE"));
+    assert_eq!((again.applied, again.code), (false, "NOT_CANCELLABLE"));
     assert!(again.message.contains("unknown queue"), "{again:?}");
     // The provider commits and replies after the cancel. The reply does not
     // write the row (its fence fails): its caller is told what the row said,
@@ -393,7 +393,7 @@ fn cancelling_after_send_parks_it_and_a_late_receipt_settles_it_through_the_prov
             ..CancelRequest::default()
         })
         .unwrap();
-    assert_eq!((done.applied, done.code.as_str()), (false, "NOT_CANCELLABLE"));
+    assert_eq!((done.applied, done.code), (false, "NOT_CANCELLABLE"));
 }
 
 fn cancel_requires_an_operator_a_note_and_the_version_seen(backend: Backend) {
@@ -418,7 +418,7 @@ fn cancel_requires_an_operator_a_note_and_the_version_seen(backend: Backend) {
                 action_id: None,
             })
             .unwrap();
-        assert_eq!((out.applied, out.code.as_str()), (false, code));
+        assert_eq!((out.applied, out.code), (false, code));
     }
     let ok = CancelRequest {
         operation_id: id.clone(),

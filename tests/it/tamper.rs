@@ -400,12 +400,12 @@ fn a_receipt_bound_twice_is_found_and_resolved_against_its_recorded_success(back
     let decision =
         crate::support::failed_by(&b, "oncall-kim", "took a's receipt; the provider has nothing under b's key");
     let refused = e.resolve(&decision).unwrap();
-    assert_eq!((refused.applied, refused.code.as_str()), (false, "STATUS_CONFLICT"), "{refused:?}");
+    assert_eq!((refused.applied, refused.code), (false, "STATUS_CONFLICT"), "{refused:?}");
     let mut own = decision.clone();
     own.resolution = toolgate::engine::Resolution::Succeeded;
     own.evidence = fx.query_text(&format!("SELECT receipt_id FROM operations WHERE id = '{a}'"));
     let refused = e.resolve_against_evidence(&own).unwrap();
-    assert_eq!((refused.applied, refused.code.as_str()), (false, "EVIDENCE_REQUIRED"), "{refused:?}");
+    assert_eq!((refused.applied, refused.code), (false, "EVIDENCE_REQUIRED"), "{refused:?}");
     let done = e.resolve_against_evidence(&decision).unwrap();
     assert!(done.applied, "{done:?}");
     assert_eq!(fx.query_text(&format!("SELECT state FROM operations WHERE id = '{b}'")).as_deref(), Some("resolved"));
@@ -440,7 +440,7 @@ fn a_person_cannot_resolve_with_another_operations_receipt(backend: Backend) {
     claim.evidence = fx.query_text(&format!("SELECT receipt_id FROM operations WHERE id = '{a}'"));
     for against in [false, true] {
         let out = if against { e.resolve_against_evidence(&claim) } else { e.resolve(&claim) }.unwrap();
-        assert_eq!((out.applied, out.code.as_str()), (false, "STATUS_CONFLICT"), "{out:?}");
+        assert_eq!((out.applied, out.code), (false, "STATUS_CONFLICT"), "{out:?}");
         assert!(out.message.contains(&a), "{out:?}");
     }
     assert_eq!(fx.query_text(&format!("SELECT state FROM operations WHERE id = '{b}'")).as_deref(), Some("unknown"));

@@ -5,7 +5,7 @@
 use crate::engine::envelope::Envelope;
 use crate::engine::views::HeaderCounts;
 use crate::engine::{OperationDetail, Resolution};
-use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OperationRow, Order};
+use crate::store::{ApprovalRow, AuditRow, Cursor, LiveRow, OpState, OperationRow, Order};
 
 mod command;
 pub mod filter;
@@ -21,45 +21,66 @@ pub use prefs::{PanePrefs, Prefs};
 pub use sort::{columns as sort_columns, default_order};
 pub use why::{explain, explain_approval, found_receipt, reason, request_terms, FoundReceipt, Why};
 
-/// The panes, in tab order (number keys 1..=7).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Pane {
+/// The pane table: each pane's variant, tab title and whether it shows a
+/// keyset-paged table of rows (a switch waits for its first page). The enum,
+/// the tab order ([`Pane::ALL`], number keys 1..), the titles and the help
+/// line all come from this one list, so a new pane is a row here plus the
+/// exhaustive matches the compiler then asks for (fetch, render, filter target).
+macro_rules! panes {
+    ($( $(#[$meta:meta])* $var:ident => $title:literal, paged: $paged:literal; )*) => {
+        /// The panes, in tab order (number keys 1, 2, ...).
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum Pane {
+            $( $(#[$meta])* $var, )*
+        }
+
+        impl Pane {
+            /// All panes in tab order.
+            pub const ALL: [Pane; [$(stringify!($var)),*].len()] = [$(Pane::$var),*];
+
+            /// Tab title.
+            pub fn title(self) -> &'static str {
+                match self {
+                    $( Pane::$var => $title, )*
+                }
+            }
+
+            /// Whether the pane is a keyset-paged table of rows.
+            pub fn paged(self) -> bool {
+                match self {
+                    $( Pane::$var => $paged, )*
+                }
+            }
+        }
+    };
+}
+
+panes! {
     /// In-flight and waiting attempts.
-    Live,
+    Live => "Live", paged: true;
     /// The idempotency ledger.
-    Ledger,
+    Ledger => "Ledger", paged: true;
     /// Pending approvals.
-    Approvals,
+    Approvals => "Approvals", paged: true;
     /// Outcome-unknown queue (with needs-review).
-    Unknown,
+    Unknown => "Unknown", paged: true;
     /// Operator log.
-    Audit,
+    Audit => "Audit", paged: true;
     /// Scenario walkthrough.
-    Walkthrough,
+    Walkthrough => "Walkthrough", paged: false;
     /// Rates, latency percentiles, oldest unknown, duplicates.
-    Metrics,
+    Metrics => "Metrics", paged: false;
 }
 
 impl Pane {
-    /// All panes in tab order.
-    pub const ALL: [Pane; 7] =
-        [Pane::Live, Pane::Ledger, Pane::Approvals, Pane::Unknown, Pane::Audit, Pane::Walkthrough, Pane::Metrics];
-
-    /// Tab title.
-    pub fn title(self) -> &'static str {
-        match self {
-            Pane::Live => "Live",
-            Pane::Ledger => "Ledger",
-            Pane::Approvals => "Approvals",
-            Pane::Unknown => "Unknown",
-            Pane::Audit => "Audit",
-            Pane::Walkthrough => "Walkthrough",
-            Pane::Metrics => "Metrics",
-        }
-    }
-
     fn index(self) -> usize {
         Pane::ALL.iter().position(|p| *p == self).unwrap_or(0)
+    }
+
+    /// The pane a number key selects (`1` is the first), if any.
+    pub fn of_key(c: char) -> Option<Pane> {
+        let n = c.to_digit(10)? as usize;
+        n.checked_sub(1).and_then(|i| Pane::ALL.get(i).copied())
     }
 }
 
@@ -510,7 +531,7 @@ pub enum FormKind {
         /// Operation.
         operation_id: String,
         /// State seen.
-        state: String,
+        state: OpState,
         /// Version seen, when the pane shows it.
         seen_version: Option<i64>,
         /// Tool.
@@ -819,7 +840,7 @@ impl App {
         self.selected = 0;
         self.cursor = None;
         self.page_stack.clear();
-        self.awaiting_page = matches!(pane, Pane::Live | Pane::Ledger | Pane::Approvals | Pane::Unknown | Pane::Audit);
+        self.awaiting_page = pane.paged();
         Some(self.fetch())
     }
 
@@ -1293,8 +1314,7 @@ impl App {
                 if self.refuse_read_only() {
                     return None;
                 }
-                let Some(op) = self.selected_op().filter(|o| matches!(o.state.as_str(), "unknown" | "needs_review"))
-                else {
+                let Some(op) = self.selected_op().filter(|o| o.state.is_unknown_queue()) else {
                     self.say_not_applicable(
                         "resolve it (only unknown or needs_review)",
                         "select an unknown or needs_review operation (pane 4) to resolve",
@@ -1572,8 +1592,7 @@ impl App {
         if self.refuse_read_only() {
             return None;
         }
-        let Some(op) = self.selected_op().filter(|o| !matches!(o.state.as_str(), "succeeded" | "failed" | "resolved"))
-        else {
+        let Some(op) = self.selected_op().filter(|o| !o.state.is_terminal()) else {
             self.say_not_applicable("query its status", "select an unknown operation (pane 4) to query its status");
             return None;
         };

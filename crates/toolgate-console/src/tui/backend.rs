@@ -309,11 +309,9 @@ pub fn resolve(engine: &mut Engine, operator: &str, request: Request) -> EngineE
     let out = if against_evidence { engine.resolve_against_evidence(&req) } else { engine.resolve(&req) };
     match out {
         Ok(o)
-            if !o.applied
-                && !against_evidence
-                && matches!(o.code.as_str(), "STATUS_CONFLICT" | "RECEIPT_MAY_STILL_APPEAR") =>
+            if !o.applied && !against_evidence && matches!(o.code, "STATUS_CONFLICT" | "RECEIPT_MAY_STILL_APPEAR") =>
         {
-            EngineEvent::Contradicted { code: o.code, why: o.message, request: Box::new(request) }
+            EngineEvent::Contradicted { code: o.code.to_string(), why: o.message, request: Box::new(request) }
         }
         Ok(o) if o.applied => {
             let against = if against_evidence { ", against the evidence" } else { "" };

@@ -72,10 +72,11 @@ fn global() -> Vec<Binding> {
 /// Normal-mode bindings (browsing panes).
 pub fn normal() -> Vec<Binding> {
     vec![
+        // The label names every pane of `Pane::ALL` in order (a test checks).
         bind!("1-7", "switch pane (Live, Ledger, Approvals, Unknown, Audit, Walkthrough, Metrics)", false, |k| match k
             .code
         {
-            KeyCode::Char(c @ '1'..='7') => Some(Action::SelectPane(Pane::ALL[(c as usize) - ('1' as usize)])),
+            KeyCode::Char(c) if !k.modifiers.contains(KeyModifiers::CONTROL) => Pane::of_key(c).map(Action::SelectPane),
             _ => None,
         }),
         bind!("Tab / Shift-Tab", "next / previous pane", false, |k| match k.code {
@@ -279,4 +280,29 @@ pub fn help_lines(mode: Mode, read_only: bool) -> Vec<(&'static str, &'static st
         .filter(|b| !(read_only && b.changes_state))
         .map(|b| (b.keys, b.help))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pane_keys_and_their_help_follow_the_pane_table() {
+        let (keys, help) =
+            help_lines(Mode::Normal, false).into_iter().find(|(_, h)| h.starts_with("switch pane")).unwrap();
+        assert_eq!(keys, format!("1-{}", Pane::ALL.len()), "the label names as many keys as there are panes");
+        let titles: Vec<&str> = Pane::ALL.iter().map(|p| p.title()).collect();
+        assert_eq!(help, format!("switch pane ({})", titles.join(", ")), "the help names every pane, in order");
+        for (i, pane) in Pane::ALL.iter().enumerate() {
+            let key = char::from_digit(u32::try_from(i + 1).unwrap(), 10).unwrap();
+            let k = KeyEvent::new(KeyCode::Char(key), KeyModifiers::NONE);
+            assert_eq!(lookup(Mode::Normal, &k, false), Some(Action::SelectPane(*pane)));
+        }
+        let past = char::from_digit(u32::try_from(Pane::ALL.len() + 1).unwrap(), 10).unwrap();
+        assert_ne!(
+            lookup(Mode::Normal, &KeyEvent::new(KeyCode::Char(past), KeyModifiers::NONE), false)
+                .map(|a| matches!(a, Action::SelectPane(_))),
+            Some(true)
+        );
+    }
 }

@@ -250,9 +250,9 @@ impl Engine {
 
 fn outcome_item(id: &str, o: &super::OperatorOutcome, done: &str) -> BulkItem {
     if o.applied {
-        item(id, done.into(), true, &o.code, o.message.clone())
+        item(id, done.into(), true, o.code, o.message.clone())
     } else {
-        item(id, refused(&o.code, &o.message), false, &o.code, o.message.clone())
+        item(id, refused(o.code, &o.message), false, o.code, o.message.clone())
     }
 }
 

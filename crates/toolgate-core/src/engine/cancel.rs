@@ -27,6 +27,7 @@ use super::canonical::canonical_string;
 use super::envelope::Code;
 use super::trace::TraceEvent;
 use super::{Engine, EngineError, OperatorOutcome};
+use crate::store::Step;
 use crate::store::{AttemptOutcome, AttemptRow, AuditRow, OpState, OutboxState, StoreError, SENDER_DETACHED};
 
 /// A caller's cancellation of one call it has made, shared between the
@@ -75,14 +76,8 @@ pub struct CancelRequest {
     pub action_id: Option<String>,
 }
 
-fn outcome(applied: bool, code: &str, message: String, op: Option<&str>) -> OperatorOutcome {
-    OperatorOutcome {
-        applied,
-        code: code.to_string(),
-        message,
-        operation_id: op.map(str::to_string),
-        approval_id: None,
-    }
+fn outcome(applied: bool, code: &'static str, message: String, op: Option<&str>) -> OperatorOutcome {
+    OperatorOutcome { applied, code, message, operation_id: op.map(str::to_string), approval_id: None }
 }
 
 /// Whether an attempt may have reached the provider.
@@ -184,11 +179,11 @@ pub(crate) fn cancel_in(
             chain_sha256: None,
         })
     };
-    let refuse = |code: &str, why: String| -> Result<OperatorOutcome, StoreError> {
+    let refuse = |code: &'static str, why: String| -> Result<OperatorOutcome, StoreError> {
         // The operator's own note is kept with the refusal: what they meant to do.
         audit(false, &why, &json!({"seen_version": r.seen_version, "current": snapshot, "note": r.note}))?;
         if let Some(op) = &cur {
-            let mut t = TraceEvent::of_operation("cancel", op, salt, now);
+            let mut t = TraceEvent::of_operation(Step::Cancel, op, salt, now);
             t.note = Some(format!("refused: {}", code.to_ascii_lowercase()));
             t.because("refused").write(tx, now)?;
         }
@@ -260,7 +255,7 @@ pub(crate) fn cancel_in(
     }
     tx.close_outbox(&op.id, outbox_state, Some(code.as_str()))?;
     audit(true, &r.note, &json!({"seen_version": r.seen_version, "before": snapshot, "after": state}))?;
-    let mut t = TraceEvent::of_operation("cancel", &op, salt, now);
+    let mut t = TraceEvent::of_operation(Step::Cancel, &op, salt, now);
     t.code = Some(code);
     t.outcome = Some(if sent { "unknown" } else { "not_started" });
     t.note = Some(message.into());

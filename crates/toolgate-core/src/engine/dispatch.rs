@@ -22,6 +22,7 @@ use super::tool::{ToolCall, ToolDomain};
 use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, DefensesOff, Engine, EngineError};
 use crate::failpoint;
+use crate::store::Step;
 use crate::store::{
     ApprovalRow, ApprovalState, AttemptOutcome, CallIdentityRow, CallKey, CircuitState, ForClaim, OpState,
     OperationRow, OutboxState, ReceiptRow, StoreError, Sync, Tx, SENDER_DETACHED,
@@ -204,7 +205,7 @@ impl Engine {
         if let Some(d) = detail {
             env = with_detail(env, d);
         }
-        ev.step = "rejected";
+        ev.step = Step::Rejected;
         ev.duration_us = Some(t0.elapsed().as_micros() as i64);
         let ev = ev.from_envelope(&env).answering(Some(Answering { kind: "dispatch", started: t0 }));
         let now = self.clock.now_ms();
@@ -266,7 +267,7 @@ impl Engine {
             tool: req.tool.clone(),
             ..ProtectedAudit::default()
         };
-        let mut ev = TraceEvent::step("received");
+        let mut ev = TraceEvent::step(Step::Received);
         ev.call = Some(call.clone());
         ev.tenant_ref = Some(self.hashed("tenant", &req.tenant));
         ev.subject_ref = Some(self.hashed("subject", &req.subject));
@@ -373,7 +374,7 @@ impl Engine {
                     let mut ev = ev.from_envelope(&env).answering(answering);
                     ev.duration_us = Some(t0.elapsed().as_micros() as i64);
                     ev.write(tx, now)?;
-                    Ok(Decision::Answer(env, TraceEvent::step("answered")))
+                    Ok(Decision::Answer(env, TraceEvent::step(Step::Answered)))
                 }
                 // Accept, claim and sent-marker share one commit (one fsync):
                 // nothing lies between them that a crash could tell apart
@@ -477,7 +478,7 @@ impl Engine {
             let audit = audit.clone();
             let env = 'answer: {
                 if let Some(code) = authorize(tx, &*domain, tenant, subject, tool, args)? {
-                    ev.step = "authorization";
+                    ev.step = Step::Authorization;
                     ev.reason = Some("current_authorization");
                     break 'answer error_envelope(code, audit);
                 }
@@ -488,7 +489,7 @@ impl Engine {
                         || bound.request_sha256 != request_sha256
                         || bound.key_sha256 != key_sha256
                     {
-                        ev.step = "call_identity";
+                        ev.step = Step::CallIdentity;
                         ev.reason = Some("call_id_conflict");
                         break 'answer error_envelope(Code::CallIdConflict, audit);
                     }
@@ -506,7 +507,7 @@ impl Engine {
                 )?;
                 let data = domain
                     .read(&tx.domain(), &ToolCall { tenant, subject, tool, arguments: args, operation_id: None })?;
-                ev.step = "read";
+                ev.step = Step::Read;
                 match data {
                     Some(d) if contract.check_output(&d).is_ok() => {
                         let mut audit = audit;
@@ -728,7 +729,7 @@ impl Engine {
                 let current = attempts.iter().find(|a| a.attempt == ob.attempt);
                 let sent = current.is_some_and(|a| a.sent_at.is_some());
                 let honours = contracts.get(&op.tool).is_some_and(|c| c.downstream.honours_keys());
-                let mut ev = TraceEvent::of_operation("reaped", &op, &salt, now);
+                let mut ev = TraceEvent::of_operation(Step::Reaped, &op, &salt, now);
                 ev.attempt = Some(ob.attempt);
                 ev.worker.clone_from(&ob.lease_owner);
                 if !sent {
@@ -780,7 +781,7 @@ impl Engine {
                 op.code = Some(Code::OutcomeUnknown.as_str().into());
                 op.updated_at = now;
                 tx.update_operation(&op)?.or_stale()?;
-                let mut ev = TraceEvent::of_operation("reaped", &op, &salt, now);
+                let mut ev = TraceEvent::of_operation(Step::Reaped, &op, &salt, now);
                 ev.code = Some(Code::OutcomeUnknown);
                 ev.outcome = Some("unknown");
                 ev.timeout_stage = Some("deadline");
@@ -848,7 +849,7 @@ fn accept(
     let answer = |code: Code, audit: ProtectedAudit, ev: TraceEvent| Decision::Answer(error_envelope(code, audit), ev);
     // 2. Authorization of the current subject (also for replays).
     if let Some(code) = authorize(tx, c.domain, &r.tenant, &r.subject, &r.tool, c.args)? {
-        ev.step = "authorization";
+        ev.step = Step::Authorization;
         ev.reason = Some("current_authorization");
         return Ok(answer(code, audit, ev));
     }
@@ -860,20 +861,20 @@ fn accept(
     let bound = if c.minted_call { None } else { tx.call_identity(&ck)? };
     if let Some(bound) = bound {
         if bound.purpose != "dispatch" || bound.request_sha256 != c.request_sha256 || bound.key_sha256 != c.key_sha256 {
-            ev.step = "call_identity";
+            ev.step = Step::CallIdentity;
             ev.reason = Some("call_id_conflict");
             return Ok(answer(Code::CallIdConflict, audit, ev));
         }
     }
     ev.checks.push("call_identity");
     let existing = tx.operation_by_scope(&r.tenant, &r.subject, &r.tool, c.key)?;
-    ev.step = "idempotency";
+    ev.step = Step::Idempotency;
     if let Some(op) = existing {
         ev.operation_id = Some(op.id.clone());
         // A damaged row answers STATUS_CONFLICT (the ledger is at fault), never
         // IDEMPOTENCY_CONFLICT (which blames the caller), never a new execution.
         if let Err(why) = verify_row(&op, c.salt) {
-            ev.step = "tamper_detected";
+            ev.step = Step::TamperDetected;
             ev.note = Some(why.into());
             ev.reason = Some("tampered");
             let env = with_detail(
@@ -980,7 +981,7 @@ fn accept(
             && says("subject").as_deref() == Some(r.subject.as_str())
             && says("tool").as_deref() == Some(r.tool.as_str());
         if ours && verify_row(&other, c.salt).is_err() {
-            ev.step = "tamper_detected";
+            ev.step = Step::TamperDetected;
             ev.operation_id = Some(other.id.clone());
             ev.note = Some("a row of this scope was moved out of it by hand".into());
             ev.reason = Some("tampered");
@@ -1010,7 +1011,7 @@ fn accept(
     // A new execution whose deadline was spent before it was accepted (it
     // waited in a server's queue): refused before accept, nothing sent.
     if c.deadline_ms == 0 {
-        ev.step = "deadline";
+        ev.step = Step::Deadline;
         ev.reason = Some("deadline_before_accept");
         ev.note = Some("the caller's deadline passed before the call was accepted: nothing was stored or sent".into());
         return Ok(Decision::Answer(error_envelope(Code::TimeoutBeforeExecute, audit), ev));
@@ -1018,14 +1019,14 @@ fn accept(
     // A new execution while the downstream's circuit is open: refused before
     // accept, nothing stored but this call's trace event.
     if let Some(wait) = policy::admit_new(tx, &c.contract.downstream.name, c.now)? {
-        ev.step = "circuit";
+        ev.step = Step::Circuit;
         ev.reason = Some("circuit_open");
         ev.note = Some(format!("circuit of {} is open: refused before accept", c.contract.downstream.as_str()));
         return Ok(Decision::Answer(with_retry_after(error_envelope(Code::ToolUnavailable, audit), wait), ev));
     }
     // 4. Business rules, then approval for a new execution.
     if let Some(rule) = business_rules(tx, c.domain, [&r.tenant, &r.subject, &r.tool], c.args, None)? {
-        ev.step = "business_rules";
+        ev.step = Step::BusinessRules;
         ev.note = Some(rule.into());
         ev.reason = Some(rule);
         let env = with_detail(error_envelope(Code::BusinessRuleViolation, audit), json!({"rule": rule}));
@@ -1046,7 +1047,7 @@ fn accept(
     tx.insert_outbox(&op.id, i64::from(c.contract.retry.max_attempts), c.now)?;
     bind_call(tx, &ck, c, Some(&op.id))?;
     failpoint::hit("inside_accept");
-    ev.step = "accepted";
+    ev.step = Step::Accepted;
     ev.operation_id = Some(op.id.clone());
     ev.call_binding_sha256 = Some(op.call_binding_sha256.clone());
     ev.status_ref = Some(op.status_ref.clone());
@@ -1117,7 +1118,7 @@ fn approval_gate(
     if !needed {
         return Ok(None);
     }
-    ev.step = "approval";
+    ev.step = Step::Approval;
     ev.policy_revision = Some(tenant.policy_revision);
     let base = super::operation::approval_base_sha256(
         &r.tenant,
@@ -1267,7 +1268,7 @@ fn claim_to_send(
         // store is broken; nothing of this transaction commits.
         return Err(EngineError::invalid("SENT_MARKER_LOST", "the lease claimed in this transaction is not held"));
     }
-    let mut ev = TraceEvent::of_operation("sent", &op, caller.salt, now);
+    let mut ev = TraceEvent::of_operation(Step::Sent, &op, caller.salt, now);
     ev.attempt = Some(attempt);
     ev.worker = Some(worker.to_string());
     ev.write(tx, now)?;
@@ -1299,12 +1300,12 @@ fn claim(
     }) else {
         return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
     };
-    let mut ev = TraceEvent::of_operation("claimed", &op, caller.salt, now);
+    let mut ev = TraceEvent::of_operation(Step::Claimed, &op, caller.salt, now);
     ev.worker = Some(worker.to_string());
     // Nothing to claim: the answer is the operation's state, and the trace says why.
     let skipped = |ev: &TraceEvent, env: Envelope, reason: &'static str| -> Result<Claim, EngineError> {
         let mut ev = ev.clone().because(reason).from_envelope(&env).answering(caller.answer);
-        ev.step = "claim_skipped";
+        ev.step = Step::ClaimSkipped;
         ev.write(tx, now)?;
         Ok(Claim::Answer(env))
     };
@@ -1347,7 +1348,7 @@ fn claim(
             op_envelope(&op, Delivery::Fresh, pref.to_string(), Some(Code::TimeoutBeforeExecute.as_str())),
             0,
         );
-        ev.step = "deadline";
+        ev.step = Step::Deadline;
         ev.timeout_stage = Some("before_send");
         let ev = ev.because("deadline_passed").from_envelope(&env).answering(caller.answer);
         ev.write(tx, now)?;
@@ -1369,7 +1370,7 @@ fn claim(
             ),
             json!({"reason": "stored record failed its integrity check"}),
         );
-        ev.step = "tamper_detected";
+        ev.step = Step::TamperDetected;
         ev.note = Some(why.into());
         ev.because("tampered").from_envelope(&env).answering(caller.answer).write(tx, now)?;
         return Ok(Claim::Answer(env));
@@ -1380,7 +1381,7 @@ fn claim(
         let code = Code::ToolUnavailable.as_str();
         tx.release_outbox(op_id, now + retry_after_ms as i64, Some(code))?;
         let env = with_retry_after(op_envelope(&op, Delivery::Fresh, pref.to_string(), Some(code)), retry_after_ms);
-        ev.step = "circuit";
+        ev.step = Step::Circuit;
         ev.note = Some(format!("circuit of {} is open: not sent", contract.downstream.as_str()));
         ev.because("circuit_open").from_envelope(&env).answering(caller.answer).write(tx, now)?;
         return Ok(Claim::Answer(env));
@@ -1396,7 +1397,7 @@ fn claim(
         let wait = contract.retry.backoff_cap_ms.max(1);
         tx.release_outbox(op_id, now + wait as i64, None)?;
         let env = with_retry_after(op_envelope(&op, Delivery::Fresh, pref.to_string(), last_code), wait);
-        ev.step = "retry_budget";
+        ev.step = Step::RetryBudget;
         ev.note = Some("retry budget of the tool exhausted: not sent".into());
         ev.because("budget_exhausted").from_envelope(&env).answering(caller.answer).write(tx, now)?;
         return Ok(Claim::Answer(env));
@@ -1413,7 +1414,7 @@ fn claim(
         let code = Code::ToolUnavailable.as_str();
         tx.release_outbox(op_id, now + wait as i64, Some(code))?;
         let env = with_retry_after(op_envelope(&op, Delivery::Fresh, pref.to_string(), Some(code)), wait);
-        ev.step = "bulkhead";
+        ev.step = Step::Bulkhead;
         ev.note = Some(format!(
             "{limit} call(s) to {} in flight from this process already: not sent",
             contract.downstream.as_str()
@@ -1467,7 +1468,7 @@ fn claim(
         tx.update_operation(&op)?.or_stale()?;
         op.version += 1;
         let env = op_envelope(&op, Delivery::Fresh, pref.to_string(), None);
-        ev.step = "recheck_failed";
+        ev.step = Step::RecheckFailed;
         ev.note = Some(why.into());
         ev.deadline_left_ms = None;
         let ev = ev.because(why).from_envelope(&env).answering(caller.answer);
@@ -1516,13 +1517,13 @@ struct PersistCtx<'a> {
 fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Result<Persisted, EngineError> {
     let op_id = c.op.id.as_str();
     // Only ids and digests of the reply are traced: never its body or headers.
-    let mut ev = TraceEvent::of_operation("downstream_reply", c.op, c.salt, c.now);
+    let mut ev = TraceEvent::of_operation(Step::DownstreamReply, c.op, c.salt, c.now);
     ev.attempt = Some(c.attempt);
     ev.worker = Some(c.worker.to_string());
     ev.duration_us = Some(c.duration_us);
     if !tx.holds_lease(op_id, c.worker, c.attempt)? {
         // Late reply: evidence in the trace, never a state change.
-        ev.step = "late_reply";
+        ev.step = Step::LateReply;
         let receipt = matches!(&reply, Ok(Reply::Committed(_)));
         ev.note = Some(match &reply {
             Ok(Reply::Committed(r)) => {
@@ -1551,7 +1552,7 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
     if let Some(t) =
         policy::record(tx, &c.contract.downstream.name, &c.contract.circuit, policy::health(&reply), c.now)?
     {
-        let mut cev = TraceEvent::of_operation("circuit", c.op, c.salt, c.now);
+        let mut cev = TraceEvent::of_operation(Step::Circuit, c.op, c.salt, c.now);
         cev.attempt = Some(c.attempt);
         cev.note = Some(format!("circuit of {}: {} → {}", c.contract.downstream.as_str(), t.from, t.to));
         cev.because(match t.to {
@@ -1627,7 +1628,7 @@ fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, String>) -> Res
             let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), None);
             ev.reason = Some("committed");
             ev.write(tx, c.now)?;
-            let mut p = TraceEvent::of_operation("persisted", &op, c.salt, c.now);
+            let mut p = TraceEvent::of_operation(Step::Persisted, &op, c.salt, c.now);
             p.attempt = Some(c.attempt);
             p.worker = Some(c.worker.to_string());
             p.note = anomaly;

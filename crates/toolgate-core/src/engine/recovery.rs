@@ -15,6 +15,7 @@ use super::tool::ToolCall;
 use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, Engine, EngineError};
 use crate::failpoint;
+use crate::store::Step;
 use crate::store::{
     ApprovalState, AttemptOutcome, AuditRow, CallIdentityRow, OpState, OperationRow, OutboxState, ReceiptRow,
     StoreError, Tx,
@@ -93,8 +94,8 @@ const LATE_REPLY_ACTOR: &str = "toolgate-late-reply";
 pub struct OperatorOutcome {
     /// Whether it was applied.
     pub applied: bool,
-    /// `OK` or the refusal code.
-    pub code: String,
+    /// `OK` or the refusal code (a stable code, never free text).
+    pub code: &'static str,
     /// What happened.
     pub message: String,
     /// Operation concerned.
@@ -154,10 +155,15 @@ fn receipt_window(
     attempts.iter().filter_map(|a| a.receipt_may_appear_until(timeout, visible)).max().filter(|until| *until > now)
 }
 
-fn refused(code: &str, message: impl Into<String>, op: Option<&str>, approval: Option<&str>) -> OperatorOutcome {
+fn refused(
+    code: &'static str,
+    message: impl Into<String>,
+    op: Option<&str>,
+    approval: Option<&str>,
+) -> OperatorOutcome {
     OperatorOutcome {
         applied: false,
-        code: code.to_string(),
+        code,
         message: message.into(),
         operation_id: op.map(str::to_string),
         approval_id: approval.map(str::to_string),
@@ -215,7 +221,7 @@ impl Engine {
         let pref = self.principal_ref(&q.tenant, &q.subject);
         let audit =
             ProtectedAudit { principal_ref: pref.clone(), provider: Some(call.clone()), ..ProtectedAudit::default() };
-        let mut ev = TraceEvent::step("query");
+        let mut ev = TraceEvent::step(Step::Query);
         ev.call = Some(call.clone());
         ev.tenant_ref = Some(self.hashed("tenant", &q.tenant));
         ev.subject_ref = Some(self.hashed("subject", &q.subject));
@@ -278,7 +284,8 @@ impl Engine {
                 return answer(error_envelope(code, audit.clone()), ev);
             }
             // From here on the event carries the operation's fields and the query's own call identity.
-            let mut ev = TraceEvent { call: Some(call.clone()), ..TraceEvent::of_operation("query", &op, &salt, now) };
+            let mut ev =
+                TraceEvent { call: Some(call.clone()), ..TraceEvent::of_operation(Step::Query, &op, &salt, now) };
             // 3. Digest, scope, provider profile, contract revisions.
             let contract_rev = contracts.get(&op.tool).map(|c| c.revisions);
             let mismatch = if expected != op.request_sha256 {
@@ -319,7 +326,7 @@ impl Engine {
                 now,
             )?;
             if let Err(why) = verify_row(&op, &salt) {
-                ev.step = "tamper_detected";
+                ev.step = Step::TamperDetected;
                 ev.note = Some(why.into());
                 let env = with_detail(
                     error_envelope(Code::StatusConflict, audit.clone()),
@@ -357,7 +364,7 @@ impl Engine {
             let Some(mut cur) = tx.operation(&op.id)? else {
                 return Err(EngineError::invalid("NO_SUCH_OPERATION", "no such operation"));
             };
-            let mut ev = TraceEvent { call: Some(call.clone()), ..TraceEvent::of_operation("query", &cur, &salt, now) };
+            let mut ev = TraceEvent { call: Some(call.clone()), ..TraceEvent::of_operation(Step::Query, &cur, &salt, now) };
             if cur.version != op.version {
                 // Changed while we looked (a worker or another query finished it): report what it is now.
                 let env = op_envelope(&cur, Delivery::LocalReplay, pref.clone(), None);
@@ -565,7 +572,7 @@ impl Engine {
                     "resolution_note": op.resolution_note,
                 }),
             ))?;
-            let mut ev = TraceEvent::of_operation("late_reply", &op, &salt, now);
+            let mut ev = TraceEvent::of_operation(Step::LateReply, &op, &salt, now);
             ev.receipt_id = Some(receipt_id.to_string());
             ev.code = Some(Code::StatusConflict);
             ev.note = Some(why);
@@ -624,7 +631,7 @@ impl Engine {
                 if let Some(a) = a {
                     env.protected_audit.tool.clone_from(&a.tool);
                 }
-                let mut ev = a.map_or_else(|| TraceEvent::step("approval"), |a| TraceEvent::of_approval("approval", a, &salt));
+                let mut ev = a.map_or_else(|| TraceEvent::step(Step::Approval), |a| TraceEvent::of_approval(Step::Approval, a, &salt));
                 ev.approval_id = Some(approval_id.to_string());
                 ev.note = Some(why.to_string());
                 ev.because(reason).from_envelope(&env).answering(started).write(tx, now)?;
@@ -712,7 +719,7 @@ impl Engine {
                 "approval_sha256": a.approval_sha256, "request_sha256": a.request_sha256, "expires_at": a.expires_at,
                 "amount_minor": approval_amount(&a),
             })))?;
-            let mut ev = TraceEvent::of_operation("approval", &op, &salt, now);
+            let mut ev = TraceEvent::of_operation(Step::Approval, &op, &salt, now);
             ev.policy_revision = Some(a.policy_revision);
             ev.note = Some("approved: held call accepted".into());
             ev.because("approved").write(tx, now)?;
@@ -733,7 +740,7 @@ impl Engine {
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
         Ok(self.store.write(|tx| -> Result<OperatorOutcome, StoreError> {
-            let refuse = |code: &str, why: &str| -> Result<OperatorOutcome, StoreError> {
+            let refuse = |code: &'static str, why: &str| -> Result<OperatorOutcome, StoreError> {
                 tx.insert_audit(&audit_row(
                     now,
                     None,
@@ -779,13 +786,13 @@ impl Engine {
                     "request_sha256": a.request_sha256, "expires_at": a.expires_at, "amount_minor": approval_amount(&a),
                 }),
             ))?;
-            let mut ev = TraceEvent::of_approval("approval", &a, &salt);
+            let mut ev = TraceEvent::of_approval(Step::Approval, &a, &salt);
             ev.code = Some(Code::ApprovalInvalid);
             ev.note = Some("denied".into());
             ev.because("denied").write(tx, now)?;
             Ok(OperatorOutcome {
                 applied: true,
-                code: "OK".into(),
+                code: "OK",
                 message: "denied".into(),
                 operation_id: None,
                 approval_id: Some(a.id),
@@ -894,7 +901,7 @@ impl Engine {
                 if let Some(prev) = tx.audit_by_action_id(id)? {
                     return Ok(OperatorOutcome {
                         applied: prev.result == "applied",
-                        code: if prev.result == "applied" { "OK".into() } else { "REFUSED".into() },
+                        code: if prev.result == "applied" { "OK" } else { "REFUSED" },
                         message: format!("action already recorded: {}", prev.reason),
                         operation_id: prev.operation_id,
                         approval_id: None,
@@ -907,7 +914,7 @@ impl Engine {
                 "state": o.state, "version": o.version, "code": o.code, "last_query_at": o.last_query_at,
                 "last_query_result": o.last_query_result, "receipt_id": o.receipt_id,
             }));
-            let refuse = |code: &str, why: String| -> Result<OperatorOutcome, StoreError> {
+            let refuse = |code: &'static str, why: String| -> Result<OperatorOutcome, StoreError> {
                 let ev = json!({
                     "seen_version": r.seen_version, "current": snapshot, "resolution": r.resolution.as_str(), "evidence": r.evidence,
                     "note": r.note,
@@ -917,7 +924,7 @@ impl Engine {
                 tx.insert_audit(&audit_row(now, r.action_id.as_deref(), &r.operator, "resolve", op_exists.then_some(r.operation_id.as_str()), None, false, &why, &ev))?;
                 if let Some(op) = &cur {
                     // A refused attempt is part of the operation's story too (the operator log has who and why).
-                    let mut t = TraceEvent::of_operation("resolution", op, &salt, now);
+                    let mut t = TraceEvent::of_operation(Step::Resolution, op, &salt, now);
                     t.note = Some(format!("refused: {}", code.to_ascii_lowercase()));
                     t.because("refused").write(tx, now)?;
                 }
@@ -1086,7 +1093,7 @@ impl Engine {
                 "contested_receipt": contested.as_ref().map(|(rc, owner)| json!({"receipt_id": rc, "recorded_for": owner})),
             });
             tx.insert_audit(&audit_row(now, r.action_id.as_deref(), &r.operator, "resolve", op_ref, None, true, &r.note, &ev))?;
-            let mut t = TraceEvent::of_operation("resolution", &op, &salt, now);
+            let mut t = TraceEvent::of_operation(Step::Resolution, &op, &salt, now);
             t.delivery = Some("human_resolved");
             t.outcome = Some(if r.resolution == Resolution::Failed { "unknown" } else { "committed" });
             t.note = Some(match anomaly {
@@ -1096,7 +1103,7 @@ impl Engine {
             t.because(r.resolution.as_str()).write(tx, now)?;
             Ok(OperatorOutcome {
                 applied: true,
-                code: "OK".into(),
+                code: "OK",
                 message: format!("resolved as {}", r.resolution.as_str()),
                 operation_id: Some(op.id),
                 approval_id: None,

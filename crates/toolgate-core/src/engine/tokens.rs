@@ -26,6 +26,7 @@ use super::envelope::{Code, Delivery, Envelope, ProtectedAudit};
 use super::operation::{args_of, authorize, op_envelope, verify_row};
 use super::trace::TraceEvent;
 use super::{check_name, check_operator, error_envelope, Engine, EngineError, MAX_NAME_CHARS};
+use crate::store::Step;
 use crate::store::{StoreError, TokenRow};
 
 /// What every token starts with.
@@ -312,7 +313,7 @@ impl Engine {
             // most one a second reaches the ledger, saying how many it stands
             // for: a flood of bad tokens must not grow the ledger.
             if let Some(since) = AUTH_REFUSALS.count(f, now) {
-                let mut ev = TraceEvent::step("authentication");
+                let mut ev = TraceEvent::step(Step::Authentication);
                 ev.reason = Some(f.reason());
                 ev.note = Some(format!("sampled: {since} refusal(s) in this process since the last sample"));
                 // A refusal changes no state: only how it was answered is recorded.

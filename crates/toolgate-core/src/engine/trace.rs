@@ -14,18 +14,15 @@ use serde_json::Value;
 
 use super::canonical::{sha256_hex, CallIdentity, ObjectWriter, Revisions};
 use super::envelope::{Code, Envelope};
+pub use crate::store::Step;
 use crate::store::{ApprovalRow, OpState, OperationRow, StoreError, TraceRow, Tx};
 
 /// The fields of one trace event. `None` fields are left out.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct TraceEvent {
-    /// Pipeline step (`rejected`, `read`, `authorization`, `call_identity`,
-    /// `idempotency`, `business_rules`, `approval`, `accepted`, `claimed`,
-    /// `claim_skipped`, `deadline`, `recheck_failed`, `sent`, `send_aborted`,
-    /// `downstream_reply`, `late_reply`, `persisted`, `reaped`, `query`,
-    /// `resolution`, `tamper_detected`).
+    /// Pipeline step.
     #[serde(skip)]
-    pub step: &'static str,
+    pub step: Step,
     /// Operation id.
     #[serde(skip)]
     pub operation_id: Option<String>,
@@ -198,14 +195,14 @@ pub(crate) fn salted(salt: &str, kind: &str, value: &str) -> String {
 impl TraceEvent {
     /// An event for a step.
     #[must_use]
-    pub fn step(step: &'static str) -> Self {
+    pub fn step(step: Step) -> Self {
         Self { step, ..Self::default() }
     }
 
     /// An event about an operation, with every identity, revision, digest and
     /// downstream field the row holds (tenant and subject salted-hashed).
     #[must_use]
-    pub(crate) fn of_operation(step: &'static str, op: &OperationRow, salt: &str, now: i64) -> Self {
+    pub(crate) fn of_operation(step: Step, op: &OperationRow, salt: &str, now: i64) -> Self {
         let open = matches!(op.state, OpState::Accepted | OpState::InFlight);
         Self {
             step,
@@ -230,7 +227,7 @@ impl TraceEvent {
 
     /// An event about an approval request (and the operation it created, if any).
     #[must_use]
-    pub(crate) fn of_approval(step: &'static str, a: &ApprovalRow, salt: &str) -> Self {
+    pub(crate) fn of_approval(step: Step, a: &ApprovalRow, salt: &str) -> Self {
         Self {
             step,
             operation_id: a.operation_id.clone(),
@@ -309,6 +306,7 @@ impl TraceEvent {
     /// updated by the same insert), and mirrors its redacted summary to the
     /// diagnostic log.
     pub(crate) fn write(&self, tx: &Tx<'_>, at: i64) -> Result<(), StoreError> {
+        debug_assert_ne!(self.step, Step::Unrecognized, "every trace event names its step");
         let fields = self.fields_json();
         tx.insert_trace(&TraceRow {
             seq: 0,
@@ -393,7 +391,7 @@ impl TraceEvent {
         let reason = self.reason.unwrap_or("-");
         let stage = self.timeout_stage.unwrap_or("-");
         let attempt = self.attempt.unwrap_or(0);
-        let step = self.step;
+        let step = self.step.as_str();
         if let Some(call) = self.answer {
             let latency_us = self.latency_us.unwrap_or(0);
             tracing::info!(

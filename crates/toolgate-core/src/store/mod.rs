@@ -43,7 +43,7 @@ pub use resilience::{CircuitRow, RateLimitedRow, RetryBudgetRow, MILLI_TOKEN};
 pub use rows::*;
 use sql::{params, Conn};
 pub use sql::{Backend, Col, Param};
-pub use states::{ApprovalState, AttemptOutcome, CircuitState, OpState, OutboxState};
+pub use states::{ApprovalState, AttemptOutcome, CircuitState, OpState, OutboxState, Step};
 pub use tokens::TokenRow;
 pub use views::{
     cursor_after, Cursor, Filter, FilterTarget, Key, LiveRow, OpsView, Order, SortColumn, APPROVALS_SORT, AUDIT_SORT,

@@ -726,15 +726,7 @@ mod tests {
 
     use super::super::{OpState, OpenOptions, OperationRow, Store, StoreError, Sync};
 
-    const STATES: [OpState; 7] = [
-        OpState::Accepted,
-        OpState::InFlight,
-        OpState::Succeeded,
-        OpState::Failed,
-        OpState::Unknown,
-        OpState::NeedsReview,
-        OpState::Resolved,
-    ];
+    const STATES: &[OpState] = OpState::ALL;
 
     fn row(id: &str) -> OperationRow {
         let digest = "0".repeat(64);

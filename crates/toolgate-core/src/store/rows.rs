@@ -566,7 +566,7 @@ row! {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct OpenOperationsRow {
     /// State (`accepted`, `in_flight`, `unknown`, `needs_review`).
-    pub state: String,
+    pub state: OpState,
     /// Tool.
     pub tool: String,
     /// Tenant (raw: hash it before exporting).

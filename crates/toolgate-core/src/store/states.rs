@@ -74,6 +74,20 @@ macro_rules! state_enum {
             }
         }
 
+        // Stored text read back as text (a trace row keeps whatever an older
+        // version wrote) compared with a value: `row.step == Step::Query`.
+        impl PartialEq<$name> for String {
+            fn eq(&self, other: &$name) -> bool {
+                other == self.as_str()
+            }
+        }
+
+        impl PartialEq<$name> for str {
+            fn eq(&self, other: &$name) -> bool {
+                other == self
+            }
+        }
+
         impl Col for $name {
             fn lite(r: &rusqlite::Row<'_>, i: usize) -> Result<Self, StoreError> {
                 Ok(Self::stored(&<String as Col>::lite(r, i)?))
@@ -142,9 +156,16 @@ impl OpState {
         matches!(self, OpState::Succeeded | OpState::Failed | OpState::Resolved)
     }
 
-    /// In the unknown queue (`unknown` or `needs_review`).
+    /// In the unknown queue (`unknown` or `needs_review`): only a status
+    /// query or a person's decision moves it on.
     pub fn is_unknown_queue(self) -> bool {
         matches!(self, OpState::Unknown | OpState::NeedsReview)
+    }
+
+    /// On its way: accepted or in flight, with no outcome yet (what a
+    /// cancellation can still stop).
+    pub fn is_in_progress(self) -> bool {
+        matches!(self, OpState::Accepted | OpState::InFlight)
     }
 }
 
@@ -220,5 +241,75 @@ mod tests {
         assert_eq!(OpState::stored("bogus"), OpState::Unrecognized);
         assert!(OpState::Unrecognized != "?");
         assert_eq!(OutboxState::ALL.len() + ApprovalState::ALL.len() + AttemptOutcome::ALL.len(), 14);
+    }
+}
+
+state_enum! {
+    /// The pipeline step a trace event records (`trace_events.step`, the
+    /// metrics' `step` label). Written only as these values; read back as text
+    /// (a trace keeps the steps of older versions) and compared with them.
+    Step {
+        /// A call refused before it reached the ledger (bad input, unknown tool).
+        Rejected => "rejected",
+        /// A call arrived (the API's first event of a call).
+        Received => "received",
+        /// A call answered without a new decision (a replay).
+        Answered => "answered",
+        /// A read tool answered from local state.
+        Read => "read",
+        /// A bearer token checked (`toolgate serve`, `toolgate mcp`).
+        Authentication => "authentication",
+        /// The grant checked.
+        Authorization => "authorization",
+        /// The call identity checked or bound.
+        CallIdentity => "call_identity",
+        /// The scope looked up: fresh, replay, conflict.
+        Idempotency => "idempotency",
+        /// A stored row's digests did not match its contents.
+        TamperDetected => "tamper_detected",
+        /// The call's deadline passed.
+        Deadline => "deadline",
+        /// The downstream's circuit breaker decided or changed.
+        Circuit => "circuit",
+        /// The domain's business rules checked.
+        BusinessRules => "business_rules",
+        /// An approval requested, granted, denied or expired.
+        Approval => "approval",
+        /// The operation accepted (operation, outbox row and binding written).
+        Accepted => "accepted",
+        /// A worker leased the operation.
+        Claimed => "claimed",
+        /// A worker found nothing to do with a claimed operation.
+        ClaimSkipped => "claim_skipped",
+        /// The downstream's retry budget was spent.
+        RetryBudget => "retry_budget",
+        /// The downstream's bulkhead was full.
+        Bulkhead => "bulkhead",
+        /// The re-check before the send refused the operation.
+        RecheckFailed => "recheck_failed",
+        /// The sent-marker written: the request may reach the downstream.
+        Sent => "sent",
+        /// The downstream answered (or did not).
+        DownstreamReply => "downstream_reply",
+        /// A reply that came after the lease was lost.
+        LateReply => "late_reply",
+        /// The outcome recorded (fenced).
+        Persisted => "persisted",
+        /// The reaper moved an operation whose lease or deadline ran out.
+        Reaped => "reaped",
+        /// A cancellation.
+        Cancel => "cancel",
+        /// A status query against the downstream's receipts.
+        Query => "query",
+        /// A person's decision on an unknown or contested operation.
+        Resolution => "resolution",
+    }
+}
+
+/// `TraceEvent::default()` has no step yet: every constructor sets one, and
+/// the store never writes `Unrecognized`.
+impl Default for Step {
+    fn default() -> Self {
+        Step::Unrecognized
     }
 }

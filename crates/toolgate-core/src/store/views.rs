@@ -5,7 +5,7 @@ use super::sql::sql_text;
 use super::sql::{params, Backend, Param};
 
 use super::rows::{ApprovalRow, OperationRow, APPROVAL_COLS, OP_COLS};
-use super::{StoreError, Tx};
+use super::{OpState, OutboxState, StoreError, Tx};
 
 type R<T> = Result<T, StoreError>;
 
@@ -21,9 +21,9 @@ pub struct LiveRow {
     /// Subject.
     pub subject: String,
     /// Ledger state.
-    pub state: String,
+    pub state: OpState,
     /// Outbox state (`pending` or `leased`).
-    pub outbox_state: String,
+    pub outbox_state: OutboxState,
     /// Attempts so far.
     pub attempt: i64,
     /// Attempt cap.

@@ -19,6 +19,7 @@ use serde::Serialize;
 
 use super::histogram::{Histogram, Percentiles, PROMETHEUS_BOUNDS_US};
 use crate::engine::{Engine, EngineError};
+use crate::store::Step;
 use crate::store::{ApprovalStateRow, CircuitState, LatencyRow, MetricRow, OpenOperationsRow, StoreError};
 
 pub use crate::engine::trace::{minutes_retained_from, MINUTES_RETAINED};
@@ -430,7 +431,7 @@ const COUNTERS: &[CounterDef] = &[
         name: "toolgate_idempotency_hits_total",
         help: "Dispatches that found their intent already in the ledger and did not execute it again, by result.",
         extra: |r| {
-            (r.step == "idempotency" && !matches!(r.reason.as_str(), "conflict" | "tampered" | ""))
+            (r.step == Step::Idempotency && !matches!(r.reason.as_str(), "conflict" | "tampered" | ""))
                 .then(|| vec![("result", r.reason.clone())])
         },
     },
@@ -456,7 +457,7 @@ const COUNTERS: &[CounterDef] = &[
         name: "toolgate_approval_decisions_total",
         help: "Approval decisions: approved, denied, expired (found lapsed when approving) or invalid (refused).",
         extra: |r| {
-            if r.step != "approval" {
+            if r.step != Step::Approval {
                 return None;
             }
             let decision = match (r.answer.as_str(), r.reason.as_str()) {
@@ -474,7 +475,7 @@ const COUNTERS: &[CounterDef] = &[
         help:
             "Authorization refusals (POLICY_DENIED, SUBJECT_DISABLED, NOT_FOUND) of callers and of workers' re-checks.",
         extra: |r| {
-            let counted = !r.answer.is_empty() || r.step == "recheck_failed";
+            let counted = !r.answer.is_empty() || r.step == Step::RecheckFailed;
             (matches!(r.code.as_str(), "POLICY_DENIED" | "SUBJECT_DISABLED" | "NOT_FOUND") && counted).then(|| {
                 let call = if r.answer.is_empty() { "worker".to_string() } else { r.answer.clone() };
                 vec![("code", r.code.clone()), ("call", call)]
@@ -498,19 +499,20 @@ const COUNTERS: &[CounterDef] = &[
         name: "toolgate_reconciliations_total",
         help: "Downstream receipt lookups of status queries, by result (reconciled, not_found, unavailable, mismatch).",
         extra: |r| {
-            (r.step == "query" && matches!(r.reason.as_str(), "reconciled" | "not_found" | "unavailable" | "mismatch"))
-                .then(|| vec![("result", r.reason.clone())])
+            (r.step == Step::Query
+                && matches!(r.reason.as_str(), "reconciled" | "not_found" | "unavailable" | "mismatch"))
+            .then(|| vec![("result", r.reason.clone())])
         },
     },
     CounterDef {
         name: "toolgate_rate_limits_total",
         help: "Downstream 429 replies (each one provably not accepted).",
-        extra: |r| (r.step == "downstream_reply" && r.code == "RATE_LIMIT").then(Vec::new),
+        extra: |r| (r.step == Step::DownstreamReply && r.code == "RATE_LIMIT").then(Vec::new),
     },
     CounterDef {
         name: "toolgate_retries_total",
         help: "Delivery attempts after the first (claimed with attempt > 1).",
-        extra: |r| (r.step == "claimed" && r.reason == "retry").then(Vec::new),
+        extra: |r| (r.step == Step::Claimed && r.reason == "retry").then(Vec::new),
     },
     CounterDef {
         name: "toolgate_retry_exhausted_total",
@@ -525,19 +527,19 @@ const COUNTERS: &[CounterDef] = &[
         name: "toolgate_downstream_replies_total",
         help: "Replies of downstream attempts, by result (late: after the lease was lost, evidence only).",
         extra: |r| {
-            (matches!(r.step.as_str(), "downstream_reply" | "late_reply"))
+            (r.step == Step::DownstreamReply || r.step == Step::LateReply)
                 .then(|| vec![("result", or_none(&r.reason)), ("code", code_label(&r.code))])
         },
     },
     CounterDef {
         name: "toolgate_resolutions_total",
         help: "Human resolutions of unknown / needs_review operations (refused: the attempt was refused).",
-        extra: |r| (r.step == "resolution").then(|| vec![("resolution", or_none(&r.reason))]),
+        extra: |r| (r.step == Step::Resolution).then(|| vec![("resolution", or_none(&r.reason))]),
     },
     CounterDef {
         name: "toolgate_reaped_total",
         help: "Expired leases handled by the reaper, by what it did.",
-        extra: |r| (r.step == "reaped").then(|| vec![("action", or_none(&r.reason))]),
+        extra: |r| (r.step == Step::Reaped).then(|| vec![("action", or_none(&r.reason))]),
     },
 ];
 
@@ -551,8 +553,8 @@ const RATES: &[(&str, Pred)] = &[
     ("auth_denied", |r| {
         !r.answer.is_empty() && matches!(r.code.as_str(), "POLICY_DENIED" | "SUBJECT_DISABLED" | "NOT_FOUND")
     }),
-    ("rate_limits", |r| r.step == "downstream_reply" && r.code == "RATE_LIMIT"),
-    ("retries", |r| r.step == "claimed" && r.reason == "retry"),
+    ("rate_limits", |r| r.step == Step::DownstreamReply && r.code == "RATE_LIMIT"),
+    ("retries", |r| r.step == Step::Claimed && r.reason == "retry"),
     ("queries", |r| r.answer == "query"),
 ];
 
@@ -642,9 +644,9 @@ pub fn snapshot(engine: &mut Engine, window: Window, slice: &Slice) -> Result<Me
         }
         let base = lab.base(&o.tool, &tref, &o.tool_version);
         let mut labels = base.clone();
-        labels.insert("state", o.state.clone());
+        labels.insert("state", o.state.to_string());
         *open.entry(labels).or_default() += o.count as f64;
-        if matches!(o.state.as_str(), "unknown" | "needs_review") {
+        if o.state.is_unknown_queue() {
             unknown += o.count;
             oldest_unknown = Some(oldest_unknown.map_or(o.oldest_created_at, |t| t.min(o.oldest_created_at)));
             let e = oldest.entry(base).or_insert(o.oldest_created_at);

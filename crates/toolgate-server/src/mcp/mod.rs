@@ -511,7 +511,7 @@ impl Prepared {
 /// What the client's `notifications/cancelled` did.
 enum Cancelled {
     /// The call's operation was cancelled (or moved to the unknown queue).
-    Applied(String),
+    Applied(&'static str),
     /// No operation yet: look again.
     NotYet,
     /// Nothing to cancel (a status query, a refused token, an operator token).
@@ -718,7 +718,7 @@ impl Gate {
             return nothing_done();
         };
         let (authorization, tool) = (prepared.authorization.clone(), prepared.name.clone());
-        let job = move |e: &mut Engine| -> Result<Option<String>, EngineError> {
+        let job = move |e: &mut Engine| -> Result<Option<&'static str>, EngineError> {
             let Ok(Principal::Subject { tenant, subject, .. }) = e.authenticate(Some(&authorization))? else {
                 return Ok(None);
             };

@@ -26,9 +26,18 @@ const MAX_SCRIPT_BYTES: usize = 1024 * 1024;
 /// Deepest nesting accepted (an inline world plus arguments fit easily).
 const MAX_DEPTH: usize = 32;
 
-/// Every operation state a transition may name; `none` is "no operation".
-pub const STATES: [&str; 8] =
-    ["none", "accepted", "in_flight", "succeeded", "failed", "unknown", "needs_review", "resolved"];
+/// Whether a transition may name `state`: one of the ledger's states, or
+/// `none` ("no operation").
+fn is_state(state: &str) -> bool {
+    state == "none" || crate::store::OpState::parse(state).is_some()
+}
+
+/// Every state a transition may name, for an error.
+fn states() -> String {
+    let mut all = vec!["none"];
+    all.extend(crate::store::OpState::ALL.iter().map(|s| s.as_str()));
+    all.join(", ")
+}
 
 /// Every action a step may take.
 pub const ACTIONS: [&str; 13] = [
@@ -290,8 +299,8 @@ impl Transition {
             .ok_or_else(|| format!("{s:?} is not of the form \"from -> to\""))?;
         let (from, to) = (from.trim(), to.trim());
         for st in [from, to] {
-            if !STATES.contains(&st) {
-                return Err(format!("unknown state {st:?} (states: {})", STATES.join(", ")));
+            if !is_state(st) {
+                return Err(format!("unknown state {st:?} (states: {})", states()));
             }
         }
         Ok(Transition { from: from.to_string(), to: to.to_string() })

@@ -5,14 +5,11 @@
 //! gives a [`Filter`] the store applies; each pane says which fields it has.
 
 use super::Pane;
-use crate::store::{Filter, FilterTarget};
+use crate::store::{Filter, FilterTarget, OpState};
 use crate::tui::format::short;
 
 /// The fields a term may name, as the error for an unknown one lists them.
 pub const FIELDS: &[&str] = &["tenant", "subject", "tool", "state", "id", "age", "needs", "actor", "action"];
-
-/// The ledger's states (`outcome_unknown` is read as `unknown`).
-pub const STATES: &[&str] = &["accepted", "in_flight", "succeeded", "failed", "unknown", "needs_review", "resolved"];
 
 /// Longest filter kept.
 pub const MAX_FILTER: usize = 200;
@@ -63,11 +60,10 @@ pub fn parse_duration(text: &str) -> Result<i64, String> {
 /// A state as the ledger names it (`outcome_unknown` is `unknown`), or what is wrong.
 pub fn state_name(s: &str) -> Result<String, String> {
     let s = if s == "outcome_unknown" { "unknown" } else { s };
-    if STATES.contains(&s) {
-        Ok(s.to_string())
-    } else {
-        Err(format!("state:{} is not a state (one of {}, or outcome_unknown)", short(s, 20), STATES.join(", ")))
-    }
+    OpState::parse(s).map(|state| state.as_str().to_string()).ok_or_else(|| {
+        let all: Vec<&str> = OpState::ALL.iter().map(|s| s.as_str()).collect();
+        format!("state:{} is not a state (one of {}, or outcome_unknown)", short(s, 20), all.join(", "))
+    })
 }
 
 fn once(slot: &mut Option<String>, field: &str, value: &str) -> Result<(), String> {

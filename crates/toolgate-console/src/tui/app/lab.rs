@@ -7,6 +7,7 @@
 
 use super::{Action, App, Confirm, Form, FormKind, Mode, Request, Rows};
 use crate::engine::LabToggle;
+use crate::store::OpState;
 
 /// The fault rates `f` cycles through, in basis points (the last is an outage:
 /// every call faults, and the circuit breaker opens).
@@ -162,26 +163,18 @@ impl App {
                     .outbox
                     .as_ref()
                     .map(|ob| format!("{} (last: {})", ob.attempt, ob.last_code.clone().unwrap_or_else(|| "-".into())));
-                (o.id.clone(), o.state.to_string(), Some(o.version), o.tool.clone(), attempts)
+                (o.id.clone(), o.state, Some(o.version), o.tool.clone(), attempts)
             }),
             Rows::Ops(r) => {
-                r.get(self.selected).map(|o| (o.id.clone(), o.state.to_string(), Some(o.version), o.tool.clone(), None))
+                r.get(self.selected).map(|o| (o.id.clone(), o.state, Some(o.version), o.tool.clone(), None))
             }
             Rows::Live(r) => r.get(self.selected).map(|o| {
                 let last = o.last_code.clone().unwrap_or_else(|| "-".into());
-                (
-                    o.operation_id.clone(),
-                    o.state.clone(),
-                    None,
-                    o.tool.clone(),
-                    Some(format!("{} (last: {last})", o.attempt)),
-                )
+                (o.operation_id.clone(), o.state, None, o.tool.clone(), Some(format!("{} (last: {last})", o.attempt)))
             }),
             _ => None,
         };
-        let Some((operation_id, state, seen_version, tool, attempts)) =
-            picked.filter(|p| matches!(p.1.as_str(), "accepted" | "in_flight"))
-        else {
+        let Some((operation_id, state, seen_version, tool, attempts)) = picked.filter(|p| p.1.is_in_progress()) else {
             self.say_not_applicable(
                 "cancel it (only accepted or in_flight)",
                 "select an accepted or in-flight operation (pane 1 or 2) to cancel",
@@ -205,7 +198,7 @@ impl App {
         if let Some(a) = attempts {
             evidence.push(format!("attempts    {a}"));
         }
-        evidence.push(if state == "accepted" {
+        evidence.push(if *state == OpState::Accepted {
             "nothing sent yet: it is cancelled (CANCELLED, terminal, no effect)".to_string()
         } else {
             "an attempt may be at the provider: if it was sent, the effect cannot be undone and it moves to the unknown queue".to_string()

@@ -8,7 +8,7 @@
 
 use super::{App, Confirm, Form, FormKind, Mode, Pane, Request, Rows};
 use crate::engine::{BulkAction, BulkTarget, Resolution};
-use crate::store::{ApprovalRow, LiveRow, OperationRow};
+use crate::store::{ApprovalRow, ApprovalState, LiveRow, OpState, OperationRow};
 use crate::tui::format::short;
 
 /// Most rows `V` marks (a filter matching more says so: narrow it).
@@ -19,10 +19,10 @@ const SHOWN: usize = 5;
 /// What a marked row is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MarkKind {
-    /// An operation (Live, Ledger, Unknown).
-    Operation,
+    /// An operation (Live, Ledger, Unknown), in the state it was marked in.
+    Operation(OpState),
     /// A pending approval.
-    Approval,
+    Approval(ApprovalState),
 }
 
 /// A marked row, as it was when marked (the engine re-checks everything).
@@ -30,10 +30,8 @@ pub enum MarkKind {
 pub struct Mark {
     /// Operation or approval id.
     pub id: String,
-    /// Which.
+    /// Which, and its state when marked.
     pub kind: MarkKind,
-    /// Ledger state (approvals: `pending`).
-    pub state: String,
     /// Version seen (the Live pane has none).
     pub version: Option<i64>,
     /// Tool.
@@ -53,8 +51,7 @@ impl Mark {
     pub fn of_op(o: &OperationRow) -> Self {
         Self {
             id: o.id.clone(),
-            kind: MarkKind::Operation,
-            state: o.state.to_string(),
+            kind: MarkKind::Operation(o.state),
             version: Some(o.version),
             tool: o.tool.clone(),
             tenant: o.tenant.clone(),
@@ -68,8 +65,7 @@ impl Mark {
     pub fn of_live(o: &LiveRow) -> Self {
         Self {
             id: o.operation_id.clone(),
-            kind: MarkKind::Operation,
-            state: o.state.clone(),
+            kind: MarkKind::Operation(o.state),
             version: None,
             tool: o.tool.clone(),
             tenant: o.tenant.clone(),
@@ -83,8 +79,7 @@ impl Mark {
     pub fn of_approval(a: &ApprovalRow) -> Self {
         Self {
             id: a.id.clone(),
-            kind: MarkKind::Approval,
-            state: a.state.to_string(),
+            kind: MarkKind::Approval(a.state),
             version: None,
             tool: a.tool.clone(),
             tenant: a.tenant.clone(),
@@ -248,17 +243,18 @@ impl App {
         let mut plan = BulkPlan { key, targets: Vec::new(), skipped: Vec::new() };
         for m in &self.marks {
             let why = match (key, m.kind) {
-                (BulkKey::Approve | BulkKey::Deny, MarkKind::Operation) => Some("an operation, not an approval".into()),
-                (BulkKey::Approve | BulkKey::Deny, MarkKind::Approval) => self.may_decide_mark(m).err(),
-                (_, MarkKind::Approval) => Some("an approval, not an operation".into()),
-                (BulkKey::Query, MarkKind::Operation) => {
-                    matches!(m.state.as_str(), "succeeded" | "failed" | "resolved")
-                        .then(|| format!("{}: already settled", m.state))
+                (BulkKey::Approve | BulkKey::Deny, MarkKind::Operation(_)) => {
+                    Some("an operation, not an approval".into())
                 }
-                (BulkKey::Resolve, MarkKind::Operation) => (!matches!(m.state.as_str(), "unknown" | "needs_review"))
-                    .then(|| format!("{}: only unknown or needs_review", m.state)),
-                (BulkKey::Cancel, MarkKind::Operation) => (!matches!(m.state.as_str(), "accepted" | "in_flight"))
-                    .then(|| format!("{}: only accepted or in_flight", m.state)),
+                (BulkKey::Approve | BulkKey::Deny, MarkKind::Approval(_)) => self.may_decide_mark(m).err(),
+                (_, MarkKind::Approval(_)) => Some("an approval, not an operation".into()),
+                (BulkKey::Query, MarkKind::Operation(s)) => s.is_terminal().then(|| format!("{s}: already settled")),
+                (BulkKey::Resolve, MarkKind::Operation(s)) => {
+                    (!s.is_unknown_queue()).then(|| format!("{s}: only unknown or needs_review"))
+                }
+                (BulkKey::Cancel, MarkKind::Operation(s)) => {
+                    (!s.is_in_progress()).then(|| format!("{s}: only accepted or in_flight"))
+                }
             };
             match why {
                 Some(w) => plan.skipped.push((m.clone(), w)),
@@ -375,8 +371,8 @@ fn bulk_confirm(plan: &BulkPlan, action: BulkAction, operator: &str) -> Confirm 
     for m in plan.targets.iter().take(SHOWN) {
         // An approval shows what it pays, as the single dialog does.
         let last = match m.kind {
-            MarkKind::Approval => m.money.clone().unwrap_or_else(|| "- (no amount)".into()),
-            MarkKind::Operation => short(&m.state, 12),
+            MarkKind::Approval(_) => m.money.clone().unwrap_or_else(|| "- (no amount)".into()),
+            MarkKind::Operation(s) => short(s.as_str(), 12),
         };
         evidence.push(format!("  {:<28} {:<16} {last}", short(&m.id, 28), short(&m.tool, 16)));
     }

@@ -6,7 +6,8 @@
 
 use crate::engine::clock::rfc3339;
 use crate::engine::OperationDetail;
-use crate::store::{ApprovalRow, OperationRow};
+use crate::store::Step;
+use crate::store::{ApprovalRow, OpState, OperationRow, OutboxState};
 use crate::tui::format::{human_ms, short};
 
 /// What the detail view says about a stuck operation.
@@ -64,7 +65,7 @@ impl FoundReceipt {
 
 /// The receipt the latest status query that found one reported, if any.
 pub fn found_receipt(d: &OperationDetail) -> Option<FoundReceipt> {
-    d.trace.iter().rev().filter(|e| e.step == "query").find_map(|e| {
+    d.trace.iter().rev().filter(|e| e.step == Step::Query).find_map(|e| {
         let f: serde_json::Value = serde_json::from_str(&e.fields).ok()?;
         let text = |k: &str| f.get(k).and_then(serde_json::Value::as_str).map(str::to_string);
         Some(FoundReceipt {
@@ -97,13 +98,13 @@ pub fn request_terms(o: &OperationRow) -> Option<String> {
 /// terminal operation (nothing is stuck).
 pub fn explain(d: &OperationDetail, now: i64) -> Option<Why> {
     let o = &d.operation;
-    let queries = d.trace.iter().filter(|e| e.step == "query").count();
+    let queries = d.trace.iter().filter(|e| e.step == Step::Query).count();
     let last_query = o.last_query_at.map_or_else(String::new, |at| format!(", last {}", relative(now, at)));
     let code = short(o.code.as_deref().unwrap_or("no code"), 40);
     let overdue = (o.deadline_at <= now)
         .then(|| format!(" Its deadline passed {} ago.", human_ms(now.saturating_sub(o.deadline_at))));
-    let why = match o.state.as_str() {
-        "unknown" => {
+    let why = match o.state {
+        OpState::Unknown => {
             let sent = d.attempts.iter().rev().find(|a| a.sent_at.is_some());
             let cancelled = d.audit.iter().find(|r| r.action == "cancel" && r.result == "applied");
             if let Some(until) = d.may_land_until {
@@ -191,7 +192,7 @@ pub fn explain(d: &OperationDetail, now: i64) -> Option<Why> {
                 },
             }
         }
-        "needs_review" => match found_receipt(d) {
+        OpState::NeedsReview => match found_receipt(d) {
             Some(r) if o.last_query_result.as_deref() == Some("mismatch") => Why {
                 sentence: format!(
                     "The provider holds {} that does not match this request: {} ({code}; queried {}{last_query}). Needs a human decision.",
@@ -216,13 +217,11 @@ pub fn explain(d: &OperationDetail, now: i64) -> Option<Why> {
                 Why { sentence, next: "Press r to resolve it once the receipt is checked with the provider.".into() }
             }
         },
-        "accepted" | "in_flight" => queued(d, now, &code),
+        OpState::Accepted | OpState::InFlight => queued(d, now, &code),
         _ => return None,
     };
     Some(match overdue {
-        Some(s) if matches!(o.state.as_str(), "accepted" | "in_flight") => {
-            Why { sentence: format!("{}{s}", why.sentence), ..why }
-        }
+        Some(s) if o.state.is_in_progress() => Why { sentence: format!("{}{s}", why.sentence), ..why },
         _ => why,
     })
 }
@@ -270,8 +269,8 @@ fn queued(d: &OperationDetail, now: i64, code: &str) -> Why {
             next: "Run toolgate audit: the record is inconsistent.".into(),
         };
     };
-    match (ob.state.as_str(), ob.lease_owner.as_deref(), ob.lease_until) {
-        ("leased", Some(owner), Some(until)) if until > now => Why {
+    match (ob.state, ob.lease_owner.as_deref(), ob.lease_until) {
+        (OutboxState::Leased, Some(owner), Some(until)) if until > now => Why {
             sentence: format!(
                 "Lease held by worker {} until {} (fence: attempt {}); it will be reclaimed after that.",
                 short(owner, 24),
@@ -280,7 +279,7 @@ fn queued(d: &OperationDetail, now: i64, code: &str) -> Why {
             ),
             next: format!("Nothing to do yet: wait for the worker; {cancel}."),
         },
-        ("leased", owner, until) => Why {
+        (OutboxState::Leased, owner, until) => Why {
             sentence: format!(
                 "The lease of worker {} (attempt {}) expired {}; the reaper reclaims it at its next pass.",
                 short(owner.unwrap_or("?"), 24),
@@ -289,7 +288,7 @@ fn queued(d: &OperationDetail, now: i64, code: &str) -> Why {
             ),
             next: format!("Wait for a reaper pass (toolgate reap, or a console with workers); {cancel}."),
         },
-        ("pending", _, _) if ob.available_at > now => Why {
+        (OutboxState::Pending, _, _) if ob.available_at > now => Why {
             sentence: format!(
                 "Attempt {} (at most {} per call) ended {}; the next waits until {} ({}).",
                 ob.attempt,
@@ -300,7 +299,7 @@ fn queued(d: &OperationDetail, now: i64, code: &str) -> Why {
             ),
             next: format!("Nothing to do: a worker takes it then; {cancel}."),
         },
-        ("pending", _, _) => Why {
+        (OutboxState::Pending, _, _) => Why {
             sentence: format!(
                 "Due since {} ({}), waiting for a worker to claim it{}.",
                 clock(ob.available_at),
@@ -310,7 +309,11 @@ fn queued(d: &OperationDetail, now: i64, code: &str) -> Why {
             next: format!("Check that a worker runs (toolgate work, or a console with workers); {cancel}."),
         },
         (state, _, _) => Why {
-            sentence: format!("{} while its outbox row is {}: nothing will run it.", o.state, short(state, 12)),
+            sentence: format!(
+                "{} while its outbox row is {}: nothing will run it.",
+                o.state,
+                short(state.as_str(), 12)
+            ),
             next: "Run toolgate audit: the record is inconsistent.".into(),
         },
     }
@@ -318,13 +321,13 @@ fn queued(d: &OperationDetail, now: i64, code: &str) -> Why {
 
 /// The Unknown pane's short reason: what keeps the operation there, and the key.
 pub fn reason(o: &OperationRow) -> String {
-    match (o.state.as_str(), o.last_query_result.as_deref()) {
-        ("unknown", None) => "reply lost, not queried: q".into(),
-        ("unknown", Some("not_found")) => "provider has no record: r".into(),
-        ("unknown", Some("unavailable")) => "lookup unreachable: q".into(),
-        ("unknown", Some(other)) => format!("last query {}: q", short(other, 10)),
-        ("needs_review", Some("mismatch")) => "receipt mismatch: r".into(),
-        ("needs_review", _) => "needs review: r".into(),
-        (other, _) => short(other, 20),
+    match (o.state, o.last_query_result.as_deref()) {
+        (OpState::Unknown, None) => "reply lost, not queried: q".into(),
+        (OpState::Unknown, Some("not_found")) => "provider has no record: r".into(),
+        (OpState::Unknown, Some("unavailable")) => "lookup unreachable: q".into(),
+        (OpState::Unknown, Some(other)) => format!("last query {}: q", short(other, 10)),
+        (OpState::NeedsReview, Some("mismatch")) => "receipt mismatch: r".into(),
+        (OpState::NeedsReview, _) => "needs review: r".into(),
+        (other, _) => short(other.as_str(), 20),
     }
 }

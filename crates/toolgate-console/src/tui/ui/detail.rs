@@ -8,6 +8,7 @@ use ratatui::Frame;
 
 use super::Theme;
 use crate::engine::clock::rfc3339;
+use crate::store::OutboxState;
 use crate::tui::app::App;
 use crate::tui::format::{due_in, human_ms, lapses_in};
 
@@ -82,7 +83,7 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
     };
     let mut lines = vec![Line::from(vec![
         Span::styled(format!("  {}  ", o.id), t.accent()),
-        Span::styled(o.state.as_str(), t.state(o.state.as_str())),
+        Span::styled(o.state.as_str(), t.state(o.state)),
         Span::raw(format!("  version {}", o.version)),
     ])];
     // Not terminal: why it is where it is, and the next safe step, first.
@@ -118,7 +119,7 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
         // While it can still run, the deadline counts down (or says by how much it passed).
         kv(
             "deadline",
-            if matches!(o.state.as_str(), "accepted" | "in_flight") {
+            if o.state.is_in_progress() {
                 format!("{} ({})", rfc3339(o.deadline_at), due_in(app.now_ms, o.deadline_at))
             } else {
                 rfc3339(o.deadline_at)
@@ -176,8 +177,8 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
                 ob.last_code.as_deref().unwrap_or("-")
             ),
         ));
-        match (ob.state.as_str(), ob.lease_until) {
-            ("leased", Some(until)) => lines.push(kv(
+        match (ob.state, ob.lease_until) {
+            (OutboxState::Leased, Some(until)) => lines.push(kv(
                 "lease until",
                 format!(
                     "{} ({}), worker {}",
@@ -186,7 +187,7 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
                     ob.lease_owner.as_deref().unwrap_or("?")
                 ),
             )),
-            ("pending", _) => lines.push(kv(
+            (OutboxState::Pending, _) => lines.push(kv(
                 "next retry",
                 format!("{} ({})", rfc3339(ob.available_at), due_in(app.now_ms, ob.available_at)),
             )),

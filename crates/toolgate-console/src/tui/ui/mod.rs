@@ -14,6 +14,7 @@ use ratatui::Frame;
 
 use super::app::{App, Mode, Pane};
 use super::format::{human_ms, time_of_day};
+use crate::store::OpState;
 
 /// Colours, or their absence (NO_COLOR).
 #[derive(Debug, Clone, Copy)]
@@ -62,13 +63,13 @@ impl Theme {
         Style::default().add_modifier(Modifier::REVERSED)
     }
     /// A ledger state's style.
-    pub fn state(self, s: &str) -> Style {
+    pub fn state(self, s: OpState) -> Style {
         match s {
-            "succeeded" | "resolved" => self.ok(),
-            "unknown" | "needs_review" => self.bad(),
-            "failed" => self.warn(),
-            "in_flight" | "accepted" => self.fg(Color::Blue),
-            _ => Style::default(),
+            OpState::Succeeded | OpState::Resolved => self.ok(),
+            OpState::Unknown | OpState::NeedsReview => self.bad(),
+            OpState::Failed => self.warn(),
+            OpState::InFlight | OpState::Accepted => self.fg(Color::Blue),
+            OpState::Unrecognized => Style::default(),
         }
     }
 }
@@ -189,20 +190,19 @@ fn render_header(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         l2.push(Span::styled(format!("● {what} since {}, {rows}", time_of_day(*since)), t.bad()));
         l2.push(Span::styled(format!("  ({code}; retrying)"), t.dim()));
     }
-    for (s, abbr) in [
-        ("accepted", "acc"),
-        ("in_flight", "flight"),
-        ("succeeded", "ok"),
-        ("failed", "failed"),
-        ("unknown", "unknown"),
-        ("needs_review", "review"),
-        ("resolved", "resolved"),
-    ] {
+    for s in OpState::ALL.iter().copied() {
         if app.db_down.is_some() {
             break;
         }
-        l2.push(Span::styled(format!("{} ", if narrow { abbr } else { s }), t.dim()));
-        l2.push(Span::styled(format!("{}  ", count(s)), t.state(s)));
+        let abbr = match s {
+            OpState::Accepted => "acc",
+            OpState::InFlight => "flight",
+            OpState::Succeeded => "ok",
+            OpState::NeedsReview => "review",
+            _ => s.as_str(),
+        };
+        l2.push(Span::styled(format!("{} ", if narrow { abbr } else { s.as_str() }), t.dim()));
+        l2.push(Span::styled(format!("{}  ", count(s.as_str())), t.state(s)));
     }
     let dups = app.header.side_effect_duplicates;
     let dup_style = if dups == 0 { t.ok() } else { t.bad() };
@@ -266,15 +266,15 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     }
     // The detail offers the keys that apply to its operation's state.
     let detail_keys: Vec<(&str, &str, bool)> = {
-        let state = app.detail.as_ref().map_or("", |d| d.operation.state.as_str());
+        let state = app.detail.as_ref().map_or(OpState::Unrecognized, |d| d.operation.state);
         let mut keys = vec![("Esc", "back", false), ("j/k", "scroll", false)];
-        if matches!(state, "accepted" | "in_flight" | "unknown" | "needs_review") {
+        if state.is_in_progress() || state.is_unknown_queue() {
             keys.push(("q", "query", true));
         }
-        if matches!(state, "unknown" | "needs_review") {
+        if state.is_unknown_queue() {
             keys.push(("r", "resolve", true));
         }
-        if matches!(state, "accepted" | "in_flight") {
+        if state.is_in_progress() {
             keys.push(("c", "cancel", true));
         }
         keys.extend([("F", if app.follow { "stop following" } else { "follow" }, false), ("y", "copy id", false)]);

@@ -4,6 +4,8 @@
 use ratatui::layout::{Constraint, Rect};
 use ratatui::style::Style;
 use ratatui::text::{Line, Span};
+
+use crate::store::OutboxState;
 use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row, Table, TableState, Wrap};
 use ratatui::Frame;
 
@@ -184,12 +186,12 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     let body: Vec<Vec<Cell>> = rows
         .iter()
         .map(|r| {
-            let lease = match (r.outbox_state.as_str(), r.lease_until) {
-                ("leased", Some(u)) if u > now => Cell::from(human_ms(u.saturating_sub(now))),
-                ("leased", Some(_)) => Cell::from(Span::styled("expired", t.bad())),
+            let lease = match (r.outbox_state, r.lease_until) {
+                (OutboxState::Leased, Some(u)) if u > now => Cell::from(human_ms(u.saturating_sub(now))),
+                (OutboxState::Leased, Some(_)) => Cell::from(Span::styled("expired", t.bad())),
                 _ => Cell::from("-"),
             };
-            let next = if r.outbox_state == "pending" {
+            let next = if r.outbox_state == OutboxState::Pending {
                 crate::display::countdown(r.available_at.saturating_sub(now))
             } else {
                 "-".into()
@@ -197,7 +199,7 @@ fn live(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             vec![
                 id_cell(app, &r.operation_id, id_w, t),
                 Cell::from(short(&r.tool, 14)),
-                Cell::from(Span::styled(short(&r.state, 10), t.state(&r.state))),
+                Cell::from(Span::styled(short(r.state.as_str(), 10), t.state(r.state))),
                 // The operation's attempts so far; `max_attempts` caps one
                 // call's automatic retries, not the operation (detail says so).
                 Cell::from(r.attempt.to_string()),
@@ -255,7 +257,7 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
                 Cell::from(short(&o.tool, 15)),
                 Cell::from(crate::display::digest(&o.key_sha256, 8)),
                 Cell::from(crate::display::digest(&o.request_sha256, 8)),
-                Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state.as_str()))),
+                Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state))),
                 Cell::from(short(o.receipt_id.as_deref().or(o.code.as_deref()).unwrap_or("-"), result_w)),
                 // Retention runs from the moment an operation settled; until
                 // then it is kept. One a person acted on is never purged.
@@ -382,7 +384,7 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             vec![
                 id_cell(app, &o.id, id_w, t),
                 Cell::from(short(&o.tool, 15)),
-                Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state.as_str()))),
+                Cell::from(Span::styled(short(o.state.as_str(), 12), t.state(o.state))),
                 // Since it entered this state: a query that changes nothing does not reset it.
                 Cell::from(duration_in(
                     now.saturating_sub(o.state_since.unwrap_or(o.updated_at)),
