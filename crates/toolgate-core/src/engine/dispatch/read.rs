@@ -1,0 +1,105 @@
+//! Read tools: answered from local state through the domain, never queued.
+
+use std::time::Instant;
+
+use serde_json::Value;
+
+use super::DispatchRequest;
+use crate::engine::canonical::{canonical_string, request_object, sha256_hex, CallIdentity};
+use crate::engine::contracts::Contract;
+use crate::engine::envelope::{Code, Delivery, Envelope, Execution, ModelResult, Outcome, ProtectedAudit, Status};
+use crate::engine::operation::authorize;
+use crate::engine::tool::ToolCall;
+use crate::engine::trace::{Answering, TraceEvent};
+use crate::engine::{error_envelope, Engine, EngineError};
+use crate::store::CallIdentityRow;
+use crate::store::Step;
+
+impl Engine {
+    /// A read tool: authorization, the call-identity binding, the read, and its
+    /// trace event, in one transaction. A read changes no state, so the commit
+    /// only records how the call was answered (not fsynced), but the call
+    /// identity is bound on first use like every other call's: the same identity
+    /// with other arguments, another key or another purpose is `CALL_ID_CONFLICT`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn read_tool(
+        &mut self,
+        req: &DispatchRequest,
+        contract: &Contract,
+        args: &Value,
+        key: &str,
+        call: &CallIdentity,
+        mut audit: ProtectedAudit,
+        mut ev: TraceEvent,
+        t0: Instant,
+    ) -> Result<Envelope, EngineError> {
+        let (tenant, subject, tool) = (req.tenant.as_str(), req.subject.as_str(), req.tool.as_str());
+        let request = request_object(tenant, subject, tool, args, contract.revisions);
+        let request_sha256 = sha256_hex(canonical_string(&request).as_bytes());
+        let key_sha256 = sha256_hex(key.as_bytes());
+        ev.request_sha256 = Some(request_sha256.clone());
+        ev.key_sha256 = Some(key_sha256.clone());
+        audit.binding.request_sha256 = Some(request_sha256.clone());
+        let clock = self.clock.clone();
+        let domain = self.domain(tool);
+        self.store.write_relaxed(|tx| -> Result<Envelope, EngineError> {
+            let now = clock.now_ms();
+            let mut ev = ev.clone();
+            let audit = audit.clone();
+            let env = 'answer: {
+                if let Some(code) = authorize(tx, &*domain, tenant, subject, tool, args)? {
+                    ev.step = Step::Authorization;
+                    ev.reason = Some("current_authorization");
+                    break 'answer error_envelope(code, audit);
+                }
+                ev.checks.push("authorization");
+                let ck = call.key(tenant, subject);
+                if let Some(bound) = tx.call_identity(&ck)? {
+                    if bound.purpose != "dispatch"
+                        || bound.request_sha256 != request_sha256
+                        || bound.key_sha256 != key_sha256
+                    {
+                        ev.step = Step::CallIdentity;
+                        ev.reason = Some("call_id_conflict");
+                        break 'answer error_envelope(Code::CallIdConflict, audit);
+                    }
+                }
+                ev.checks.push("call_identity");
+                tx.bind_call_identity(
+                    &ck,
+                    &CallIdentityRow {
+                        purpose: "dispatch".into(),
+                        request_sha256: request_sha256.clone(),
+                        key_sha256: key_sha256.clone(),
+                        operation_id: None,
+                    },
+                    now,
+                )?;
+                let data = domain
+                    .read(&tx.domain(), &ToolCall { tenant, subject, tool, arguments: args, operation_id: None })?;
+                ev.step = Step::Read;
+                match data {
+                    Some(d) if contract.check_output(&d).is_ok() => {
+                        let mut audit = audit;
+                        audit.binding.result_sha256 = Some(crate::engine::canonical::digest_value(&d));
+                        Envelope {
+                            model_result: ModelResult {
+                                status: Status::Succeeded,
+                                data: Some(d),
+                                error: None,
+                                execution: Execution { outcome: Outcome::Committed, delivery: Delivery::Fresh },
+                            },
+                            protected_audit: audit,
+                        }
+                    }
+                    // A read handler failure is safe to report: the contract says no write happened.
+                    _ => error_envelope(Code::ToolError, audit),
+                }
+            };
+            ev.duration_us = Some(t0.elapsed().as_micros() as i64);
+            let ev = ev.from_envelope(&env).answering(Some(Answering { kind: "dispatch", started: t0 }));
+            ev.write(tx, now)?;
+            Ok(env)
+        })
+    }
+}
