@@ -76,9 +76,9 @@ pub enum BenchError {
     Check(String),
 }
 
-impl BenchError {
+impl crate::Coded for BenchError {
     /// Stable code for the CLI.
-    pub fn code(&self) -> &'static str {
+    fn code(&self) -> &'static str {
         match self {
             BenchError::Engine(e) => e.code(),
             BenchError::Store(e) => e.code(),

@@ -19,7 +19,7 @@
 
 pub use toolgate_adapters::{downstream, tools};
 pub use toolgate_console::tui;
-pub use toolgate_core::{display, engine, failpoint, store};
+pub use toolgate_core::{display, engine, failpoint, store, Coded};
 pub use toolgate_server::{api, mcp};
 pub use toolgate_sim::{demo, load, scenarios};
 

@@ -4,6 +4,7 @@
 use super::{engine_options, operator_or_user, Cli, CliError};
 use crate::engine::Engine;
 use crate::store::Location;
+use crate::Coded;
 use std::path::PathBuf;
 
 /// Opens the console: on `--db PATH` in place, or on a working copy of the demo

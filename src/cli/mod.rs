@@ -3,6 +3,7 @@
 //! 2 usage or environment error. Errors print a stable code and a message, never
 //! a backtrace or a local path.
 
+use crate::Coded;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -59,8 +60,10 @@ impl CliError {
     }
 }
 
-impl From<EngineError> for CliError {
-    fn from(e: EngineError) -> Self {
+/// Any floor's error becomes the CLI's the same way: its stable code and its
+/// message.
+impl<E: Coded> From<E> for CliError {
+    fn from(e: E) -> Self {
         Self::new(e.code(), e.to_string())
     }
 }
@@ -217,7 +220,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             };
             // Diagnostics go to `<db>.log`: standard output is the protocol.
             crate::telemetry::logging::init_for_db(path);
-            crate::mcp::serve_stdio(path, token, opts).map_err(|e| CliError::new(e.code(), e.to_string()))?;
+            crate::mcp::serve_stdio(path, token, opts).map_err(CliError::from)?;
             Ok(0)
         }
         Command::Load(a) => load_command(cli, a),
@@ -489,7 +492,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             crate::downstream::serve::serve(provider_db, opts, |addr| {
                 outln!("listening on {addr}");
             })
-            .map_err(|e| CliError::new(e.code(), e.to_string()))?;
+            .map_err(CliError::from)?;
             Ok(0)
         }
         Command::Counts { json } => {
@@ -680,7 +683,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             // `--db postgres://...` benches on that server (databases made and dropped there).
             let postgres = cli.db.clone().filter(|d| Location::is_postgres(d));
             let opts = crate::bench::BenchOptions { quick: *quick, dir: dir.clone(), postgres, http: *http };
-            let report = crate::bench::run(&opts).map_err(|e| CliError::new(e.code(), e.to_string()))?;
+            let report = crate::bench::run(&opts).map_err(CliError::from)?;
             if *json {
                 print_json(&report);
             } else {
@@ -743,12 +746,6 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
             }
             Ok(i32::from(!findings.is_empty()))
         }
-    }
-}
-
-impl From<crate::scenarios::ScenarioError> for CliError {
-    fn from(e: crate::scenarios::ScenarioError) -> Self {
-        Self::new(e.code(), e.to_string())
     }
 }
 

@@ -4,6 +4,7 @@ use super::{open_read, Cli, CliError, MetricsArgs, MetricsFormatArg, TraceArgs, 
 use crate::engine::clock::{parse_rfc3339, rfc3339};
 use crate::engine::{Engine, EngineError};
 use crate::store::AttemptOutcome;
+use crate::Coded;
 use serde_json::Value;
 
 pub(super) fn trace_json(t: &crate::store::TraceRow) -> Value {
@@ -86,7 +87,7 @@ pub(super) fn metrics_command(cli: &Cli, a: &MetricsArgs) -> Result<i32, CliErro
             tracing::info!(addr = %local, "serving /metrics");
         },
     )
-    .map_err(|e| CliError::new(e.code(), e.to_string()))?;
+    .map_err(CliError::from)?;
     Ok(0)
 }
 

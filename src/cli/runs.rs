@@ -100,7 +100,7 @@ pub(super) fn serve_command(cli: &Cli, a: &ServeArgs) -> Result<i32, CliError> {
     crate::api::serve(path, &serve, |addr| {
         outln!("listening on http://{addr}");
     })
-    .map_err(|e| CliError::new(e.code(), e.to_string()))?;
+    .map_err(CliError::from)?;
     Ok(0)
 }
 

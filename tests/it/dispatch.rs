@@ -2,6 +2,7 @@
 //! call identities, tampering and hostile input.
 
 use std::sync::{Arc, Barrier};
+use toolgate::Coded;
 
 use serde_json::Value;
 use toolgate::engine::envelope::{Code, Delivery, Outcome, Recovery, Status};

@@ -5,6 +5,7 @@
 //! `tests/it/cli.rs`.)
 
 use std::path::Path;
+use toolgate::Coded;
 
 use serde_json::Value;
 use toolgate::engine::envelope::{Code, Outcome};

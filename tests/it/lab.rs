@@ -10,6 +10,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use toolgate::Coded;
 
 use assert_cmd::Command;
 use serde_json::Value;

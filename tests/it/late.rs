@@ -7,6 +7,7 @@
 //! the operation as a contradiction, never silently.
 
 use std::sync::Arc;
+use toolgate::Coded;
 
 use toolgate::engine::envelope::{Code, Delivery, Status};
 use toolgate::engine::{CancelRequest, Engine, Resolution, ResolveRequest};

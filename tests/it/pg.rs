@@ -14,6 +14,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use toolgate::Coded;
 
 use toolgate::engine::clock::ManualClock;
 use toolgate::engine::envelope::{Code, Status};

@@ -22,3 +22,11 @@ pub mod engine;
 pub mod failpoint;
 pub mod store;
 pub mod telemetry;
+
+/// An error with a stable code (`DB_LOCKED`, `INVALID_ARGUMENTS`, ...): what
+/// scripts and agents match on, the same on the CLI, the HTTP API and MCP.
+/// Every error type of every floor implements it; its message is for people.
+pub trait Coded: std::error::Error {
+    /// The stable code.
+    fn code(&self) -> &'static str;
+}

@@ -86,9 +86,9 @@ pub enum ServeError {
     Runtime(std::io::ErrorKind),
 }
 
-impl ServeError {
+impl toolgate_core::Coded for ServeError {
     /// Stable code.
-    pub fn code(&self) -> &'static str {
+    fn code(&self) -> &'static str {
         match self {
             ServeError::NotLoopback(_) => "NOT_LOOPBACK",
             ServeError::Bind { .. } => "LISTEN_FAILED",

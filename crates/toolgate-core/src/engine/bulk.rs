@@ -6,6 +6,7 @@
 //! happened ("37 settled, 2 still unknown, 1 refused: lease held").
 
 use crate::store::OpState;
+use crate::Coded;
 use serde::Serialize;
 
 use super::envelope::{Code, Envelope, Status};

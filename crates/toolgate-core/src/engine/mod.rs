@@ -76,9 +76,9 @@ pub enum EngineError {
     },
 }
 
-impl EngineError {
+impl crate::Coded for EngineError {
     /// Stable code for the CLI.
-    pub fn code(&self) -> &'static str {
+    fn code(&self) -> &'static str {
         match self {
             EngineError::Store(e) => e.code(),
             EngineError::Downstream(DownstreamError::Setup { .. }) => "DOWNSTREAM_SETUP",
@@ -87,7 +87,9 @@ impl EngineError {
             EngineError::Invalid { code, .. } => code,
         }
     }
+}
 
+impl EngineError {
     /// Bad input refused with a stable `code` (`INVALID_ARGUMENTS`, …) and a
     /// message for a person.
     pub fn invalid(code: &'static str, message: impl Into<String>) -> Self {

@@ -180,9 +180,9 @@ impl From<rusqlite::Error> for StoreError {
     }
 }
 
-impl StoreError {
+impl crate::Coded for StoreError {
     /// Stable code for the CLI.
-    pub fn code(&self) -> &'static str {
+    fn code(&self) -> &'static str {
         match self {
             StoreError::Open(_) => "DB_OPEN_FAILED",
             StoreError::Missing => "DB_NOT_FOUND",
@@ -1208,6 +1208,7 @@ impl Tx<'_> {
 #[cfg(test)]
 mod error_tests {
     use super::StoreError;
+    use crate::Coded;
 
     fn check(code: std::ffi::c_int, expect: &str) {
         let e = rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(code), Some("detail".into()));

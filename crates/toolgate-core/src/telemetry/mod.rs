@@ -32,15 +32,17 @@ pub enum TelemetryError {
     Io(#[from] std::io::Error),
 }
 
-impl TelemetryError {
+impl crate::Coded for TelemetryError {
     /// Stable code for the CLI.
-    pub fn code(&self) -> &'static str {
+    fn code(&self) -> &'static str {
         match self {
             TelemetryError::Store(e) => e.code(),
             TelemetryError::Io(_) => "OUTPUT_FAILED",
         }
     }
+}
 
+impl TelemetryError {
     /// Whether the reader went away (`toolgate trace | head`): not a failure.
     pub fn is_broken_pipe(&self) -> bool {
         matches!(self, TelemetryError::Io(e) if e.kind() == std::io::ErrorKind::BrokenPipe)

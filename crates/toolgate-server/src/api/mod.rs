@@ -30,6 +30,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
+use toolgate_core::Coded;
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::PathRejection;
@@ -121,9 +122,9 @@ pub enum ServeError {
     Runtime(std::io::ErrorKind),
 }
 
-impl ServeError {
+impl toolgate_core::Coded for ServeError {
     /// Stable code.
-    pub fn code(&self) -> &'static str {
+    fn code(&self) -> &'static str {
         match self {
             ServeError::NotLoopback(_) => "NOT_LOOPBACK",
             ServeError::Bind { .. } => "LISTEN_FAILED",

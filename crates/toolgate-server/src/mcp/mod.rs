@@ -28,6 +28,7 @@ pub(crate) mod wire;
 
 use std::path::Path;
 use std::sync::Arc;
+use toolgate_core::Coded;
 
 use std::time::Duration;
 
@@ -87,9 +88,9 @@ pub enum McpError {
     Runtime(String),
 }
 
-impl McpError {
+impl toolgate_core::Coded for McpError {
     /// Stable code.
-    pub fn code(&self) -> &'static str {
+    fn code(&self) -> &'static str {
         match self {
             McpError::Engine(e) => e.code(),
             McpError::Token(code) => code,

@@ -36,6 +36,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use toolgate_core::Coded;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

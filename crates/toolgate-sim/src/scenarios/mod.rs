@@ -67,9 +67,9 @@ pub enum ScenarioError {
     Store(#[from] StoreError),
 }
 
-impl ScenarioError {
+impl toolgate_core::Coded for ScenarioError {
     /// Stable code for the CLI.
-    pub fn code(&self) -> &'static str {
+    fn code(&self) -> &'static str {
         match self {
             ScenarioError::Script { .. } => "SCENARIO_INVALID",
             ScenarioError::NoSuchScenario(_) => "NO_SUCH_SCENARIO",

@@ -6,6 +6,7 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use toolgate_core::Coded;
 
 use serde::Serialize;
 use serde_json::Value;
