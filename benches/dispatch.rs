@@ -31,9 +31,11 @@ fn bench(c: &mut Criterion) {
     let mut engine =
         Engine::create(&path, EngineOptions { sync: Sync::Normal, ..toolgate::tools::demo_options() }).expect("engine");
     let mut world = World::parse(DEMO_WORLD.as_bytes()).expect("world");
-    for o in &mut world.orders {
+    let mut orders = toolgate::tools::demo::orders_of(&world).expect("orders");
+    for o in &mut orders {
         o.captured_minor = 1_000_000_000_000;
     }
+    toolgate::tools::demo::set_orders(&mut world, &orders);
     engine.load_world(&world).expect("world");
     let n = AtomicU64::new(0);
     c.bench_function("dispatch_fresh", |b| {

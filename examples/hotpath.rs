@@ -69,9 +69,11 @@ fn run(mode: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
     let mut engine =
         Engine::create(&dir.path().join("ledger.db"), EngineOptions { sync, ..toolgate::tools::demo_options() })?;
     let mut world = World::parse(DEMO_WORLD.as_bytes())?;
-    for o in &mut world.orders {
+    let mut orders = toolgate::tools::demo::orders_of(&world)?;
+    for o in &mut orders {
         o.captured_minor = 1_000_000_000_000;
     }
+    toolgate::tools::demo::set_orders(&mut world, &orders);
     engine.load_world(&world)?;
     let settled = engine.dispatch(&refund("hotpath-settled-0001".into()))?;
     let op_id = settled.protected_audit.operation_id.clone().unwrap_or_default();

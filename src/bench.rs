@@ -38,10 +38,11 @@ use serde::Serialize;
 
 use crate::engine::clock::{Clock, SystemClock};
 use crate::engine::envelope::{Code, Delivery, Envelope, Status};
-use crate::engine::world::{GrantSpec, OrderSpec, SubjectSpec, TenantSpec, World};
+use crate::engine::world::{GrantSpec, SubjectSpec, TenantSpec, World};
 use crate::engine::{DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest};
 use crate::store::bench::{BareLedger, BarePayload};
 use crate::store::{StoreError, Sync};
+use crate::tools::demo::{set_orders, OrderSpec};
 
 /// How to run the bench.
 #[derive(Debug, Clone, Default)]
@@ -212,7 +213,7 @@ pub struct Contention {
 /// The world of the bench database: one tenant with a threshold no refund
 /// reaches, one agent per thread, each with a large order of its own.
 fn world(agents: usize) -> World {
-    World {
+    let mut world = World {
         tenants: vec![TenantSpec {
             id: "bench".into(),
             approvers: vec!["bench_approver".into()],
@@ -222,18 +223,21 @@ fn world(agents: usize) -> World {
         grants: (0..agents)
             .map(|i| GrantSpec { tenant: "bench".into(), subject: agent(i), tool: "create_refund".into() })
             .collect(),
-        orders: (0..agents)
-            .map(|i| OrderSpec {
-                order_ref: order(i),
-                tenant: "bench".into(),
-                owner: agent(i),
-                currency: "EUR".into(),
-                captured_minor: 1_000_000_000_000_000,
-                refunded_minor: 0,
-                status: "paid".into(),
-            })
-            .collect(),
-    }
+        sections: std::collections::BTreeMap::new(),
+    };
+    let orders: Vec<OrderSpec> = (0..agents)
+        .map(|i| OrderSpec {
+            order_ref: order(i),
+            tenant: "bench".into(),
+            owner: agent(i),
+            currency: "EUR".into(),
+            captured_minor: 1_000_000_000_000_000,
+            refunded_minor: 0,
+            status: "paid".into(),
+        })
+        .collect();
+    set_orders(&mut world, &orders);
+    world
 }
 
 fn agent(i: usize) -> String {

@@ -19,7 +19,20 @@
 
 pub use toolgate_adapters::{downstream, tools};
 pub use toolgate_console::tui;
-pub use toolgate_core::{display, engine, failpoint, store, Coded};
+pub use toolgate_core::{display, failpoint, store, Coded};
+
+/// The core's engine, with the demo world beside its world module under the
+/// path it had before the demo domain left the core
+/// (`toolgate::engine::world::DEMO_WORLD`).
+pub mod engine {
+    pub use toolgate_core::engine::*;
+
+    /// The core's world file, and the demo world.
+    pub mod world {
+        pub use toolgate_adapters::tools::demo::DEMO_WORLD;
+        pub use toolgate_core::engine::world::*;
+    }
+}
 pub use toolgate_server::{api, mcp};
 pub use toolgate_sim::{demo, load, scenarios};
 

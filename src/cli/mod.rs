@@ -13,11 +13,12 @@ use serde_json::{json, Value};
 use crate::downstream::FaultPlan;
 use crate::engine::clock::{parse_rfc3339, rfc3339, Clock, ManualClock, SystemClock};
 use crate::engine::projection::{Projection, UnknownProjection, QUERY_STATUS_TOOL};
-use crate::engine::world::{World, DEMO_WORLD};
+use crate::engine::world::World;
 use crate::engine::{
     BulkAction, DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest, Resolution, ResolveRequest,
 };
 use crate::store::Location;
+use crate::tools::demo::DEMO_WORLD;
 
 /// `print!` through [`write_stdout`]: never panics on a closed pipe.
 macro_rules! out {
@@ -238,7 +239,10 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 .as_deref()
                 .and_then(Path::file_name)
                 .map_or_else(|| "the built-in world".to_string(), |n| n.to_string_lossy().into_owned());
-            let w = World::parse_named(&name, &text)?;
+            // The catalog loads (or is refused) before anything is created, and
+            // the toolset's domains check their own sections (the demo's orders).
+            let opts = engine_options(cli)?;
+            let w = World::parse_checked(&name, &text, &opts.toolset)?;
             let file = !Location::is_postgres(path);
             if let Some(parent) = path.parent().filter(|p| file && !p.as_os_str().is_empty()) {
                 if !parent.is_dir() {
@@ -249,8 +253,6 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 }
             }
             let existed = !file || path.exists();
-            // The catalog loads (or is refused) before anything is created.
-            let opts = engine_options(cli)?;
             let mut engine = Engine::create(path, opts)?;
             if let Err(e) = engine.load_world(&w) {
                 drop(engine);
@@ -260,7 +262,8 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                 }
                 return Err(e.into());
             }
-            let summary = json!({"tenants": w.tenants.len(), "subjects": w.subjects.len(), "grants": w.grants.len(), "orders": w.orders.len()});
+            let orders = crate::tools::demo::orders_of(&w).map_or(0, |o| o.len());
+            let summary = json!({"tenants": w.tenants.len(), "subjects": w.subjects.len(), "grants": w.grants.len(), "orders": orders});
             if *json {
                 print_json(&json!({"initialized": true, "world": summary}));
             } else {
@@ -269,7 +272,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
                     w.tenants.len(),
                     w.subjects.len(),
                     w.grants.len(),
-                    w.orders.len()
+                    orders
                 );
             }
             Ok(0)

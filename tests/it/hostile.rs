@@ -272,7 +272,12 @@ fn world_files_accept_any_documented_id_and_name_the_record_field_and_rule_they_
     };
     // Refs are ours to take, not to dictate: any id of the documented set.
     for r in ["A-1009", "INV.2026:07@eu", "12345", "x"] {
-        World::parse_named("shop.json", world(&order(r, "EUR", 10, 0, "paid")).as_bytes()).unwrap();
+        World::parse_checked(
+            "shop.json",
+            world(&order(r, "EUR", 10, 0, "paid")).as_bytes(),
+            &toolgate::tools::demo_toolset(),
+        )
+        .unwrap();
     }
     // (order, the words the one refusal must carry)
     let cases = [
@@ -290,7 +295,7 @@ fn world_files_accept_any_documented_id_and_name_the_record_field_and_rule_they_
     ];
     for (o, want) in cases {
         let text = world(&o);
-        match World::parse_named("shop.json", text.as_bytes()) {
+        match World::parse_checked("shop.json", text.as_bytes(), &toolgate::tools::demo_toolset()) {
             Err(toolgate::engine::EngineError::Invalid { code, message }) => {
                 assert_eq!(code, "WORLD_INVALID");
                 assert!(message.starts_with("shop.json: orders[0]"), "{message}");
@@ -478,4 +483,29 @@ fn a_bad_call_identity_gets_one_answer_from_dispatch_and_query() {
     assert_eq!(e.code(), "INVALID_ARGUMENTS", "{e}");
     assert!(e.to_string().contains("/call/call_id"), "{e}");
     assert_eq!(snapshot(fx.path()), before, "nothing stored changed");
+}
+
+#[test]
+fn a_world_section_no_domain_claims_is_refused_and_a_domains_own_is_handed_to_it() {
+    use toolgate::engine::world::World;
+    let base = r#""tenants":[{"id":"t","approvers":[],"approval_threshold_minor":1}],"subjects":[{"id":"s","tenant":"t"}],"grants":[]"#;
+    let demo = toolgate::tools::demo_toolset();
+    // The core keeps the section as written; the toolset refuses it, as serde words an unknown field.
+    let stray = format!("{{{base},\"shipments\":[]}}");
+    let w = World::parse_named("w.json", stray.as_bytes()).unwrap();
+    assert!(w.sections.contains_key("shipments"));
+    let err = World::parse_checked("w.json", stray.as_bytes(), &demo).unwrap_err().to_string();
+    assert!(
+        err.contains("w.json: unknown field `shipments`, expected one of `tenants`, `subjects`, `grants`, `orders`"),
+        "{err}"
+    );
+    // The demo domain claims `orders` and checks its shape and its rules.
+    let bad_shape = format!("{{{base},\"orders\":[{{\"order_ref\":\"o1\"}}]}}");
+    let err = World::parse_checked("w.json", bad_shape.as_bytes(), &demo).unwrap_err().to_string();
+    assert!(err.contains("w.json: orders: missing field `tenant`"), "{err}");
+    // A world of the core's sections alone serializes back as it was read.
+    let plain = format!("{{{base}}}");
+    let w = World::parse_checked("w.json", plain.as_bytes(), &demo).unwrap();
+    let again: serde_json::Value = serde_json::to_value(&w).unwrap();
+    assert_eq!(again, serde_json::from_str::<serde_json::Value>(&plain).unwrap());
 }

@@ -292,8 +292,11 @@ pub fn check_effects_at(path: &Path, effects_db: &Path, expect: Expect, e: &mut 
 
     // 6. Business state follows the ledger.
     let world = World::parse(DEMO_WORLD.as_bytes()).unwrap();
-    let mut expected: BTreeMap<String, i64> =
-        world.orders.iter().map(|o| (o.order_ref.clone(), o.refunded_minor)).collect();
+    let mut expected: BTreeMap<String, i64> = toolgate::tools::demo::orders_of(&world)
+        .unwrap()
+        .iter()
+        .map(|o| (o.order_ref.clone(), o.refunded_minor))
+        .collect();
     for op in ops.iter().filter(|o| o.tool == "create_refund") {
         let counts =
             op.state == "succeeded" || (op.state == "resolved" && op.resolution.as_deref() == Some("succeeded"));

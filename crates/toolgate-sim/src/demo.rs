@@ -8,9 +8,10 @@ use crate::downstream::FaultPlan;
 use crate::engine::canonical::CallIdentity;
 use crate::engine::clock::{Clock, ManualClock};
 use crate::engine::envelope::Envelope;
-use crate::engine::world::{World, DEMO_WORLD};
+use crate::engine::world::World;
 use crate::engine::{DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest, Resolution, ResolveRequest};
 use crate::store::{Location, OpenOptions, Store, StoreError, Sync};
+use crate::tools::demo::DEMO_WORLD;
 
 /// The committed demo database.
 pub const DEMO_DB: &[u8] = include_bytes!("../../../demo.db");

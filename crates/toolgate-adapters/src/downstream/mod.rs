@@ -370,8 +370,9 @@ impl Downstream for Simulated {
             return Ok(());
         }
         let provider = self.kind.as_str();
+        let orders = crate::tools::demo::orders_of(world).map_err(StoreError::Other)?;
         self.store.write(|tx| -> Result<(), StoreError> {
-            for o in &world.orders {
+            for o in &orders {
                 tx.insert_charge(provider, &o.order_ref, &o.currency, o.captured_minor, o.refunded_minor)?;
             }
             Ok(())

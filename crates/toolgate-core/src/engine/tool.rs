@@ -117,6 +117,19 @@ pub trait ToolDomain: Send + Sync {
         Ok(None)
     }
 
+    /// The top-level sections of a world file that are this domain's (the
+    /// demo's `orders`). A section no domain of the toolset claims is refused.
+    fn world_sections(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    /// Checks this domain's sections of a world file against the rest of it
+    /// and, when given (at the load), the catalog: the first problem, as
+    /// "record: field `f`: rule".
+    fn check_world(&self, _world: &super::world::World, _catalog: Option<&Contracts>) -> Result<(), String> {
+        Ok(())
+    }
+
     /// Seeds the domain's own tables from a world file being loaded, in the
     /// transaction that loads it (all or nothing). Nothing by default.
     fn load_world(&self, _tx: &DomainTx<'_, '_>, _world: &super::world::World) -> Result<(), StoreError> {
@@ -529,6 +542,35 @@ impl Toolset {
     /// The domain of a tool ([`NoDomain`] when it has none).
     pub fn domain(&self, tool: &str) -> Arc<dyn ToolDomain> {
         self.domains.get(tool).cloned().unwrap_or_else(|| Arc::new(NoDomain))
+    }
+
+    /// Refuses a world file this toolset cannot serve: a section no domain
+    /// claims (as serde words an unknown field), or what a domain refuses in
+    /// its own sections; `file` names the file in the message.
+    pub fn check_world(
+        &self,
+        file: &str,
+        world: &super::world::World,
+        catalog: Option<&Contracts>,
+    ) -> Result<(), super::EngineError> {
+        let groups = self.domain_groups();
+        for name in world.sections.keys() {
+            if !groups.iter().any(|(_, d)| d.world_sections().contains(&name.as_str())) {
+                let mut known: Vec<&str> = super::world::CORE_SECTIONS.to_vec();
+                for (_, d) in &groups {
+                    known.extend(d.world_sections());
+                }
+                let known: Vec<String> = known.iter().map(|k| format!("`{k}`")).collect();
+                return Err(super::world::bad(format!(
+                    "{file}: unknown field `{name}`, expected one of {}",
+                    known.join(", ")
+                )));
+            }
+        }
+        for (_, d) in &groups {
+            d.check_world(world, catalog).map_err(|why| super::world::bad(format!("{file}: {why}")))?;
+        }
+        Ok(())
     }
 
     /// Each distinct domain with the tools it serves (for the audit).

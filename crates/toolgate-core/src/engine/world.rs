@@ -1,5 +1,11 @@
-//! The world: tenants with approvers and thresholds, subjects, grants and orders,
-//! loaded from a JSON world file (docs/design.md §1).
+//! The world: tenants with approvers and thresholds, subjects and grants,
+//! loaded from a JSON world file (docs/design.md §1). Any other top-level
+//! section (the demo domain's `orders`) belongs to a tool's domain: the core
+//! keeps it as JSON, refuses a section no domain of the toolset claims, and
+//! hands each domain its own to check and load (`ToolDomain::world_sections`,
+//! `check_world`, `load_world`).
+
+use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
@@ -8,9 +14,6 @@ use serde_json::json;
 use super::canonical::{canonical_string, parse_strict};
 use super::{Engine, EngineError};
 use crate::store::{AuditRow, Principal, StoreError, Tx};
-
-/// The demo world shipped in `assets/`.
-pub const DEMO_WORLD: &str = include_str!("../../../../assets/world.json");
 
 /// Largest world file accepted.
 const MAX_WORLD_BYTES: usize = 16 * 1024 * 1024;
@@ -49,29 +52,8 @@ pub struct GrantSpec {
     pub tool: String,
 }
 
-/// An order.
-#[derive(Debug, Clone, Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct OrderSpec {
-    /// Reference.
-    pub order_ref: String,
-    /// Tenant.
-    pub tenant: String,
-    /// Owner subject.
-    pub owner: String,
-    /// Currency.
-    pub currency: String,
-    /// Captured.
-    pub captured_minor: i64,
-    /// Refunded so far.
-    pub refunded_minor: i64,
-    /// Status.
-    pub status: String,
-}
-
 /// A whole world file.
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
 pub struct World {
     /// Tenants.
     pub tenants: Vec<TenantSpec>,
@@ -79,16 +61,20 @@ pub struct World {
     pub subjects: Vec<SubjectSpec>,
     /// Grants.
     pub grants: Vec<GrantSpec>,
-    /// Orders (the demo domain's data; a world for other tools has none).
-    #[serde(default)]
-    pub orders: Vec<OrderSpec>,
+    /// Every other top-level section, by name, as written: a domain's own
+    /// data (the demo's `orders`). Serialized back at the top level.
+    #[serde(flatten)]
+    pub sections: BTreeMap<String, serde_json::Value>,
 }
 
+/// The sections every world file has.
+pub const CORE_SECTIONS: [&str; 3] = ["tenants", "subjects", "grants"];
+
 impl Engine {
-    /// A world that cannot work with this catalog is refused whole, naming
-    /// the record: a grant of a tool the catalog lacks (the `grant` command
-    /// refuses it too), or an order whose ref the catalog's `order_ref`
-    /// schema never accepts (no call could ever name it).
+    /// A world that cannot work with this catalog and toolset is refused
+    /// whole, naming the record: a grant of a tool the catalog lacks (the
+    /// `grant` command refuses it too), a section no domain claims, or what a
+    /// domain refuses in its own section.
     fn check_world_against_catalog(&self, world: &World) -> Result<(), EngineError> {
         for (i, g) in world.grants.iter().enumerate() {
             if self.contracts.get(&g.tool).is_none() {
@@ -98,23 +84,14 @@ impl Engine {
                 )));
             }
         }
-        for c in self.contracts.all() {
-            let Some(schema) = c.input_schema.get("properties").and_then(|p| p.get("order_ref")) else { continue };
-            let Ok(v) = jsonschema::validator_for(schema) else { continue };
-            for (i, o) in world.orders.iter().enumerate() {
-                if !v.is_valid(&serde_json::Value::String(o.order_ref.clone())) {
-                    return Err(bad(format!(
-                        "orders[{i}]: order_ref {:?} never fits {}'s input schema (properties.order_ref), so no call could name it",
-                        o.order_ref, c.name
-                    )));
-                }
-            }
-        }
+        // Each domain checks its own sections (the demo's orders against the
+        // catalog's `order_ref` schema), and a section none claims is refused.
+        self.toolset.check_world("world file", world, Some(&self.contracts))?;
         Ok(())
     }
 }
 
-fn bad(message: impl Into<String>) -> EngineError {
+pub(crate) fn bad(message: impl Into<String>) -> EngineError {
     EngineError::invalid("WORLD_INVALID", message)
 }
 
@@ -122,7 +99,8 @@ fn bad(message: impl Into<String>) -> EngineError {
 /// subjects, order refs): 1 to 128 of `A-Z a-z 0-9 _ - . @ :`.
 pub const ID_RULE: &str = "1 to 128 characters of A-Z a-z 0-9 _ - . @ :";
 
-fn valid_id(s: &str) -> bool {
+/// Whether `s` is an id of [`ID_RULE`].
+pub fn valid_id(s: &str) -> bool {
     !s.is_empty() && s.len() <= 128 && s.chars().all(|c| c.is_ascii_alphanumeric() || "_-.@:".contains(c))
 }
 
@@ -139,6 +117,16 @@ impl World {
         let v = parse_strict(text, MAX_WORLD_BYTES, 16).map_err(|e| bad(format!("{file}: {e}")))?;
         let w: World = serde_json::from_value(v).map_err(|e| bad(format!("{file}: {e}")))?;
         w.check().map_err(|why| bad(format!("{file}: {why}")))?;
+        Ok(w)
+    }
+
+    /// [`World::parse_named`], then the toolset's checks of the sections that
+    /// belong to its domains (see [`super::tool::Toolset::check_world`]; the
+    /// checks against the catalog wait for the load): what `toolgate init
+    /// --world FILE` runs before it creates anything.
+    pub fn parse_checked(file: &str, text: &[u8], toolset: &super::tool::Toolset) -> Result<World, EngineError> {
+        let w = Self::parse_named(file, text)?;
+        toolset.check_world(file, &w, None)?;
         Ok(w)
     }
 
@@ -184,42 +172,6 @@ impl World {
             }
             if !valid_id(&g.tool) {
                 return fail(rec, "tool", &format!("must be {ID_RULE}"));
-            }
-        }
-        let mut orders = std::collections::HashSet::new();
-        for (i, o) in self.orders.iter().enumerate() {
-            let rec = format!("orders[{i}] ({:?})", o.order_ref);
-            if !valid_id(&o.order_ref) {
-                return fail(rec, "order_ref", &format!("must be {ID_RULE}"));
-            }
-            if !orders.insert(o.order_ref.as_str()) {
-                return fail(rec, "order_ref", "duplicate order_ref");
-            }
-            if !tenants.contains(o.tenant.as_str()) {
-                return fail(rec, "tenant", "must name a tenant of this file");
-            }
-            if subjects.get(o.owner.as_str()) != Some(&o.tenant.as_str()) {
-                return fail(rec, "owner", "must name a subject of the order's tenant");
-            }
-            if !(o.currency.len() == 3 && o.currency.bytes().all(|b| b.is_ascii_uppercase())) {
-                return fail(rec, "currency", "must be a 3-letter upper-case currency code (ISO 4217), e.g. EUR");
-            }
-            if o.captured_minor < 0 {
-                return fail(rec, "captured_minor", "must be 0 or more");
-            }
-            if o.refunded_minor < 0 || o.refunded_minor > o.captured_minor {
-                return fail(rec, "refunded_minor", "must be between 0 and captured_minor");
-            }
-            let expected = match o.refunded_minor {
-                0 => "paid",
-                r if r == o.captured_minor => "refunded",
-                _ => "partially_refunded",
-            };
-            if !matches!(o.status.as_str(), "paid" | "partially_refunded" | "refunded") {
-                return fail(rec, "status", "must be paid, partially_refunded or refunded");
-            }
-            if o.status != expected {
-                return fail(rec, "status", &format!("must be {expected} for refunded_minor {}", o.refunded_minor));
             }
         }
         Ok(())

@@ -18,8 +18,9 @@ use crate::downstream::FaultPlan;
 use crate::engine::canonical::parse_strict;
 use crate::engine::clock::parse_rfc3339;
 use crate::engine::envelope::{Code, Delivery, Outcome, Recovery, Status};
-use crate::engine::world::{World, DEMO_WORLD};
+use crate::engine::world::World;
 use crate::engine::Resolution;
+use crate::tools::demo::DEMO_WORLD;
 
 /// Largest scenario file accepted.
 const MAX_SCRIPT_BYTES: usize = 1024 * 1024;
@@ -636,10 +637,12 @@ pub fn parse(file: &str, text: &[u8]) -> Result<Script, ScenarioError> {
     if raw.slug.is_empty() || !raw.slug.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_') {
         return Err(cx.err("slug", "must be lower-case letters, digits and _"));
     }
+    // Scenarios run on the demo toolset: its domain checks the orders too.
+    let tools = crate::tools::demo_toolset();
     let world = match &raw.world {
-        None => World::parse(DEMO_WORLD.as_bytes()),
-        Some(Value::String(s)) if s == "demo" => World::parse(DEMO_WORLD.as_bytes()),
-        Some(w @ Value::Object(_)) => World::parse(w.to_string().as_bytes()),
+        None => World::parse_checked("world", DEMO_WORLD.as_bytes(), &tools),
+        Some(Value::String(s)) if s == "demo" => World::parse_checked("world", DEMO_WORLD.as_bytes(), &tools),
+        Some(w @ Value::Object(_)) => World::parse_checked("world", w.to_string().as_bytes(), &tools),
         Some(_) => return Err(cx.err("world", "must be \"demo\" or a world object")),
     }
     .map_err(|e| cx.err("world", e.to_string()))?;

@@ -9,8 +9,9 @@ use serde_json::{json, Value};
 
 pub mod store;
 
+use crate::engine::contracts::Contracts;
 use crate::engine::tool::{Hold, ToolCall, ToolDomain};
-use crate::engine::world::World;
+use crate::engine::world::{valid_id, World, ID_RULE};
 use crate::engine::{Engine, EngineError};
 use crate::store::{DomainTx, StoreError};
 pub use store::OrderRow;
@@ -41,6 +42,111 @@ fn amount(call: &ToolCall<'_>) -> Option<i64> {
 
 fn order_ref<'a>(call: &ToolCall<'a>) -> Option<&'a str> {
     call.arguments.get("order_ref").and_then(Value::as_str)
+}
+
+/// The demo world shipped in `assets/`: tenants, subjects, grants and the
+/// demo domain's `orders` section.
+pub const DEMO_WORLD: &str = include_str!("../../../../../assets/world.json");
+
+/// The world file's section this domain owns.
+pub const ORDERS: &str = "orders";
+
+/// An order of a world file's `orders` section.
+#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct OrderSpec {
+    /// Reference.
+    pub order_ref: String,
+    /// Tenant.
+    pub tenant: String,
+    /// Owner subject.
+    pub owner: String,
+    /// Currency.
+    pub currency: String,
+    /// Captured.
+    pub captured_minor: i64,
+    /// Refunded so far.
+    pub refunded_minor: i64,
+    /// Status.
+    pub status: String,
+}
+
+/// The orders of a world file (none when it has no `orders` section), or
+/// what is wrong with the section's shape.
+pub fn orders_of(world: &World) -> Result<Vec<OrderSpec>, String> {
+    match world.sections.get(ORDERS) {
+        None => Ok(Vec::new()),
+        Some(v) => serde_json::from_value(v.clone()).map_err(|e| format!("{ORDERS}: {e}")),
+    }
+}
+
+/// Replaces a world's `orders` section (benches and examples that change
+/// the demo world's balances).
+pub fn set_orders(world: &mut World, orders: &[OrderSpec]) {
+    world.sections.insert(ORDERS.to_string(), serde_json::to_value(orders).unwrap_or_default());
+}
+
+/// The first rule an order breaks, as "orders[i] (ref): field `f`: rule".
+fn check_orders(world: &World, orders: &[OrderSpec]) -> Result<(), String> {
+    let fail = |record: String, field: &str, rule: &str| Err(format!("{record}: field `{field}`: {rule}"));
+    let tenants: std::collections::HashSet<&str> = world.tenants.iter().map(|t| t.id.as_str()).collect();
+    let subjects: std::collections::HashMap<&str, &str> =
+        world.subjects.iter().map(|s| (s.id.as_str(), s.tenant.as_str())).collect();
+    let mut seen = std::collections::HashSet::new();
+    for (i, o) in orders.iter().enumerate() {
+        let rec = format!("orders[{i}] ({:?})", o.order_ref);
+        if !valid_id(&o.order_ref) {
+            return fail(rec, "order_ref", &format!("must be {ID_RULE}"));
+        }
+        if !seen.insert(o.order_ref.as_str()) {
+            return fail(rec, "order_ref", "duplicate order_ref");
+        }
+        if !tenants.contains(o.tenant.as_str()) {
+            return fail(rec, "tenant", "must name a tenant of this file");
+        }
+        if subjects.get(o.owner.as_str()) != Some(&o.tenant.as_str()) {
+            return fail(rec, "owner", "must name a subject of the order's tenant");
+        }
+        if !(o.currency.len() == 3 && o.currency.bytes().all(|b| b.is_ascii_uppercase())) {
+            return fail(rec, "currency", "must be a 3-letter upper-case currency code (ISO 4217), e.g. EUR");
+        }
+        if o.captured_minor < 0 {
+            return fail(rec, "captured_minor", "must be 0 or more");
+        }
+        if o.refunded_minor < 0 || o.refunded_minor > o.captured_minor {
+            return fail(rec, "refunded_minor", "must be between 0 and captured_minor");
+        }
+        let expected = match o.refunded_minor {
+            0 => "paid",
+            r if r == o.captured_minor => "refunded",
+            _ => "partially_refunded",
+        };
+        if !matches!(o.status.as_str(), "paid" | "partially_refunded" | "refunded") {
+            return fail(rec, "status", "must be paid, partially_refunded or refunded");
+        }
+        if o.status != expected {
+            return fail(rec, "status", &format!("must be {expected} for refunded_minor {}", o.refunded_minor));
+        }
+    }
+    Ok(())
+}
+
+/// An order whose ref the catalog's `order_ref` schema never accepts: no call
+/// could ever name it.
+fn check_orders_against_catalog(orders: &[OrderSpec], catalog: &Contracts) -> Result<(), String> {
+    for c in catalog.all() {
+        let Some(schema) = c.input_schema.get("properties").and_then(|p| p.get("order_ref")) else { continue };
+        let Ok(v) = jsonschema::validator_for(schema) else { continue };
+        for (i, o) in orders.iter().enumerate() {
+            if !v.is_valid(&Value::String(o.order_ref.clone())) {
+                return Err(format!(
+                    "orders[{i}]: order_ref {:?} never fits {}'s input schema (properties.order_ref), so no call could name it",
+                    o.order_ref, c.name
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Every order of the ledger's demo world, in order_ref order (`toolgate
@@ -87,8 +193,20 @@ impl ToolDomain for DemoDomain {
         Ok(None)
     }
 
+    fn world_sections(&self) -> &'static [&'static str] {
+        &[ORDERS]
+    }
+
+    fn check_world(&self, world: &World, catalog: Option<&Contracts>) -> Result<(), String> {
+        let orders = orders_of(world)?;
+        check_orders(world, &orders)?;
+        catalog.map_or(Ok(()), |c| check_orders_against_catalog(&orders, c))
+    }
+
     fn load_world(&self, tx: &DomainTx<'_, '_>, world: &World) -> Result<(), StoreError> {
-        for o in &world.orders {
+        // Checked before the load (`check_world`): a section that does not
+        // parse here cannot have got this far.
+        for o in &orders_of(world).map_err(StoreError::Other)? {
             store::insert_order(
                 tx,
                 &OrderRow {
