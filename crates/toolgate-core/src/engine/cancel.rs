@@ -27,6 +27,7 @@ use super::canonical::canonical_string;
 use super::envelope::Code;
 use super::trace::TraceEvent;
 use super::{Engine, EngineError, OperatorOutcome};
+use crate::store::Scope;
 use crate::store::Step;
 use crate::store::{AttemptOutcome, AttemptRow, AuditRow, OpState, OutboxState, StoreError, SENDER_DETACHED};
 
@@ -108,16 +109,13 @@ impl Engine {
     /// accepted, or refused before accept): there is nothing to cancel.
     pub fn cancel_own_call(
         &mut self,
-        tenant: &str,
-        subject: &str,
-        tool: &str,
-        key: &str,
+        scope: Scope<'_>,
         who: &str,
         note: &str,
     ) -> Result<Option<OperatorOutcome>, EngineError> {
         let defenses = self.defenses()?;
-        let key = super::lab::scope_key(key, defenses, &self.instance, &self.ids);
-        let Some(op) = self.store.read(|tx| tx.operation_by_scope(tenant, subject, tool, &key))? else {
+        let key = super::lab::scope_key(scope.key, defenses, &self.instance, &self.ids);
+        let Some(op) = self.store.read(|tx| tx.operation_by_scope(Scope { key: &key, ..scope }))? else {
             return Ok(None);
         };
         let r = CancelRequest {

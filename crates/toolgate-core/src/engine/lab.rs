@@ -279,14 +279,8 @@ impl Engine {
     /// The lab's referee: how many downstream effects exist for one business
     /// intent (the caller's key in its scope). More than one is a duplicate; one,
     /// for an intent its harness believes failed, is a wrong belief.
-    pub fn effects_for_intent(
-        &mut self,
-        tenant: &str,
-        subject: &str,
-        tool: &str,
-        key: &str,
-    ) -> Result<i64, EngineError> {
-        let intent = super::operation::intent_of(tenant, subject, tool, key);
+    pub fn effects_for_intent(&mut self, scope: crate::store::Scope<'_>) -> Result<i64, EngineError> {
+        let intent = super::operation::intent_of(scope);
         for d in self.downstreams.values_mut() {
             if let Some(n) = d.effects_for_intent(&intent)? {
                 return Ok(n);

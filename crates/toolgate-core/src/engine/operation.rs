@@ -15,11 +15,13 @@ use super::envelope::{
     ProtectedAudit, Status,
 };
 use super::tool::{Receipt, ToolCall, ToolDomain};
+use crate::store::Scope;
 use crate::store::{Access, ApprovalRow, OpState, OperationRow, StoreError, Tx};
 
 /// The business intent a downstream effect is counted under: the whole scope
 /// (tenant, subject, tool, caller's key), hashed.
-pub fn intent_of(tenant: &str, subject: &str, tool: &str, caller_key: &str) -> String {
+pub fn intent_of(scope: Scope<'_>) -> String {
+    let Scope { tenant, subject, tool, key: caller_key } = scope;
     sha256_hex(format!("{tenant}\0{subject}\0{tool}\0{caller_key}").as_bytes())
 }
 

@@ -681,7 +681,7 @@ impl Engine {
             if let Err(why) = verify_approval(&a) {
                 return invalid(&format!("approval record failed its integrity check: {why}"), "tampered", Some(&a));
             }
-            if tx.operation_by_scope(&a.tenant, &a.subject, &a.tool, &a.idem_key)?.is_some() {
+            if tx.operation_by_scope(a.scope())?.is_some() {
                 return invalid("the intent already has an operation", "already_accepted", Some(&a));
             }
             // Accept the held call.

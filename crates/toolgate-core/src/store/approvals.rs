@@ -25,7 +25,8 @@ impl Tx<'_> {
     }
 
     /// The newest approval request for a scope.
-    pub fn latest_approval(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Option<ApprovalRow>> {
+    pub fn latest_approval(&self, scope: super::Scope<'_>) -> R<Option<ApprovalRow>> {
+        let super::Scope { tenant, subject, tool, key } = scope;
         self
             .conn
             .prepare_cached(sql_text!(

@@ -23,6 +23,7 @@ mod trace;
 mod world;
 #[macro_use]
 mod rows;
+mod scope;
 pub(crate) mod sql;
 mod states;
 mod tokens;
@@ -41,6 +42,7 @@ pub use pg::ScratchDatabase;
 pub use provider::{ProviderStore, ProviderTx};
 pub use resilience::{CircuitRow, RateLimitedRow, RetryBudgetRow, MILLI_TOKEN};
 pub use rows::*;
+pub use scope::Scope;
 use sql::{params, Conn};
 pub use sql::{Backend, Col, Param};
 pub use states::{ApprovalState, AttemptOutcome, CircuitState, OpState, OutboxState, Step};

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use super::sql::{Param, Row};
 use super::{
     params, placeholders, AttemptOutcome, AttemptRow, Backend, CallIdentityRow, CallKey, ForClaim, OpState,
-    OperationRow, OutboxRow, OutboxState, ReceiptRow, TombstoneRow, Tx, Versioned, OP_COLS, OUTBOX_COLS, R,
+    OperationRow, OutboxRow, OutboxState, ReceiptRow, Scope, TombstoneRow, Tx, Versioned, OP_COLS, OUTBOX_COLS, R,
     TOMBSTONE_COLS,
 };
 
@@ -60,7 +60,8 @@ impl Tx<'_> {
     // ----------------------------------------------------------- operations
 
     /// The operation for a scope.
-    pub fn operation_by_scope(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Option<OperationRow>> {
+    pub fn operation_by_scope(&self, scope: Scope<'_>) -> R<Option<OperationRow>> {
+        let Scope { tenant, subject, tool, key } = scope;
         self.conn
             .prepare_cached(sql_text!(
                 "SELECT {OP_COLS} FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4"
@@ -69,7 +70,8 @@ impl Tx<'_> {
     }
 
     /// The state of the operation for a scope (no row: `None`).
-    pub fn operation_state_by_scope(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Option<String>> {
+    pub fn operation_state_by_scope(&self, scope: Scope<'_>) -> R<Option<String>> {
+        let Scope { tenant, subject, tool, key } = scope;
         self.conn
             .prepare_cached(
                 "SELECT state FROM operations WHERE tenant = ?1 AND subject = ?2 AND tool = ?3 AND idem_key = ?4",
@@ -302,7 +304,8 @@ impl Tx<'_> {
     /// The operations under the same key string in other scopes (index
     /// `operations_key`): a new intent looks here for its own row when a hand
     /// edit moved that row out of its scope (tenant, subject or tool changed).
-    pub fn operations_sharing_key(&self, tenant: &str, subject: &str, tool: &str, key: &str) -> R<Vec<OperationRow>> {
+    pub fn operations_sharing_key(&self, scope: Scope<'_>) -> R<Vec<OperationRow>> {
+        let Scope { tenant, subject, tool, key } = scope;
         let mut st = self.conn.prepare_cached(sql_text!(
             "SELECT {OP_COLS} FROM operations
              WHERE idem_key = ?1 AND NOT (tenant = ?2 AND subject = ?3 AND tool = ?4) LIMIT 64"

@@ -51,6 +51,7 @@ use crate::engine::projection::QUERY_STATUS_TOOL;
 use crate::engine::tokens::Principal;
 use crate::engine::{CancelSignal, DispatchRequest, Engine, EngineError, EngineOptions, QueryRequest};
 use crate::pool::Pool;
+use crate::store::Scope;
 
 /// `/mcp` inside `serve`: the grace of a call in flight at shutdown (within
 /// the server's drain timeout).
@@ -661,7 +662,7 @@ impl Gate {
                     return Ok(Cancelled::Nothing);
                 };
                 let note = format!("notifications/cancelled from the caller {subject}");
-                Ok(match e.cancel_own_call(&tenant, &subject, &tool, &key, CANCELLED_BY, &note)? {
+                Ok(match e.cancel_own_call(Scope::new(&tenant, &subject, &tool, &key), CANCELLED_BY, &note)? {
                     Some(o) => Cancelled::Applied(o.code),
                     None => Cancelled::NotYet,
                 })
@@ -724,7 +725,7 @@ impl Gate {
                 return Ok(None);
             };
             let note = "the MCP server stopped (a signal or the end of its input) before the call finished";
-            Ok(e.cancel_own_call(&tenant, &subject, &tool, &key, DETACHED_BY, note)?.map(|o| o.code))
+            Ok(e.cancel_own_call(Scope::new(&tenant, &subject, &tool, &key), DETACHED_BY, note)?.map(|o| o.code))
         };
         let detached = match self.lane.submit(job) {
             Ok(rx) => rx.await.ok(),

@@ -49,6 +49,7 @@ use crate::engine::clock::{Clock, SystemClock};
 use crate::engine::envelope::{Code, Envelope, Status};
 use crate::engine::tool::Toolset;
 use crate::engine::{DispatchRequest, Engine, EngineError, EngineOptions, LabToggle, QueryRequest};
+use crate::store::Scope;
 use crate::store::{ProviderStore, StoreError, Sync};
 
 /// How to run the agents.
@@ -660,7 +661,11 @@ impl Agent<'_> {
             // The referee peeks: did the provider do it anyway?
             let provider_db = self.shared.opts.provider_db.clone();
             let found = self.survive(|s| {
-                effects_for_intent(&mut s.replicas[0], provider_db.as_deref(), [p.tenant, p.subject, tool, &key])
+                effects_for_intent(
+                    &mut s.replicas[0],
+                    provider_db.as_deref(),
+                    Scope::new(p.tenant, p.subject, tool, &key),
+                )
             })?;
             if found > 0 {
                 LoadStats::bump(&self.shared.stats.wrong_beliefs);
@@ -878,15 +883,11 @@ fn over_captured(before: &Money, after: &Money) -> BTreeMap<String, i64> {
 }
 
 /// Effects one intent has at its provider.
-fn effects_for_intent(
-    e: &mut Engine,
-    provider_db: Option<&Path>,
-    [tenant, subject, tool, key]: [&str; 4],
-) -> Result<i64, EngineError> {
+fn effects_for_intent(e: &mut Engine, provider_db: Option<&Path>, scope: Scope<'_>) -> Result<i64, EngineError> {
     match provider_db {
-        None => e.effects_for_intent(tenant, subject, tool, key),
+        None => e.effects_for_intent(scope),
         Some(p) => {
-            let intent = crate::engine::intent_of(tenant, subject, tool, key);
+            let intent = crate::engine::intent_of(scope);
             Ok(ProviderStore::open_read_only(p)?.read(|tx| tx.count_effects_for_intent(&intent))?)
         }
     }
@@ -968,7 +969,7 @@ pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) 
     }
     let mut wrong_beliefs = 0;
     for (tenant, subject, tool, key) in &total.believed_failed {
-        if effects_for_intent(&mut referee, opts.provider_db.as_deref(), [tenant, subject, tool, key])? > 0 {
+        if effects_for_intent(&mut referee, opts.provider_db.as_deref(), Scope::new(tenant, subject, tool, key))? > 0 {
             wrong_beliefs += 1;
         }
     }

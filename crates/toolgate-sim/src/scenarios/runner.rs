@@ -463,7 +463,7 @@ impl ScenarioRun {
 
     fn op_of(&mut self, scope: Option<&Scope>) -> Result<Option<OperationRow>, StoreError> {
         let Some(s) = scope else { return Ok(None) };
-        self.observer.read(|tx| tx.operation_by_scope(&s.tenant, &s.subject, &s.tool, &s.key))
+        self.observer.read(|tx| tx.operation_by_scope(crate::store::Scope::new(&s.tenant, &s.subject, &s.tool, &s.key)))
     }
 
     fn prior(&self, k: usize) -> Result<&StepObservation, StepError> {

@@ -18,6 +18,7 @@ use crate::engine::tool::ToolDomain;
 use crate::engine::trace::TraceEvent;
 use crate::engine::{error_envelope, with_detail, with_retry_after, DefensesOff, EngineError};
 use crate::failpoint;
+use crate::store::Scope;
 use crate::store::Step;
 use crate::store::{
     ApprovalRow, ApprovalState, CallIdentityRow, CallKey, OpState, OperationRow, OutboxState, StoreError, Tx,
@@ -94,7 +95,7 @@ pub(super) fn accept(
         }
     }
     ev.checks.push("call_identity");
-    let existing = tx.operation_by_scope(&r.tenant, &r.subject, &r.tool, c.key)?;
+    let existing = tx.operation_by_scope(Scope::new(&r.tenant, &r.subject, &r.tool, c.key))?;
     ev.step = Step::Idempotency;
     if let Some(op) = existing {
         ev.operation_id = Some(op.id.clone());
@@ -201,7 +202,7 @@ pub(super) fn accept(
     // names this very scope sits elsewhere, its tenant, subject or tool column
     // was edited by hand: the intent is not new, and running it would be a
     // second effect.
-    for other in tx.operations_sharing_key(&r.tenant, &r.subject, &r.tool, c.key)? {
+    for other in tx.operations_sharing_key(Scope::new(&r.tenant, &r.subject, &r.tool, c.key))? {
         let bound = serde_json::from_str::<Value>(&other.request_json).ok();
         let says = |f: &str| bound.as_ref().and_then(|v| v.get(f)).and_then(Value::as_str).map(str::to_string);
         let ours = says("tenant").as_deref() == Some(r.tenant.as_str())
@@ -357,7 +358,7 @@ pub(super) fn approval_gate(
         c.contract.revisions,
         tenant.policy_revision,
     );
-    let latest = tx.latest_approval(&r.tenant, &r.subject, &r.tool, c.key)?;
+    let latest = tx.latest_approval(Scope::new(&r.tenant, &r.subject, &r.tool, c.key))?;
     if let Some(given) = &r.approval_id {
         if latest.as_ref().map(|a| &a.id) != Some(given) {
             ev.note = Some("approval id does not belong to this call".into());

@@ -21,6 +21,7 @@ use crate::engine::lab::scope_key;
 use crate::engine::operation::op_envelope;
 use crate::engine::trace::{Answering, TraceEvent};
 use crate::engine::{error_envelope, fresh_call_identity, with_detail, Engine, EngineError};
+use crate::store::Scope;
 use crate::store::Step;
 use crate::store::{OperationRow, Sync, Tx};
 
@@ -316,12 +317,12 @@ impl Engine {
         // A scope this engine has answered with an operation skips that read
         // (see `SeenSent`: a hint that `accept` re-checks).
         let full = self.store.durability() == Sync::Full;
-        let seen = SeenSent::hash(&req.tenant, &req.subject, &req.tool, &key);
+        let seen = SeenSent::hash(Scope::new(&req.tenant, &req.subject, &req.tool, &key));
         let known = full
             && (self.seen_sent.holds(seen)
                 || self
                     .store
-                    .read(|tx| tx.operation_state_by_scope(&req.tenant, &req.subject, &req.tool, &key))?
+                    .read(|tx| tx.operation_state_by_scope(Scope::new(&req.tenant, &req.subject, &req.tool, &key)))?
                     .is_some_and(|s| s != "accepted"));
         let mut decision = if known {
             self.store.write_relaxed(|tx| step(tx, audit.clone(), ev.clone(), true))?
@@ -376,19 +377,19 @@ mod tests {
     #[test]
     fn seen_sent_holds_what_it_was_told_until_forgotten_or_overwritten() {
         let mut seen = SeenSent::default();
-        let a = SeenSent::hash("acme", "agent_ana", "create_refund", "key-a");
+        let a = SeenSent::hash(Scope::new("acme", "agent_ana", "create_refund", "key-a"));
         assert_ne!(a, 0, "0 marks an empty slot");
         assert!(!seen.holds(a));
         seen.remember(a);
         assert!(seen.holds(a));
         // Any part of the scope makes another scope.
         for other in [
-            SeenSent::hash("acme2", "agent_ana", "create_refund", "key-a"),
-            SeenSent::hash("acme", "agent_bo", "create_refund", "key-a"),
-            SeenSent::hash("acme", "agent_ana", "send_email", "key-a"),
-            SeenSent::hash("acme", "agent_ana", "create_refund", "key-b"),
+            SeenSent::hash(Scope::new("acme2", "agent_ana", "create_refund", "key-a")),
+            SeenSent::hash(Scope::new("acme", "agent_bo", "create_refund", "key-a")),
+            SeenSent::hash(Scope::new("acme", "agent_ana", "send_email", "key-a")),
+            SeenSent::hash(Scope::new("acme", "agent_ana", "create_refund", "key-b")),
             // Not a concatenation: the parts' boundaries count.
-            SeenSent::hash("acm", "eagent_ana", "create_refund", "key-a"),
+            SeenSent::hash(Scope::new("acm", "eagent_ana", "create_refund", "key-a")),
         ] {
             assert!(!seen.holds(other));
         }

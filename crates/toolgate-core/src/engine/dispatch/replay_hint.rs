@@ -22,10 +22,10 @@ impl Default for SeenSent {
 
 impl SeenSent {
     /// Never 0, the empty slot.
-    pub(super) fn hash(tenant: &str, subject: &str, tool: &str, key: &str) -> u64 {
+    pub(super) fn hash(scope: crate::store::Scope<'_>) -> u64 {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        (tenant, subject, tool, key).hash(&mut h);
+        (scope.tenant, scope.subject, scope.tool, scope.key).hash(&mut h);
         h.finish() | 1
     }
 

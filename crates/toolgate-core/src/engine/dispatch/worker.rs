@@ -20,6 +20,7 @@ use crate::engine::tool::ToolDomain;
 use crate::engine::trace::{Answering, TraceEvent};
 use crate::engine::{error_envelope, with_detail, with_retry_after, Engine, EngineError};
 use crate::failpoint;
+use crate::store::Scope;
 use crate::store::Step;
 use crate::store::{AttemptOutcome, ForClaim, OpState, OperationRow, OutboxState, StoreError, Tx};
 
@@ -126,7 +127,7 @@ impl Engine {
             let dreq = DownstreamRequest {
                 // The business intent is the whole scope, not the key string alone;
                 // and it is the caller's key even when a lab toggle re-scoped the ledger.
-                intent: intent_of(&op.tenant, &op.subject, &op.tool, caller_key(&op.idem_key)),
+                intent: intent_of(Scope { key: caller_key(&op.idem_key), ..op.scope() }),
                 tool: op.tool.clone(),
                 arguments: args,
                 request_sha256: op.request_sha256.clone(),
