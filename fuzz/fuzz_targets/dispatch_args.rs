@@ -7,7 +7,6 @@ use clap::Parser as _;
 use libfuzzer_sys::fuzz_target;
 use toolgate::cli::Cli;
 use toolgate::engine::canonical::{canonical_string, canonicalize_text, parse_strict, MAX_DEPTH, MAX_INPUT_BYTES};
-use toolgate::engine::contracts::Contracts;
 
 fuzz_target!(|data: &[u8]| {
     // The CLI: argv is the input split on NUL.
@@ -19,7 +18,7 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(v) = parse_strict(data, MAX_INPUT_BYTES, MAX_DEPTH) {
         let c = canonical_string(&v);
         assert_eq!(canonicalize_text(c.as_bytes()).as_deref(), Ok(c.as_str()), "canonical form is a fixed point");
-        if let Ok(contracts) = Contracts::builtin() {
+        if let Ok(contracts) = toolgate::tools::demo_catalog() {
             for tool in ["create_refund", "notify_customer", "get_order"] {
                 if let Some(contract) = contracts.get(tool) {
                     let _ = contract.check_input(&v);
