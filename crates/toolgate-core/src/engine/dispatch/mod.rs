@@ -26,10 +26,11 @@ use crate::store::Step;
 use crate::store::{OperationRow, Sync, Tx};
 
 use admission::{accept, AcceptCtx};
+use read::ReadCall;
 pub(crate) use replay_hint::SeenSent;
 #[cfg(test)]
 use replay_hint::SEEN_SENT_SLOTS;
-use worker::{claim_to_send, Caller, Claim};
+use worker::{claim_to_send, Caller, Claim, ClaimCtx};
 
 /// One tool call as a harness sends it.
 #[derive(Debug, Clone, Default)]
@@ -222,7 +223,7 @@ impl Engine {
             }
         };
         if contract.effect == Effect::Read {
-            return self.read_tool(req, contract, &args, &key, &call, audit, ev, t0);
+            return self.read_tool(req, &ReadCall { contract, args: &args, key: &key, call: &call }, audit, ev, t0);
         }
         // With every defense on (always, outside a demo database's lab) the ledger
         // scope key is the caller's key.
@@ -300,7 +301,8 @@ impl Engine {
                         return Ok(Decision::CancelledBeforeSend(op_id));
                     }
                     let built = built.map(|op| *op);
-                    Ok(match claim_to_send(tx, &op_id, built, contract, &*domain, &worker, now, lease_ms, &caller)? {
+                    let c = ClaimCtx { contract, domain: &*domain, worker: &worker, now, lease_ms, caller: &caller };
+                    Ok(match claim_to_send(tx, &op_id, built, &c)? {
                         Claim::Claimed { attempt, op, slot } => Decision::Sending { attempt, op, slot },
                         Claim::Answer(env) => Decision::Answered(env),
                     })

@@ -15,24 +15,30 @@ use crate::engine::{error_envelope, Engine, EngineError};
 use crate::store::CallIdentityRow;
 use crate::store::Step;
 
+/// A read call as `dispatch` has checked it: its contract, its parsed
+/// arguments, the key it was answered under and its call identity.
+pub(super) struct ReadCall<'a> {
+    pub(super) contract: &'a Contract,
+    pub(super) args: &'a Value,
+    pub(super) key: &'a str,
+    pub(super) call: &'a CallIdentity,
+}
+
 impl Engine {
     /// A read tool: authorization, the call-identity binding, the read, and its
     /// trace event, in one transaction. A read changes no state, so the commit
     /// only records how the call was answered (not fsynced), but the call
     /// identity is bound on first use like every other call's: the same identity
     /// with other arguments, another key or another purpose is `CALL_ID_CONFLICT`.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn read_tool(
         &mut self,
         req: &DispatchRequest,
-        contract: &Contract,
-        args: &Value,
-        key: &str,
-        call: &CallIdentity,
+        r: &ReadCall<'_>,
         mut audit: ProtectedAudit,
         mut ev: TraceEvent,
         t0: Instant,
     ) -> Result<Envelope, EngineError> {
+        let ReadCall { contract, args, key, call } = *r;
         let (tenant, subject, tool) = (req.tenant.as_str(), req.subject.as_str(), req.tool.as_str());
         let request = request_object(tenant, subject, tool, args, contract.revisions);
         let request_sha256 = sha256_hex(canonical_string(&request).as_bytes());

@@ -107,9 +107,10 @@ impl Engine {
                 let caller =
                     Caller { principal_ref: &pref, salt: &salt, answer, reserve: !defenses_now.balance_not_reserved };
                 let domain = self.domain(&op0.tool);
-                let claim = self
-                    .store
-                    .write(|tx| claim_to_send(tx, op_id, None, contract, &*domain, &worker, now, lease_ms, &caller))?;
+                let claim = self.store.write(|tx| {
+                    let c = ClaimCtx { contract, domain: &*domain, worker: &worker, now, lease_ms, caller: &caller };
+                    claim_to_send(tx, op_id, None, &c)
+                })?;
                 match claim {
                     Claim::Answer(env) => return Ok(env),
                     Claim::Claimed { attempt, op, slot } => (attempt, op, slot),
@@ -252,23 +253,30 @@ pub(super) struct Caller<'a> {
     pub(super) reserve: bool,
 }
 
+/// What a claim needs besides the transaction and the row: the tool, the
+/// worker and its lease, the time, and who waits for the run.
+#[derive(Clone, Copy)]
+pub(super) struct ClaimCtx<'a> {
+    pub(super) contract: &'a Contract,
+    pub(super) domain: &'a dyn ToolDomain,
+    pub(super) worker: &'a str,
+    pub(super) now: i64,
+    pub(super) lease_ms: i64,
+    pub(super) caller: &'a Caller<'a>,
+}
+
 /// [`claim`], then, in the same transaction, the sent-marker: the commit
 /// that returns from here is the last one before the send. A crash before it
 /// leaves the row unclaimed (provably unsent); after it, the attempt is
 /// possibly received, exactly as a separate sent-marker commit would leave it.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn claim_to_send(
     tx: &Tx<'_>,
     op_id: &str,
     built: Option<OperationRow>,
-    contract: &Contract,
-    domain: &dyn ToolDomain,
-    worker: &str,
-    now: i64,
-    lease_ms: i64,
-    caller: &Caller<'_>,
+    c: &ClaimCtx<'_>,
 ) -> Result<Claim, EngineError> {
-    let claimed = claim(tx, op_id, built, contract, domain, worker, now, lease_ms, caller)?;
+    let ClaimCtx { worker, now, caller, .. } = *c;
+    let claimed = claim(tx, op_id, built, c)?;
     let Claim::Claimed { attempt, op, slot } = claimed else {
         return Ok(claimed);
     };
@@ -290,18 +298,13 @@ pub(super) fn claim_to_send(
 /// transaction has just inserted after those very checks
 /// ([`Decision::Execute`]); nothing can have changed since (the transaction
 /// holds the write lock), so it is neither read back nor checked again.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn claim(
     tx: &Tx<'_>,
     op_id: &str,
     built: Option<OperationRow>,
-    contract: &Contract,
-    domain: &dyn ToolDomain,
-    worker: &str,
-    now: i64,
-    lease_ms: i64,
-    caller: &Caller<'_>,
+    c: &ClaimCtx<'_>,
 ) -> Result<Claim, EngineError> {
+    let ClaimCtx { contract, domain, worker, now, lease_ms, caller } = *c;
     let pref = caller.principal_ref;
     let built_here = built.is_some();
     let Some(mut op) = (match built {
