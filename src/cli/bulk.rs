@@ -1,8 +1,8 @@
 //! `--all` on query, approve, deny and resolve: the selection, the plan and
 //! the one call per row.
 
-use super::{open, open_read, print_json, Cli, CliError, SelectArgs};
-use crate::engine::{BulkAction, BulkTarget, Engine};
+use super::{open, open_read, print_json, Cli, CliError, ResolveArgs, ResolveAs, SelectArgs};
+use crate::engine::{BulkAction, BulkTarget, Engine, Resolution};
 use serde_json::{json, Value};
 
 /// A bulk selection as a store filter; a bad state or duration is a usage error.
@@ -142,4 +142,16 @@ pub(super) fn print_outcome(o: &crate::engine::OperatorOutcome, json: bool) {
     } else {
         outln!("refused [{}]: {}", o.code, o.message);
     }
+}
+
+/// `resolve --all`: the resolution of every operation the selection matches.
+pub(super) fn bulk_resolve(cli: &Cli, a: &ResolveArgs) -> Result<i32, CliError> {
+    let operator = cli.operator.clone().unwrap_or_default();
+    let resolution = match a.resolution {
+        ResolveAs::Succeeded => Resolution::Succeeded,
+        ResolveAs::Failed => Resolution::Failed,
+        ResolveAs::Compensated => Resolution::Compensated,
+    };
+    let action = BulkAction::Resolve { resolution, note: a.act.note.clone(), no_evidence: a.no_evidence };
+    bulk_command(cli, &a.select, a.tenant.as_deref(), &action, &operator, a.act.json)
 }
