@@ -15,6 +15,7 @@ use super::tool::ToolCall;
 use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, Engine, EngineError};
 use crate::failpoint;
+use crate::store::AnswerKind;
 use crate::store::Step;
 use crate::store::{
     ApprovalState, AttemptOutcome, AuditRow, CallIdentityRow, OpState, OperationRow, OutboxState, ReceiptRow,
@@ -210,7 +211,7 @@ impl Engine {
         if let Some(op) = &q.operator {
             super::check_operator(op)?;
         }
-        let started = Some(Answering::now("query"));
+        let started = Some(Answering::now(AnswerKind::Query));
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
         let call = q.call.clone().unwrap_or_else(fresh_call_identity);
@@ -608,7 +609,7 @@ impl Engine {
     /// one transaction) and executed now. Refusals are `APPROVAL_INVALID`.
     pub fn approve(&mut self, approval_id: &str, approver: &str) -> Result<Envelope, EngineError> {
         super::check_operator(approver)?;
-        let started = Some(Answering::now("approve"));
+        let started = Some(Answering::now(AnswerKind::Approve));
         let now = self.clock.now_ms();
         let salt = self.salt.clone();
         let contracts = self.contracts.clone();

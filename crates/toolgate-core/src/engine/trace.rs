@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use super::canonical::{sha256_hex, CallIdentity, ObjectWriter, Revisions};
 use super::envelope::{Code, Envelope};
-pub use crate::store::Step;
+pub use crate::store::{AnswerKind, Step};
 use crate::store::{ApprovalRow, OpState, OperationRow, StoreError, TraceRow, Tx};
 
 /// The fields of one trace event. `None` fields are left out.
@@ -44,9 +44,9 @@ pub struct TraceEvent {
     /// Duration of the step itself.
     #[serde(skip)]
     pub duration_us: Option<i64>,
-    /// The API call this event answers (`dispatch`, `query`, `approve`).
+    /// The API call this event answers.
     #[serde(skip)]
-    pub answer: Option<&'static str>,
+    pub answer: Option<AnswerKind>,
     /// The whole call's latency, on the answer event.
     #[serde(skip)]
     pub latency_us: Option<i64>,
@@ -153,15 +153,15 @@ impl From<&crate::engine::tool::Refusal> for RefusalFields {
 /// The call an event answers and when that call started.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Answering {
-    /// `dispatch`, `query` or `approve`.
-    pub kind: &'static str,
+    /// Which call.
+    pub kind: AnswerKind,
     /// When the call started.
     pub started: Instant,
 }
 
 impl Answering {
     /// A call of `kind` that started now.
-    pub(crate) fn now(kind: &'static str) -> Self {
+    pub(crate) fn now(kind: AnswerKind) -> Self {
         Self { kind, started: Instant::now() }
     }
 }
@@ -320,7 +320,7 @@ impl TraceEvent {
             attempt: self.attempt,
             duration_us: self.duration_us,
             fields,
-            answer: self.answer.map(str::to_string),
+            answer: self.answer.map(|a| a.as_str().to_string()),
             latency_us: self.latency_us,
             tenant_ref: self.tenant_ref.clone(),
             tool_version: self.revisions.map(|r| format!("{}.{}.{}", r.input, r.output, r.effect)),
@@ -392,7 +392,7 @@ impl TraceEvent {
         let stage = self.timeout_stage.unwrap_or("-");
         let attempt = self.attempt.unwrap_or(0);
         let step = self.step.as_str();
-        if let Some(call) = self.answer {
+        if let Some(call) = self.answer.map(AnswerKind::as_str) {
             let latency_us = self.latency_us.unwrap_or(0);
             tracing::info!(
                 target: "toolgate::trace",

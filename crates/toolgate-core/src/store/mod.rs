@@ -45,7 +45,7 @@ pub use rows::*;
 pub use scope::Scope;
 use sql::{params, Conn};
 pub use sql::{Backend, Col, Param};
-pub use states::{ApprovalState, AttemptOutcome, CircuitState, OpState, OutboxState, Step};
+pub use states::{AnswerKind, ApprovalState, AttemptOutcome, CircuitState, OpState, OutboxState, Step};
 pub use tokens::TokenRow;
 pub use views::{
     cursor_after, Cursor, Filter, FilterTarget, Key, LiveRow, OpsView, Order, SortColumn, APPROVALS_SORT, AUDIT_SORT,

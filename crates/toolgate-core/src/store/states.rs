@@ -306,6 +306,19 @@ state_enum! {
     }
 }
 
+state_enum! {
+    /// The API call an answer event answers (`trace_events.answer`): what the
+    /// metrics count dispatches, queries and approvals by.
+    AnswerKind {
+        /// `dispatch` (and read tools).
+        Dispatch => "dispatch",
+        /// A status query.
+        Query => "query",
+        /// An approval.
+        Approve => "approve",
+    }
+}
+
 /// `TraceEvent::default()` has no step yet: every constructor sets one, and
 /// the store never writes `Unrecognized`.
 impl Default for Step {

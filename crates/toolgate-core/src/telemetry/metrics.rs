@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use super::histogram::{Histogram, Percentiles, PROMETHEUS_BOUNDS_US};
 use crate::engine::{Engine, EngineError};
-use crate::store::Step;
+use crate::store::{AnswerKind, Step};
 use crate::store::{ApprovalStateRow, CircuitState, LatencyRow, MetricRow, OpenOperationsRow, StoreError};
 
 pub use crate::engine::trace::{minutes_retained_from, MINUTES_RETAINED};
@@ -405,7 +405,7 @@ const COUNTERS: &[CounterDef] = &[
         name: "toolgate_dispatches_total",
         help: "Dispatch calls answered, by code, outcome and delivery (code OK: succeeded).",
         extra: |r| {
-            (r.answer == "dispatch").then(|| {
+            (r.answer == AnswerKind::Dispatch).then(|| {
                 vec![
                     ("code", code_label(&r.code)),
                     ("outcome", or_none(&r.outcome)),
@@ -418,7 +418,7 @@ const COUNTERS: &[CounterDef] = &[
         name: "toolgate_status_queries_total",
         help: "Explicit status queries answered, by code, outcome and delivery.",
         extra: |r| {
-            (r.answer == "query").then(|| {
+            (r.answer == AnswerKind::Query).then(|| {
                 vec![
                     ("code", code_label(&r.code)),
                     ("outcome", or_none(&r.outcome)),
@@ -447,7 +447,7 @@ const COUNTERS: &[CounterDef] = &[
         name: "toolgate_approvals_required_total",
         help: "New approval requests created by dispatches (reason approval_expired: the previous one lapsed).",
         extra: |r| {
-            (r.answer == "dispatch"
+            (r.answer == AnswerKind::Dispatch
                 && r.code == "APPROVAL_REQUIRED"
                 && matches!(r.reason.as_str(), "approval_required" | "approval_expired"))
             .then(|| vec![("reason", r.reason.clone())])
@@ -460,11 +460,12 @@ const COUNTERS: &[CounterDef] = &[
             if r.step != Step::Approval {
                 return None;
             }
-            let decision = match (r.answer.as_str(), r.reason.as_str()) {
-                (_, "approved") => "approved",
-                (_, "denied") => "denied",
-                ("approve", "approval_expired") => "expired",
-                ("approve", _) => "invalid",
+            let approving = r.answer == AnswerKind::Approve;
+            let decision = match r.reason.as_str() {
+                "approved" => "approved",
+                "denied" => "denied",
+                "approval_expired" if approving => "expired",
+                _ if approving => "invalid",
                 _ => return None,
             };
             Some(vec![("decision", decision.to_string()), ("reason", or_none(&r.reason))])
@@ -545,17 +546,17 @@ const COUNTERS: &[CounterDef] = &[
 
 /// Rate series of the window: name and predicate over per-minute rows.
 const RATES: &[(&str, Pred)] = &[
-    ("dispatches", |r| r.answer == "dispatch"),
-    ("committed", |r| r.answer == "dispatch" && r.outcome == "committed"),
-    ("replays", |r| r.answer == "dispatch" && r.delivery == "local_replay"),
-    ("conflicts", |r| r.answer == "dispatch" && is_conflict(&r.code).is_some()),
+    ("dispatches", |r| r.answer == AnswerKind::Dispatch),
+    ("committed", |r| r.answer == AnswerKind::Dispatch && r.outcome == "committed"),
+    ("replays", |r| r.answer == AnswerKind::Dispatch && r.delivery == "local_replay"),
+    ("conflicts", |r| r.answer == AnswerKind::Dispatch && is_conflict(&r.code).is_some()),
     ("unknown", |r| matches!(r.reason.as_str(), "parked_unknown" | "needs_review")),
     ("auth_denied", |r| {
         !r.answer.is_empty() && matches!(r.code.as_str(), "POLICY_DENIED" | "SUBJECT_DISABLED" | "NOT_FOUND")
     }),
     ("rate_limits", |r| r.step == Step::DownstreamReply && r.code == "RATE_LIMIT"),
     ("retries", |r| r.step == Step::Claimed && r.reason == "retry"),
-    ("queries", |r| r.answer == "query"),
+    ("queries", |r| r.answer == AnswerKind::Query),
 ];
 
 /// Everything read from the database in one snapshot transaction.
@@ -796,7 +797,7 @@ pub fn snapshot(engine: &mut Engine, window: Window, slice: &Slice) -> Result<Me
     }
     let per_tool = |rows: &[LatencyRow]| -> Vec<ToolLatency> {
         let mut by_tool: BTreeMap<String, Histogram> = BTreeMap::new();
-        for r in rows.iter().filter(|r| r.answer == "dispatch" && keep_lat(r)) {
+        for r in rows.iter().filter(|r| r.answer == AnswerKind::Dispatch && keep_lat(r)) {
             by_tool.entry(or_none(&r.tool)).or_default().add_bucket(r.bucket_us, r.count as u64);
         }
         by_tool

@@ -21,6 +21,7 @@ use crate::engine::lab::scope_key;
 use crate::engine::operation::op_envelope;
 use crate::engine::trace::{Answering, TraceEvent};
 use crate::engine::{error_envelope, fresh_call_identity, with_detail, Engine, EngineError};
+use crate::store::AnswerKind;
 use crate::store::Scope;
 use crate::store::Step;
 use crate::store::{OperationRow, Sync, Tx};
@@ -117,7 +118,7 @@ impl Engine {
         }
         ev.step = Step::Rejected;
         ev.duration_us = Some(t0.elapsed().as_micros() as i64);
-        let ev = ev.from_envelope(&env).answering(Some(Answering { kind: "dispatch", started: t0 }));
+        let ev = ev.from_envelope(&env).answering(Some(Answering { kind: AnswerKind::Dispatch, started: t0 }));
         let now = self.clock.now_ms();
         // Refused before any state: only the answer is recorded.
         self.store.write_relaxed(|tx| ev.write(tx, now))?;
@@ -264,7 +265,7 @@ impl Engine {
         };
         let clock = self.clock.clone();
         let (worker, salt) = (self.worker_id.clone(), self.salt.clone());
-        let answering = Some(Answering { kind: "dispatch", started: t0 });
+        let answering = Some(Answering { kind: AnswerKind::Dispatch, started: t0 });
         let caller = Caller {
             principal_ref: &principal_ref,
             salt: &salt,

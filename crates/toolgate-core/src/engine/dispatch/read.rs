@@ -12,6 +12,7 @@ use crate::engine::operation::authorize;
 use crate::engine::tool::ToolCall;
 use crate::engine::trace::{Answering, TraceEvent};
 use crate::engine::{error_envelope, Engine, EngineError};
+use crate::store::AnswerKind;
 use crate::store::CallIdentityRow;
 use crate::store::Step;
 
@@ -103,7 +104,7 @@ impl Engine {
                 }
             };
             ev.duration_us = Some(t0.elapsed().as_micros() as i64);
-            let ev = ev.from_envelope(&env).answering(Some(Answering { kind: "dispatch", started: t0 }));
+            let ev = ev.from_envelope(&env).answering(Some(Answering { kind: AnswerKind::Dispatch, started: t0 }));
             ev.write(tx, now)?;
             Ok(env)
         })
