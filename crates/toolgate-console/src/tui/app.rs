@@ -84,15 +84,27 @@ impl Pane {
     }
 }
 
+/// The help overlay's own state.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HelpView {
+    /// Lines scrolled.
+    pub scroll: u16,
+    /// The mode `?` was pressed in, restored when help closes.
+    pub return_to: Mode,
+    /// Showing the message log (`:messages`) instead of the keys.
+    pub messages: bool,
+}
+
 /// How long an informational status message stays (errors: three times as long).
 pub const STATUS_TTL_MS: i64 = 8_000;
 /// Status messages kept for `:messages`.
 pub const MESSAGE_LOG: usize = 200;
 
 /// Input modes: each has its own keymap.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Mode {
     /// Browsing a pane.
+    #[default]
     Normal,
     /// Typing a filter.
     Filter,
@@ -623,10 +635,9 @@ pub struct App {
     pub confirm: Option<Confirm>,
     /// Open form.
     pub form: Option<Form>,
-    /// Mode to return to from help.
-    pub help_return: Mode,
-    /// Help overlay scroll.
-    pub help_scroll: u16,
+    /// The help overlay: its scroll, the mode it returns to, and whether it
+    /// shows the message log (`:messages`).
+    pub help: HelpView,
     /// The command bar.
     pub command: CommandBar,
     /// Mode to return to when a command leaves the bar without switching.
@@ -660,8 +671,6 @@ pub struct App {
     /// Every status message of the session, oldest first, at most
     /// [`MESSAGE_LOG`] (`:messages` lists them).
     pub messages: std::collections::VecDeque<(i64, String, bool)>,
-    /// The help overlay shows the message log instead of the keys.
-    pub help_messages: bool,
     /// The toggle selected in the lab panel.
     pub lab_selected: usize,
     /// A pane switch is waiting for its first page: keys that act on rows
@@ -729,8 +738,7 @@ impl App {
             approval: None,
             confirm: None,
             form: None,
-            help_return: Mode::Normal,
-            help_scroll: 0,
+            help: HelpView::default(),
             command: CommandBar::default(),
             command_return: Mode::Normal,
             dialog_return: Mode::Normal,
@@ -746,7 +754,6 @@ impl App {
             status_at: now_ms,
             wall_ms: now_ms,
             messages: std::collections::VecDeque::new(),
-            help_messages: false,
             lab_selected: 0,
             awaiting_page: false,
             queued: std::collections::VecDeque::new(),
@@ -970,15 +977,15 @@ impl App {
         if self.mode == Mode::Help {
             match action {
                 Action::Up | Action::Scroll(-1) => {
-                    self.help_scroll = self.help_scroll.saturating_sub(1);
+                    self.help.scroll = self.help.scroll.saturating_sub(1);
                     return None;
                 }
                 Action::Down | Action::Scroll(1) => {
-                    self.help_scroll = self.help_scroll.saturating_add(1).min(200);
+                    self.help.scroll = self.help.scroll.saturating_add(1).min(200);
                     return None;
                 }
                 Action::ToggleHelp | Action::Back | Action::Tick(_) | Action::Engine(_) | Action::Resize(..) => {}
-                _ => self.mode = self.help_return,
+                _ => self.mode = self.help.return_to,
             }
         }
         if let lab::Intercept::Handled(r) = self.lab_intercept(&action) {
@@ -989,25 +996,7 @@ impl App {
                 self.quit = true;
                 None
             }
-            Action::Tick(now) => {
-                self.wall_ms = now;
-                // Paused, the screen is a snapshot: its ages and countdowns
-                // stand still with its rows (messages still expire).
-                if self.live {
-                    // A scenario's scratch database is measured on its own clock.
-                    self.now_ms = self.walkthrough.clock_ms.unwrap_or(now);
-                }
-                // A message says what just happened: once the state moved on,
-                // it goes (the log keeps it).
-                let ttl = match &self.status {
-                    Some((_, true)) => STATUS_TTL_MS * 3,
-                    _ => STATUS_TTL_MS,
-                };
-                if self.status.is_some() && now.saturating_sub(self.status_at) > ttl {
-                    self.status = None;
-                }
-                None
-            }
+            Action::Tick(now) => self.on_tick(now),
             Action::Resize(w, h) => {
                 let grew = h > self.size.1;
                 self.size = (w, h);
@@ -1023,11 +1012,11 @@ impl App {
             }
             Action::ToggleHelp => {
                 if self.mode == Mode::Help {
-                    self.mode = self.help_return;
+                    self.mode = self.help.return_to;
                 } else {
-                    self.help_return = self.mode;
-                    self.help_scroll = 0;
-                    self.help_messages = false;
+                    self.help.return_to = self.mode;
+                    self.help.scroll = 0;
+                    self.help.messages = false;
                     self.mode = Mode::Help;
                 }
                 None
@@ -1038,6 +1027,309 @@ impl App {
             }
             Action::SelectPane(p) => self.switch_pane(p),
             // The walkthrough's steps scroll (the pane has no rows to select).
+            action @ (Action::Up
+            | Action::Down
+            | Action::Scroll(_)
+            | Action::Top
+            | Action::Bottom
+            | Action::PageUp
+            | Action::PageDown
+            | Action::DetailExtent(_)) => self.navigate(&action),
+            Action::Click(_, row) => {
+                // Table body starts below header (3), tabs (1), border + column header (2).
+                let first = 6u16;
+                if row >= first {
+                    let i = usize::from(row - first);
+                    if i < self.row_count() {
+                        self.selected = i;
+                    }
+                }
+                None
+            }
+            Action::OpenDetail => self.open_detail(),
+            Action::ToggleFollow => self.toggle_follow(),
+            Action::Back => self.back(),
+            Action::StartFilter => {
+                self.filter_before = Some(self.filter.clone());
+                self.mode = Mode::Filter;
+                None
+            }
+            Action::StartCommand => self.start_command(),
+            Action::ToggleMark => self.toggle_mark(),
+            Action::MarkAll => self.mark_all(),
+            Action::CycleSort => self.cycle_sort(),
+            Action::ReverseSort => self.reverse_sort(),
+            Action::Complete => {
+                let names: Vec<String> = self.saved_filters.keys().cloned().collect();
+                self.command.complete(&sort::columns(self.pane), &names);
+                None
+            }
+            Action::HistoryPrev => {
+                self.command.older();
+                None
+            }
+            Action::HistoryNext => {
+                self.command.newer();
+                None
+            }
+            Action::Input(c) => self.on_input(c),
+            Action::Backspace => self.backspace(),
+            Action::Submit => self.on_submit(),
+            Action::NextField | Action::PrevField | Action::ChoiceLeft | Action::ChoiceRight => {
+                self.on_navigate(&action);
+                None
+            }
+            Action::TogglePause => {
+                self.live = !self.live;
+                self.now_ms = self.wall_ms;
+                self.say(if self.live { "live refresh resumed" } else { "paused: the panes stop refreshing" }, false);
+                Some(Request::SetLive(self.live))
+            }
+            Action::Copy => {
+                let id = match (self.detail.as_ref(), self.approval.as_ref()) {
+                    (_, Some(a)) if self.mode == Mode::Detail => Some(a.id.clone()),
+                    (Some(d), _) if self.mode == Mode::Detail => Some(d.operation.id.clone()),
+                    _ => self.selected_id(),
+                };
+                if let Some(id) = id {
+                    self.say(format!("copied {id}"), false);
+                    self.clipboard = Some(id);
+                }
+                None
+            }
+            Action::AskQuery if self.bulk_keys() => self.ask_bulk(BulkKey::Query),
+            Action::AskApprove if self.bulk_keys() => self.ask_bulk(BulkKey::Approve),
+            Action::AskDeny if self.bulk_keys() => self.ask_bulk(BulkKey::Deny),
+            Action::AskResolve if self.bulk_keys() => self.ask_bulk(BulkKey::Resolve),
+            Action::AskCancel if self.bulk_keys() => self.ask_bulk(BulkKey::Cancel),
+            Action::AskQuery => self.ask_query(),
+            Action::AskApprove => self.ask_approve(),
+            Action::AskDeny => self.ask_deny(),
+            Action::AskResolve => self.ask_resolve(),
+            Action::AskCancel => self.ask_cancel(),
+            Action::CycleFaults => self.cycle_faults(),
+            Action::OpenLab => self.open_lab(),
+            Action::LabAllOn => self.lab_all_on(),
+            Action::ScenarioNext => self.scenario_next(),
+            Action::ScenarioPick(d) => self.scenario_pick(d),
+        }
+    }
+
+    fn on_tick(&mut self, now: i64) -> Option<Request> {
+        self.wall_ms = now;
+        // Paused, the screen is a snapshot: its ages and countdowns
+        // stand still with its rows (messages still expire).
+        if self.live {
+            // A scenario's scratch database is measured on its own clock.
+            self.now_ms = self.walkthrough.clock_ms.unwrap_or(now);
+        }
+        // A message says what just happened: once the state moved on,
+        // it goes (the log keeps it).
+        let ttl = match &self.status {
+            Some((_, true)) => STATUS_TTL_MS * 3,
+            _ => STATUS_TTL_MS,
+        };
+        if self.status.is_some() && now.saturating_sub(self.status_at) > ttl {
+            self.status = None;
+        }
+        None
+    }
+
+    fn open_detail(&mut self) -> Option<Request> {
+        // A pending approval has no operation yet: its detail is the
+        // approval itself, with why it waits and what to press.
+        if let Rows::Approvals(r) = &self.rows {
+            if let Some(a) = r.get(self.selected).filter(|a| a.operation_id.is_none()) {
+                self.approval = Some(Box::new(a.clone()));
+                self.detail = None;
+                self.follow = false;
+                self.mode = Mode::Detail;
+                return None;
+            }
+        }
+        let id = match &self.rows {
+            Rows::Approvals(r) => r.get(self.selected).and_then(|a| a.operation_id.clone()),
+            _ => self.selected_id().filter(|id| id.starts_with("op_")),
+        };
+        if let Some(id) = id {
+            self.mode = Mode::Detail;
+            self.approval = None;
+            self.detail = None;
+            self.detail_scroll = 0;
+            self.follow = false;
+            Some(Request::Detail(id))
+        } else {
+            self.say("no operation selected", true);
+            None
+        }
+    }
+
+    fn back(&mut self) -> Option<Request> {
+        match self.mode {
+            Mode::Detail => {
+                self.follow = false;
+                self.approval = None;
+                self.mode = Mode::Normal;
+            }
+            Mode::Help | Mode::Lab => self.mode = Mode::Normal,
+            Mode::Filter => {
+                // Esc cancels the edit: the filter in force stays.
+                if let Some(before) = self.filter_before.take() {
+                    self.filter = before;
+                }
+                self.mode = Mode::Normal;
+            }
+            Mode::Command => {
+                self.command.open();
+                self.mode = self.command_return;
+            }
+            Mode::Confirm => {
+                self.confirm = None;
+                self.mode = self.dialog_return;
+                self.say("went back: nothing was done", false);
+            }
+            Mode::Form => {
+                self.form = None;
+                self.mode = self.dialog_return;
+                self.say("went back: nothing was done", false);
+            }
+            Mode::Normal => {
+                if !self.marks.is_empty() {
+                    self.clear_marks();
+                } else if !self.filter.is_empty() {
+                    self.filter.clear();
+                    self.prefs_dirty = true;
+                    self.cursor = None;
+                    self.page_stack.clear();
+                    return Some(self.fetch());
+                }
+            }
+        }
+        None
+    }
+
+    fn backspace(&mut self) -> Option<Request> {
+        match self.mode {
+            Mode::Filter => {
+                self.filter.pop();
+            }
+            Mode::Command => self.command.pop(),
+            Mode::Form => {
+                if let Some(f) = self.form.as_mut() {
+                    match f.field {
+                        1 => {
+                            f.evidence.pop();
+                        }
+                        2 => {
+                            f.note.pop();
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+        None
+    }
+
+    fn ask_deny(&mut self) -> Option<Request> {
+        if self.refuse_read_only() {
+            return None;
+        }
+        let Some(a) = self.selected_approval() else {
+            self.say("select a pending approval (pane 3) to deny", true);
+            return None;
+        };
+        if let Err(why) = self.may_decide(a) {
+            self.say(why, true);
+            return None;
+        }
+        let a = a.clone();
+        let evidence = self.approval_evidence(&a);
+        self.form = Some(Form {
+            kind: FormKind::Deny { approval_id: a.id.clone(), evidence },
+            choice: None,
+            evidence: String::new(),
+            note: String::new(),
+            field: 2,
+            error: None,
+        });
+        self.mode = Mode::Form;
+        None
+    }
+
+    fn ask_resolve(&mut self) -> Option<Request> {
+        if self.refuse_read_only() {
+            return None;
+        }
+        let Some(op) = self.selected_op().filter(|o| o.state.is_unknown_queue()) else {
+            self.say_not_applicable(
+                "resolve it (only unknown or needs_review)",
+                "select an unknown or needs_review operation (pane 4) to resolve",
+            );
+            return None;
+        };
+        let found = self
+            .detail
+            .as_deref()
+            .filter(|d| self.mode == Mode::Detail && d.operation.id == op.id)
+            .and_then(found_receipt)
+            .filter(|r| op.receipt_id.as_deref() != Some(r.receipt_id.as_str()))
+            .map(|r| match &r.why_not {
+                Some(w) => format!("{}: {}", r.ids(), w),
+                None => r.ids(),
+            });
+        let kind = FormKind::Resolve {
+            operation_id: op.id.clone(),
+            seen_version: op.version,
+            unaskable: self.unaskable_tools.contains(&op.tool),
+            terms: request_terms(op),
+            found,
+            last_query: format!(
+                "{} ({})",
+                op.last_query_result.clone().unwrap_or_else(|| "no query yet".into()),
+                self.ago(op.last_query_at)
+            ),
+        };
+        self.form =
+            Some(Form { kind, choice: None, evidence: String::new(), note: String::new(), field: 0, error: None });
+        self.mode = Mode::Form;
+        None
+    }
+
+    fn scenario_next(&mut self) -> Option<Request> {
+        if self.pane != Pane::Walkthrough {
+            return None;
+        }
+        // Past the last step, one `n` says so; a second starts over
+        // (a silent restart lost the finished run from the screen).
+        let finished = !self.walkthrough.more && !self.walkthrough.steps.is_empty();
+        if finished && !self.walk_restart_armed {
+            self.walk_restart_armed = true;
+            self.say("the scenario is finished: n again starts it over on a new database", false);
+            return None;
+        }
+        self.walk_restart_armed = false;
+        self.walk_pending += 1;
+        Some(Request::ScenarioStep)
+    }
+
+    fn scenario_pick(&mut self, d: i32) -> Option<Request> {
+        if self.pane != Pane::Walkthrough || self.walkthrough.scenarios.is_empty() {
+            return None;
+        }
+        // From the scenario last picked, not the last one the engine
+        // answered: `]]]` typed at once moves three.
+        let n = self.walkthrough.scenarios.len() as i32;
+        let i = (self.walkthrough.selected as i32 + d).rem_euclid(n) as usize;
+        self.walkthrough.selected = i;
+        self.walk_pending += 1;
+        Some(Request::ScenarioSelect(i))
+    }
+
+    /// Moving: the walkthrough scrolls, the detail scrolls, or the selection moves.
+    fn navigate(&mut self, action: &Action) -> Option<Request> {
+        match *action {
             Action::Up | Action::Scroll(-1) if self.walk_scrolls() => {
                 self.walk_scroll = self.walk_scroll.min(self.detail_extent).saturating_sub(1);
                 None
@@ -1125,267 +1417,7 @@ impl App {
             }
             Action::PageDown => self.page_down(),
             Action::PageUp => self.page_up(),
-            Action::Click(_, row) => {
-                // Table body starts below header (3), tabs (1), border + column header (2).
-                let first = 6u16;
-                if row >= first {
-                    let i = usize::from(row - first);
-                    if i < self.row_count() {
-                        self.selected = i;
-                    }
-                }
-                None
-            }
-            Action::OpenDetail => {
-                // A pending approval has no operation yet: its detail is the
-                // approval itself, with why it waits and what to press.
-                if let Rows::Approvals(r) = &self.rows {
-                    if let Some(a) = r.get(self.selected).filter(|a| a.operation_id.is_none()) {
-                        self.approval = Some(Box::new(a.clone()));
-                        self.detail = None;
-                        self.follow = false;
-                        self.mode = Mode::Detail;
-                        return None;
-                    }
-                }
-                let id = match &self.rows {
-                    Rows::Approvals(r) => r.get(self.selected).and_then(|a| a.operation_id.clone()),
-                    _ => self.selected_id().filter(|id| id.starts_with("op_")),
-                };
-                if let Some(id) = id {
-                    self.mode = Mode::Detail;
-                    self.approval = None;
-                    self.detail = None;
-                    self.detail_scroll = 0;
-                    self.follow = false;
-                    Some(Request::Detail(id))
-                } else {
-                    self.say("no operation selected", true);
-                    None
-                }
-            }
-            Action::ToggleFollow => self.toggle_follow(),
-            Action::Back => {
-                match self.mode {
-                    Mode::Detail => {
-                        self.follow = false;
-                        self.approval = None;
-                        self.mode = Mode::Normal;
-                    }
-                    Mode::Help | Mode::Lab => self.mode = Mode::Normal,
-                    Mode::Filter => {
-                        // Esc cancels the edit: the filter in force stays.
-                        if let Some(before) = self.filter_before.take() {
-                            self.filter = before;
-                        }
-                        self.mode = Mode::Normal;
-                    }
-                    Mode::Command => {
-                        self.command.open();
-                        self.mode = self.command_return;
-                    }
-                    Mode::Confirm => {
-                        self.confirm = None;
-                        self.mode = self.dialog_return;
-                        self.say("went back: nothing was done", false);
-                    }
-                    Mode::Form => {
-                        self.form = None;
-                        self.mode = self.dialog_return;
-                        self.say("went back: nothing was done", false);
-                    }
-                    Mode::Normal => {
-                        if !self.marks.is_empty() {
-                            self.clear_marks();
-                        } else if !self.filter.is_empty() {
-                            self.filter.clear();
-                            self.prefs_dirty = true;
-                            self.cursor = None;
-                            self.page_stack.clear();
-                            return Some(self.fetch());
-                        }
-                    }
-                }
-                None
-            }
-            Action::StartFilter => {
-                self.filter_before = Some(self.filter.clone());
-                self.mode = Mode::Filter;
-                None
-            }
-            Action::StartCommand => self.start_command(),
-            Action::ToggleMark => self.toggle_mark(),
-            Action::MarkAll => self.mark_all(),
-            Action::CycleSort => self.cycle_sort(),
-            Action::ReverseSort => self.reverse_sort(),
-            Action::Complete => {
-                let names: Vec<String> = self.saved_filters.keys().cloned().collect();
-                self.command.complete(&sort::columns(self.pane), &names);
-                None
-            }
-            Action::HistoryPrev => {
-                self.command.older();
-                None
-            }
-            Action::HistoryNext => {
-                self.command.newer();
-                None
-            }
-            Action::Input(c) => self.on_input(c),
-            Action::Backspace => {
-                match self.mode {
-                    Mode::Filter => {
-                        self.filter.pop();
-                    }
-                    Mode::Command => self.command.pop(),
-                    Mode::Form => {
-                        if let Some(f) = self.form.as_mut() {
-                            match f.field {
-                                1 => {
-                                    f.evidence.pop();
-                                }
-                                2 => {
-                                    f.note.pop();
-                                }
-                                _ => {}
-                            }
-                        }
-                    }
-                    _ => {}
-                }
-                None
-            }
-            Action::Submit => self.on_submit(),
-            Action::NextField | Action::PrevField | Action::ChoiceLeft | Action::ChoiceRight => {
-                self.on_navigate(&action);
-                None
-            }
-            Action::TogglePause => {
-                self.live = !self.live;
-                self.now_ms = self.wall_ms;
-                self.say(if self.live { "live refresh resumed" } else { "paused: the panes stop refreshing" }, false);
-                Some(Request::SetLive(self.live))
-            }
-            Action::Copy => {
-                let id = match (self.detail.as_ref(), self.approval.as_ref()) {
-                    (_, Some(a)) if self.mode == Mode::Detail => Some(a.id.clone()),
-                    (Some(d), _) if self.mode == Mode::Detail => Some(d.operation.id.clone()),
-                    _ => self.selected_id(),
-                };
-                if let Some(id) = id {
-                    self.say(format!("copied {id}"), false);
-                    self.clipboard = Some(id);
-                }
-                None
-            }
-            Action::AskQuery if self.bulk_keys() => self.ask_bulk(BulkKey::Query),
-            Action::AskApprove if self.bulk_keys() => self.ask_bulk(BulkKey::Approve),
-            Action::AskDeny if self.bulk_keys() => self.ask_bulk(BulkKey::Deny),
-            Action::AskResolve if self.bulk_keys() => self.ask_bulk(BulkKey::Resolve),
-            Action::AskCancel if self.bulk_keys() => self.ask_bulk(BulkKey::Cancel),
-            Action::AskQuery => self.ask_query(),
-            Action::AskApprove => self.ask_approve(),
-            Action::AskDeny => {
-                if self.refuse_read_only() {
-                    return None;
-                }
-                let Some(a) = self.selected_approval() else {
-                    self.say("select a pending approval (pane 3) to deny", true);
-                    return None;
-                };
-                if let Err(why) = self.may_decide(a) {
-                    self.say(why, true);
-                    return None;
-                }
-                let a = a.clone();
-                let evidence = self.approval_evidence(&a);
-                self.form = Some(Form {
-                    kind: FormKind::Deny { approval_id: a.id.clone(), evidence },
-                    choice: None,
-                    evidence: String::new(),
-                    note: String::new(),
-                    field: 2,
-                    error: None,
-                });
-                self.mode = Mode::Form;
-                None
-            }
-            Action::AskResolve => {
-                if self.refuse_read_only() {
-                    return None;
-                }
-                let Some(op) = self.selected_op().filter(|o| o.state.is_unknown_queue()) else {
-                    self.say_not_applicable(
-                        "resolve it (only unknown or needs_review)",
-                        "select an unknown or needs_review operation (pane 4) to resolve",
-                    );
-                    return None;
-                };
-                let found = self
-                    .detail
-                    .as_deref()
-                    .filter(|d| self.mode == Mode::Detail && d.operation.id == op.id)
-                    .and_then(found_receipt)
-                    .filter(|r| op.receipt_id.as_deref() != Some(r.receipt_id.as_str()))
-                    .map(|r| match &r.why_not {
-                        Some(w) => format!("{}: {}", r.ids(), w),
-                        None => r.ids(),
-                    });
-                let kind = FormKind::Resolve {
-                    operation_id: op.id.clone(),
-                    seen_version: op.version,
-                    unaskable: self.unaskable_tools.contains(&op.tool),
-                    terms: request_terms(op),
-                    found,
-                    last_query: format!(
-                        "{} ({})",
-                        op.last_query_result.clone().unwrap_or_else(|| "no query yet".into()),
-                        self.ago(op.last_query_at)
-                    ),
-                };
-                self.form = Some(Form {
-                    kind,
-                    choice: None,
-                    evidence: String::new(),
-                    note: String::new(),
-                    field: 0,
-                    error: None,
-                });
-                self.mode = Mode::Form;
-                None
-            }
-            Action::AskCancel => self.ask_cancel(),
-            Action::CycleFaults => self.cycle_faults(),
-            Action::OpenLab => self.open_lab(),
-            Action::LabAllOn => self.lab_all_on(),
-            Action::ScenarioNext => {
-                if self.pane != Pane::Walkthrough {
-                    return None;
-                }
-                // Past the last step, one `n` says so; a second starts over
-                // (a silent restart lost the finished run from the screen).
-                let finished = !self.walkthrough.more && !self.walkthrough.steps.is_empty();
-                if finished && !self.walk_restart_armed {
-                    self.walk_restart_armed = true;
-                    self.say("the scenario is finished: n again starts it over on a new database", false);
-                    return None;
-                }
-                self.walk_restart_armed = false;
-                self.walk_pending += 1;
-                Some(Request::ScenarioStep)
-            }
-            Action::ScenarioPick(d) => {
-                if self.pane != Pane::Walkthrough || self.walkthrough.scenarios.is_empty() {
-                    return None;
-                }
-                // From the scenario last picked, not the last one the engine
-                // answered: `]]]` typed at once moves three.
-                let n = self.walkthrough.scenarios.len() as i32;
-                let i = (self.walkthrough.selected as i32 + d).rem_euclid(n) as usize;
-                self.walkthrough.selected = i;
-                self.walk_pending += 1;
-                Some(Request::ScenarioSelect(i))
-            }
+            _ => None,
         }
     }
 

@@ -393,16 +393,16 @@ impl App {
                 None
             }
             Command::Help => {
-                self.help_return = Mode::Normal;
-                self.help_scroll = 0;
-                self.help_messages = false;
+                self.help.return_to = Mode::Normal;
+                self.help.scroll = 0;
+                self.help.messages = false;
                 self.mode = Mode::Help;
                 None
             }
             Command::Messages => {
-                self.help_return = Mode::Normal;
-                self.help_messages = true;
-                self.help_scroll = 0;
+                self.help.return_to = Mode::Normal;
+                self.help.messages = true;
+                self.help.scroll = 0;
                 self.mode = Mode::Help;
                 None
             }

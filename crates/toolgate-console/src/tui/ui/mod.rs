@@ -120,7 +120,7 @@ pub fn render(app: &App, frame: &mut Frame) -> u16 {
     let over_detail = match app.mode {
         Mode::Detail => true,
         Mode::Command => app.command_return == Mode::Detail,
-        Mode::Help => app.help_return == Mode::Detail,
+        Mode::Help => app.help.return_to == Mode::Detail,
         Mode::Confirm | Mode::Form => app.dialog_return == Mode::Detail,
         _ => false,
     };

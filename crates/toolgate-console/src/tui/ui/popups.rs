@@ -22,12 +22,12 @@ fn centered(area: Rect, w: u16, h: u16) -> Rect {
 /// (nothing is cut). Scrolls with j/k when it is taller than the terminal.
 pub fn help(app: &App, frame: &mut Frame, t: Theme) {
     const KEYS: usize = 27;
-    if app.help_messages {
+    if app.help.messages {
         return messages(app, frame, t);
     }
     let w = frame.area().width.min(120);
     let text_w = usize::from(w.saturating_sub(2)).saturating_sub(KEYS).max(10);
-    let mut entries: Vec<(String, String)> = keymap::help_lines(app.help_return, app.read_only)
+    let mut entries: Vec<(String, String)> = keymap::help_lines(app.help.return_to, app.read_only)
         .iter()
         .map(|(k, h)| ((*k).to_string(), (*h).to_string()))
         .collect();
@@ -56,7 +56,7 @@ pub fn help(app: &App, frame: &mut Frame, t: Theme) {
     let h = (lines.len() as u16 + 2).min(frame.area().height);
     let inner = h.saturating_sub(2);
     let max_scroll = (lines.len() as u16).saturating_sub(inner);
-    let scroll = app.help_scroll.min(max_scroll);
+    let scroll = app.help.scroll.min(max_scroll);
     let title = if max_scroll == 0 {
         " Keys (? or Esc to close) ".to_string()
     } else {
@@ -88,7 +88,7 @@ fn messages(app: &App, frame: &mut Frame, t: Theme) {
     }
     let h = (lines.len() as u16 + 2).min(frame.area().height);
     let max_scroll = (lines.len() as u16).saturating_sub(h.saturating_sub(2));
-    let scroll = app.help_scroll.min(max_scroll);
+    let scroll = app.help.scroll.min(max_scroll);
     let title = format!(" Messages, newest first ({}; Esc to close, j/k scroll) ", app.messages.len());
     let area = centered(frame.area(), w, h);
     frame.render_widget(Clear, area);
