@@ -72,6 +72,11 @@ fn run(mode: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
     let mut orders = toolgate::tools::demo::orders_of(&world)?;
     for o in &mut orders {
         o.captured_minor = 1_000_000_000_000;
+        // The load checks the orders again: a refunded order is no longer
+        // fully refunded once its capture grows.
+        if o.refunded_minor > 0 {
+            o.status = "partially_refunded".into();
+        }
     }
     toolgate::tools::demo::set_orders(&mut world, &orders);
     engine.load_world(&world)?;

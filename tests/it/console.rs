@@ -513,7 +513,7 @@ fn query_and_resolve_send_what_was_shown() {
     press(&mut app, KeyCode::Right);
     press(&mut app, KeyCode::Tab);
     press(&mut app, KeyCode::Enter);
-    assert!(app.form.as_ref().unwrap().error.as_deref().unwrap().contains("note"), "a note is required");
+    assert!(app.dialog.form.as_ref().unwrap().error.as_deref().unwrap().contains("note"), "a note is required");
     for c in "provider has no record".chars() {
         press(&mut app, KeyCode::Char(c));
     }
@@ -541,7 +541,7 @@ fn query_and_resolve_send_what_was_shown() {
         press(&mut app, KeyCode::Char(c));
     }
     press(&mut app, KeyCode::Enter);
-    assert!(app.form.as_ref().unwrap().error.as_deref().unwrap().contains("receipt"));
+    assert!(app.dialog.form.as_ref().unwrap().error.as_deref().unwrap().contains("receipt"));
 }
 
 #[test]
@@ -953,7 +953,7 @@ fn keys_typed_in_one_burst_each_act_on_the_state_the_previous_one_left() {
     assert_eq!(app.mode, Mode::Confirm, "{:?}", app.status);
     let Rows::Ops(rows) = &app.rows else { panic!() };
     assert_eq!(app.selected, 0);
-    assert!(app.confirm.is_some() && !rows.is_empty());
+    assert!(app.dialog.confirm.is_some() && !rows.is_empty());
     assert!(!app.status.as_ref().is_some_and(|(s, _)| s.contains("select an unknown operation")), "{:?}", app.status);
 }
 
@@ -1036,24 +1036,24 @@ fn the_resolve_dialog_preselects_nothing_does_not_wrap_and_says_what_each_decisi
     let mut d = demo();
     let mut app = app_on(&mut d, Pane::Unknown, 140, 40);
     app.update(key('r'));
-    let form = app.form.clone().unwrap();
+    let form = app.dialog.form.clone().unwrap();
     assert_eq!(form.choice, None, "no decision pre-selected");
     assert!(text(&draw(&app, 140, 40)).contains("no decision yet"));
     // Enter without a decision: asks for one.
     press(&mut app, KeyCode::Enter);
-    assert!(app.form.as_ref().unwrap().error.as_deref().unwrap().contains("choose a decision"));
+    assert!(app.dialog.form.as_ref().unwrap().error.as_deref().unwrap().contains("choose a decision"));
     // Right Right: failed, then compensated (no wrap to succeeded); a third Right stays.
     press(&mut app, KeyCode::Right);
     press(&mut app, KeyCode::Right);
     press(&mut app, KeyCode::Right);
     press(&mut app, KeyCode::Right);
-    assert_eq!(app.form.as_ref().unwrap().choice, Some(2));
+    assert_eq!(app.dialog.form.as_ref().unwrap().choice, Some(2));
     assert!(text(&draw(&app, 140, 40)).contains("compensated: the effect was undone elsewhere; needs a note"));
     // Left stops at succeeded, whose receipt field comes before the note.
     for _ in 0..5 {
         press(&mut app, KeyCode::Left);
     }
-    assert_eq!(app.form.as_ref().unwrap().choice, Some(0));
+    assert_eq!(app.dialog.form.as_ref().unwrap().choice, Some(0));
     press(&mut app, KeyCode::Tab);
     for c in "rcpt_1".chars() {
         press(&mut app, KeyCode::Char(c));
@@ -1062,7 +1062,7 @@ fn the_resolve_dialog_preselects_nothing_does_not_wrap_and_says_what_each_decisi
     for c in "seen in the dashboard".chars() {
         press(&mut app, KeyCode::Char(c));
     }
-    let f = app.form.clone().unwrap();
+    let f = app.dialog.form.clone().unwrap();
     assert_eq!((f.evidence.as_str(), f.note.as_str()), ("rcpt_1", "seen in the dashboard"));
 }
 
@@ -1403,7 +1403,10 @@ fn enter_on_a_pending_approval_says_why_it_waits_and_what_to_press() {
     // a and d act on the approval shown; a cancelled dialog comes back to it.
     press(&mut app, KeyCode::Char('a'));
     assert_eq!(app.mode, Mode::Confirm);
-    assert_eq!(app.confirm.as_ref().map(|c| c.request.clone()), Some(Request::Approve { approval_id: a.id.clone() }));
+    assert_eq!(
+        app.dialog.confirm.as_ref().map(|c| c.request.clone()),
+        Some(Request::Approve { approval_id: a.id.clone() })
+    );
     press(&mut app, KeyCode::Esc);
     assert_eq!(app.mode, Mode::Detail);
     press(&mut app, KeyCode::Char('y'));
@@ -1502,7 +1505,7 @@ fn keys_in_the_detail_view_act_on_its_operation_and_come_back_to_it() {
     // r opens the resolve form for it; c says why it does not apply to an unknown operation.
     press(&mut app, KeyCode::Char('r'));
     assert!(
-        matches!(&app.form.as_ref().unwrap().kind, toolgate::tui::app::FormKind::Resolve { operation_id, .. } if *operation_id == target.operation.id)
+        matches!(&app.dialog.form.as_ref().unwrap().kind, toolgate::tui::app::FormKind::Resolve { operation_id, .. } if *operation_id == target.operation.id)
     );
     press(&mut app, KeyCode::Esc);
     assert_eq!(app.mode, Mode::Detail);
@@ -1752,7 +1755,7 @@ fn money_reads_as_money_in_the_pane_and_both_dialogs() {
     // The deny confirm carries it too.
     type_text(&mut app, "wrong order");
     press(&mut app, KeyCode::Enter);
-    let c = app.confirm.clone().unwrap();
+    let c = app.dialog.confirm.clone().unwrap();
     assert!(
         c.evidence.iter().any(|e| e.contains("1,200.00 EUR")) && c.evidence.last().unwrap().contains("wrong order")
     );
@@ -1847,7 +1850,7 @@ fn one_bulk_query_on_every_marked_row_after_one_confirm_with_one_audit_entry_eac
     app.update(Action::Engine(page(&mut d, Pane::Unknown, app.visible_rows())));
     assert_eq!(app.update(key('q')), None, "a dialog first");
     assert_eq!(app.mode, Mode::Confirm);
-    let c = app.confirm.clone().unwrap();
+    let c = app.dialog.confirm.clone().unwrap();
     assert_eq!(c.title, "Bulk status query: 5 operations");
     assert!(!c.on_confirm, "Cancel is the default");
     assert!(c.evidence.iter().any(|e| e.contains("an approval, not an operation")), "{:?}", c.evidence);
@@ -1908,7 +1911,7 @@ fn bulk_deny_resolve_and_cancel_ask_for_one_shared_note_and_skip_what_does_not_a
     assert_eq!(app.mode, Mode::Form);
     type_text(&mut app, "provider outage");
     press(&mut app, KeyCode::Enter);
-    let c = app.confirm.clone().unwrap();
+    let c = app.dialog.confirm.clone().unwrap();
     assert_eq!(c.title, "Bulk cancel: 1 operation", "{:?}", c.evidence);
     assert!(c.evidence.iter().any(|e| e.contains("skips 10 marked")), "{:?}", c.evidence);
     assert!(c.evidence.iter().any(|e| e.contains("unknown: only accepted or in_flight")), "{:?}", c.evidence);
@@ -1922,12 +1925,12 @@ fn bulk_deny_resolve_and_cancel_ask_for_one_shared_note_and_skip_what_does_not_a
     press(&mut app, KeyCode::Tab);
     type_text(&mut app, "no effect, per provider");
     press(&mut app, KeyCode::Enter);
-    let err = app.form.as_ref().and_then(|f| f.error.clone()).unwrap();
+    let err = app.dialog.form.as_ref().and_then(|f| f.error.clone()).unwrap();
     assert!(err.contains("own receipt id"), "{err}");
     // The error put the focus back on the decision: → failed.
     press(&mut app, KeyCode::Right);
     press(&mut app, KeyCode::Enter);
-    let c = app.confirm.clone().unwrap();
+    let c = app.dialog.confirm.clone().unwrap();
     assert_eq!(c.title, "Bulk resolve: 5 operations", "{:?}", c.evidence);
     let Request::Bulk { action, targets } = c.request.clone() else { panic!() };
     assert_eq!(
@@ -1979,7 +1982,7 @@ fn bulk_deny_resolve_and_cancel_ask_for_one_shared_note_and_skip_what_does_not_a
         c.evidence.iter().any(|e| e.contains("apr_3960bc4aa496beee9b88a832") && e.ends_with(" 1,200.00 EUR"))
     };
     app.update(key('a'));
-    let c = app.confirm.clone().unwrap();
+    let c = app.dialog.confirm.clone().unwrap();
     assert_eq!(c.title, "Bulk approve: 1 approval");
     assert!(money(&c), "{:?}", c.evidence);
     insta::assert_snapshot!("confirm_bulk_approve_140x40", text(&draw(&app, 140, 40)));
@@ -1988,7 +1991,7 @@ fn bulk_deny_resolve_and_cancel_ask_for_one_shared_note_and_skip_what_does_not_a
     assert_eq!(app.mode, Mode::Form);
     type_text(&mut app, "duplicate request");
     press(&mut app, KeyCode::Enter);
-    let c = app.confirm.clone().unwrap();
+    let c = app.dialog.confirm.clone().unwrap();
     assert_eq!(c.title, "Bulk deny: 1 approval");
     assert!(money(&c), "{:?}", c.evidence);
     assert!(c.evidence.iter().any(|e| e.contains("alice may not approve for globex")), "{:?}", c.evidence);

@@ -421,7 +421,7 @@ mod console {
         // Enter opens a confirm dialog with the rule; Cancel is the default.
         assert_eq!(press(&mut app, KeyCode::Enter), None);
         assert_eq!(app.mode, Mode::Confirm);
-        let c = app.confirm.clone().unwrap();
+        let c = app.dialog.confirm.clone().unwrap();
         assert_eq!(c.request, Request::SetLab(Some(LabToggle::InMemoryLedger)));
         assert!(!c.on_confirm && c.evidence.iter().any(|l| l.contains("UNIQUE")), "{c:?}");
         assert_eq!(press(&mut app, KeyCode::Enter), None, "the default button is Cancel");
@@ -473,7 +473,7 @@ mod console {
         }
         press(&mut app, KeyCode::Enter);
         assert_eq!(app.mode, Mode::Confirm);
-        let c = app.confirm.clone().unwrap();
+        let c = app.dialog.confirm.clone().unwrap();
         assert!(c.evidence.iter().any(|l| l.contains("nothing sent yet")), "{c:?}");
         insta::assert_snapshot!("cancel_confirm_140x40", text(&app, 140, 40));
         press(&mut app, KeyCode::Tab);

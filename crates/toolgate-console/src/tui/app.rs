@@ -84,6 +84,19 @@ impl Pane {
     }
 }
 
+/// The dialogs' own state: at most one form and one confirm are open, and
+/// both return to the mode they were opened from.
+#[derive(Debug, Clone, Default)]
+pub struct DialogView {
+    /// Confirm dialog.
+    pub confirm: Option<Confirm>,
+    /// Open form.
+    pub form: Option<Form>,
+    /// Mode to return to when a confirm dialog or form closes (the detail view
+    /// when it was opened there).
+    pub return_to: Mode,
+}
+
 /// The help overlay's own state.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HelpView {
@@ -631,10 +644,8 @@ pub struct App {
     /// `F`: the detail is fetched again whenever the ledger changes, and shown
     /// scrolled to its end (the newest trace events).
     pub follow: bool,
-    /// Confirm dialog.
-    pub confirm: Option<Confirm>,
-    /// Open form.
-    pub form: Option<Form>,
+    /// The open dialog (a form, then its confirm) and where it returns.
+    pub dialog: DialogView,
     /// The help overlay: its scroll, the mode it returns to, and whether it
     /// shows the message log (`:messages`).
     pub help: HelpView,
@@ -642,9 +653,6 @@ pub struct App {
     pub command: CommandBar,
     /// Mode to return to when a command leaves the bar without switching.
     pub command_return: Mode,
-    /// Mode to return to when a confirm dialog or form closes (the detail view
-    /// when it was opened there).
-    pub dialog_return: Mode,
     /// Status-bar line and whether it is an error.
     pub status: Option<(String, bool)>,
     /// Now, for the ages and countdowns on screen (stands still while paused).
@@ -736,12 +744,10 @@ impl App {
             detail_extent: u16::MAX,
             follow: false,
             approval: None,
-            confirm: None,
-            form: None,
+            dialog: DialogView::default(),
             help: HelpView::default(),
             command: CommandBar::default(),
             command_return: Mode::Normal,
-            dialog_return: Mode::Normal,
             status: None,
             now_ms,
             size: (80, 24),
@@ -968,7 +974,7 @@ impl App {
         let out = self.update_mode(action);
         let dialog = |m: Mode| matches!(m, Mode::Confirm | Mode::Form);
         if dialog(self.mode) && !dialog(from) {
-            self.dialog_return = if from == Mode::Detail { Mode::Detail } else { Mode::Normal };
+            self.dialog.return_to = if from == Mode::Detail { Mode::Detail } else { Mode::Normal };
         }
         out
     }
@@ -1184,13 +1190,13 @@ impl App {
                 self.mode = self.command_return;
             }
             Mode::Confirm => {
-                self.confirm = None;
-                self.mode = self.dialog_return;
+                self.dialog.confirm = None;
+                self.mode = self.dialog.return_to;
                 self.say("went back: nothing was done", false);
             }
             Mode::Form => {
-                self.form = None;
-                self.mode = self.dialog_return;
+                self.dialog.form = None;
+                self.mode = self.dialog.return_to;
                 self.say("went back: nothing was done", false);
             }
             Mode::Normal => {
@@ -1215,7 +1221,7 @@ impl App {
             }
             Mode::Command => self.command.pop(),
             Mode::Form => {
-                if let Some(f) = self.form.as_mut() {
+                if let Some(f) = self.dialog.form.as_mut() {
                     match f.field {
                         1 => {
                             f.evidence.pop();
@@ -1246,7 +1252,7 @@ impl App {
         }
         let a = a.clone();
         let evidence = self.approval_evidence(&a);
-        self.form = Some(Form {
+        self.dialog.form = Some(Form {
             kind: FormKind::Deny { approval_id: a.id.clone(), evidence },
             choice: None,
             evidence: String::new(),
@@ -1291,7 +1297,7 @@ impl App {
                 self.ago(op.last_query_at)
             ),
         };
-        self.form =
+        self.dialog.form =
             Some(Form { kind, choice: None, evidence: String::new(), note: String::new(), field: 0, error: None });
         self.mode = Mode::Form;
         None
@@ -1602,7 +1608,7 @@ impl App {
             format!("note        {note}"),
             "the operator log records it as decided against the evidence".to_string(),
         ];
-        self.confirm = Some(Confirm {
+        self.dialog.confirm = Some(Confirm {
             title: "Decide against the evidence".into(),
             evidence: lines,
             request: Request::Resolve {
@@ -1639,7 +1645,7 @@ impl App {
             ),
             "asks the provider for a receipt; never executes the tool".to_string(),
         ];
-        self.confirm = Some(Confirm {
+        self.dialog.confirm = Some(Confirm {
             title: "Status query".into(),
             evidence,
             request: Request::Query { operation_id: op.id.clone() },
@@ -1726,7 +1732,7 @@ impl App {
         }
         let a = a.clone();
         let evidence = self.approval_evidence(&a);
-        self.confirm = Some(Confirm {
+        self.dialog.confirm = Some(Confirm {
             title: "Approve and execute".into(),
             evidence,
             request: Request::Approve { approval_id: a.id.clone() },
@@ -1749,7 +1755,7 @@ impl App {
                 None
             }
             Mode::Form => {
-                if let Some(f) = self.form.as_mut() {
+                if let Some(f) = self.dialog.form.as_mut() {
                     let target = match f.field {
                         1 => Some(&mut f.evidence),
                         2 => Some(&mut f.note),
@@ -1770,12 +1776,12 @@ impl App {
     fn on_navigate(&mut self, action: &Action) {
         match self.mode {
             Mode::Confirm => {
-                if let Some(c) = self.confirm.as_mut() {
+                if let Some(c) = self.dialog.confirm.as_mut() {
                     c.on_confirm = !c.on_confirm;
                 }
             }
             Mode::Form => {
-                if let Some(f) = self.form.as_mut() {
+                if let Some(f) = self.dialog.form.as_mut() {
                     let fields: &[usize] = match f.kind {
                         FormKind::Deny { .. } | FormKind::Cancel { .. } => &[2],
                         FormKind::Bulk { ref plan } if plan.key == BulkKey::Resolve => &[0, 2],
@@ -1826,9 +1832,9 @@ impl App {
                 }
             }
             Mode::Confirm => {
-                let c = self.confirm.take()?;
+                let c = self.dialog.confirm.take()?;
                 // A lab switch was asked from the lab panel: back to it.
-                self.mode = if matches!(c.request, Request::SetLab(_)) { Mode::Lab } else { self.dialog_return };
+                self.mode = if matches!(c.request, Request::SetLab(_)) { Mode::Lab } else { self.dialog.return_to };
                 if c.on_confirm {
                     self.say(format!("{}: sent", c.title), false);
                     if let Request::Bulk { action, targets } = &c.request {
@@ -1842,36 +1848,36 @@ impl App {
                 }
             }
             Mode::Form => {
-                let f = self.form.clone()?;
+                let f = self.dialog.form.clone()?;
                 if matches!(f.kind, FormKind::Resolve { .. }) && f.choice.is_none() {
-                    if let Some(form) = self.form.as_mut() {
+                    if let Some(form) = self.dialog.form.as_mut() {
                         form.error = Some("choose a decision with ←/→ first".into());
                         form.field = 0;
                     }
                     return None;
                 }
                 if f.note.trim().is_empty() {
-                    if let Some(form) = self.form.as_mut() {
+                    if let Some(form) = self.dialog.form.as_mut() {
                         form.error = Some("a note is required".into());
                         form.field = 2;
                     }
                     return None;
                 }
                 if let Some(c) = Self::confirm_cancel(&f) {
-                    self.form = None;
-                    self.confirm = Some(c);
+                    self.dialog.form = None;
+                    self.dialog.confirm = Some(c);
                     self.mode = Mode::Confirm;
                     return None;
                 }
                 match self.bulk_form_confirm(&f) {
                     Ok(Some(c)) => {
-                        self.form = None;
-                        self.confirm = Some(c);
+                        self.dialog.form = None;
+                        self.dialog.confirm = Some(c);
                         self.mode = Mode::Confirm;
                         return None;
                     }
                     Err((e, field)) => {
-                        if let Some(form) = self.form.as_mut() {
+                        if let Some(form) = self.dialog.form.as_mut() {
                             form.error = Some(e);
                             form.field = field;
                         }
@@ -1888,7 +1894,7 @@ impl App {
                     ),
                     FormKind::Resolve { operation_id, seen_version, last_query, unaskable, terms, found } => {
                         let Some(choice) = f.choice else {
-                            if let Some(form) = self.form.as_mut() {
+                            if let Some(form) = self.dialog.form.as_mut() {
                                 form.error = Some("choose a decision with ←/→ first".into());
                                 form.field = 0;
                             }
@@ -1897,7 +1903,7 @@ impl App {
                         let resolution = [Resolution::Succeeded, Resolution::Failed, Resolution::Compensated][choice];
                         let evidence = (choice == 0).then(|| f.evidence.trim().to_string());
                         if evidence.as_deref().is_some_and(str::is_empty) {
-                            if let Some(form) = self.form.as_mut() {
+                            if let Some(form) = self.dialog.form.as_mut() {
                                 form.error = Some("succeeded needs a receipt id as evidence".into());
                                 form.field = 1;
                             }
@@ -1933,8 +1939,8 @@ impl App {
                         )
                     }
                 };
-                self.form = None;
-                self.confirm = Some(Confirm { title, evidence, request, on_confirm: false });
+                self.dialog.form = None;
+                self.dialog.confirm = Some(Confirm { title, evidence, request, on_confirm: false });
                 self.mode = Mode::Confirm;
                 None
             }

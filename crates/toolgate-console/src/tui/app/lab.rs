@@ -117,7 +117,7 @@ impl App {
             format!("now         {}", self.lab.toggle.map_or("every defense on", LabToggle::as_str)),
             "every engine and agent on this demo database picks it up at its next call".to_string(),
         ];
-        self.confirm = Some(Confirm {
+        self.dialog.confirm = Some(Confirm {
             title: "Lab: switch a defense off".into(),
             evidence,
             request: Request::SetLab(Some(t)),
@@ -182,7 +182,7 @@ impl App {
             return None;
         };
         let kind = FormKind::Cancel { operation_id, state, seen_version, tool, attempts };
-        self.form =
+        self.dialog.form =
             Some(Form { kind, choice: None, evidence: String::new(), note: String::new(), field: 2, error: None });
         self.mode = Mode::Form;
         None

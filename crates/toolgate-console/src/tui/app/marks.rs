@@ -301,11 +301,11 @@ impl App {
             return None;
         }
         match key {
-            BulkKey::Query => self.confirm = Some(bulk_confirm(&plan, BulkAction::Query, &self.operator)),
-            BulkKey::Approve => self.confirm = Some(bulk_confirm(&plan, BulkAction::Approve, &self.operator)),
+            BulkKey::Query => self.dialog.confirm = Some(bulk_confirm(&plan, BulkAction::Query, &self.operator)),
+            BulkKey::Approve => self.dialog.confirm = Some(bulk_confirm(&plan, BulkAction::Approve, &self.operator)),
             BulkKey::Deny | BulkKey::Resolve | BulkKey::Cancel => {
                 let resolve = key == BulkKey::Resolve;
-                self.form = Some(Form {
+                self.dialog.form = Some(Form {
                     kind: FormKind::Bulk { plan },
                     choice: None,
                     evidence: String::new(),

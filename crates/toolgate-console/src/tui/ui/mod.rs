@@ -121,7 +121,7 @@ pub fn render(app: &App, frame: &mut Frame) -> u16 {
         Mode::Detail => true,
         Mode::Command => app.command_return == Mode::Detail,
         Mode::Help => app.help.return_to == Mode::Detail,
-        Mode::Confirm | Mode::Form => app.dialog_return == Mode::Detail,
+        Mode::Confirm | Mode::Form => app.dialog.return_to == Mode::Detail,
         _ => false,
     };
     let extent = if over_detail { detail::render(app, frame, body, t) } else { panes::render(app, frame, body, t) };

@@ -226,7 +226,7 @@ pub(super) fn confirm_lines(evidence: &[String], width: u16, height: u16) -> Vec
 /// A confirm dialog: the evidence wrapped inside the border, the buttons
 /// always on screen below it.
 pub fn confirm(app: &App, frame: &mut Frame, t: Theme) {
-    let Some(c) = &app.confirm else { return };
+    let Some(c) = &app.dialog.confirm else { return };
     let full = frame.area();
     let w = full.width.saturating_sub(4).clamp(40, 100).min(full.width);
     // Over the body: the header's first line and the footer stay in view.
@@ -257,7 +257,7 @@ fn choice_line(choice: Option<usize>, label: ratatui::style::Style, t: Theme) ->
 
 /// The resolve / deny / cancel form (one row, or the marked rows).
 pub fn form(app: &App, frame: &mut Frame, t: Theme) {
-    let Some(f) = &app.form else { return };
+    let Some(f) = &app.dialog.form else { return };
     let focus = |i: usize| if f.field == i && app.mode == Mode::Form { t.accent() } else { t.dim() };
     let caret = |i: usize| if f.field == i { "▏" } else { "" };
     let mut lines = Vec::new();
