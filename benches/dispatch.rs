@@ -31,16 +31,7 @@ fn bench(c: &mut Criterion) {
     let mut engine =
         Engine::create(&path, EngineOptions { sync: Sync::Normal, ..toolgate::tools::demo_options() }).expect("engine");
     let mut world = World::parse(DEMO_WORLD.as_bytes()).expect("world");
-    let mut orders = toolgate::tools::demo::orders_of(&world).expect("orders");
-    for o in &mut orders {
-        o.captured_minor = 1_000_000_000_000;
-        // The load checks the orders again: a refunded order is no longer
-        // fully refunded once its capture grows.
-        if o.refunded_minor > 0 {
-            o.status = "partially_refunded".into();
-        }
-    }
-    toolgate::tools::demo::set_orders(&mut world, &orders);
+    toolgate::tools::demo::raise_captures(&mut world, 1_000_000_000_000).expect("orders");
     engine.load_world(&world).expect("world");
     let n = AtomicU64::new(0);
     c.bench_function("dispatch_fresh", |b| {

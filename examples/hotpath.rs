@@ -69,16 +69,7 @@ fn run(mode: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
     let mut engine =
         Engine::create(&dir.path().join("ledger.db"), EngineOptions { sync, ..toolgate::tools::demo_options() })?;
     let mut world = World::parse(DEMO_WORLD.as_bytes())?;
-    let mut orders = toolgate::tools::demo::orders_of(&world)?;
-    for o in &mut orders {
-        o.captured_minor = 1_000_000_000_000;
-        // The load checks the orders again: a refunded order is no longer
-        // fully refunded once its capture grows.
-        if o.refunded_minor > 0 {
-            o.status = "partially_refunded".into();
-        }
-    }
-    toolgate::tools::demo::set_orders(&mut world, &orders);
+    toolgate::tools::demo::raise_captures(&mut world, 1_000_000_000_000)?;
     engine.load_world(&world)?;
     let settled = engine.dispatch(&refund("hotpath-settled-0001".into()))?;
     let op_id = settled.protected_audit.operation_id.clone().unwrap_or_default();
