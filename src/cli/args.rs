@@ -783,7 +783,8 @@ impl Command {
             Command::Clock { accept, .. } => *accept,
             Command::Token { what } => matches!(what, TokenCommand::Create { .. } | TokenCommand::Revoke { .. }),
             Command::Lab(a) => a.off || a.toggle.is_some(),
-            // The console opens a ledger read-only itself under --read-only;
+            // The console opens a ledger read-only itself under --read-only
+            // (`demo` with agents on a --db ledger is refused by `console`);
             // the provider's own store is not the ledger.
             Command::Demo { .. }
             | Command::DemoDb { .. }

@@ -11,6 +11,11 @@ use std::path::PathBuf;
 /// database re-based to now (the committed file is never written).
 pub(super) fn console(cli: &Cli, agents: usize) -> Result<i32, CliError> {
     use std::io::IsTerminal;
+    // Simulated agents write the ledger they run on: never one named by
+    // --db under --read-only (the demo's own working copy is a scratch file).
+    if cli.read_only && agents > 0 && cli.db.is_some() {
+        return Err(CliError::new("READ_ONLY", "refused: --read-only is set and the agents would write the ledger"));
+    }
     // Said, not ignored: the console's panes, countdowns and working copy
     // run on the wall clock.
     if cli.now.is_some() {

@@ -1,8 +1,8 @@
 //! Commands that run something: `scenario`, `serve`, `cancel`, `load`, `lab`.
 
 use super::{
-    clock_from, db_path, engine_options, open, operator_of, operator_or_user, print_json, print_outcome, write_stdout,
-    CancelArgs, Cli, CliError, LabArgs, LoadArgs, ScenarioCommand, ServeArgs,
+    clock_from, db_path, engine_options, open, open_read, operator_of, operator_or_user, print_json, print_outcome,
+    write_stdout, CancelArgs, Cli, CliError, LabArgs, LoadArgs, ScenarioCommand, ServeArgs,
 };
 use serde_json::{json, Value};
 
@@ -199,8 +199,10 @@ pub(super) fn lab_command(cli: &Cli, a: &LabArgs) -> Result<i32, CliError> {
     use std::fmt::Write as _;
 
     use crate::engine::LabToggle;
-    let mut engine = open(cli)?;
-    if a.off || a.toggle.is_some() {
+    let toggles = a.off || a.toggle.is_some();
+    // Only a toggle writes (Command::writes); showing the lab reads.
+    let mut engine = if toggles { open(cli)? } else { open_read(cli)? };
+    if toggles {
         let toggle = a.toggle.as_deref().map(lab_toggle_arg).transpose()?;
         let operator = operator_or_user(cli);
         engine.set_lab_toggle(toggle, &operator)?;

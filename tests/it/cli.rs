@@ -427,11 +427,18 @@ fn bulk_selection_from_the_cli_dry_run_and_one_audit_entry_each(backend: crate::
         (&["approve", "--all", "--approver", "alice", "--state", "unknown", "--dry-run"][..], "BAD_SELECTION"),
         (&["--operator", "ops1", "resolve", "--all", "--as", "succeeded", "--note", "n"][..], "EVIDENCE_PER_OPERATION"),
         (&["--read-only", "--operator", "ops1", "query", "--all"][..], "READ_ONLY"),
+        // Simulated agents would write the ledger named by --db.
+        (&["--read-only", "demo", "--agents", "2"][..], "READ_ONLY"),
+        // Switching a defense off writes; showing the lab (below) reads.
+        (&["--read-only", "lab", "--off"][..], "READ_ONLY"),
     ] {
         let (rc, _, err) = run_json(&db, args);
         assert_eq!(rc, 2, "{args:?}: {err}");
         assert!(err.contains(&format!("error[{code}]")), "{args:?}: {err}");
     }
+    let (rc, _, err) = run_json(&db, &["--read-only", "lab", "--json"]);
+    assert_eq!(rc, 0, "the lab's state is read under --read-only: {err}");
+    assert_eq!(log_len(&db), before, "refusals and reads under --read-only write nothing");
     let (rc, _, err) = run_json(&db, &["query", "--all", "--status-ref", "x"]);
     assert_eq!(rc, 2, "--all and one operation's status_ref do not mix: {err}");
     // The run: one engine call and one audit entry each, by the operator.

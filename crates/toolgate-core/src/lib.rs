@@ -10,7 +10,8 @@
 //! - [`store`]: the ledger on SQLite (rusqlite, WAL, `BEGIN IMMEDIATE`, STRICT
 //!   tables) or PostgreSQL (`postgres`), one set of queries over a neutral
 //!   statement layer, numbered migrations per backend; the simulated
-//!   providers' own store. The only module with SQL.
+//!   providers' own store. The ledger's only SQL (a domain's own tables are
+//!   queried through `store::DomainTx` from its own store module).
 //! - [`telemetry`]: the trace export, metrics computed from the database, their
 //!   Prometheus text format.
 //! - [`failpoint`]: named crash points for crash tests.
@@ -23,7 +24,7 @@ pub mod failpoint;
 pub mod store;
 pub mod telemetry;
 
-/// An error with a stable code (`DB_LOCKED`, `INVALID_ARGUMENTS`, ...): what
+/// An error with a stable code (`DB_BUSY`, `INVALID_ARGUMENTS`, ...): what
 /// scripts and agents match on, the same on the CLI, the HTTP API and MCP.
 /// Every error type of every floor implements it; its message is for people.
 pub trait Coded: std::error::Error {

@@ -105,8 +105,10 @@ pub fn valid_id(s: &str) -> bool {
 }
 
 impl World {
-    /// Parses and checks a world file (strict: duplicate keys, unknown fields,
-    /// dangling references and impossible amounts are refused).
+    /// Parses and checks a world file's core sections (strict: duplicate keys,
+    /// unknown fields inside a record, dangling references and impossible
+    /// amounts are refused). Other top-level sections are kept as written:
+    /// [`World::parse_checked`] and the load hand them to the toolset's domains.
     pub fn parse(text: &[u8]) -> Result<World, EngineError> {
         Self::parse_named("world file", text)
     }

@@ -1,7 +1,8 @@
 //! Storage: connection set-up, embedded migrations and typed queries, on an
 //! embedded SQLite file or a PostgreSQL server.
 //!
-//! **This is the only module with SQL.** The engine sees [`Store`] (open, run a
+//! **This is the ledger's only SQL** (a tool's domain keeps its own tables'
+//! statements in a store module of its own, run through [`DomainTx`]). The engine sees [`Store`] (open, run a
 //! transaction) and [`Tx`] (typed reads and writes inside one transaction).
 //! Every query is written once against [`sql`]'s neutral statement API and runs
 //! on either backend; a `--db` value that is a `postgres://` or
