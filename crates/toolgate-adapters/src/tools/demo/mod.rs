@@ -5,6 +5,7 @@
 //! the caller's. Its orders live in its own store module ([`store`]), reached
 //! through the step's [`DomainTx`], not the ledger's transaction.
 
+use serde::Deserialize;
 use serde_json::{json, Value};
 
 pub mod store;
@@ -76,7 +77,8 @@ pub struct OrderSpec {
 pub fn orders_of(world: &World) -> Result<Vec<OrderSpec>, String> {
     match world.sections.get(ORDERS) {
         None => Ok(Vec::new()),
-        Some(v) => serde_json::from_value(v.clone()).map_err(|e| format!("{ORDERS}: {e}")),
+        // Read from the borrowed section, not a copy of it.
+        Some(v) => Vec::<OrderSpec>::deserialize(v).map_err(|e| format!("{ORDERS}: {e}")),
     }
 }
 
@@ -93,12 +95,7 @@ pub fn raise_captures(world: &mut World, captured_minor: i64) -> Result<(), Stri
     let mut orders = orders_of(world)?;
     for o in &mut orders {
         o.captured_minor = captured_minor.max(o.refunded_minor);
-        o.status = match o.refunded_minor {
-            0 => "paid",
-            r if r == o.captured_minor => "refunded",
-            _ => "partially_refunded",
-        }
-        .into();
+        o.status = store::status_for(o.refunded_minor, o.captured_minor).into();
     }
     set_orders(world, &orders);
     Ok(())
@@ -134,11 +131,7 @@ fn check_orders(world: &World, orders: &[OrderSpec]) -> Result<(), String> {
         if o.refunded_minor < 0 || o.refunded_minor > o.captured_minor {
             return fail(rec, "refunded_minor", "must be between 0 and captured_minor");
         }
-        let expected = match o.refunded_minor {
-            0 => "paid",
-            r if r == o.captured_minor => "refunded",
-            _ => "partially_refunded",
-        };
+        let expected = store::status_for(o.refunded_minor, o.captured_minor);
         if !matches!(o.status.as_str(), "paid" | "partially_refunded" | "refunded") {
             return fail(rec, "status", "must be paid, partially_refunded or refunded");
         }
@@ -360,11 +353,7 @@ impl ToolDomain for DemoDomain {
                     ),
                 );
             }
-            let expected = match o.refunded_minor {
-                0 => "paid",
-                r if r == o.captured_minor => "refunded",
-                _ => "partially_refunded",
-            };
+            let expected = store::status_for(o.refunded_minor, o.captured_minor);
             if o.status != expected {
                 find(
                     "order",

@@ -61,6 +61,19 @@ impl OrderRow {
     }
 }
 
+/// An order's status for what was refunded of its capture: the one rule the
+/// world check, the audit, `raise_captures` and `revert_refund` use
+/// (`apply_refund`'s SQL states the same in its CASE).
+pub fn status_for(refunded_minor: i64, captured_minor: i64) -> &'static str {
+    if refunded_minor == 0 {
+        "paid"
+    } else if refunded_minor >= captured_minor {
+        "refunded"
+    } else {
+        "partially_refunded"
+    }
+}
+
 /// Inserts an order (a world being loaded).
 pub fn insert_order(tx: &DomainTx<'_, '_>, o: &OrderRow) -> R<()> {
     tx.execute(
@@ -107,13 +120,7 @@ pub fn revert_refund(tx: &DomainTx<'_, '_>, order_ref: &str, amount: i64) -> R<(
     let Some(o) = order_for_update(tx, order_ref)? else { return Ok(()) };
     let from_over = amount.min(o.over_refunded_minor).max(0);
     let refunded = (o.refunded_minor - (amount - from_over)).max(0);
-    let status = if refunded == 0 {
-        "paid"
-    } else if refunded >= o.captured_minor {
-        "refunded"
-    } else {
-        "partially_refunded"
-    };
+    let status = status_for(refunded, o.captured_minor);
     tx.execute(
         "UPDATE orders SET refunded_minor = ?2, over_refunded_minor = ?3, status = ?4, revision = revision + 1
          WHERE order_ref = ?1",
