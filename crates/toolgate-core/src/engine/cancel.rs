@@ -27,6 +27,7 @@ use super::canonical::canonical_string;
 use super::envelope::Code;
 use super::trace::TraceEvent;
 use super::{Engine, EngineError, OperatorOutcome};
+use crate::store::Reason;
 use crate::store::Scope;
 use crate::store::Step;
 use crate::store::{AttemptOutcome, AttemptRow, AuditRow, OpState, OutboxState, StoreError, SENDER_DETACHED};
@@ -183,7 +184,7 @@ pub(crate) fn cancel_in(
         if let Some(op) = &cur {
             let mut t = TraceEvent::of_operation(Step::Cancel, op, salt, now);
             t.note = Some(format!("refused: {}", code.to_ascii_lowercase()));
-            t.because("refused").write(tx, now)?;
+            t.because(Reason::Refused).write(tx, now)?;
         }
         Ok(outcome(false, code, why, Some(&r.operation_id)))
     };
@@ -221,7 +222,7 @@ pub(crate) fn cancel_in(
             contracts.get(&op.tool).map_or(OpState::Unknown, |c| c.downstream.unknown_state()),
             Code::OutcomeUnknown,
             OutboxState::Parked,
-            "cancelled_after_send",
+            Reason::CancelledAfterSend,
             "an attempt may have reached the provider, so the effect cannot be undone: \
                  moved to the unknown queue (query its status), or to human review where the provider cannot be asked",
         )
@@ -230,7 +231,7 @@ pub(crate) fn cancel_in(
             OpState::Failed,
             Code::Cancelled,
             OutboxState::Done,
-            "cancelled_before_send",
+            Reason::CancelledBeforeSend,
             "cancelled before anything was sent: no effect",
         )
     };

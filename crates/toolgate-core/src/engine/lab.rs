@@ -220,9 +220,6 @@ pub(crate) fn caller_key(scope_key: &str) -> &str {
     scope_key.split(' ').next().unwrap_or(scope_key)
 }
 
-/// Reason code of the trace event that records a masked conflict.
-pub(crate) const MASKED_CONFLICT: &str = "lab_conflict_masked";
-
 impl Engine {
     /// Whether the file is marked as a demo (read once at open: the mark is
     /// only ever set on a file the demo generator creates).
@@ -249,7 +246,7 @@ impl Engine {
                 demo,
                 toggle: if demo { tx.meta(TOGGLE_KEY)?.as_deref().and_then(LabToggle::parse) } else { None },
                 fault_bp: tx.meta(FAULT_KEY)?.and_then(|v| v.parse().ok()).unwrap_or(0),
-                masked_conflicts: tx.trace_reason_total(MASKED_CONFLICT)?,
+                masked_conflicts: tx.trace_reason_total(crate::store::Reason::LabConflictMasked)?,
             })
         })?)
     }

@@ -16,6 +16,7 @@ use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, Engine, EngineError};
 use crate::failpoint;
 use crate::store::AnswerKind;
+use crate::store::Reason;
 use crate::store::Step;
 use crate::store::{
     ApprovalState, AttemptOutcome, AuditRow, CallIdentityRow, OpState, OperationRow, OutboxState, ReceiptRow,
@@ -60,6 +61,15 @@ impl Resolution {
             Resolution::Succeeded => "succeeded",
             Resolution::Failed => "failed",
             Resolution::Compensated => "compensated",
+        }
+    }
+
+    /// The trace reason of a resolution's event.
+    pub fn reason(self) -> Reason {
+        match self {
+            Resolution::Succeeded => Reason::Succeeded,
+            Resolution::Failed => Reason::Failed,
+            Resolution::Compensated => Reason::Compensated,
         }
     }
 }
@@ -237,8 +247,8 @@ impl Engine {
             };
             ev.note = Some(e.to_string());
             ev.reason = Some(match e {
-                StatusRefError::Malformed => "status_ref_malformed",
-                StatusRefError::Forged => "status_ref_forged",
+                StatusRefError::Malformed => Reason::StatusRefMalformed,
+                StatusRefError::Forged => Reason::StatusRefForged,
             });
             let ev = ev.from_envelope(&env).answering(started);
             self.store.write_relaxed(|tx| ev.write(tx, now))?;
@@ -250,7 +260,7 @@ impl Engine {
                 error_envelope(Code::InvalidArguments, audit),
                 json!({"pointer": "/expected_request_sha256", "reason": "must be 64 lower-case hex digits"}),
             );
-            let ev = ev.because("bad_expected_digest").from_envelope(&env).answering(started);
+            let ev = ev.because(Reason::BadExpectedDigest).from_envelope(&env).answering(started);
             self.store.write_relaxed(|tx| ev.write(tx, now))?;
             return Ok(env);
         }
@@ -268,10 +278,16 @@ impl Engine {
             // 2. Current authorization.
             // Refusals before authorization name no operation: nothing leaks to the trace either.
             let Some(op) = tx.operation_by_status_ref(&q.status_ref)? else {
-                return answer(error_envelope(Code::NotFound, audit.clone()), ev.clone().because("no_such_operation"));
+                return answer(
+                    error_envelope(Code::NotFound, audit.clone()),
+                    ev.clone().because(Reason::NoSuchOperation),
+                );
             };
             if op.tenant != q.tenant || op.subject != q.subject {
-                return answer(error_envelope(Code::NotFound, audit.clone()), ev.clone().because("other_principal"));
+                return answer(
+                    error_envelope(Code::NotFound, audit.clone()),
+                    ev.clone().because(Reason::OtherPrincipal),
+                );
             }
             if let Some(code) = authorize(
                 tx,
@@ -281,7 +297,7 @@ impl Engine {
                 &op.tool,
                 &args_of(&op.request_json),
             )? {
-                let ev = ev.clone().because("current_authorization");
+                let ev = ev.clone().because(Reason::CurrentAuthorization);
                 return answer(error_envelope(code, audit.clone()), ev);
             }
             // From here on the event carries the operation's fields and the query's own call identity.
@@ -302,7 +318,7 @@ impl Engine {
             };
             if let Some(why) = mismatch {
                 ev.note = Some(why.into());
-                ev.reason = Some("scope_mismatch");
+                ev.reason = Some(Reason::ScopeMismatch);
                 let env = with_detail(error_envelope(Code::StatusConflict, audit.clone()), json!({"reason": why}));
                 return answer(env, ev);
             }
@@ -313,7 +329,10 @@ impl Engine {
                     || bound.request_sha256 != expected
                     || bound.key_sha256 != status_ref_sha
                 {
-                    return answer(error_envelope(Code::CallIdConflict, audit.clone()), ev.because("call_id_conflict"));
+                    return answer(
+                        error_envelope(Code::CallIdConflict, audit.clone()),
+                        ev.because(Reason::CallIdConflict),
+                    );
                 }
             }
             tx.bind_call_identity(
@@ -333,17 +352,18 @@ impl Engine {
                     error_envelope(Code::StatusConflict, audit.clone()),
                     json!({"reason": "stored record failed its integrity check"}),
                 );
-                return answer(env, ev.because("tampered"));
+                return answer(env, ev.because(Reason::Tampered));
             }
             match op.state {
                 OpState::Succeeded | OpState::Failed => {
-                    let reconciled = op.last_query_result.as_deref() == Some("reconciled");
+                    let reconciled = op.last_query_result.as_deref() == Some(Reason::Reconciled.as_str());
                     let d = if reconciled { Delivery::ReceiptReconciled } else { Delivery::LocalReplay };
-                    answer(op_envelope(&op, d, pref.clone(), None), ev.because("replay"))
+                    answer(op_envelope(&op, d, pref.clone(), None), ev.because(Reason::Replay))
                 }
-                OpState::Resolved => {
-                    answer(op_envelope(&op, Delivery::HumanResolved, pref.clone(), None), ev.because("replay_resolved"))
-                }
+                OpState::Resolved => answer(
+                    op_envelope(&op, Delivery::HumanResolved, pref.clone(), None),
+                    ev.because(Reason::ReplayResolved),
+                ),
                 _ => Ok(QueryStep::Lookup(Box::new(op))),
             }
         })?;
@@ -370,7 +390,7 @@ impl Engine {
                 // Changed while we looked (a worker or another query finished it): report what it is now.
                 let env = op_envelope(&cur, Delivery::LocalReplay, pref.clone(), None);
                 ev.note = Some("changed during lookup".into());
-                ev.because("changed_during_lookup").from_envelope(&env).answering(started).write(tx, now)?;
+                ev.because(Reason::ChangedDuringLookup).from_envelope(&env).answering(started).write(tx, now)?;
                 return Ok(env);
             }
             cur.updated_at = now;
@@ -401,7 +421,6 @@ impl Engine {
                         cur.receipt_id = Some(r.receipt_id.clone());
                         cur.state = crate::store::OpState::Succeeded;
                         cur.code = None;
-                        cur.last_query_result = Some("reconciled".into());
                         cur.call_binding_sha256 = binding_of(&cur);
                         tx.insert_receipt(&ReceiptRow {
                             receipt_id: r.receipt_id.clone(),
@@ -420,51 +439,48 @@ impl Engine {
                             }
                         }
                         tx.close_outbox(&cur.id, OutboxState::Done, None)?;
-                        ("reconciled", None, "receipt matches: backfilled")
+                        (Reason::Reconciled, None, "receipt matches: backfilled")
                     } else {
                         cur.state = crate::store::OpState::NeedsReview;
                         cur.code = Some(Code::StatusConflict.as_str().into());
-                        cur.last_query_result = Some("mismatch".into());
                         tx.close_outbox(&cur.id, OutboxState::Parked, Some(Code::StatusConflict.as_str()))?;
                         (
-                            "mismatch",
+                            Reason::Mismatch,
                             Some(Code::StatusConflict),
                             why_not.unwrap_or("receipt does not match the request"),
                         )
                     }
                 }
                 Lookup::NotFound => {
-                    cur.last_query_result = Some("not_found".into());
                     match receipt_window(&tx.attempts(&cur.id)?, contract, now) {
                         // Receipts can lag: within the window "none" is not
                         // "no effect", and the answer says when to ask again.
                         Some(until) => {
                             query_again_at = Some(until);
                             (
-                                "not_found",
+                                Reason::NotFound,
                                 None,
                                 "no receipt yet, and one may still appear: query again after the receipt window",
                             )
                         }
-                        None => ("not_found", None, "no receipt (yet): still unknown"),
+                        None => (Reason::NotFound, None, "no receipt (yet): still unknown"),
                     }
                 }
                 Lookup::Unavailable => {
-                    cur.last_query_result = Some("unavailable".into());
-                    ("unavailable", None, "lookup unavailable: still unknown")
+                    (Reason::Unavailable, None, "lookup unavailable: still unknown")
                 }
                 // Nothing can be asked of this downstream: only a person can tell.
                 Lookup::Unsupported => {
                     cur.state = OpState::NeedsReview;
-                    cur.last_query_result = Some("unsupported".into());
                     tx.close_outbox(&cur.id, OutboxState::Parked, Some(Code::OutcomeUnknown.as_str()))?;
-                    ("unsupported", None, "the downstream has no lookup: a person must check and decide")
+                    (Reason::Unsupported, None, "the downstream has no lookup: a person must check and decide")
                 }
             };
             let _ = env;
+            cur.last_query_result = Some(result.as_str().into());
             tx.update_operation(&cur)?.or_stale()?;
             cur.version += 1;
-            let delivery = if result == "reconciled" { Delivery::ReceiptReconciled } else { Delivery::LocalReplay };
+            let delivery = if result == Reason::Reconciled { Delivery::ReceiptReconciled } else { Delivery::LocalReplay };
             let mut env = op_envelope(&cur, delivery, pref.clone(), None);
             if let Some(until) = query_again_at {
                 env = with_detail(
@@ -577,7 +593,7 @@ impl Engine {
             ev.receipt_id = Some(receipt_id.to_string());
             ev.code = Some(Code::StatusConflict);
             ev.note = Some(why);
-            ev.because("contradicts_resolution").write(tx, now)?;
+            ev.because(Reason::ContradictsResolution).write(tx, now)?;
             Ok(())
         })?;
         Ok(())
@@ -619,7 +635,7 @@ impl Engine {
         let toolset = self.toolset.clone();
         let scope = self.operator_scope.clone();
         let decided = self.store.write(|tx| -> Result<Result<String, (Envelope, String)>, EngineError> {
-            let invalid = |why: &str, reason: &'static str, a: Option<&crate::store::ApprovalRow>| -> Result<Result<String, (Envelope, String)>, EngineError> {
+            let invalid = |why: &str, reason: Reason, a: Option<&crate::store::ApprovalRow>| -> Result<Result<String, (Envelope, String)>, EngineError> {
                 tx.insert_audit(&audit_row(now, None, approver, "approve", None, Some(approval_id), false, why, &json!({
                     "approval_state": a.map(|a| a.state),
                     "expires_at": a.map(|a| a.expires_at),
@@ -639,7 +655,7 @@ impl Engine {
                 Ok(Err((env, why.to_string())))
             };
             let Some(mut a) = tx.approval(approval_id)?.filter(|a| Engine::in_operator_scope(scope.as_deref(), &a.tenant)) else {
-                return invalid("no such approval request", "no_such_approval", None);
+                return invalid("no such approval request", Reason::NoSuchApproval, None);
             };
             // The same approver again (its reply was lost): the call it
             // started answers, as a retried dispatch would (a replay of the
@@ -651,23 +667,23 @@ impl Engine {
             }
             if a.state != ApprovalState::Pending {
                 let why = format!("approval is {}", a.state);
-                return invalid(&why, "not_pending", Some(&a));
+                return invalid(&why, Reason::NotPending, Some(&a));
             }
             if now >= a.expires_at {
                 a.state = crate::store::ApprovalState::Expired;
                 a.decided_at = Some(now);
                 a.decided_by = Some("system".into());
                 tx.decide_approval(&a)?.or_stale()?;
-                return invalid("approval expired (expiry is exclusive)", "approval_expired", Some(&a));
+                return invalid("approval expired (expiry is exclusive)", Reason::ApprovalExpired, Some(&a));
             }
             if !tx.is_approver(&a.tenant, approver)? {
-                return invalid("approver is not on the tenant's allowlist", "not_allowlisted", Some(&a));
+                return invalid("approver is not on the tenant's allowlist", Reason::NotAllowlisted, Some(&a));
             }
             if approver == a.subject {
-                return invalid("requester cannot approve their own request", "self_approval", Some(&a));
+                return invalid("requester cannot approve their own request", Reason::SelfApproval, Some(&a));
             }
             let Some(contract) = contracts.get(&a.tool) else {
-                return invalid("tool no longer exists", "unknown_tool", Some(&a));
+                return invalid("tool no longer exists", Reason::UnknownTool, Some(&a));
             };
             let policy_rev = tx.tenant(&a.tenant)?.map_or(-1, |t| t.policy_revision);
             let rev = Revisions { input: a.input_rev, output: a.output_rev, effect: a.effect_rev };
@@ -676,14 +692,14 @@ impl Engine {
                 a.decided_at = Some(now);
                 a.decided_by = Some("system".into());
                 tx.decide_approval(&a)?.or_stale()?;
-                return invalid("policy or contract revision changed since the request", "revision_changed", Some(&a));
+                return invalid("policy or contract revision changed since the request", Reason::RevisionChanged, Some(&a));
             }
             let call = super::operation::approval_call(&a);
             if let Err(why) = verify_approval(&a) {
-                return invalid(&format!("approval record failed its integrity check: {why}"), "tampered", Some(&a));
+                return invalid(&format!("approval record failed its integrity check: {why}"), Reason::Tampered, Some(&a));
             }
             if tx.operation_by_scope(a.scope())?.is_some() {
-                return invalid("the intent already has an operation", "already_accepted", Some(&a));
+                return invalid("the intent already has an operation", Reason::AlreadyAccepted, Some(&a));
             }
             // Accept the held call.
             let op = super::operation::new_operation_for([&a.tenant, &a.subject, &a.tool], contract, &call, &a.idem_key, &a.key_sha256, &a.request_json, &a.request_sha256, now, a.deadline_ms as u64, &refs, &ids, Some(&a.id), &salt);
@@ -723,7 +739,7 @@ impl Engine {
             let mut ev = TraceEvent::of_operation(Step::Approval, &op, &salt, now);
             ev.policy_revision = Some(a.policy_revision);
             ev.note = Some("approved: held call accepted".into());
-            ev.because("approved").write(tx, now)?;
+            ev.because(Reason::Approved).write(tx, now)?;
             Ok(Ok(op.id))
         })?;
         match decided {
@@ -790,7 +806,7 @@ impl Engine {
             let mut ev = TraceEvent::of_approval(Step::Approval, &a, &salt);
             ev.code = Some(Code::ApprovalInvalid);
             ev.note = Some("denied".into());
-            ev.because("denied").write(tx, now)?;
+            ev.because(Reason::Denied).write(tx, now)?;
             Ok(OperatorOutcome {
                 applied: true,
                 code: "OK",
@@ -927,7 +943,7 @@ impl Engine {
                     // A refused attempt is part of the operation's story too (the operator log has who and why).
                     let mut t = TraceEvent::of_operation(Step::Resolution, op, &salt, now);
                     t.note = Some(format!("refused: {}", code.to_ascii_lowercase()));
-                    t.because("refused").write(tx, now)?;
+                    t.because(Reason::Refused).write(tx, now)?;
                 }
                 Ok(refused(code, why, op_ref, None))
             };
@@ -1101,7 +1117,7 @@ impl Engine {
                 Some(a) => format!("resolved as {}; {a}", r.resolution.as_str()),
                 None => format!("resolved as {}", r.resolution.as_str()),
             });
-            t.because(r.resolution.as_str()).write(tx, now)?;
+            t.because(r.resolution.reason()).write(tx, now)?;
             Ok(OperatorOutcome {
                 applied: true,
                 code: "OK",

@@ -26,6 +26,7 @@ use super::envelope::{Code, Delivery, Envelope, ProtectedAudit};
 use super::operation::{args_of, authorize, op_envelope, verify_row};
 use super::trace::TraceEvent;
 use super::{check_name, check_operator, error_envelope, Engine, EngineError, MAX_NAME_CHARS};
+use crate::store::Reason;
 use crate::store::Step;
 use crate::store::{StoreError, TokenRow};
 
@@ -89,13 +90,13 @@ impl AuthFailure {
     }
 
     /// The trace event's reason (low cardinality, lower case).
-    fn reason(self) -> &'static str {
+    fn reason(self) -> Reason {
         match self {
-            AuthFailure::Missing => "token_missing",
-            AuthFailure::Malformed => "token_malformed",
-            AuthFailure::Unknown => "token_unknown",
-            AuthFailure::Expired => "token_expired",
-            AuthFailure::Revoked => "token_revoked",
+            AuthFailure::Missing => Reason::TokenMissing,
+            AuthFailure::Malformed => Reason::TokenMalformed,
+            AuthFailure::Unknown => Reason::TokenUnknown,
+            AuthFailure::Expired => Reason::TokenExpired,
+            AuthFailure::Revoked => Reason::TokenRevoked,
         }
     }
 
@@ -373,7 +374,7 @@ impl AuthRefusals {
         Self::ALL
             .iter()
             .zip(&self.by_reason)
-            .map(|(f, n)| (f.reason(), n.load(std::sync::atomic::Ordering::SeqCst)))
+            .map(|(f, n)| (f.reason().as_str(), n.load(std::sync::atomic::Ordering::SeqCst)))
             .collect()
     }
 }

@@ -15,7 +15,7 @@ use serde_json::Value;
 use super::canonical::{sha256_hex, CallIdentity, ObjectWriter, Revisions};
 use super::envelope::{Code, Envelope};
 pub use crate::store::{AnswerKind, Step};
-use crate::store::{ApprovalRow, OpState, OperationRow, StoreError, TraceRow, Tx};
+use crate::store::{ApprovalRow, OpState, OperationRow, Reason, StoreError, TraceRow, Tx};
 
 /// The fields of one trace event. `None` fields are left out.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -59,7 +59,7 @@ pub struct TraceEvent {
     /// A low-cardinality classification of the decision (`replay`, `retry`,
     /// `attempts_exhausted`, `reconciled`, ...). Never free text.
     #[serde(skip)]
-    pub reason: Option<&'static str>,
+    pub reason: Option<Reason>,
     /// Call identity: provider / api family / response id / call id / adapter revision.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub call: Option<CallIdentity>,
@@ -257,7 +257,7 @@ impl TraceEvent {
 
     /// Sets the decision class.
     #[must_use]
-    pub(crate) fn because(mut self, reason: &'static str) -> Self {
+    pub(crate) fn because(mut self, reason: Reason) -> Self {
         self.reason = Some(reason);
         self
     }
@@ -325,7 +325,7 @@ impl TraceEvent {
             tenant_ref: self.tenant_ref.clone(),
             tool_version: self.revisions.map(|r| format!("{}.{}.{}", r.input, r.output, r.effect)),
             timeout_stage: self.timeout_stage.map(str::to_string),
-            reason: self.reason.map(str::to_string),
+            reason: self.reason.map(|r| r.as_str().to_string()),
         })?;
         self.log();
         Ok(())
@@ -388,7 +388,7 @@ impl TraceEvent {
         let code = self.code.map_or("-", Code::as_str);
         let outcome = self.outcome.unwrap_or("-");
         let delivery = self.delivery.unwrap_or("-");
-        let reason = self.reason.unwrap_or("-");
+        let reason = self.reason.map_or("-", Reason::as_str);
         let stage = self.timeout_stage.unwrap_or("-");
         let attempt = self.attempt.unwrap_or(0);
         let step = self.step.as_str();

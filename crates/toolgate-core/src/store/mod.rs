@@ -46,7 +46,7 @@ pub use rows::*;
 pub use scope::Scope;
 use sql::{params, Conn};
 pub use sql::{Backend, Col, Param};
-pub use states::{AnswerKind, ApprovalState, AttemptOutcome, CircuitState, OpState, OutboxState, Step};
+pub use states::{AnswerKind, ApprovalState, AttemptOutcome, CircuitState, OpState, OutboxState, Reason, Step};
 pub use tokens::TokenRow;
 pub use views::{
     cursor_after, Cursor, Filter, FilterTarget, Key, LiveRow, OpsView, Order, SortColumn, APPROVALS_SORT, AUDIT_SORT,
@@ -1157,13 +1157,13 @@ impl Tx<'_> {
 
     /// How many trace events, all time, carry this decision reason (read from
     /// the rollups and the unfolded tail, never the whole trace).
-    pub fn trace_reason_total(&self, reason: &str) -> R<i64> {
+    pub fn trace_reason_total(&self, reason: Reason) -> R<i64> {
         let rows = self.rollup_rows("metric_totals", "reason, events", "true");
         self.conn
             .prepare_cached(&format!(
                 "SELECT CAST(coalesce(sum(events), 0) AS BIGINT) FROM {rows} r WHERE reason = ?1"
             ))?
-            .query_row([reason], |r| r.get(0))
+            .query_row([reason.as_str()], |r| r.get(0))
     }
 
     /// Non-terminal operations per state, tool, tenant and contract revisions,

@@ -326,3 +326,240 @@ impl Default for Step {
         Step::Unrecognized
     }
 }
+
+macro_rules! reasons {
+    ( $( $(#[$vmeta:meta])* $var:ident => $text:literal, )* ) => {
+        /// Why a trace event's step decided what it did (`trace_events.reason`,
+        /// a label of several metrics). Low cardinality, never free text: the
+        /// engine writes only these, and a domain's business rules add their
+        /// own rule names (`Rule`). Read back as text (a trace keeps what older
+        /// versions wrote) and compared with a value: `row.reason == Reason::Retry`,
+        /// so a misspelt reason is a compile error, not a counter that stays 0.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum Reason {
+            $( $(#[$vmeta])* $var, )*
+            /// A domain's business rule refused the call (`ToolDomain::rules`).
+            Rule(&'static str),
+        }
+
+        impl Reason {
+            /// Every engine reason (not `Rule`).
+            pub const ALL: &'static [Reason] = &[$(Reason::$var),*];
+
+            /// The stored text.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $( Reason::$var => $text, )*
+                    Reason::Rule(name) => name,
+                }
+            }
+        }
+    };
+}
+
+reasons! {
+    // Admission: who may call, and what the scope already holds.
+    /// The caller's grant was checked now, not from the stored row.
+    CurrentAuthorization => "current_authorization",
+    /// The call id is bound to another request.
+    CallIdConflict => "call_id_conflict",
+    /// A stored row's digests did not match its contents.
+    Tampered => "tampered",
+    /// The lab's toggle masked a conflict (`toolgate lab`).
+    LabConflictMasked => "lab_conflict_masked",
+    /// The key is bound to another request.
+    Conflict => "conflict",
+    /// The stored answer, replayed.
+    Replay => "replay",
+    /// The stored human resolution, replayed.
+    ReplayResolved => "replay_resolved",
+    /// Proven never sent and due: executed by this caller.
+    ProvenUnsentExecute => "proven_unsent_execute",
+    /// Proven never sent, not due yet.
+    ProvenUnsentNotDue => "proven_unsent_not_due",
+    /// Another caller holds it.
+    InProgress => "in_progress",
+    /// The key's retention ended.
+    KeyExpired => "key_expired",
+    /// The deadline passed before the call was accepted.
+    DeadlineBeforeAccept => "deadline_before_accept",
+    /// The downstream's circuit is open.
+    CircuitOpen => "circuit_open",
+    /// An approval bound to another action.
+    ApprovalMismatch => "approval_mismatch",
+    /// An approval was requested.
+    ApprovalRequired => "approval_required",
+    /// An approval is still pending.
+    ApprovalPending => "approval_pending",
+    /// The approval was denied.
+    ApprovalDenied => "approval_denied",
+    /// The approval lapsed (a new one is requested).
+    ApprovalExpired => "approval_expired",
+    // Bearer tokens (`authentication` step).
+    /// No token.
+    TokenMissing => "token_missing",
+    /// Not a token.
+    TokenMalformed => "token_malformed",
+    /// No such token.
+    TokenUnknown => "token_unknown",
+    /// The token expired.
+    TokenExpired => "token_expired",
+    /// The token was revoked.
+    TokenRevoked => "token_revoked",
+    // Claims and sends.
+    /// No outbox row to claim.
+    NoOutboxRow => "no_outbox_row",
+    /// Another worker holds the lease.
+    ClaimedElsewhere => "claimed_elsewhere",
+    /// The outbox row is not pending.
+    NotPending => "not_pending",
+    /// The outbox row is not due yet.
+    NotDue => "not_due",
+    /// Another worker won the claim.
+    LostRace => "lost_race",
+    /// The deadline passed before a send.
+    DeadlinePassed => "deadline_passed",
+    /// The downstream's retry budget is spent.
+    BudgetExhausted => "budget_exhausted",
+    /// The downstream's bulkhead is full.
+    BulkheadFull => "bulkhead_full",
+    /// The first attempt.
+    FirstAttempt => "first_attempt",
+    /// A later attempt.
+    Retry => "retry",
+    /// The caller's grant no longer allows the call (the re-check before a send).
+    Unauthorized => "authorization",
+    /// The contract changed between accept and send.
+    ContractRevisionChanged => "contract_revision_changed",
+    // Replies.
+    /// The lease was lost before the reply was recorded.
+    LeaseLost => "lease_lost",
+    /// The circuit opened.
+    CircuitOpened => "circuit_opened",
+    /// The circuit let a probe through.
+    CircuitHalfOpen => "circuit_half_open",
+    /// The circuit closed.
+    CircuitClosed => "circuit_closed",
+    /// Parked for a person (a status conflict).
+    NeedsReview => "needs_review",
+    /// Parked in the unknown queue.
+    ParkedUnknown => "parked_unknown",
+    /// The downstream committed.
+    Committed => "committed",
+    /// A refusal after an earlier attempt may have been received.
+    RejectedAfterPossibleSend => "rejected_after_possible_send",
+    /// The downstream refused.
+    Rejected => "rejected",
+    /// Another attempt is scheduled.
+    RetryScheduled => "retry_scheduled",
+    /// No attempts left.
+    AttemptsExhausted => "attempts_exhausted",
+    /// No time left before the deadline.
+    DeadlineExhausted => "deadline_exhausted",
+    /// The downstream refused toolgate's credentials.
+    DownstreamAuthFailed => "downstream_auth_failed",
+    // The reaper.
+    /// A lapsed lease of an unsent attempt: re-queued.
+    RequeuedUnsent => "requeued_unsent",
+    /// A lapsed lease re-queued with the same downstream key.
+    RequeuedSameKey => "requeued_same_key",
+    // Cancellation.
+    /// Cancelled after a send: moved to the unknown queue.
+    CancelledAfterSend => "cancelled_after_send",
+    /// Cancelled before anything was sent.
+    CancelledBeforeSend => "cancelled_before_send",
+    /// An operator action refused.
+    Refused => "refused",
+    // Status queries.
+    /// A status_ref that does not parse.
+    StatusRefMalformed => "status_ref_malformed",
+    /// A status_ref not signed by this ledger.
+    StatusRefForged => "status_ref_forged",
+    /// An expected digest that is not one.
+    BadExpectedDigest => "bad_expected_digest",
+    /// No such operation.
+    NoSuchOperation => "no_such_operation",
+    /// Another principal's operation.
+    OtherPrincipal => "other_principal",
+    /// The query's scope is not the operation's.
+    ScopeMismatch => "scope_mismatch",
+    /// The operation changed while the downstream was asked.
+    ChangedDuringLookup => "changed_during_lookup",
+    /// A receipt bound to the request: the outcome recorded.
+    Reconciled => "reconciled",
+    /// A receipt that does not bind to the request.
+    Mismatch => "mismatch",
+    /// No receipt (yet).
+    NotFound => "not_found",
+    /// The lookup failed.
+    Unavailable => "unavailable",
+    /// The downstream has no lookup.
+    Unsupported => "unsupported",
+    /// A receipt that contradicts a person's resolution.
+    ContradictsResolution => "contradicts_resolution",
+    // Approvals decided.
+    /// Approved.
+    Approved => "approved",
+    /// Denied.
+    Denied => "denied",
+    /// No such approval request.
+    NoSuchApproval => "no_such_approval",
+    /// The approver is not on the tenant's allowlist.
+    NotAllowlisted => "not_allowlisted",
+    /// A requester approving their own request.
+    SelfApproval => "self_approval",
+    /// The intent already has an operation.
+    AlreadyAccepted => "already_accepted",
+    /// The tool no longer exists.
+    UnknownTool => "unknown_tool",
+    /// The policy or contract changed since the request.
+    RevisionChanged => "revision_changed",
+    // A person's resolution.
+    /// Resolved as succeeded.
+    Succeeded => "succeeded",
+    /// Resolved as failed.
+    Failed => "failed",
+    /// Resolved as compensated.
+    Compensated => "compensated",
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
+    }
+}
+
+impl Serialize for Reason {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl PartialEq<Reason> for String {
+    fn eq(&self, other: &Reason) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl PartialEq<Reason> for str {
+    fn eq(&self, other: &Reason) -> bool {
+        self == other.as_str()
+    }
+}
+
+#[cfg(test)]
+mod reason_tests {
+    use super::Reason;
+
+    #[test]
+    fn reasons_are_distinct_lower_case_labels() {
+        let mut seen = std::collections::HashSet::new();
+        for r in Reason::ALL {
+            assert!(seen.insert(r.as_str()), "{r} twice");
+            assert!(r.as_str().bytes().all(|b| b.is_ascii_lowercase() || b == b'_'), "{r}");
+        }
+        let stored = String::from("retry");
+        assert!(stored == Reason::Retry && *stored != Reason::FirstAttempt);
+        assert_eq!(Reason::Rule("refund_exceeds_capture").as_str(), "refund_exceeds_capture");
+    }
+}

@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use super::histogram::{Histogram, Percentiles, PROMETHEUS_BOUNDS_US};
 use crate::engine::{Engine, EngineError};
-use crate::store::{AnswerKind, Step};
+use crate::store::{AnswerKind, Reason, Step};
 use crate::store::{ApprovalStateRow, CircuitState, LatencyRow, MetricRow, OpenOperationsRow, StoreError};
 
 pub use crate::engine::trace::{minutes_retained_from, MINUTES_RETAINED};
@@ -431,8 +431,10 @@ const COUNTERS: &[CounterDef] = &[
         name: "toolgate_idempotency_hits_total",
         help: "Dispatches that found their intent already in the ledger and did not execute it again, by result.",
         extra: |r| {
-            (r.step == Step::Idempotency && !matches!(r.reason.as_str(), "conflict" | "tampered" | ""))
-                .then(|| vec![("result", r.reason.clone())])
+            (r.step == Step::Idempotency
+                && !r.reason.is_empty()
+                && !reason_in(&r.reason, &[Reason::Conflict, Reason::Tampered]))
+            .then(|| vec![("result", r.reason.clone())])
         },
     },
     CounterDef {
@@ -449,7 +451,7 @@ const COUNTERS: &[CounterDef] = &[
         extra: |r| {
             (r.answer == AnswerKind::Dispatch
                 && r.code == "APPROVAL_REQUIRED"
-                && matches!(r.reason.as_str(), "approval_required" | "approval_expired"))
+                && reason_in(&r.reason, &[Reason::ApprovalRequired, Reason::ApprovalExpired]))
             .then(|| vec![("reason", r.reason.clone())])
         },
     },
@@ -461,10 +463,10 @@ const COUNTERS: &[CounterDef] = &[
                 return None;
             }
             let approving = r.answer == AnswerKind::Approve;
-            let decision = match r.reason.as_str() {
-                "approved" => "approved",
-                "denied" => "denied",
-                "approval_expired" if approving => "expired",
+            let decision = match &r.reason {
+                x if *x == Reason::Approved => "approved",
+                x if *x == Reason::Denied => "denied",
+                x if *x == Reason::ApprovalExpired && approving => "expired",
                 _ if approving => "invalid",
                 _ => return None,
             };
@@ -492,7 +494,7 @@ const COUNTERS: &[CounterDef] = &[
         name: "toolgate_outcome_unknown_total",
         help: "Operations parked as unknown (or needs_review) after a send whose outcome cannot be known, by code.",
         extra: |r| {
-            matches!(r.reason.as_str(), "parked_unknown" | "needs_review")
+            reason_in(&r.reason, &[Reason::ParkedUnknown, Reason::NeedsReview])
                 .then(|| vec![("code", code_label(&r.code)), ("state", r.reason.clone())])
         },
     },
@@ -501,7 +503,7 @@ const COUNTERS: &[CounterDef] = &[
         help: "Downstream receipt lookups of status queries, by result (reconciled, not_found, unavailable, mismatch).",
         extra: |r| {
             (r.step == Step::Query
-                && matches!(r.reason.as_str(), "reconciled" | "not_found" | "unavailable" | "mismatch"))
+                && reason_in(&r.reason, &[Reason::Reconciled, Reason::NotFound, Reason::Unavailable, Reason::Mismatch]))
             .then(|| vec![("result", r.reason.clone())])
         },
     },
@@ -513,15 +515,18 @@ const COUNTERS: &[CounterDef] = &[
     CounterDef {
         name: "toolgate_retries_total",
         help: "Delivery attempts after the first (claimed with attempt > 1).",
-        extra: |r| (r.step == Step::Claimed && r.reason == "retry").then(Vec::new),
+        extra: |r| (r.step == Step::Claimed && r.reason == Reason::Retry).then(Vec::new),
     },
     CounterDef {
         name: "toolgate_retry_exhausted_total",
         help: "Retryable failures returned to the caller because the attempt cap or the deadline was reached.",
-        extra: |r| match r.reason.as_str() {
-            "attempts_exhausted" => Some(vec![("limit", "attempts".to_string()), ("code", code_label(&r.code))]),
-            "deadline_exhausted" => Some(vec![("limit", "deadline".to_string()), ("code", code_label(&r.code))]),
-            _ => None,
+        extra: |r| {
+            let limit = match &r.reason {
+                x if *x == Reason::AttemptsExhausted => "attempts",
+                x if *x == Reason::DeadlineExhausted => "deadline",
+                _ => return None,
+            };
+            Some(vec![("limit", limit.to_string()), ("code", code_label(&r.code))])
         },
     },
     CounterDef {
@@ -544,18 +549,23 @@ const COUNTERS: &[CounterDef] = &[
     },
 ];
 
+/// Whether a stored reason is one of these.
+fn reason_in(stored: &str, any: &[Reason]) -> bool {
+    any.iter().any(|r| *stored == *r)
+}
+
 /// Rate series of the window: name and predicate over per-minute rows.
 const RATES: &[(&str, Pred)] = &[
     ("dispatches", |r| r.answer == AnswerKind::Dispatch),
     ("committed", |r| r.answer == AnswerKind::Dispatch && r.outcome == "committed"),
     ("replays", |r| r.answer == AnswerKind::Dispatch && r.delivery == "local_replay"),
     ("conflicts", |r| r.answer == AnswerKind::Dispatch && is_conflict(&r.code).is_some()),
-    ("unknown", |r| matches!(r.reason.as_str(), "parked_unknown" | "needs_review")),
+    ("unknown", |r| reason_in(&r.reason, &[Reason::ParkedUnknown, Reason::NeedsReview])),
     ("auth_denied", |r| {
         !r.answer.is_empty() && matches!(r.code.as_str(), "POLICY_DENIED" | "SUBJECT_DISABLED" | "NOT_FOUND")
     }),
     ("rate_limits", |r| r.step == Step::DownstreamReply && r.code == "RATE_LIMIT"),
-    ("retries", |r| r.step == Step::Claimed && r.reason == "retry"),
+    ("retries", |r| r.step == Step::Claimed && r.reason == Reason::Retry),
     ("queries", |r| r.answer == AnswerKind::Query),
 ];
 

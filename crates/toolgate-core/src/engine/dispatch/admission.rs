@@ -9,7 +9,6 @@ use super::{Decision, DispatchRequest};
 use crate::engine::canonical::CallIdentity;
 use crate::engine::contracts::{ApprovalPolicy, Contract};
 use crate::engine::envelope::{Code, Delivery, ProtectedAudit, Status};
-use crate::engine::lab::MASKED_CONFLICT;
 use crate::engine::operation::{
     authorize, business_rules, new_operation_for, op_envelope, reserve, verify_row, APPROVAL_TTL_MS,
 };
@@ -18,6 +17,7 @@ use crate::engine::tool::ToolDomain;
 use crate::engine::trace::TraceEvent;
 use crate::engine::{error_envelope, with_detail, with_retry_after, DefensesOff, EngineError};
 use crate::failpoint;
+use crate::store::Reason;
 use crate::store::Scope;
 use crate::store::Step;
 use crate::store::{
@@ -78,7 +78,7 @@ pub(super) fn accept(
     // 2. Authorization of the current subject (also for replays).
     if let Some(code) = authorize(tx, c.domain, &r.tenant, &r.subject, &r.tool, c.args)? {
         ev.step = Step::Authorization;
-        ev.reason = Some("current_authorization");
+        ev.reason = Some(Reason::CurrentAuthorization);
         return Ok(answer(code, audit, ev));
     }
     ev.checks.push("authorization");
@@ -90,7 +90,7 @@ pub(super) fn accept(
     if let Some(bound) = bound {
         if bound.purpose != "dispatch" || bound.request_sha256 != c.request_sha256 || bound.key_sha256 != c.key_sha256 {
             ev.step = Step::CallIdentity;
-            ev.reason = Some("call_id_conflict");
+            ev.reason = Some(Reason::CallIdConflict);
             return Ok(answer(Code::CallIdConflict, audit, ev));
         }
     }
@@ -104,7 +104,7 @@ pub(super) fn accept(
         if let Err(why) = verify_row(&op, c.salt) {
             ev.step = Step::TamperDetected;
             ev.note = Some(why.into());
-            ev.reason = Some("tampered");
+            ev.reason = Some(Reason::Tampered);
             let env = with_detail(
                 error_envelope(Code::StatusConflict, audit),
                 json!({"reason": "stored record failed its integrity check"}),
@@ -115,13 +115,13 @@ pub(super) fn accept(
             if c.defenses.conflict_returns_old_result {
                 // Lab only: the defense is off, the second request is silently dropped.
                 ev.note = Some("lab: same key, different request, answered with the stored result".into());
-                ev.reason = Some(MASKED_CONFLICT);
+                ev.reason = Some(Reason::LabConflictMasked);
                 let delivery =
                     if op.state == OpState::Resolved { Delivery::HumanResolved } else { Delivery::LocalReplay };
                 return Ok(Decision::Answer(op_envelope(&op, delivery, c.principal_ref.to_string(), None), ev));
             }
             ev.note = Some("same key, different request".into());
-            ev.reason = Some("conflict");
+            ev.reason = Some(Reason::Conflict);
             return Ok(answer(Code::IdempotencyConflict, audit, ev));
         }
         if relaxed && op.state == OpState::Accepted {
@@ -133,7 +133,7 @@ pub(super) fn accept(
         match op.state {
             OpState::Succeeded | OpState::Failed => {
                 ev.note = Some("replay".into());
-                ev.reason = Some("replay");
+                ev.reason = Some(Reason::Replay);
                 return Ok(Decision::Answer(
                     op_envelope(&op, Delivery::LocalReplay, c.principal_ref.to_string(), None),
                     ev,
@@ -141,7 +141,7 @@ pub(super) fn accept(
             }
             OpState::Resolved => {
                 ev.note = Some("replay of a human resolution".into());
-                ev.reason = Some("replay_resolved");
+                ev.reason = Some(Reason::ReplayResolved);
                 return Ok(Decision::Answer(
                     op_envelope(&op, Delivery::HumanResolved, c.principal_ref.to_string(), None),
                     ev,
@@ -164,13 +164,13 @@ pub(super) fn accept(
                 op.updated_at = c.now;
                 tx.update_operation(&op)?.or_stale()?;
                 ev.note = Some("proven not sent and due: execute with the same downstream key".into());
-                ev.reason = Some("proven_unsent_execute");
+                ev.reason = Some(Reason::ProvenUnsentExecute);
                 ev.deadline_left_ms = Some(c.deadline_ms as i64);
                 ev.write(tx, c.now)?;
                 return Ok(Decision::Execute { op_id: op.id, built: None });
             }
             ev.note = Some("proven not sent, retry time not reached".into());
-            ev.reason = Some("proven_unsent_not_due");
+            ev.reason = Some(Reason::ProvenUnsentNotDue);
             let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), last_code.as_deref());
             return Ok(Decision::Answer(with_retry_after(env, (due_at - c.now) as u64), ev));
         }
@@ -183,7 +183,7 @@ pub(super) fn accept(
         });
         if let Some(until) = live {
             ev.note = Some("running under a live lease: in progress, never re-executed".into());
-            ev.reason = Some("in_progress");
+            ev.reason = Some(Reason::InProgress);
             let mut env = op_envelope(&op, Delivery::LocalReplay, c.principal_ref.to_string(), None);
             let info = in_progress_info(&op, (until - c.now).clamp(100, 1_000) as u64);
             env.model_result.status = Status::Unknown;
@@ -191,7 +191,7 @@ pub(super) fn accept(
             return Ok(Decision::Answer(env, ev));
         }
         ev.note = Some("not terminal and possibly sent: unknown, never re-executed".into());
-        ev.reason = Some("in_progress");
+        ev.reason = Some(Reason::InProgress);
         return Ok(Decision::Answer(op_envelope(&op, Delivery::LocalReplay, c.principal_ref.to_string(), None), ev));
     }
     if relaxed {
@@ -212,7 +212,7 @@ pub(super) fn accept(
             ev.step = Step::TamperDetected;
             ev.operation_id = Some(other.id.clone());
             ev.note = Some("a row of this scope was moved out of it by hand".into());
-            ev.reason = Some("tampered");
+            ev.reason = Some(Reason::Tampered);
             let env = with_detail(
                 error_envelope(Code::StatusConflict, audit),
                 json!({"reason": "stored record failed its integrity check"}),
@@ -228,7 +228,7 @@ pub(super) fn accept(
     if let Some(t) = tx.tombstone_by_scope(&scope)? {
         ev.operation_id = Some(t.operation_id.clone());
         ev.note = Some(format!("key used by {}, purged when its retention ended: not run again", t.operation_id));
-        ev.reason = Some("key_expired");
+        ev.reason = Some(Reason::KeyExpired);
         let env = with_detail(
             error_envelope(Code::IdempotencyKeyExpired, audit),
             crate::engine::retention::expired_key_detail(&t, c.request_sha256),
@@ -240,7 +240,7 @@ pub(super) fn accept(
     // waited in a server's queue): refused before accept, nothing sent.
     if c.deadline_ms == 0 {
         ev.step = Step::Deadline;
-        ev.reason = Some("deadline_before_accept");
+        ev.reason = Some(Reason::DeadlineBeforeAccept);
         ev.note = Some("the caller's deadline passed before the call was accepted: nothing was stored or sent".into());
         return Ok(Decision::Answer(error_envelope(Code::TimeoutBeforeExecute, audit), ev));
     }
@@ -248,7 +248,7 @@ pub(super) fn accept(
     // accept, nothing stored but this call's trace event.
     if let Some(wait) = policy::admit_new(tx, &c.contract.downstream.name, c.now)? {
         ev.step = Step::Circuit;
-        ev.reason = Some("circuit_open");
+        ev.reason = Some(Reason::CircuitOpen);
         ev.note = Some(format!("circuit of {} is open: refused before accept", c.contract.downstream.as_str()));
         return Ok(Decision::Answer(with_retry_after(error_envelope(Code::ToolUnavailable, audit), wait), ev));
     }
@@ -256,7 +256,7 @@ pub(super) fn accept(
     if let Some(rule) = business_rules(tx, c.domain, [&r.tenant, &r.subject, &r.tool], c.args, None)? {
         ev.step = Step::BusinessRules;
         ev.note = Some(rule.into());
-        ev.reason = Some(rule);
+        ev.reason = Some(Reason::Rule(rule));
         let env = with_detail(error_envelope(Code::BusinessRuleViolation, audit), json!({"rule": rule}));
         return Ok(Decision::Answer(env, ev));
     }
@@ -362,18 +362,18 @@ pub(super) fn approval_gate(
     if let Some(given) = &r.approval_id {
         if latest.as_ref().map(|a| &a.id) != Some(given) {
             ev.note = Some("approval id does not belong to this call".into());
-            ev.reason = Some("approval_mismatch");
+            ev.reason = Some(Reason::ApprovalMismatch);
             return Ok(Some(Decision::Answer(error_envelope(Code::ApprovalInvalid, audit.clone()), ev.clone())));
         }
     }
     // A new request, unless one below answers; `approval_expired` when it
     // replaces a request that lapsed unapproved.
-    ev.reason = Some("approval_required");
+    ev.reason = Some(Reason::ApprovalRequired);
     if let Some(a) = latest {
         ev.approval_id = Some(a.id.clone());
         if a.request_sha256 != c.request_sha256 {
             ev.note = Some("key already holds an approval request for a different request".into());
-            ev.reason = Some("conflict");
+            ev.reason = Some(Reason::Conflict);
             return Ok(Some(Decision::Answer(error_envelope(Code::IdempotencyConflict, audit.clone()), ev.clone())));
         }
         let detail =
@@ -384,7 +384,7 @@ pub(super) fn approval_gate(
                 let mut env = env;
                 env.protected_audit.approval_id = Some(a.id.clone());
                 ev.note = Some("approval still pending".into());
-                ev.reason = Some("approval_pending");
+                ev.reason = Some(Reason::ApprovalPending);
                 return Ok(Some(Decision::Answer(env, ev.clone())));
             }
             ApprovalState::Denied => {
@@ -394,7 +394,7 @@ pub(super) fn approval_gate(
                 );
                 env.protected_audit.approval_id = Some(a.id.clone());
                 ev.note = Some("approval was denied".into());
-                ev.reason = Some("approval_denied");
+                ev.reason = Some(Reason::ApprovalDenied);
                 return Ok(Some(Decision::Answer(env, ev.clone())));
             }
             ApprovalState::Pending => {
@@ -404,7 +404,7 @@ pub(super) fn approval_gate(
                 expired.decided_at = Some(c.now);
                 expired.decided_by = Some("system".into());
                 tx.decide_approval(&expired)?.or_stale()?;
-                ev.reason = Some("approval_expired");
+                ev.reason = Some(Reason::ApprovalExpired);
             }
             _ => {}
         }
@@ -443,7 +443,7 @@ pub(super) fn approval_gate(
     let ck = c.call.key(&r.tenant, &r.subject);
     bind_call(tx, &ck, c, None)?;
     ev.approval_id = Some(approval.id.clone());
-    ev.note = Some(if ev.reason == Some("approval_expired") {
+    ev.note = Some(if ev.reason == Some(Reason::ApprovalExpired) {
         "previous request expired unapproved: new approval requested".into()
     } else {
         "approval requested".into()

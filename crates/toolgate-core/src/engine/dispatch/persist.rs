@@ -13,6 +13,7 @@ use crate::engine::tool::Reply;
 use crate::engine::tool::ToolDomain;
 use crate::engine::trace::{Answering, TraceEvent};
 use crate::engine::{error_envelope, with_detail, with_retry_after, EngineError};
+use crate::store::Reason;
 use crate::store::Step;
 use crate::store::{AttemptOutcome, CircuitState, OpState, OperationRow, OutboxState, ReceiptRow, Tx};
 
@@ -69,7 +70,7 @@ pub(super) fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, Stri
             |o| op_envelope(&o, Delivery::Fresh, c.principal_ref.to_string(), None),
         );
         // The event records the reply as evidence; its code/outcome are what the caller got.
-        ev.because("lease_lost").from_envelope(&env).answering(c.answer).write(tx, c.now)?;
+        ev.because(Reason::LeaseLost).from_envelope(&env).answering(c.answer).write(tx, c.now)?;
         return Ok(if receipt { Persisted::Late(env) } else { Persisted::Done(env) });
     }
     let Some(mut op) = tx.operation(op_id)? else {
@@ -86,9 +87,9 @@ pub(super) fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, Stri
         cev.attempt = Some(c.attempt);
         cev.note = Some(format!("circuit of {}: {} → {}", c.contract.downstream.as_str(), t.from, t.to));
         cev.because(match t.to {
-            CircuitState::Open => "circuit_opened",
-            CircuitState::HalfOpen => "circuit_half_open",
-            CircuitState::Closed | CircuitState::Unrecognized => "circuit_closed",
+            CircuitState::Open => Reason::CircuitOpened,
+            CircuitState::HalfOpen => Reason::CircuitHalfOpen,
+            CircuitState::Closed | CircuitState::Unrecognized => Reason::CircuitClosed,
         })
         .write(tx, c.now)?;
     }
@@ -109,7 +110,7 @@ pub(super) fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, Stri
         ev.timeout_stage = stage;
         ev.note = Some(note);
         ev.deadline_left_ms = None;
-        let reason = if code == Code::StatusConflict { "needs_review" } else { "parked_unknown" };
+        let reason = if code == Code::StatusConflict { Reason::NeedsReview } else { Reason::ParkedUnknown };
         ev.clone().because(reason).from_envelope(&env).answering(c.answer).write(tx, c.now)?;
         Ok(Persisted::Done(env))
     };
@@ -156,13 +157,13 @@ pub(super) fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, Stri
             // The replays that follow read this row back: built here, it is verified.
             crate::engine::operation::remember_built(&op, c.salt);
             let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), None);
-            ev.reason = Some("committed");
+            ev.reason = Some(Reason::Committed);
             ev.write(tx, c.now)?;
             let mut p = TraceEvent::of_operation(Step::Persisted, &op, c.salt, c.now);
             p.attempt = Some(c.attempt);
             p.worker = Some(c.worker.to_string());
             p.note = anomaly;
-            p.because("committed").from_envelope(&env).answering(c.answer).write(tx, c.now)?;
+            p.because(Reason::Committed).from_envelope(&env).answering(c.answer).write(tx, c.now)?;
             Ok(Persisted::Done(env))
         }
         Ok(Reply::Rejected { reason: _, refusal }) if earlier_possibly_received(tx, op_id, c.attempt)? => {
@@ -178,7 +179,7 @@ pub(super) fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, Stri
             op.version += 1;
             let env = op_envelope(&op, Delivery::Fresh, c.principal_ref.to_string(), None);
             ev.note = Some("re-send refused after a possibly-sent attempt: unknown".into());
-            ev.because("rejected_after_possible_send").from_envelope(&env).answering(c.answer).write(tx, c.now)?;
+            ev.because(Reason::RejectedAfterPossibleSend).from_envelope(&env).answering(c.answer).write(tx, c.now)?;
             Ok(Persisted::Done(env))
         }
         Ok(Reply::Rejected { reason: _, refusal }) => {
@@ -202,7 +203,7 @@ pub(super) fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, Stri
             // The provider's own reason text is a raw reply: it stays out of the trace and the log.
             ev.note = Some("downstream rejected the request: no effect".into());
             ev.deadline_left_ms = None;
-            ev.because("rejected").from_envelope(&env).answering(c.answer).write(tx, c.now)?;
+            ev.because(Reason::Rejected).from_envelope(&env).answering(c.answer).write(tx, c.now)?;
             Ok(Persisted::Done(env))
         }
         Ok(Reply::RateLimited { retry_after_ms }) => {

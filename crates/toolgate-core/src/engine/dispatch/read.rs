@@ -14,6 +14,7 @@ use crate::engine::trace::{Answering, TraceEvent};
 use crate::engine::{error_envelope, Engine, EngineError};
 use crate::store::AnswerKind;
 use crate::store::CallIdentityRow;
+use crate::store::Reason;
 use crate::store::Step;
 
 /// A read call as `dispatch` has checked it: its contract, its parsed
@@ -56,7 +57,7 @@ impl Engine {
             let env = 'answer: {
                 if let Some(code) = authorize(tx, &*domain, tenant, subject, tool, args)? {
                     ev.step = Step::Authorization;
-                    ev.reason = Some("current_authorization");
+                    ev.reason = Some(Reason::CurrentAuthorization);
                     break 'answer error_envelope(code, audit);
                 }
                 ev.checks.push("authorization");
@@ -67,7 +68,7 @@ impl Engine {
                         || bound.key_sha256 != key_sha256
                     {
                         ev.step = Step::CallIdentity;
-                        ev.reason = Some("call_id_conflict");
+                        ev.reason = Some(Reason::CallIdConflict);
                         break 'answer error_envelope(Code::CallIdConflict, audit);
                     }
                 }

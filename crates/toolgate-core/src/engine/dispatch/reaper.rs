@@ -4,6 +4,7 @@ use super::ReapReport;
 use crate::engine::envelope::Code;
 use crate::engine::trace::TraceEvent;
 use crate::engine::{Engine, EngineError};
+use crate::store::Reason;
 use crate::store::Step;
 use crate::store::{AttemptOutcome, OpState, OutboxState, StoreError, SENDER_DETACHED};
 
@@ -40,14 +41,14 @@ impl Engine {
                     let earlier = attempts.iter().any(|a| a.attempt != ob.attempt && !a.proven_not_received());
                     op.state = if earlier { OpState::InFlight } else { OpState::Accepted };
                     ev.note = Some("lease expired before send: back to accepted".into());
-                    ev.reason = Some("requeued_unsent");
+                    ev.reason = Some(Reason::RequeuedUnsent);
                     report.requeued_unsent += 1;
                 } else if honours && now < op.deadline_at {
                     tx.finish_attempt(&op.id, ob.attempt, AttemptOutcome::Unknown, Some(SENDER_DETACHED), now)?;
                     tx.release_outbox(&op.id, now, Some("OUTCOME_UNKNOWN"))?;
                     op.state = crate::store::OpState::InFlight;
                     ev.note = Some("lease expired after send: re-queued with the same downstream key".into());
-                    ev.reason = Some("requeued_same_key");
+                    ev.reason = Some(Reason::RequeuedSameKey);
                     report.requeued_same_key += 1;
                 } else {
                     // Past the deadline nothing is sent again (docs/design.md §11), and a
@@ -65,7 +66,7 @@ impl Engine {
                     } else {
                         "lease expired after send, downstream does not de-duplicate: unknown".into()
                     });
-                    ev.reason = Some("parked_unknown");
+                    ev.reason = Some(Reason::ParkedUnknown);
                     report.parked_unknown += 1;
                 }
                 op.updated_at = now;
@@ -87,7 +88,7 @@ impl Engine {
                 ev.outcome = Some("unknown");
                 ev.timeout_stage = Some("deadline");
                 ev.note = Some("deadline passed before a possibly-sent attempt was re-sent: unknown".into());
-                ev.reason = Some("parked_unknown");
+                ev.reason = Some(Reason::ParkedUnknown);
                 ev.write(tx, now)?;
                 report.parked_unknown += 1;
             }

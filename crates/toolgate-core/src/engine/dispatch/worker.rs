@@ -20,6 +20,7 @@ use crate::engine::tool::ToolDomain;
 use crate::engine::trace::{Answering, TraceEvent};
 use crate::engine::{error_envelope, with_detail, with_retry_after, Engine, EngineError};
 use crate::failpoint;
+use crate::store::Reason;
 use crate::store::Scope;
 use crate::store::Step;
 use crate::store::{AttemptOutcome, ForClaim, OpState, OperationRow, OutboxState, StoreError, Tx};
@@ -316,7 +317,7 @@ pub(super) fn claim(
     let mut ev = TraceEvent::of_operation(Step::Claimed, &op, caller.salt, now);
     ev.worker = Some(worker.to_string());
     // Nothing to claim: the answer is the operation's state, and the trace says why.
-    let skipped = |ev: &TraceEvent, env: Envelope, reason: &'static str| -> Result<Claim, EngineError> {
+    let skipped = |ev: &TraceEvent, env: Envelope, reason: Reason| -> Result<Claim, EngineError> {
         let mut ev = ev.clone().because(reason).from_envelope(&env).answering(caller.answer);
         ev.step = Step::ClaimSkipped;
         ev.write(tx, now)?;
@@ -330,7 +331,7 @@ pub(super) fn claim(
         Some(match tx.outbox_for_claim(op_id)? {
             ForClaim::Row(ob) => ob,
             ForClaim::Missing => {
-                return skipped(&ev, op_envelope(&op, Delivery::Fresh, pref.to_string(), None), "no_outbox_row");
+                return skipped(&ev, op_envelope(&op, Delivery::Fresh, pref.to_string(), None), Reason::NoOutboxRow);
             }
             // Another worker is claiming it this instant: it runs there. Its
             // claim is not committed yet, so the row still reads `accepted`; the
@@ -339,7 +340,7 @@ pub(super) fn claim(
             ForClaim::Busy => {
                 let seen = OperationRow { state: OpState::InFlight, ..op.clone() };
                 let env = op_envelope(&seen, Delivery::LocalReplay, pref.to_string(), None);
-                return skipped(&ev, env, "claimed_elsewhere");
+                return skipped(&ev, env, Reason::ClaimedElsewhere);
             }
         })
     };
@@ -348,11 +349,11 @@ pub(super) fn claim(
         // Someone else runs it (or ran it): report its state, not a fresh execution.
         if ob.state != OutboxState::Pending {
             let env = op_envelope(&op, Delivery::LocalReplay, pref.to_string(), last_code);
-            return skipped(&ev, env, "not_pending");
+            return skipped(&ev, env, Reason::NotPending);
         }
         if ob.available_at > now {
             let env = op_envelope(&op, Delivery::Fresh, pref.to_string(), last_code);
-            return skipped(&ev, with_retry_after(env, (ob.available_at - now) as u64), "not_due");
+            return skipped(&ev, with_retry_after(env, (ob.available_at - now) as u64), Reason::NotDue);
         }
     }
     if now >= op.deadline_at {
@@ -363,7 +364,7 @@ pub(super) fn claim(
         );
         ev.step = Step::Deadline;
         ev.timeout_stage = Some("before_send");
-        let ev = ev.because("deadline_passed").from_envelope(&env).answering(caller.answer);
+        let ev = ev.because(Reason::DeadlinePassed).from_envelope(&env).answering(caller.answer);
         ev.write(tx, now)?;
         return Ok(Claim::Answer(env));
     }
@@ -385,7 +386,7 @@ pub(super) fn claim(
         );
         ev.step = Step::TamperDetected;
         ev.note = Some(why.into());
-        ev.because("tampered").from_envelope(&env).answering(caller.answer).write(tx, now)?;
+        ev.because(Reason::Tampered).from_envelope(&env).answering(caller.answer).write(tx, now)?;
         return Ok(Claim::Answer(env));
     }
     // The downstream's circuit breaker: nothing is sent while it is open.
@@ -396,7 +397,7 @@ pub(super) fn claim(
         let env = with_retry_after(op_envelope(&op, Delivery::Fresh, pref.to_string(), Some(code)), retry_after_ms);
         ev.step = Step::Circuit;
         ev.note = Some(format!("circuit of {} is open: not sent", contract.downstream.as_str()));
-        ev.because("circuit_open").from_envelope(&env).answering(caller.answer).write(tx, now)?;
+        ev.because(Reason::CircuitOpen).from_envelope(&env).answering(caller.answer).write(tx, now)?;
         return Ok(Claim::Answer(env));
     }
     // The tool's retry budget: a retry after a refused attempt spends a token.
@@ -412,7 +413,7 @@ pub(super) fn claim(
         let env = with_retry_after(op_envelope(&op, Delivery::Fresh, pref.to_string(), last_code), wait);
         ev.step = Step::RetryBudget;
         ev.note = Some("retry budget of the tool exhausted: not sent".into());
-        ev.because("budget_exhausted").from_envelope(&env).answering(caller.answer).write(tx, now)?;
+        ev.because(Reason::BudgetExhausted).from_envelope(&env).answering(caller.answer).write(tx, now)?;
         return Ok(Claim::Answer(env));
     }
     // The downstream's bulkhead: a slow downstream takes at most its limit
@@ -432,34 +433,34 @@ pub(super) fn claim(
             "{limit} call(s) to {} in flight from this process already: not sent",
             contract.downstream.as_str()
         ));
-        ev.because("bulkhead_full").from_envelope(&env).answering(caller.answer).write(tx, now)?;
+        ev.because(Reason::BulkheadFull).from_envelope(&env).answering(caller.answer).write(tx, now)?;
         return Ok(Claim::Answer(env));
     };
     let Some(attempt) = tx.claim(op_id, worker, now, now + lease_ms)? else {
-        return skipped(&ev, op_envelope(&op, Delivery::LocalReplay, pref.to_string(), None), "lost_race");
+        return skipped(&ev, op_envelope(&op, Delivery::LocalReplay, pref.to_string(), None), Reason::LostRace);
     };
     if attempt == 1 {
         // Load earns retries: each first attempt deposits the tool's ratio.
         policy::budget_deposit(tx, &op.tool, &contract.retry, now)?;
     }
     ev.attempt = Some(attempt);
-    ev.reason = Some(if attempt > 1 { "retry" } else { "first_attempt" });
+    ev.reason = Some(if attempt > 1 { Reason::Retry } else { Reason::FirstAttempt });
     // Re-check: authorization, business state and contract revision, read now
     // (unless this transaction made those checks itself).
     let args: Option<Value> = (!built_here).then(|| args_of(&op.request_json));
     let (tenant, subject, tool) = (&op.tenant, &op.subject, &op.tool);
-    let mut failed: Option<(Code, &'static str)> = None;
+    let mut failed: Option<(Code, Reason)> = None;
     if let Some(code) = args.as_ref().map(|a| authorize(tx, domain, tenant, subject, tool, a)).transpose()?.flatten() {
-        failed = Some((code, "authorization"));
+        failed = Some((code, Reason::Unauthorized));
     } else if revisions_of(&op) != contract.revisions {
-        failed = Some((Code::BusinessRuleViolation, "contract_revision_changed"));
+        failed = Some((Code::BusinessRuleViolation, Reason::ContractRevisionChanged));
     } else if let Some(rule) = args
         .as_ref()
         .map(|a| business_rules(tx, domain, [tenant, subject, tool], a, Some(op_id)))
         .transpose()?
         .flatten()
     {
-        failed = Some((Code::BusinessRuleViolation, rule));
+        failed = Some((Code::BusinessRuleViolation, Reason::Rule(rule)));
     }
     if let Some((code, why)) = failed {
         tx.finish_attempt(op_id, attempt, AttemptOutcome::NotSent, Some(code.as_str()), now)?;
@@ -482,7 +483,7 @@ pub(super) fn claim(
         op.version += 1;
         let env = op_envelope(&op, Delivery::Fresh, pref.to_string(), None);
         ev.step = Step::RecheckFailed;
-        ev.note = Some(why.into());
+        ev.note = Some(why.as_str().into());
         ev.deadline_left_ms = None;
         let ev = ev.because(why).from_envelope(&env).answering(caller.answer);
         ev.write(tx, now)?;
@@ -542,7 +543,7 @@ pub(super) fn refused(
     let automatic = code != Code::DownstreamAuthFailed;
     if c.may_retry && automatic && within_deadline {
         ev.note = Some("provably not received: retry after backoff".into());
-        ev.because("retry_scheduled").write(tx, c.now)?;
+        ev.because(Reason::RetryScheduled).write(tx, c.now)?;
         return Ok(Persisted::RetryAfter(delay));
     }
     if automatic {
@@ -551,9 +552,9 @@ pub(super) fn refused(
         } else {
             "next retry would pass the deadline".into()
         });
-        ev.reason = Some(if within_deadline { "attempts_exhausted" } else { "deadline_exhausted" });
+        ev.reason = Some(if within_deadline { Reason::AttemptsExhausted } else { Reason::DeadlineExhausted });
     } else {
-        ev.reason = Some("downstream_auth_failed");
+        ev.reason = Some(Reason::DownstreamAuthFailed);
     }
     let env =
         with_retry_after(op_envelope(op, Delivery::Fresh, c.principal_ref.to_string(), Some(code.as_str())), delay);
