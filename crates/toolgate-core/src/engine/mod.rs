@@ -312,7 +312,7 @@ pub struct Engine {
     pub(crate) instance: String,
     /// Scopes this engine has answered with an operation (a hint, see [`dispatch::SeenSent`]).
     pub(crate) seen_sent: dispatch::SeenSent,
-    path: PathBuf,
+    pub(crate) path: PathBuf,
     /// The tenants the operator acting now may reach (`None`: all). Set by
     /// a server around one operator request made with a scoped token; an
     /// operation or approval of another tenant is then as if it did not exist.

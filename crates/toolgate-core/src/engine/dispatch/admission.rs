@@ -45,6 +45,8 @@ pub(super) struct AcceptCtx<'a> {
     /// The ledger's salt (the downstream key is derived under it).
     pub(super) salt: &'a str,
     pub(super) defenses: DefensesOff,
+    /// The ledger (what this process's running operations are keyed by).
+    pub(super) ledger: &'a std::path::Path,
 }
 
 /// Steps 2–5 of the pipeline in one `BEGIN IMMEDIATE` transaction.
@@ -179,7 +181,9 @@ pub(super) fn accept(
         // OUTCOME_UNKNOWN, which sends a model to human review for a call
         // that is merely running.
         let live = outbox.as_ref().and_then(|o| o.lease_until).filter(|&until| {
-            until > c.now && matches!(op.state, OpState::Accepted | OpState::InFlight) && Running::holds(&op.id)
+            until > c.now
+                && matches!(op.state, OpState::Accepted | OpState::InFlight)
+                && Running::holds(c.ledger, &op.id)
         });
         if let Some(until) = live {
             ev.note = Some("running under a live lease: in progress, never re-executed".into());

@@ -262,6 +262,7 @@ impl Engine {
             ids: &self.ids,
             salt: &self.salt,
             defenses,
+            ledger: &self.path,
         };
         let clock = self.clock.clone();
         let (worker, salt) = (self.worker_id.clone(), self.salt.clone());

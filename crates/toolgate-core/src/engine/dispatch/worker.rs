@@ -25,31 +25,44 @@ use crate::store::Scope;
 use crate::store::Step;
 use crate::store::{AttemptOutcome, ForClaim, OpState, OperationRow, OutboxState, StoreError, Tx};
 
-/// The operations an engine of this process is running right now (inside
-/// `run_operation_from`): a lease whose holder is known to be alive. A
-/// duplicate of one is `IN_PROGRESS`. A lease held by another process, or by
-/// one that died with it (a crash before the result was stored), is not
-/// known to be running: that duplicate is `OUTCOME_UNKNOWN`, as before.
-static RUNNING: std::sync::Mutex<std::collections::BTreeSet<String>> =
-    std::sync::Mutex::new(std::collections::BTreeSet::new());
+/// The operations engines of this process are running right now (inside
+/// `run_operation_from`), by ledger and operation: a lease whose holder is
+/// known to be alive. A duplicate of one is `IN_PROGRESS`. A lease held by
+/// another process, or by one that died with it (a crash before the result was
+/// stored), is not known to be running: that duplicate is `OUTCOME_UNKNOWN`.
+///
+/// Counted, not a set: a second run of the same operation in this process (a
+/// worker pass that then finds the lease taken) must not erase the first
+/// one's entry when it ends. Keyed by the ledger too: two ledgers in one
+/// process (tests, a seeded lab) can hold equal operation ids.
+static RUNNING: std::sync::Mutex<std::collections::BTreeMap<(String, String), usize>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
 
 /// One entry of [`RUNNING`], removed when the run ends (or unwinds).
-pub(super) struct Running(String);
+pub(super) struct Running((String, String));
 
 impl Running {
-    pub(super) fn start(op_id: &str) -> Self {
-        RUNNING.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(op_id.to_string());
-        Self(op_id.to_string())
+    pub(super) fn start(ledger: &std::path::Path, op_id: &str) -> Self {
+        let key = (ledger.to_string_lossy().into_owned(), op_id.to_string());
+        *RUNNING.lock().unwrap_or_else(std::sync::PoisonError::into_inner).entry(key.clone()).or_default() += 1;
+        Self(key)
     }
 
-    pub(super) fn holds(op_id: &str) -> bool {
-        RUNNING.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(op_id)
+    pub(super) fn holds(ledger: &std::path::Path, op_id: &str) -> bool {
+        let key = (ledger.to_string_lossy().into_owned(), op_id.to_string());
+        RUNNING.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains_key(&key)
     }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
-        RUNNING.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&self.0);
+        let mut running = RUNNING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = running.get_mut(&self.0) {
+            *n -= 1;
+            if *n == 0 {
+                running.remove(&self.0);
+            }
+        }
     }
 }
 
@@ -85,7 +98,7 @@ impl Engine {
         answer: Option<Answering>,
         mut claimed: Option<(i64, Box<OperationRow>, crate::engine::bulkhead::Slot)>,
     ) -> Result<Envelope, EngineError> {
-        let _running = Running::start(op_id);
+        let _running = Running::start(&self.path, op_id);
         let mut attempts_this_call: u32 = 0;
         let salt = self.salt.clone();
         loop {
@@ -565,4 +578,28 @@ pub(super) fn refused(
 /// Whether an attempt other than `this` may have been received downstream.
 pub(super) fn earlier_possibly_received(tx: &Tx<'_>, op_id: &str, this: i64) -> Result<bool, StoreError> {
     Ok(tx.attempts(op_id)?.iter().any(|a| a.attempt != this && !a.proven_not_received()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::Running;
+
+    #[test]
+    fn a_run_ending_leaves_another_run_of_the_same_operation_known() {
+        let (a, b) = (Path::new("/tmp/running-test-a.db"), Path::new("/tmp/running-test-b.db"));
+        let first = Running::start(a, "op_1");
+        // A second run in this process (a worker pass that then finds the
+        // lease taken) ends while the first still runs.
+        drop(Running::start(a, "op_1"));
+        assert!(Running::holds(a, "op_1"), "the first run is still running");
+        // Another ledger's operation with the same id is another operation.
+        assert!(!Running::holds(b, "op_1"));
+        let other = Running::start(b, "op_1");
+        drop(other);
+        assert!(Running::holds(a, "op_1") && !Running::holds(b, "op_1"));
+        drop(first);
+        assert!(!Running::holds(a, "op_1"));
+    }
 }
