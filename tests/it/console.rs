@@ -1313,7 +1313,7 @@ fn detail_screen(detail: toolgate::engine::OperationDetail) -> String {
     let mut app = App::new("demo.db (working copy)", "alice", false, false, NOW);
     app.size = (80, 24);
     app.mode = Mode::Detail;
-    app.detail = Some(Box::new(detail));
+    app.detail.op = Some(Box::new(detail));
     text(&draw(&app, 80, 24))
 }
 
@@ -1420,7 +1420,7 @@ fn enter_on_a_pending_approval_says_why_it_waits_and_what_to_press() {
     assert_eq!(app.mode, Mode::Detail, "no dialog for an expired request");
     assert!(app.status.as_ref().is_some_and(|(s, err)| *err && s.contains("expired")), "{:?}", app.status);
     press(&mut app, KeyCode::Esc);
-    assert!(app.mode == Mode::Normal && app.approval.is_none());
+    assert!(app.mode == Mode::Normal && app.detail.approval.is_none());
     // An operator who may not decide it is told why, in the detail.
     let mut bob = app_on(&mut d, Pane::Approvals, 80, 24);
     bob.operator = "mallory".into();
@@ -1437,7 +1437,7 @@ fn the_detail_shows_absolute_times_beside_countdowns_and_nothing_counts_below_ze
         let mut app = App::new("demo.db (working copy)", "alice", false, false, NOW);
         app.size = (140, 50);
         app.mode = Mode::Detail;
-        app.detail = Some(Box::new(detail));
+        app.detail.op = Some(Box::new(detail));
         text(&draw(&app, 140, 50))
     };
     // Pending, due in 12 s, deadline in a minute.
@@ -1534,7 +1534,7 @@ fn big_f_follows_the_detail_and_a_new_trace_event_appears_at_its_end() {
     // Not following: a page brings nothing for the detail.
     assert_eq!(app.update(Action::Engine(page(&mut d, Pane::Unknown, app.visible_rows()))), None);
     assert_eq!(press(&mut app, KeyCode::Char('F')), Some(Request::Detail(id.clone())), "F fetches it at once");
-    assert!(app.follow);
+    assert!(app.detail.follow);
     assert!(app.status.as_ref().is_some_and(|(s, err)| !err && s.starts_with("following ")), "{:?}", app.status);
     // Another process changes the ledger: a status query writes a trace event
     // (at the manual clock's 08:00:00). The engine thread's next page asks for the detail again.
@@ -1549,16 +1549,16 @@ fn big_f_follows_the_detail_and_a_new_trace_event_appears_at_its_end() {
     assert!(screen.contains("[following]"), "{screen}");
     // Without following, the same detail opens at its top, where the new event is not.
     let mut top = app.clone();
-    top.follow = false;
+    top.detail.follow = false;
     assert!(!text(&draw(&top, 80, 24)).contains("08:00:00.000 query"));
     // j/k scroll again, and stop following; F starts again, Esc leaves and stops.
     press(&mut app, KeyCode::Char('k'));
-    assert!(!app.follow);
+    assert!(!app.detail.follow);
     assert_eq!(app.status, Some(("stopped following".into(), false)));
     assert_eq!(app.update(Action::Engine(page(&mut d, Pane::Unknown, app.visible_rows()))), None);
     assert_eq!(press(&mut app, KeyCode::Char('F')), Some(Request::Detail(id.clone())));
     press(&mut app, KeyCode::Esc);
-    assert!(!app.follow && app.mode == Mode::Normal);
+    assert!(!app.detail.follow && app.mode == Mode::Normal);
     // The key is in the detail view's help (generated from the keymap).
     assert!(keymap::help_lines(Mode::Detail, false).iter().any(|(k, h)| *k == "F" && h.contains("follow")));
 }
@@ -2340,17 +2340,17 @@ fn the_detail_scrolls_with_g_big_g_and_page_keys_and_stops_at_its_end() {
     };
     let end = extent(&app);
     assert!(end > 0, "the demo's detail is longer than 24 rows");
-    app.update(Action::DetailExtent(end));
+    app.update(Action::BodyExtent(end));
     press(&mut app, KeyCode::Char('G'));
-    assert_eq!(app.detail_scroll, end);
+    assert_eq!(app.detail.scroll, end);
     press(&mut app, KeyCode::Char('j'));
-    assert_eq!(app.detail_scroll, end, "j stops at the end");
+    assert_eq!(app.detail.scroll, end, "j stops at the end");
     press(&mut app, KeyCode::Char('g'));
-    assert_eq!(app.detail_scroll, 0);
+    assert_eq!(app.detail.scroll, 0);
     press(&mut app, KeyCode::PageDown);
-    assert!(app.detail_scroll > 1 && app.detail_scroll <= end, "{}", app.detail_scroll);
+    assert!(app.detail.scroll > 1 && app.detail.scroll <= end, "{}", app.detail.scroll);
     press(&mut app, KeyCode::PageUp);
-    assert_eq!(app.detail_scroll, 0);
+    assert_eq!(app.detail.scroll, 0);
     assert_eq!(app.mode, Mode::Detail, "still in the detail");
 }
 
@@ -2626,7 +2626,7 @@ fn the_detail_footer_offers_the_keys_of_its_state_and_j_stops_at_the_end() {
     // A pending approval's detail scrolls to its end and no further.
     let mut app = app_on(&mut d, Pane::Approvals, 80, 24);
     app.update(Action::OpenDetail);
-    assert!(app.approval.is_some());
+    assert!(app.detail.approval.is_some());
     let extent = |app: &App| {
         let mut t = Terminal::new(TestBackend::new(80, 24)).unwrap();
         let mut n = 0;
@@ -2634,11 +2634,20 @@ fn the_detail_footer_offers_the_keys_of_its_state_and_j_stops_at_the_end() {
         n
     };
     let end = extent(&app);
-    app.update(Action::DetailExtent(end));
+    app.update(Action::BodyExtent(end));
     for _ in 0..50 {
         press(&mut app, KeyCode::Char('j'));
     }
-    assert_eq!(app.detail_scroll, end, "j stops at the end");
+    assert_eq!(app.detail.scroll, end, "j stops at the end");
+    // `:op` from an approval's detail opens the operation found, at its top:
+    // the approval no longer stands in front of it.
+    let target = detail_in(&mut d, "succeeded", None);
+    let id = target.operation.id.clone();
+    let found = EngineEvent::Found { asked: id.clone(), prefix: Some(id.clone()), ids: vec![id.clone()] };
+    assert_eq!(app.update(Action::Engine(found)), Some(Request::Detail(id.clone())));
+    assert!(app.detail.approval.is_none() && app.detail.scroll == 0);
+    app.update(Action::Engine(EngineEvent::Detail(Box::new(target))));
+    assert!(text(&draw(&app, 80, 24)).contains(&id), "the operation's detail is on screen");
 }
 
 /// Issue 32 §2: the Ledger said "kept for 29d 23h" on operations a person
@@ -2722,7 +2731,7 @@ fn the_walkthrough_at_80x24_is_readable_scrolls_back_and_keeps_a_burst_of_picks(
     };
     let end = extent(&app);
     assert!(end > 0, "scenario 4's steps are longer than 80×24");
-    app.update(Action::DetailExtent(end));
+    app.update(Action::BodyExtent(end));
     let screen = text(&draw(&app, 80, 24));
     assert!(screen.lines().all(|l| l.chars().count() <= 80), "{screen}");
     assert!(screen.lines().last().unwrap().contains("j/k scroll"), "{screen}");

@@ -97,6 +97,40 @@ pub struct DialogView {
     pub return_to: Mode,
 }
 
+/// The detail view's own state (`Mode::Detail`).
+#[derive(Debug, Clone, Default)]
+pub struct DetailView {
+    /// The operation shown.
+    pub op: Option<Box<OperationDetail>>,
+    /// A pending approval shown instead (no operation exists before it is
+    /// approved) while set.
+    pub approval: Option<Box<ApprovalRow>>,
+    /// Lines scrolled.
+    pub scroll: u16,
+    /// `F`: the detail is fetched again whenever the ledger changes, and shown
+    /// scrolled to its end (the newest trace events).
+    pub follow: bool,
+}
+
+impl DetailView {
+    /// Opens on an operation still to be fetched, at its top, not following.
+    fn open_operation(&mut self) {
+        *self = Self::default();
+    }
+
+    /// Opens on a pending approval (it has no operation yet).
+    fn open_approval(&mut self, a: &ApprovalRow) {
+        *self = Self { approval: Some(Box::new(a.clone())), ..Self::default() };
+    }
+
+    /// Leaves: nothing is followed, and an approval is no longer shown (the
+    /// operation stays, for `:detail` and the last-seen row).
+    fn close(&mut self) {
+        self.follow = false;
+        self.approval = None;
+    }
+}
+
 /// The help overlay's own state.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HelpView {
@@ -228,8 +262,8 @@ pub enum Action {
     Click(u16, u16),
     /// Terminal resized.
     Resize(u16, u16),
-    /// How far the detail view can scroll, as last drawn.
-    DetailExtent(u16),
+    /// How far the body (the detail, or the walkthrough's steps) can scroll, as last drawn.
+    BodyExtent(u16),
     /// Clock tick (countdowns).
     Tick(i64),
     /// An answer from the engine thread.
@@ -632,18 +666,11 @@ pub struct App {
     pub sorts: std::collections::HashMap<Pane, Order>,
     /// Header counts.
     pub header: HeaderCounts,
-    /// Detail view contents.
-    pub detail: Option<Box<OperationDetail>>,
-    /// Detail scroll.
-    pub detail_scroll: u16,
-    /// How far the detail can scroll (from the last draw).
-    pub detail_extent: u16,
-    /// The detail view of a pending approval (no operation exists before it is
-    /// approved): shown instead of `detail` while set.
-    pub approval: Option<Box<ApprovalRow>>,
-    /// `F`: the detail is fetched again whenever the ledger changes, and shown
-    /// scrolled to its end (the newest trace events).
-    pub follow: bool,
+    /// The detail view: the operation or approval shown, its scroll, following.
+    pub detail: DetailView,
+    /// How far the body on screen (the detail, or the walkthrough's steps)
+    /// can scroll, from the last draw.
+    pub body_extent: u16,
     /// The open dialog (a form, then its confirm) and where it returns.
     pub dialog: DialogView,
     /// The help overlay: its scroll, the mode it returns to, and whether it
@@ -651,8 +678,6 @@ pub struct App {
     pub help: HelpView,
     /// The command bar.
     pub command: CommandBar,
-    /// Mode to return to when a command leaves the bar without switching.
-    pub command_return: Mode,
     /// Status-bar line and whether it is an error.
     pub status: Option<(String, bool)>,
     /// Now, for the ages and countdowns on screen (stands still while paused).
@@ -739,15 +764,12 @@ impl App {
             bulk: None,
             sorts: std::collections::HashMap::new(),
             header: HeaderCounts::default(),
-            detail: None,
-            detail_scroll: 0,
-            detail_extent: u16::MAX,
-            follow: false,
-            approval: None,
+            detail: DetailView::default(),
+            // Nothing drawn yet: no limit on scrolling until the first draw says.
+            body_extent: u16::MAX,
             dialog: DialogView::default(),
             help: HelpView::default(),
             command: CommandBar::default(),
-            command_return: Mode::Normal,
             status: None,
             now_ms,
             size: (80, 24),
@@ -819,7 +841,7 @@ impl App {
     /// selected row of an operations pane.
     fn selected_op(&self) -> Option<&OperationRow> {
         if self.mode == Mode::Detail {
-            return self.detail.as_ref().map(|d| &d.operation);
+            return self.detail.op.as_ref().map(|d| &d.operation);
         }
         match &self.rows {
             Rows::Ops(r) => r.get(self.selected),
@@ -831,7 +853,7 @@ impl App {
     /// selected row of the Approvals pane.
     fn selected_approval(&self) -> Option<&ApprovalRow> {
         if self.mode == Mode::Detail {
-            return self.approval.as_deref();
+            return self.detail.approval.as_deref();
         }
         match &self.rows {
             Rows::Approvals(r) => r.get(self.selected),
@@ -916,7 +938,7 @@ impl App {
     /// An action that does not apply: in the detail view, to this operation's
     /// state; in a pane, to the selection (`pane_text`).
     fn say_not_applicable(&mut self, what: &str, pane_text: &str) {
-        let text = match self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
+        let text = match self.detail.op.as_ref().filter(|_| self.mode == Mode::Detail) {
             Some(d) => format!("{} is {}: cannot {what}", d.operation.id, d.operation.state),
             None => pane_text.to_string(),
         };
@@ -1040,7 +1062,7 @@ impl App {
             | Action::Bottom
             | Action::PageUp
             | Action::PageDown
-            | Action::DetailExtent(_)) => self.navigate(&action),
+            | Action::BodyExtent(_)) => self.navigate(&action),
             Action::Click(_, row) => {
                 // Table body starts below header (3), tabs (1), border + column header (2).
                 let first = 6u16;
@@ -1092,7 +1114,7 @@ impl App {
                 Some(Request::SetLive(self.live))
             }
             Action::Copy => {
-                let id = match (self.detail.as_ref(), self.approval.as_ref()) {
+                let id = match (self.detail.op.as_ref(), self.detail.approval.as_ref()) {
                     (_, Some(a)) if self.mode == Mode::Detail => Some(a.id.clone()),
                     (Some(d), _) if self.mode == Mode::Detail => Some(d.operation.id.clone()),
                     _ => self.selected_id(),
@@ -1146,9 +1168,7 @@ impl App {
         // approval itself, with why it waits and what to press.
         if let Rows::Approvals(r) = &self.rows {
             if let Some(a) = r.get(self.selected).filter(|a| a.operation_id.is_none()) {
-                self.approval = Some(Box::new(a.clone()));
-                self.detail = None;
-                self.follow = false;
+                self.detail.open_approval(a);
                 self.mode = Mode::Detail;
                 return None;
             }
@@ -1159,10 +1179,7 @@ impl App {
         };
         if let Some(id) = id {
             self.mode = Mode::Detail;
-            self.approval = None;
-            self.detail = None;
-            self.detail_scroll = 0;
-            self.follow = false;
+            self.detail.open_operation();
             Some(Request::Detail(id))
         } else {
             self.say("no operation selected", true);
@@ -1173,8 +1190,7 @@ impl App {
     fn back(&mut self) -> Option<Request> {
         match self.mode {
             Mode::Detail => {
-                self.follow = false;
-                self.approval = None;
+                self.detail.close();
                 self.mode = Mode::Normal;
             }
             Mode::Help | Mode::Lab => self.mode = Mode::Normal,
@@ -1187,7 +1203,7 @@ impl App {
             }
             Mode::Command => {
                 self.command.open();
-                self.mode = self.command_return;
+                self.mode = self.command.return_to;
             }
             Mode::Confirm => {
                 self.dialog.confirm = None;
@@ -1277,6 +1293,7 @@ impl App {
         };
         let found = self
             .detail
+            .op
             .as_deref()
             .filter(|d| self.mode == Mode::Detail && d.operation.id == op.id)
             .and_then(found_receipt)
@@ -1337,11 +1354,11 @@ impl App {
     fn navigate(&mut self, action: &Action) -> Option<Request> {
         match *action {
             Action::Up | Action::Scroll(-1) if self.walk_scrolls() => {
-                self.walk_scroll = self.walk_scroll.min(self.detail_extent).saturating_sub(1);
+                self.walk_scroll = self.walk_scroll.min(self.body_extent).saturating_sub(1);
                 None
             }
             Action::Down | Action::Scroll(1) if self.walk_scrolls() => {
-                self.walk_scroll = self.walk_scroll.min(self.detail_extent).saturating_add(1).min(self.detail_extent);
+                self.walk_scroll = self.walk_scroll.min(self.body_extent).saturating_add(1).min(self.body_extent);
                 None
             }
             Action::Top if self.walk_scrolls() => {
@@ -1354,32 +1371,32 @@ impl App {
             }
             Action::PageUp if self.walk_scrolls() => {
                 let page = self.size.1.saturating_sub(14).max(1);
-                self.walk_scroll = self.walk_scroll.min(self.detail_extent).saturating_sub(page);
+                self.walk_scroll = self.walk_scroll.min(self.body_extent).saturating_sub(page);
                 None
             }
             Action::PageDown if self.walk_scrolls() => {
                 let page = self.size.1.saturating_sub(14).max(1);
-                self.walk_scroll = self.walk_scroll.saturating_add(page).min(self.detail_extent);
+                self.walk_scroll = self.walk_scroll.saturating_add(page).min(self.body_extent);
                 None
             }
             Action::Up | Action::Scroll(-1) => {
                 if self.mode == Mode::Detail {
                     self.stop_following();
-                    self.detail_scroll = self.detail_scroll.saturating_sub(1);
+                    self.detail.scroll = self.detail.scroll.saturating_sub(1);
                 } else {
                     self.selected = self.selected.saturating_sub(1);
                 }
                 None
             }
-            Action::DetailExtent(n) => {
-                self.detail_extent = n;
-                self.detail_scroll = self.detail_scroll.min(n);
+            Action::BodyExtent(n) => {
+                self.body_extent = n;
+                self.detail.scroll = self.detail.scroll.min(n);
                 None
             }
             Action::Down | Action::Scroll(1) => {
                 if self.mode == Mode::Detail {
                     self.stop_following();
-                    self.detail_scroll = self.detail_scroll.saturating_add(1).min(self.detail_extent);
+                    self.detail.scroll = self.detail.scroll.saturating_add(1).min(self.body_extent);
                 } else if self.selected + 1 < self.row_count() {
                     self.selected += 1;
                 }
@@ -1388,24 +1405,24 @@ impl App {
             Action::Scroll(_) => None,
             Action::Top if self.mode == Mode::Detail => {
                 self.stop_following();
-                self.detail_scroll = 0;
+                self.detail.scroll = 0;
                 None
             }
             Action::Bottom if self.mode == Mode::Detail => {
                 self.stop_following();
-                self.detail_scroll = self.detail_extent;
+                self.detail.scroll = self.body_extent;
                 None
             }
             Action::PageDown if self.mode == Mode::Detail => {
                 self.stop_following();
                 let page = self.size.1.saturating_sub(8).max(1);
-                self.detail_scroll = self.detail_scroll.saturating_add(page).min(self.detail_extent);
+                self.detail.scroll = self.detail.scroll.saturating_add(page).min(self.body_extent);
                 None
             }
             Action::PageUp if self.mode == Mode::Detail => {
                 self.stop_following();
                 let page = self.size.1.saturating_sub(8).max(1);
-                self.detail_scroll = self.detail_scroll.saturating_sub(page);
+                self.detail.scroll = self.detail.scroll.saturating_sub(page);
                 None
             }
             Action::Top => {
@@ -1430,18 +1447,18 @@ impl App {
     /// `F` in the detail view: start following its operation (fetched again at
     /// once and on every change of the ledger) or stop.
     fn toggle_follow(&mut self) -> Option<Request> {
-        if self.follow {
+        if self.detail.follow {
             self.stop_following();
             return None;
         }
-        let id = self.detail.as_ref().filter(|_| self.mode == Mode::Detail).map(|d| d.operation.id.clone())?;
-        self.follow = true;
+        let id = self.detail.op.as_ref().filter(|_| self.mode == Mode::Detail).map(|d| d.operation.id.clone())?;
+        self.detail.follow = true;
         self.say(format!("following {id}: new trace events appear at the end (F or j/k stops)"), false);
         Some(Request::Detail(id))
     }
 
     fn stop_following(&mut self) {
-        if std::mem::take(&mut self.follow) {
+        if std::mem::take(&mut self.detail.follow) {
             self.say("stopped following", false);
         }
     }
@@ -1483,8 +1500,9 @@ impl App {
                 // seconds): a followed detail is fetched again with it.
                 let followed = self
                     .detail
+                    .op
                     .as_ref()
-                    .filter(|_| self.follow && self.mode == Mode::Detail)
+                    .filter(|_| self.detail.follow && self.mode == Mode::Detail)
                     .map(|d| Request::Detail(d.operation.id.clone()));
                 if pane == self.pane {
                     // Keep the selection on the same row when rows move.
@@ -1504,18 +1522,18 @@ impl App {
                 followed
             }
             EngineEvent::Detail(d) => {
-                self.detail = Some(d);
+                self.detail.op = Some(d);
                 None
             }
             EngineEvent::Done { ok, summary } => {
                 self.say(summary, !ok);
                 // An approval decided from its detail view is no longer pending:
                 // back to the pane, which the fetch below refreshes.
-                if self.mode == Mode::Detail && self.approval.take().is_some() {
+                if self.mode == Mode::Detail && self.detail.approval.take().is_some() {
                     self.mode = Mode::Normal;
                 }
                 // An action taken from the detail view: show what it changed there too.
-                if let Some(d) = self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
+                if let Some(d) = self.detail.op.as_ref().filter(|_| self.mode == Mode::Detail) {
                     self.pending_requests.push(Request::Detail(d.operation.id.clone()));
                 }
                 Some(self.fetch())
@@ -1593,7 +1611,7 @@ impl App {
             return self.fetch();
         };
         self.say(format!("resolve {operation_id}: {code} {why}"), true);
-        if let Some(d) = self.detail.as_ref().filter(|_| self.mode == Mode::Detail) {
+        if let Some(d) = self.detail.op.as_ref().filter(|_| self.mode == Mode::Detail) {
             self.pending_requests.push(Request::Detail(d.operation.id.clone()));
         }
         // Another dialog opened meanwhile: the status line (and the log) say it.

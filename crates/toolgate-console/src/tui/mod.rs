@@ -255,8 +255,8 @@ async fn event_loop(
         if dirty && last_draw.elapsed() >= FRAME {
             let mut extent = 0;
             terminal.draw(|f| extent = ui::render(&app, f))?;
-            if extent != app.detail_extent {
-                app.update(Action::DetailExtent(extent));
+            if extent != app.body_extent {
+                app.update(Action::BodyExtent(extent));
             }
             last_draw = Instant::now();
             dirty = false;

@@ -210,6 +210,8 @@ pub struct CommandBar {
     pub candidates: Vec<String>,
     /// More candidates exist than are listed.
     pub more: bool,
+    /// The mode to return to when a command leaves the bar without switching.
+    pub return_to: Mode,
 }
 
 impl CommandBar {
@@ -363,7 +365,7 @@ impl App {
     /// `:` opens the bar.
     pub(super) fn start_command(&mut self) -> Option<Request> {
         self.command.open();
-        self.command_return = if self.mode == Mode::Detail { Mode::Detail } else { Mode::Normal };
+        self.command.return_to = if self.mode == Mode::Detail { Mode::Detail } else { Mode::Normal };
         self.mode = Mode::Command;
         None
     }
@@ -378,7 +380,7 @@ impl App {
                 None
             }
             Ok(cmd) => {
-                self.mode = self.command_return;
+                self.mode = self.command.return_to;
                 self.run_command(cmd, &line)
             }
         }
@@ -494,8 +496,7 @@ impl App {
                 let id = ids.remove(0);
                 self.status = None;
                 self.mode = Mode::Detail;
-                self.detail = None;
-                self.detail_scroll = 0;
+                self.detail.open_operation();
                 Some(Request::Detail(id))
             }
             n => {

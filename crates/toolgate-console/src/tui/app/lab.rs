@@ -157,7 +157,7 @@ impl App {
             return None;
         }
         let picked = match &self.rows {
-            _ if self.mode == Mode::Detail => self.detail.as_ref().map(|d| {
+            _ if self.mode == Mode::Detail => self.detail.op.as_ref().map(|d| {
                 let o = &d.operation;
                 let attempts = d
                     .outbox

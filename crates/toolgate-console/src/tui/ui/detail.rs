@@ -47,18 +47,18 @@ fn render_approval(app: &App, a: &crate::store::ApprovalRow, frame: &mut Frame, 
     let inner = block.inner(area);
     let total = u16::try_from(paragraph.line_count(inner.width)).unwrap_or(u16::MAX);
     let extent = total.saturating_sub(inner.height);
-    frame.render_widget(paragraph.block(block).scroll((app.detail_scroll.min(extent), 0)), area);
+    frame.render_widget(paragraph.block(block).scroll((app.detail.scroll.min(extent), 0)), area);
     extent
 }
 
 /// Draws the detail view.
 pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
-    if let Some(a) = &app.approval {
+    if let Some(a) = &app.detail.approval {
         return render_approval(app, a, frame, area, t);
     }
     let block =
         Block::default().borders(Borders::TOP).title(Span::styled(" Operation detail (Esc: back) ", t.accent()));
-    let Some(d) = &app.detail else {
+    let Some(d) = &app.detail.op else {
         frame.render_widget(Paragraph::new("  loading…").block(block), area);
         return 0;
     };
@@ -238,7 +238,7 @@ pub fn render(app: &App, frame: &mut Frame, area: Rect, t: Theme) -> u16 {
     let total = u16::try_from(paragraph.line_count(inner.width)).unwrap_or(u16::MAX);
     let extent = total.saturating_sub(inner.height);
     // Following: the end (the newest trace events) stays in view; never past it.
-    let scroll = if app.follow { extent } else { app.detail_scroll.min(extent) };
+    let scroll = if app.detail.follow { extent } else { app.detail.scroll.min(extent) };
     frame.render_widget(paragraph.block(block).scroll((scroll, 0)), area);
     extent
 }

@@ -94,9 +94,9 @@ pub use super::app::MIN_SIZE;
 
 /// Draws the whole console (below [`MIN_SIZE`], only what size it needs: the
 /// console comes back as soon as the terminal is large enough).
-/// Draws the console; returns how far the detail view can scroll (0 when it
-/// is not on screen), which the event loop hands back to the model
-/// (`Action::DetailExtent`) so `j`, `G` and PgDn stop at the end.
+/// Returns how far the body can scroll (the detail, or the walkthrough's
+/// steps; 0 when neither is on screen), which the event loop hands back to the
+/// model (`Action::BodyExtent`) so `j`, `G` and PgDn stop at the end.
 pub fn render(app: &App, frame: &mut Frame) -> u16 {
     let t = Theme::of(app);
     let area = frame.area();
@@ -119,7 +119,7 @@ pub fn render(app: &App, frame: &mut Frame) -> u16 {
     // The command bar and help opened from the detail view leave it on screen.
     let over_detail = match app.mode {
         Mode::Detail => true,
-        Mode::Command => app.command_return == Mode::Detail,
+        Mode::Command => app.command.return_to == Mode::Detail,
         Mode::Help => app.help.return_to == Mode::Detail,
         Mode::Confirm | Mode::Form => app.dialog.return_to == Mode::Detail,
         _ => false,
@@ -266,7 +266,7 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
     }
     // The detail offers the keys that apply to its operation's state.
     let detail_keys: Vec<(&str, &str, bool)> = {
-        let state = app.detail.as_ref().map_or(OpState::Unrecognized, |d| d.operation.state);
+        let state = app.detail.op.as_ref().map_or(OpState::Unrecognized, |d| d.operation.state);
         let mut keys = vec![("Esc", "back", false), ("j/k", "scroll", false)];
         if state.is_in_progress() || state.is_unknown_queue() {
             keys.push(("q", "query", true));
@@ -277,11 +277,14 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         if state.is_in_progress() {
             keys.push(("c", "cancel", true));
         }
-        keys.extend([("F", if app.follow { "stop following" } else { "follow" }, false), ("y", "copy id", false)]);
+        keys.extend([
+            ("F", if app.detail.follow { "stop following" } else { "follow" }, false),
+            ("y", "copy id", false),
+        ]);
         keys
     };
     let hints: &[(&str, &str, bool)] = match (app.mode, app.pane) {
-        (Mode::Detail, _) if app.approval.is_some() => {
+        (Mode::Detail, _) if app.detail.approval.is_some() => {
             &[("Esc", "back", false), ("a", "approve", true), ("d", "deny", true), ("y", "copy id", false)]
         }
         (Mode::Detail, _) => &detail_keys,
@@ -346,7 +349,7 @@ fn render_footer(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         return;
     }
     let mut line = Vec::new();
-    if app.follow && app.mode == Mode::Detail {
+    if app.detail.follow && app.mode == Mode::Detail {
         line.push(Span::styled("[following] ", t.accent()));
     }
     if !app.marks.is_empty() {
