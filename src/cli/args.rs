@@ -229,7 +229,9 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Worker pass: run every due outbox row.
+    /// Worker pass: run every due outbox row, then ask about the unknown
+    /// outcomes of tools whose downstream a worker asks by itself
+    /// (`downstream.auto_query`).
     Work {
         /// Print JSON.
         #[arg(long)]

@@ -407,10 +407,14 @@ pub(super) fn clock(cli: &Cli, accept: bool, json: bool) -> Result<i32, CliError
 pub(super) fn work(cli: &Cli, json: bool) -> Result<i32, CliError> {
     let mut engine = open(cli)?;
     let n = engine.work(10_000)?;
+    let settled = engine.settle_unknown(10_000)?;
     if json {
-        print_json(&json!({"ran": n}));
+        print_json(&json!({"ran": n, "asked": settled}));
     } else {
         outln!("ran {n} outbox row(s)");
+        if settled > 0 {
+            outln!("asked the downstream about {settled} unknown outcome(s) (downstream.auto_query)");
+        }
     }
     Ok(0)
 }

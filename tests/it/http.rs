@@ -98,6 +98,15 @@ pub fn write_catalog(dir: &Path, base_url: &str, secret_file: Option<&Path>) -> 
 
 /// [`write_catalog`] with a change to each tool's `downstream.http` section.
 pub fn write_catalog_with(dir: &Path, base_url: &str, edit: &dyn Fn(&mut serde_json::Map<String, Value>)) -> PathBuf {
+    write_catalog_edited(dir, base_url, &|v| {
+        if let Some(http) = v["downstream"].get_mut("http").and_then(Value::as_object_mut) {
+            edit(http);
+        }
+    })
+}
+
+/// [`write_catalog`] with a change to each http tool's whole file.
+pub fn write_catalog_edited(dir: &Path, base_url: &str, edit: &dyn Fn(&mut Value)) -> PathBuf {
     let out = dir.join("catalog");
     std::fs::create_dir_all(&out).unwrap();
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/catalog-http");
@@ -106,8 +115,8 @@ pub fn write_catalog_with(dir: &Path, base_url: &str, edit: &dyn Fn(&mut serde_j
         if let Some(http) = v["downstream"].get_mut("http").and_then(Value::as_object_mut) {
             http.remove("base_url_env");
             http.insert("base_url".into(), Value::String(base_url.into()));
-            edit(http);
             v["retry"]["attempt_timeout_ms"] = Value::from(1000);
+            edit(&mut v);
         }
         std::fs::write(out.join(name), serde_json::to_string_pretty(&v).unwrap()).unwrap();
     }
@@ -122,6 +131,8 @@ pub struct HttpFixture {
     pub catalog: PathBuf,
     pub ledger: PathBuf,
     pub clock: ManualClock,
+    /// The PostgreSQL database of the ledger, when it is there.
+    _pg: Option<crate::support::PgDb>,
 }
 
 impl HttpFixture {
@@ -136,6 +147,15 @@ impl HttpFixture {
         Self::finish(dir, server, catalog)
     }
 
+    /// With a change to each http tool's whole catalog file, the ledger on
+    /// the given backend.
+    pub fn with_catalog_on(backend: crate::support::Backend, edit: &dyn Fn(&mut Value)) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let server = ProviderServer::start(dir.path(), &[]);
+        let catalog = write_catalog_edited(dir.path(), &server.url(), edit);
+        Self::finish_on(backend, dir, server, catalog)
+    }
+
     /// With a change to each tool's `downstream.http` section.
     pub fn with_http(edit: &dyn Fn(&mut serde_json::Map<String, Value>)) -> Self {
         let dir = tempfile::tempdir().unwrap();
@@ -145,9 +165,20 @@ impl HttpFixture {
     }
 
     fn finish(dir: TempDir, server: ProviderServer, catalog: PathBuf) -> Self {
-        let ledger = dir.path().join("ledger.db");
+        Self::finish_on(crate::support::Backend::Sqlite, dir, server, catalog)
+    }
+
+    fn finish_on(backend: crate::support::Backend, dir: TempDir, server: ProviderServer, catalog: PathBuf) -> Self {
+        let (pg, ledger) = match backend {
+            crate::support::Backend::Sqlite => (None, dir.path().join("ledger.db")),
+            crate::support::Backend::Postgres => {
+                let db = crate::support::PgDb::new().expect("TOOLGATE_TEST_PG is set");
+                let url = PathBuf::from(&db.url);
+                (Some(db), url)
+            }
+        };
         let clock = ManualClock::new(T0);
-        let fx = Self { _dir: dir, server, catalog, ledger, clock };
+        let fx = Self { _dir: dir, server, catalog, ledger, clock, _pg: pg };
         let mut e = Engine::create(&fx.ledger, fx.opts()).unwrap();
         e.load_world(&World::parse(DEMO_WORLD.as_bytes()).unwrap()).unwrap();
         fx
@@ -352,7 +383,7 @@ fn a_hung_response_cannot_hold_the_worker_past_its_attempt_timeout() {
     assert_eq!(fx.server.effects(), 0);
 }
 
-fn adapter_for(catalog: &Path, tool: &str) -> Box<dyn toolgate::downstream::Downstream> {
+pub(crate) fn adapter_for(catalog: &Path, tool: &str) -> Box<dyn toolgate::downstream::Downstream> {
     let set = toolgate::tools::load_toolset(Some(catalog)).unwrap();
     let d = set.catalog().get(tool).unwrap().downstream.clone();
     let dir = tempfile::tempdir().unwrap();
@@ -367,7 +398,7 @@ fn adapter_for(catalog: &Path, tool: &str) -> Box<dyn toolgate::downstream::Down
     HttpAdapter.open(&d, &ctx).unwrap()
 }
 
-fn request(digest: &str) -> DownstreamRequest {
+pub(crate) fn request(digest: &str) -> DownstreamRequest {
     DownstreamRequest {
         intent: format!("intent-{digest}"),
         tool: "create_refund".into(),

@@ -26,6 +26,7 @@ mod pg;
 mod props;
 mod race;
 mod recovery;
+mod resend;
 mod resilience;
 mod retention;
 mod scenarios;

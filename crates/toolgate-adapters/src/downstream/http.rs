@@ -272,6 +272,14 @@ impl HttpAdapter {
             // It cannot de-duplicate a key it is never sent.
             return Err(("dedupes_keys".into(), "claims key de-duplication but http.key_header is empty".into()));
         }
+        if d.lookup.is_some() && c.lookup.is_some() {
+            // Two ways to ask, one of which acts: the reading one would be
+            // used for evidence and the acting one for queries, silently.
+            return Err((
+                "http.lookup".into(),
+                "downstream.lookup re-sends to ask, so the service has no lookup by key here: \"lookup\": null (or drop downstream.lookup)".into(),
+            ));
+        }
         if c.lookup.is_some() && c.key_header.is_empty() {
             // The service is never told the key: a lookup by it cannot match.
             return Err((

@@ -97,7 +97,7 @@ pub fn spawn(opts: &BackendOptions, events: UnboundedSender<Action>) -> Result<B
 
 fn work(mut engine: Engine, stop: &AtomicBool, events: &UnboundedSender<Action>) {
     while !stop.load(Ordering::SeqCst) {
-        if let Err(e) = engine.reap().and_then(|_| engine.work_background(64)) {
+        if let Err(e) = engine.reap().and_then(|_| engine.work_background(64)).and_then(|_| engine.settle_unknown(16)) {
             let _ = events.send(Action::Engine(EngineEvent::Error(format!("worker: {e}"))));
         }
         std::thread::sleep(Duration::from_millis(500));

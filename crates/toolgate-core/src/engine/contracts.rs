@@ -75,6 +75,42 @@ pub struct DownstreamRef {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub max_in_flight: Option<u32>,
+    /// How an unknown outcome is asked of a downstream with no lookup by key:
+    /// `{"by": "resend", "key_retention_ms": N}` re-sends the very same request
+    /// under the same key, which a downstream that de-duplicates keys answers
+    /// with the original result (only with `dedupes_keys`; never past the
+    /// time it remembers keys). Leave it out for a lookup by key (`http.lookup`)
+    /// or none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lookup: Option<LookupStrategy>,
+    /// Whether a worker settles this tool's unknown outcomes itself, with the
+    /// status query a person would run, once the receipt window has passed.
+    /// Default: yes for `lookup.by = resend`, no otherwise (the unknown queue
+    /// waits for a person's `q`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_query: Option<bool>,
+}
+
+/// `downstream.lookup`: asking by re-sending.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LookupStrategy {
+    /// `resend`: the status query re-sends the request under its key.
+    pub by: LookupBy,
+    /// How long the downstream remembers a key (Stripe: 24 hours). A re-send
+    /// after it could act a second time, so past it the operation goes to
+    /// human review instead. At least the receipt window (attempt timeout plus
+    /// `receipt_visible_within_ms`).
+    #[schemars(range(min = 1))]
+    pub key_retention_ms: u64,
+}
+
+/// How a downstream without a lookup by key is asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum LookupBy {
+    /// The same request, under the same key.
+    Resend,
 }
 
 /// The default of `downstream.receipt_visible_within_ms`: a minute, longer
@@ -99,11 +135,33 @@ impl DownstreamRef {
         self.receipt_visible_within_ms.unwrap_or(DEFAULT_RECEIPT_VISIBLE_WITHIN_MS)
     }
 
-    /// Whether what happened under a key can be asked of the downstream. An
-    /// http downstream says `"lookup": null` when its service has no lookup;
-    /// then an unknown outcome goes straight to human review.
+    /// Whether what happened under a key can be asked of the downstream: by
+    /// key, or by re-sending ([`DownstreamRef::resend_retention_ms`]). An http
+    /// downstream says `"lookup": null` when its service has no lookup by key;
+    /// without a re-send an unknown outcome then goes straight to human review.
     pub fn can_look_up(&self) -> bool {
-        !(self.adapter == "http" && self.http.as_ref().and_then(|h| h.get("lookup")).is_some_and(Value::is_null))
+        self.lookup.is_some() || self.looks_up_by_key()
+    }
+
+    /// Whether the downstream can be asked by key without acting (a lookup
+    /// that reads): what a person's evidence, the audit and the retention
+    /// re-check may use. A re-send is not one of those.
+    pub fn looks_up_by_key(&self) -> bool {
+        self.lookup.is_none()
+            && !(self.adapter == "http" && self.http.as_ref().and_then(|h| h.get("lookup")).is_some_and(Value::is_null))
+    }
+
+    /// How long the downstream remembers a key, when a status query re-sends
+    /// the request (`lookup.by = resend`).
+    pub fn resend_retention_ms(&self) -> Option<u64> {
+        self.lookup.map(|l| match l.by {
+            LookupBy::Resend => l.key_retention_ms,
+        })
+    }
+
+    /// Whether a worker settles unknown outcomes of this downstream itself.
+    pub fn auto_query(&self) -> bool {
+        self.can_look_up() && self.auto_query.unwrap_or(self.lookup.is_some())
     }
 
     /// Where an operation whose outcome cannot be known waits: the unknown
@@ -634,6 +692,24 @@ fn load_one(file: &str, text: &str, earlier: &[Contract]) -> Result<Contract, Ve
     }
     if c.downstream.receipt_visible_within_ms.is_some_and(|ms| ms > MAX_RECEIPT_VISIBLE_WITHIN_MS) {
         fail("downstream.receipt_visible_within_ms", format!("at most {MAX_RECEIPT_VISIBLE_WITHIN_MS} (a day)"));
+    }
+    if let Some(l) = c.downstream.lookup {
+        if !c.downstream.dedupes_keys {
+            fail(
+                "downstream.lookup",
+                "a re-send asks nothing of a downstream that does not de-duplicate keys: it acts again (dedupes_keys must be true)".into(),
+            );
+        }
+        let window = c.retry.attempt_timeout_ms.saturating_add(c.downstream.receipt_visible_within_ms());
+        if l.key_retention_ms <= window {
+            fail(
+                "downstream.lookup.key_retention_ms",
+                format!("must be longer than the receipt window ({window} ms: attempt_timeout_ms + receipt_visible_within_ms), or no re-send could ever be made"),
+            );
+        }
+    }
+    if c.downstream.auto_query == Some(true) && !c.downstream.can_look_up() {
+        fail("downstream.auto_query", "this downstream cannot be asked (no lookup by key and no re-send)".into());
     }
     if c.effect != Effect::Read && c.retention_ms == 0 {
         fail("retention_ms", "a tool with an effect keeps its ledger rows (> 0)".into());

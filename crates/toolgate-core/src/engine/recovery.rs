@@ -10,8 +10,8 @@ use super::operation::{
     apply_business_effect, approval_amount, args_of, authorize, binding_of, business_rules, domain_call, op_envelope,
     receipt_binds, reserve, revisions_of, verify_approval, verify_row,
 };
-use super::tool::Lookup;
 use super::tool::ToolCall;
+use super::tool::{Lookup, Reply};
 use super::trace::{Answering, TraceEvent};
 use super::{error_envelope, fresh_call_identity, with_detail, with_retry_after, Engine, EngineError};
 use crate::failpoint;
@@ -99,6 +99,9 @@ pub struct ResolveRequest {
 
 /// Who acts on a late reply's receipt, in the operator log.
 const LATE_REPLY_ACTOR: &str = "toolgate-late-reply";
+/// Who a worker's own status queries are logged as (`downstream.auto_query`);
+/// the store does not count them as a person's act (`Tx::by_a_person`).
+pub const SETTLE_ACTOR: &str = "toolgate-settle";
 
 /// The outcome of an operator action (deny, resolve).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -377,9 +380,7 @@ impl Engine {
         };
         // A status query carries no deadline of its own: the lookup is bounded
         // like one attempt of the tool.
-        let lookup = self
-            .downstream(&contract.downstream.name)?
-            .lookup(&op.downstream_key, contract.retry.attempt_timeout_ms)?;
+        let (lookup, asked) = self.ask_downstream(&op, contract, now)?;
         let actor = q.operator.clone().unwrap_or_else(|| pref.clone());
         let out = self.store.write(|tx| -> Result<Envelope, EngineError> {
             let Some(mut cur) = tx.operation(&op.id)? else {
@@ -397,7 +398,7 @@ impl Engine {
             cur.last_query_at = Some(now);
             let mut anomaly = None;
             let mut query_again_at = None;
-            let (result, env, reason) = match lookup.clone() {
+            let (result, env, reason): (Reason, Option<Code>, std::borrow::Cow<'static, str>) = match lookup.clone() {
                 Lookup::Found(r) => {
                     ev.receipt_id = Some(r.receipt_id.clone());
                     ev.downstream_request_id = Some(r.request_id.clone());
@@ -439,7 +440,7 @@ impl Engine {
                             }
                         }
                         tx.close_outbox(&cur.id, OutboxState::Done, None)?;
-                        (Reason::Reconciled, None, "receipt matches: backfilled")
+                        (Reason::Reconciled, None, "receipt matches: backfilled".into())
                     } else {
                         cur.state = crate::store::OpState::NeedsReview;
                         cur.code = Some(Code::StatusConflict.as_str().into());
@@ -447,7 +448,7 @@ impl Engine {
                         (
                             Reason::Mismatch,
                             Some(Code::StatusConflict),
-                            why_not.unwrap_or("receipt does not match the request"),
+                            why_not.unwrap_or("receipt does not match the request").into(),
                         )
                     }
                 }
@@ -460,20 +461,27 @@ impl Engine {
                             (
                                 Reason::NotFound,
                                 None,
-                                "no receipt yet, and one may still appear: query again after the receipt window",
+                                "no receipt yet, and one may still appear: query again after the receipt window".into(),
                             )
                         }
-                        None => (Reason::NotFound, None, "no receipt (yet): still unknown"),
+                        None => (Reason::NotFound, None, "no receipt (yet): still unknown".into()),
                     }
                 }
                 Lookup::Unavailable => {
-                    (Reason::Unavailable, None, "lookup unavailable: still unknown")
+                    (Reason::Unavailable, None, "lookup unavailable: still unknown".into())
                 }
                 // Nothing can be asked of this downstream: only a person can tell.
                 Lookup::Unsupported => {
                     cur.state = OpState::NeedsReview;
                     tx.close_outbox(&cur.id, OutboxState::Parked, Some(Code::OutcomeUnknown.as_str()))?;
-                    (Reason::Unsupported, None, "the downstream has no lookup: a person must check and decide")
+                    (Reason::Unsupported, None, "the downstream cannot be asked: a person must check and decide".into())
+                }
+                // It holds another request under the key, or refused this one re-sent.
+                Lookup::Conflict(why) => {
+                    cur.state = crate::store::OpState::NeedsReview;
+                    cur.code = Some(Code::StatusConflict.as_str().into());
+                    tx.close_outbox(&cur.id, OutboxState::Parked, Some(Code::StatusConflict.as_str()))?;
+                    (Reason::Mismatch, Some(Code::StatusConflict), why.into())
                 }
             };
             let _ = env;
@@ -489,9 +497,10 @@ impl Engine {
                 );
                 ev.retry_after_ms = Some((until - now).max(1) as u64);
             }
+            let asked = asked.as_deref().map(|a| format!(" ({a})")).unwrap_or_default();
             ev.note = Some(match anomaly {
-                Some(a) => format!("{reason}; {a}"),
-                None => reason.into(),
+                Some(a) => format!("{reason}{asked}; {a}"),
+                None => format!("{reason}{asked}"),
             });
             ev.reason = Some(result);
             // The receipt ids were set from the lookup; the digests come from the row as it is now.
@@ -506,12 +515,57 @@ impl Engine {
                 Some(&cur.id),
                 None,
                 true,
-                reason,
+                &reason,
                 &json!({"lookup": result, "receipt_id": cur.receipt_id, "version": cur.version}),
             ))?;
             Ok(env)
         })?;
         Ok(out)
+    }
+
+    /// What a status query asks of the downstream: its lookup by key or, for a
+    /// downstream asked by re-sending (`downstream.lookup.by = resend`), the
+    /// very same request under the same key, which a downstream that
+    /// de-duplicates keys answers from its first execution (and executes now
+    /// if it never did: once, either way). Never past the time the downstream
+    /// remembers keys: then nothing can be asked. Only the status query of an
+    /// operation still open re-sends; a person's evidence, the audit and the
+    /// retention re-check only ever read (a re-send downstream answers them
+    /// `Unsupported` through its lookup by key, which it does not have).
+    fn ask_downstream(
+        &mut self,
+        op: &OperationRow,
+        contract: &super::contracts::Contract,
+        now: i64,
+    ) -> Result<(Lookup, Option<String>), EngineError> {
+        let timeout_ms = contract.retry.attempt_timeout_ms;
+        let Some(retention_ms) = contract.downstream.resend_retention_ms() else {
+            return Ok((self.downstream(&contract.downstream.name)?.lookup(&op.downstream_key, timeout_ms)?, None));
+        };
+        let age_ms = now.saturating_sub(op.created_at).max(0);
+        if age_ms >= retention_ms as i64 {
+            let why = format!(
+                "not re-sent: the downstream remembers keys for {}s and this call was accepted {}s ago, so a re-send could act again",
+                retention_ms / 1000,
+                age_ms / 1000
+            );
+            return Ok((Lookup::Unsupported, Some(why)));
+        }
+        let req = super::dispatch::downstream_request(op, timeout_ms);
+        let reply = self.downstream(&contract.downstream.name)?.execute(&op.downstream_key, &req)?;
+        let lookup = match reply {
+            Reply::Committed(r) => Lookup::Found(r),
+            Reply::KeyConflict => Lookup::Conflict(
+                "the downstream holds another request under this key (key in use with another body)".into(),
+            ),
+            // Its words stay out of the trace (they may echo the arguments).
+            Reply::Rejected { .. } => Lookup::Conflict(
+                "the downstream refused the request re-sent under its key: a person confirms it had no effect".into(),
+            ),
+            // Not an answer yet (busy, refused for now, or lost again): still unknown.
+            _ => Lookup::Unavailable,
+        };
+        Ok((lookup, Some("asked by re-sending the request under its key".into())))
     }
 
     /// A reply that came back after its lease was lost (a cancel or the reaper
@@ -597,6 +651,38 @@ impl Engine {
             Ok(())
         })?;
         Ok(())
+    }
+
+    /// Settles the unknown outcomes of tools whose downstream a worker asks by
+    /// itself (`downstream.auto_query`: the default with `lookup.by = resend`):
+    /// each one whose receipt window has passed, and that nobody asked within
+    /// the last `receipt_visible_within_ms` (at least a second), gets the
+    /// status query a person would run, logged as [`SETTLE_ACTOR`]. The
+    /// query decides as always: a receipt bound to the request settles it,
+    /// anything else leaves it unknown or sends it to a person. Returns how
+    /// many were asked; one that cannot be asked now is logged and skipped.
+    pub fn settle_unknown(&mut self, limit: usize) -> Result<usize, EngineError> {
+        let contracts = self.contracts.clone();
+        let now = self.clock.now_ms();
+        let mut asked = 0;
+        for c in contracts.all().iter().filter(|c| c.downstream.auto_query()) {
+            if asked >= limit {
+                break;
+            }
+            let every = c.downstream.receipt_visible_within_ms().clamp(1_000, 3_600_000) as i64;
+            let ids = self.store.read(|tx| tx.unknown_to_ask(&c.name, now - every, (limit - asked) as i64))?;
+            for id in ids {
+                // Inside the receipt window a lookup can only say "not yet".
+                if receipt_window(&self.store.read(|tx| tx.attempts(&id))?, c, now).is_some() {
+                    continue;
+                }
+                match self.operator_query(&id, SETTLE_ACTOR) {
+                    Ok(_) => asked += 1,
+                    Err(e) => tracing::warn!(op = %id, error = %e, "settling an unknown outcome failed"),
+                }
+            }
+        }
+        Ok(asked)
     }
 
     /// An operator's explicit status query on an operation: the query runs as the
@@ -891,6 +977,7 @@ impl Engine {
             // No evidence either way: the decision stands on the operator's word.
             Lookup::Unavailable => (json!({"lookup": "unavailable"}), None),
             Lookup::Unsupported => (json!({"lookup": "unsupported"}), None),
+            Lookup::Conflict(why) => (json!({"lookup": "conflict", "why": why}), None),
         }))
     }
 
@@ -1009,7 +1096,7 @@ impl Engine {
             }
             // A downstream that cannot be asked leaves nothing that shows "no
             // effect": the operator has to say so, and it is recorded as such.
-            let lookupless = contracts.get(&op.tool).is_some_and(|c| !c.downstream.can_look_up());
+            let lookupless = contracts.get(&op.tool).is_some_and(|c| !c.downstream.looks_up_by_key());
             if lookupless && r.resolution == Resolution::Failed && !r.no_evidence {
                 return refuse(
                     "NO_EVIDENCE_STATEMENT_REQUIRED",
@@ -1349,7 +1436,7 @@ impl Engine {
                     detail: "the provider has no effect for this succeeded operation".into(),
                 }),
                 // Cannot ask (now, or ever): no finding either way.
-                Lookup::Unavailable | Lookup::Unsupported => {}
+                Lookup::Unavailable | Lookup::Unsupported | Lookup::Conflict(_) => {}
             }
         }
         Ok(out)

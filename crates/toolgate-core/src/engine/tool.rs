@@ -323,6 +323,10 @@ pub enum Lookup {
     Unavailable,
     /// The downstream has no lookup (the catalog says so): nothing can be asked.
     Unsupported,
+    /// The downstream's answer does not settle the call as this request's: it
+    /// holds another request under the key ("key in use with another body"),
+    /// or refused the request re-sent. A person decides (`STATUS_CONFLICT`).
+    Conflict(String),
 }
 
 /// Downstream errors that are not replies (the adapter's own storage or set-up failed).

@@ -869,13 +869,15 @@ impl Tx<'_> {
     /// SQL condition on an audit-log row `a`: it records a person's act.
     /// Everything but a caller's own status query, whose actor is the caller's
     /// principal reference (`pr_` + 16 hex digits, a shape operator names may
-    /// not take).
+    /// not take), and a worker's own (`SETTLE_ACTOR`, `downstream.auto_query`).
     fn by_a_person(&self) -> &'static str {
         match self.backend() {
             Backend::Sqlite => {
-                "NOT (a.action = 'query' AND length(a.actor) = 19 AND a.actor GLOB 'pr_[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*')"
+                "NOT (a.action = 'query' AND (a.actor = 'toolgate-settle' OR (length(a.actor) = 19 AND a.actor GLOB 'pr_[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*')))"
             }
-            Backend::Postgres => "NOT (a.action = 'query' AND length(a.actor) = 19 AND a.actor ~ '^pr_[0-9a-f]{4}')",
+            Backend::Postgres => {
+                "NOT (a.action = 'query' AND (a.actor = 'toolgate-settle' OR (length(a.actor) = 19 AND a.actor ~ '^pr_[0-9a-f]{4}')))"
+            }
         }
     }
 }

@@ -280,6 +280,19 @@ impl Tx<'_> {
         rows.collect::<Result<_, _>>()
     }
 
+    /// Unknown operations of one tool not asked since `asked_before` (never
+    /// asked first, then the longest unasked; oldest first): what a worker
+    /// settles by itself (`downstream.auto_query`).
+    pub fn unknown_to_ask(&self, tool: &str, asked_before: i64, limit: i64) -> R<Vec<String>> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT id FROM operations
+             WHERE state = 'unknown' AND tool = ?1 AND coalesce(last_query_at, 0) < ?2
+             ORDER BY coalesce(last_query_at, 0), created_at, id LIMIT ?3",
+        )?;
+        let rows = st.query_map(params![tool, asked_before, limit], |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()
+    }
+
     /// Operations the ledger holds as having had no effect (failed, or
     /// resolved as failed by a person) although an attempt of theirs was sent:
     /// the ones whose provider the audit asks (the money check).

@@ -265,10 +265,11 @@ pub fn serve_until(
 }
 
 /// The in-process outbox worker and reaper: due retries, accepted operations
-/// (approved calls), expired leases.
+/// (approved calls), expired leases, and the unknown outcomes a worker asks
+/// about by itself (`downstream.auto_query`).
 fn work(mut engine: Engine, stop: &std::sync::mpsc::Receiver<()>) {
     loop {
-        if let Err(e) = engine.reap().and_then(|_| engine.work_background(64)) {
+        if let Err(e) = engine.reap().and_then(|_| engine.work_background(64)).and_then(|_| engine.settle_unknown(16)) {
             tracing::warn!(code = e.code(), "worker pass failed");
         }
         match stop.recv_timeout(WORK_INTERVAL) {

@@ -31,6 +31,7 @@ use read::ReadCall;
 pub(crate) use replay_hint::SeenSent;
 #[cfg(test)]
 use replay_hint::SEEN_SENT_SLOTS;
+pub(crate) use worker::downstream_request;
 use worker::{claim_to_send, Caller, Claim, ClaimCtx};
 
 /// One tool call as a harness sends it.

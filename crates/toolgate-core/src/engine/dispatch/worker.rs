@@ -137,18 +137,10 @@ impl Engine {
             };
             let domain = self.domain(&op.tool);
             failpoint::hit("after_sent");
-            let args: Value = args_of(&op.request_json);
             let defenses = self.defenses()?;
-            let dreq = DownstreamRequest {
-                // The business intent is the whole scope, not the key string alone;
-                // and it is the caller's key even when a lab toggle re-scoped the ledger.
-                intent: intent_of(Scope { key: caller_key(&op.idem_key), ..op.scope() }),
-                tool: op.tool.clone(),
-                arguments: args,
-                request_sha256: op.request_sha256.clone(),
-                // The deadline propagates: an attempt never waits past it.
-                timeout_ms: contract.retry.attempt_timeout_ms.min((op.deadline_at - now).max(1) as u64),
-            };
+            // The deadline propagates: an attempt never waits past it.
+            let dreq =
+                downstream_request(&op, contract.retry.attempt_timeout_ms.min((op.deadline_at - now).max(1) as u64));
             let key = if defenses.unique_downstream_key_per_attempt {
                 // Lab mode only: a new key per attempt defeats the provider's de-duplication.
                 format!("{}-a{attempt}", op.downstream_key)
@@ -573,6 +565,20 @@ pub(super) fn refused(
         with_retry_after(op_envelope(op, Delivery::Fresh, c.principal_ref.to_string(), Some(code.as_str())), delay);
     ev.from_envelope(&env).answering(c.answer).write(tx, c.now)?;
     Ok(Persisted::Done(env))
+}
+
+/// What the engine sends downstream for an operation (an attempt, or a status
+/// query's re-send), waiting at most `timeout_ms`.
+pub(crate) fn downstream_request(op: &OperationRow, timeout_ms: u64) -> DownstreamRequest {
+    DownstreamRequest {
+        // The business intent is the whole scope, not the key string alone;
+        // and it is the caller's key even when a lab toggle re-scoped the ledger.
+        intent: intent_of(Scope { key: caller_key(&op.idem_key), ..op.scope() }),
+        tool: op.tool.clone(),
+        arguments: args_of(&op.request_json),
+        request_sha256: op.request_sha256.clone(),
+        timeout_ms,
+    }
 }
 
 /// Whether an attempt other than `this` may have been received downstream.
