@@ -74,6 +74,11 @@ fn a_reply_lost_after_commit_is_settled_by_the_worker_with_one_effect_and_no_per
     fx.clock.advance(60_000);
     assert_eq!(e.settle_unknown(16).unwrap(), 0);
     assert_eq!(fx.server.effects(), 1);
+    // The worker's query is not a person's act: the retention purge takes the
+    // operation when its 30 days are over, as for any the caller settled.
+    fx.clock.advance(30 * DAY_MS as i64);
+    let p = e.purge_expired().unwrap();
+    assert_eq!((p.purged, p.kept_for_audit), (1, 0), "{p:?}");
 }
 
 #[test]

@@ -99,9 +99,7 @@ pub struct ResolveRequest {
 
 /// Who acts on a late reply's receipt, in the operator log.
 const LATE_REPLY_ACTOR: &str = "toolgate-late-reply";
-/// Who a worker's own status queries are logged as (`downstream.auto_query`);
-/// the store does not count them as a person's act (`Tx::by_a_person`).
-pub const SETTLE_ACTOR: &str = "toolgate-settle";
+pub use crate::store::SETTLE_ACTOR;
 
 /// The outcome of an operator action (deny, resolve).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -860,6 +860,10 @@ pub struct Tx<'a> {
     conn: &'a Conn,
 }
 
+/// Who a worker's own status queries are logged as (`downstream.auto_query`):
+/// not a person, so they never keep an operation from the retention purge.
+pub const SETTLE_ACTOR: &str = "toolgate-settle";
+
 impl Tx<'_> {
     /// Which backend this transaction runs on.
     pub fn backend(&self) -> Backend {
@@ -869,15 +873,21 @@ impl Tx<'_> {
     /// SQL condition on an audit-log row `a`: it records a person's act.
     /// Everything but a caller's own status query, whose actor is the caller's
     /// principal reference (`pr_` + 16 hex digits, a shape operator names may
-    /// not take), and a worker's own (`SETTLE_ACTOR`, `downstream.auto_query`).
+    /// not take), and a worker's own ([`SETTLE_ACTOR`], `downstream.auto_query`;
+    /// a unit test checks the text below names it).
     fn by_a_person(&self) -> &'static str {
-        match self.backend() {
-            Backend::Sqlite => {
-                "NOT (a.action = 'query' AND (a.actor = 'toolgate-settle' OR (length(a.actor) = 19 AND a.actor GLOB 'pr_[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*')))"
-            }
-            Backend::Postgres => {
-                "NOT (a.action = 'query' AND (a.actor = 'toolgate-settle' OR (length(a.actor) = 19 AND a.actor ~ '^pr_[0-9a-f]{4}')))"
-            }
+        by_a_person(self.backend())
+    }
+}
+
+/// [`Tx::by_a_person`] for a backend.
+fn by_a_person(backend: Backend) -> &'static str {
+    match backend {
+        Backend::Sqlite => {
+            "NOT (a.action = 'query' AND (a.actor = 'toolgate-settle' OR (length(a.actor) = 19 AND a.actor GLOB 'pr_[0-9a-f][0-9a-f][0-9a-f][0-9a-f]*')))"
+        }
+        Backend::Postgres => {
+            "NOT (a.action = 'query' AND (a.actor = 'toolgate-settle' OR (length(a.actor) = 19 AND a.actor ~ '^pr_[0-9a-f]{4}')))"
         }
     }
 }
@@ -1207,6 +1217,18 @@ impl Tx<'_> {
         let a = self.conn.prepare_cached("DELETE FROM metric_minutes WHERE minute < ?1")?.execute([before_minute])?;
         let b = self.conn.prepare_cached("DELETE FROM latency_minutes WHERE minute < ?1")?.execute([before_minute])?;
         Ok(a + b)
+    }
+}
+
+#[cfg(test)]
+mod person_tests {
+    use super::{by_a_person, Backend, SETTLE_ACTOR};
+
+    #[test]
+    fn a_workers_own_query_is_not_a_persons_act_on_either_backend() {
+        for b in [Backend::Sqlite, Backend::Postgres] {
+            assert!(by_a_person(b).contains(&format!("a.actor = '{SETTLE_ACTOR}'")), "{b:?}");
+        }
     }
 }
 
