@@ -19,6 +19,7 @@ pub mod lab;
 pub mod ledger_clock;
 pub(crate) mod operation;
 pub use operation::intent_of;
+mod audit;
 pub mod policy;
 pub mod projection;
 mod recovery;
@@ -35,12 +36,13 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
 
+pub use audit::AuditFinding;
 pub use bulk::{BulkAction, BulkItem, BulkReport, BulkTarget};
 pub use cancel::{CancelRequest, CancelSignal};
 pub use dispatch::{DispatchRequest, ReapReport};
 pub use lab::{LabSide, LabState, LabToggle};
 pub use operation::approval_amount;
-pub use recovery::{AuditFinding, OperationDetail, OperatorOutcome, QueryRequest, Resolution, ResolveRequest};
+pub use recovery::{OperationDetail, OperatorOutcome, QueryRequest, Resolution, ResolveRequest};
 pub use retention::PurgeReport;
 pub use trace::TraceEvent;
 
