@@ -1183,7 +1183,7 @@ fn a_connect_that_times_out_is_timeout_before_execute_and_nothing_arrives() {
 }
 
 /// What a scripted loopback server does with one connection, in order.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 enum Then {
     /// Reads the request, then closes the connection with no reply.
     Close,
@@ -1194,6 +1194,8 @@ enum Then {
     /// Reads the request and answers with the next reply the test gives
     /// ([`Scripted::reply`]), holding the call until then.
     Answer,
+    /// Reads the request and writes this whole response.
+    Raw(String),
 }
 
 /// A loopback server that treats each connection as its script says and
@@ -1227,6 +1229,9 @@ impl Scripted {
                         let _ = write!(s, "HTTP/1.1 {code} X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
                     }
                     Then::Hold => held.push(s),
+                    Then::Raw(r) => {
+                        let _ = s.write_all(r.as_bytes());
+                    }
                     Then::Answer => {
                         let Ok((code, body)) = next_reply.recv_timeout(std::time::Duration::from_secs(60)) else {
                             return;
@@ -1277,6 +1282,17 @@ impl Drop for Scripted {
         drop(self.stop.take());
         drop(self.replies.take());
         if let Some(t) = self.thread.take() {
+            // A test that failed before its script ran out leaves the thread
+            // waiting for a connection: connect until it is done, so the
+            // failure is reported instead of hanging the suite.
+            let addr = self.url.trim_start_matches("http://").to_string();
+            for _ in 0..64 {
+                if t.is_finished() {
+                    break;
+                }
+                let _ = std::net::TcpStream::connect(&addr);
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
             let _ = t.join();
         }
     }
@@ -1765,4 +1781,98 @@ fn a_tls_handshake_refused_is_provably_not_received_and_retried_with_the_same_ke
     assert!(detail.attempts.iter().all(toolgate::store::AttemptRow::proven_not_received), "{:?}", detail.attempts);
     assert!(connections.load(std::sync::atomic::Ordering::SeqCst) >= 1, "the client did connect");
     assert_eq!(bytes.load(std::sync::atomic::Ordering::SeqCst), 0, "no request byte got through TLS");
+}
+
+/// Issue 35 §3: the API's shape need not be the tool's. Path parameters,
+/// query parameters and headers from the arguments, a form body from a
+/// template with the key in a field, a success status set, a "key in use"
+/// status, and the receipt read from response headers; over a real socket.
+#[test]
+fn a_mapped_request_has_the_apis_shape_and_its_receipt_comes_from_headers() {
+    let answer = |status: &str, extra: &str| {
+        let body = r#"{"reference":"dk-map-1"}"#;
+        format!("HTTP/1.1 {status}\r\nrefund-id: re_77\r\nrequest-id: req_5\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\nconnection: close\r\n\r\n{body}", body.len())
+    };
+    let server = Scripted::start(vec![
+        Then::Raw(answer("201 Created", "")),
+        Then::Raw(answer("200 OK", "")),
+        Then::Raw("HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".into()),
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = write_catalog_edited(dir.path(), &server.url, &|v| {
+        if v["name"] == "create_refund" {
+            v["downstream"]["http"]["execute"] = serde_json::json!({
+                "method": "POST",
+                "path": "/v1/orders/{args.order_ref}/refunds",
+                "query": {"amount": "{args.amount_minor}", "currency": "{args.currency}"},
+                "headers": {"X-Reason": "r-{args.reason}"},
+                "body": {"amount": "{args.amount_minor}", "currency": "{args.currency}", "reference": "{key}", "live": false},
+                "form": true,
+                "success": [201],
+                "key_conflict": [400]
+            });
+            v["downstream"]["http"]["reply"] = serde_json::json!({
+                "receipt_id": "header:Refund-Id", "request_id": "header:Request-Id", "result": "", "key": "/reference"
+            });
+        }
+    });
+    let mut ds = adapter_for(&catalog, "create_refund");
+    let mut req = request("abcd");
+    req.arguments =
+        serde_json::json!({"order_ref": "ord_1 2", "amount_minor": 1500, "currency": "EUR", "reason": "damaged"});
+    match ds.execute("dk-map-1", &req).unwrap() {
+        Reply::Committed(r) => {
+            assert_eq!((r.receipt_id.as_str(), r.request_id.as_str()), ("re_77", "req_5"));
+            assert_eq!(r.key.as_deref(), Some("dk-map-1"));
+        }
+        other => panic!("a 201 with the receipt in headers commits: {other:?}"),
+    }
+    let (head, body) = server.wait_for_request(1);
+    let first = head.lines().next().unwrap_or_default();
+    assert!(first.starts_with("POST /v1/orders/ord_1%202/refunds?amount=1500&currency=EUR "), "{first}");
+    assert!(head.to_ascii_lowercase().contains("x-reason: r-damaged"), "{head}");
+    assert!(head.to_ascii_lowercase().contains("content-type: application/x-www-form-urlencoded"), "{head}");
+    assert_eq!(body, "amount=1500&currency=EUR&live=false&reference=dk-map-1");
+    // A 2xx the catalog does not list may have committed: unknown, never a commit.
+    assert_eq!(ds.execute("dk-map-1", &req).unwrap(), Reply::ServerError);
+    // The catalog's "key in use" status.
+    assert_eq!(ds.execute("dk-map-1", &req).unwrap(), Reply::KeyConflict);
+    // Arguments that cannot fill the path: nothing is sent.
+    req.arguments = serde_json::json!({"order_ref": ["x"], "amount_minor": 1, "currency": "EUR", "reason": "other"});
+    assert!(matches!(ds.execute("dk-map-2", &req).unwrap(), Reply::Rejected { refusal: None, .. }));
+    assert_eq!(server.requests().len(), 3);
+}
+
+/// The mapping's mistakes are caught when the catalog loads, each naming its field.
+#[test]
+fn a_mapping_that_cannot_be_filled_is_refused_when_the_catalog_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&str, Value, &str); 6] = [
+        ("/v1/{args.nope}", Value::Null, "not an input property"),
+        ("/v1/{id}", Value::Null, "is not a placeholder"),
+        ("/v1/x", serde_json::json!({"q": "{args.amount_minor"}), "unclosed"),
+        ("/v1/x", serde_json::json!({"form": true}), "form body needs a body template"),
+        ("/v1/x", serde_json::json!({"success": [302]}), "2xx statuses"),
+        ("/v1/x", serde_json::json!({"key_conflict": [409]}), "4xx statuses other than"),
+    ];
+    for (i, (path, extra, why)) in cases.into_iter().enumerate() {
+        let sub = dir.path().join(format!("c{i}"));
+        std::fs::create_dir_all(&sub).unwrap();
+        let catalog = write_catalog_edited(&sub, "http://127.0.0.1:9", &|v| {
+            if v["name"] == "create_refund" {
+                let e = &mut v["downstream"]["http"]["execute"];
+                e["path"] = Value::String(path.into());
+                if let Some(q) = extra.get("q") {
+                    e["query"] = serde_json::json!({"a": q});
+                }
+                for k in ["form", "success", "key_conflict"] {
+                    if let Some(x) = extra.get(k) {
+                        e[k] = x.clone();
+                    }
+                }
+            }
+        });
+        let err = toolgate::tools::load_toolset(Some(&catalog)).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains(why), "{why}: {err}");
+    }
 }

@@ -17,6 +17,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::http_map;
 use crate::engine::canonical::{canonical_string, parse_strict};
 use crate::engine::contracts::{Contract, DownstreamRef};
 use crate::engine::faults::Fault;
@@ -42,15 +43,39 @@ const CONNECT_MARGIN_MS: u64 = 50;
 /// The largest Retry-After honoured: one hour.
 const MAX_RETRY_AFTER_MS: u64 = 3_600_000;
 
-/// One endpoint: a method and a URL template (`{key}` is the downstream key,
-/// percent-encoded; the URL starts with the base URL).
+/// One endpoint: a method, a URL template and how the request is shaped.
+/// Templates hold `{key}` (the downstream key) and, in execute's,
+/// `{args.NAME}` (an argument of the call; see [`super::http_map`]).
 #[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Endpoint {
-    /// `POST` or `PUT` for execute, `GET` for lookup.
+    /// `POST`, `PUT` or `PATCH` for execute, `GET` for lookup.
     pub method: String,
-    /// Path after the base URL, e.g. `/v1/refunds` or `/v1/refunds/by-key/{key}`.
+    /// Path after the base URL, e.g. `/v1/refunds`,
+    /// `/channels/{args.channel}/messages` or `/v1/refunds/by-key/{key}`;
+    /// each placeholder's value is percent-encoded as one path segment.
     pub path: String,
+    /// Query parameters: name → template. One whose argument is absent is left out.
+    #[serde(default)]
+    pub query: std::collections::BTreeMap<String, String>,
+    /// Fixed headers: name → template (secrets go in `secret_headers`).
+    #[serde(default)]
+    pub headers: std::collections::BTreeMap<String, String>,
+    /// The body as a JSON template (execute only). Absent: the call's
+    /// arguments as they are.
+    #[serde(default)]
+    pub body: Option<Value>,
+    /// Send the body form-encoded (`application/x-www-form-urlencoded`, a
+    /// flat object of scalars) instead of as JSON (execute only).
+    #[serde(default)]
+    pub form: bool,
+    /// The statuses that mean "committed" (execute only). Empty: any 2xx.
+    #[serde(default)]
+    pub success: Vec<u16>,
+    /// The statuses that mean "this key is in use with another request"
+    /// (execute only; `STATUS_CONFLICT`). Empty: 422.
+    #[serde(default)]
+    pub key_conflict: Vec<u16>,
 }
 
 /// Where each part of a reply is, as JSON pointers into its body.
@@ -194,8 +219,8 @@ impl HttpConfig {
             (None, Some(e)) if !e.is_empty() => {}
             _ => return Err(("http.base_url".into(), "give exactly one of base_url and base_url_env".into())),
         }
-        if !matches!(c.execute.method.as_str(), "POST" | "PUT") {
-            return Err(("http.execute.method".into(), "POST or PUT".into()));
+        if !matches!(c.execute.method.as_str(), "POST" | "PUT" | "PATCH") {
+            return Err(("http.execute.method".into(), "POST, PUT or PATCH".into()));
         }
         if !c.execute.path.starts_with('/') {
             return Err(("http.execute.path".into(), "starts with /".into()));
@@ -207,18 +232,69 @@ impl HttpConfig {
             if !lookup.path.starts_with('/') {
                 return Err(("http.lookup.path".into(), "starts with /".into()));
             }
-            if !lookup.path.contains("{key}") {
-                return Err(("http.lookup.path".into(), "looks a call up by its key: put {key} in it".into()));
+            let mut templates =
+                std::iter::once(&lookup.path).chain(lookup.query.values()).chain(lookup.headers.values());
+            if !templates.any(|t| t.contains("{key}")) {
+                return Err((
+                    "http.lookup.path".into(),
+                    "looks a call up by its key: put {key} in its path (or a query parameter or header)".into(),
+                ));
+            }
+            // A lookup knows the key and nothing else of the call.
+            let named = std::iter::once(("http.lookup.path".to_string(), &lookup.path))
+                .chain(lookup.query.iter().map(|(k, v)| (format!("http.lookup.query.{k}"), v)))
+                .chain(lookup.headers.iter().map(|(k, v)| (format!("http.lookup.headers.{k}"), v)));
+            for (field, t) in named {
+                let found = http_map::placeholders(t).map_err(|why| (field.clone(), why))?;
+                if found.iter().any(|p| *p != http_map::Placeholder::Key) {
+                    return Err((field, format!("{t:?}: a lookup is asked by {{key}} alone")));
+                }
+            }
+            if lookup.body.is_some() || lookup.form || !lookup.success.is_empty() || !lookup.key_conflict.is_empty() {
+                return Err((
+                    "http.lookup".into(),
+                    "a lookup is a GET: body, form, success and key_conflict are execute's".into(),
+                ));
             }
         }
-        // `{key}` is the one placeholder filled in; any other would be sent
-        // literally (a path the service never serves, or worse, one it does).
-        let paths =
-            [("http.execute.path", Some(&c.execute.path)), ("http.lookup.path", c.lookup.as_ref().map(|l| &l.path))];
-        for (field, path) in paths {
-            if let Some(other) = path.and_then(|p| unknown_placeholder(p)) {
-                return Err((field.into(), format!("{{{other}}} is not filled in: {{key}} is the only placeholder")));
+        // Every template parses: a placeholder that is not filled in would be
+        // sent literally (a path the service never serves, or worse, one it does).
+        let e = &c.execute;
+        for (field, t) in std::iter::once(("http.execute.path".to_string(), &e.path))
+            .chain(e.query.iter().map(|(k, v)| (format!("http.execute.query.{k}"), v)))
+            .chain(e.headers.iter().map(|(k, v)| (format!("http.execute.headers.{k}"), v)))
+        {
+            http_map::placeholders(t).map_err(|why| (field, why))?;
+        }
+        if let Some(b) = &e.body {
+            http_map::json_placeholders(b).map_err(|why| ("http.execute.body".to_string(), why))?;
+            if e.form && !b.as_object().is_some_and(|o| o.values().all(|v| !v.is_object() && !v.is_array())) {
+                return Err((
+                    "http.execute.form".into(),
+                    "a form body is a flat object of strings, numbers and booleans".into(),
+                ));
             }
+        } else if e.form {
+            return Err(("http.execute.form".into(), "a form body needs a body template (the fields)".into()));
+        }
+        for (field, names) in [
+            ("http.execute.headers", e.headers.keys().collect::<Vec<_>>()),
+            ("http.lookup.headers", c.lookup.iter().flat_map(|l| l.headers.keys()).collect()),
+        ] {
+            if let Some(bad) =
+                names.iter().find(|h| h.is_empty() || !h.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'))
+            {
+                return Err((field.into(), format!("{bad:?} is not a header name (letters, digits, -)")));
+            }
+        }
+        if e.success.iter().any(|s| !(200..=299).contains(s)) {
+            return Err(("http.execute.success".into(), "2xx statuses (any other status is not a commit)".into()));
+        }
+        if e.key_conflict.iter().any(|s| !(400..=499).contains(s) || matches!(s, 401 | 403 | 409 | 429)) {
+            return Err((
+                "http.execute.key_conflict".into(),
+                "4xx statuses other than 401, 403, 409 and 429 (those say something else)".into(),
+            ));
         }
         let pointers = [
             Some(&c.reply.receipt_id),
@@ -227,8 +303,22 @@ impl HttpConfig {
             c.reply.body_sha256.as_ref(),
             c.reply.key.as_ref(),
         ];
-        if pointers.iter().flatten().any(|p| !p.is_empty() && !p.starts_with('/')) {
-            return Err(("http.reply".into(), "JSON pointers start with / (\"\" is the whole body)".into()));
+        // The receipt and request ids may also come from a response header.
+        let from_header = |p: &&String| p.strip_prefix("header:").is_some_and(|h| !h.is_empty());
+        if pointers.iter().flatten().any(|p| !p.is_empty() && !p.starts_with('/') && !from_header(p)) {
+            return Err((
+                "http.reply".into(),
+                "JSON pointers start with / (\"\" is the whole body); receipt_id and request_id may be header:NAME"
+                    .into(),
+            ));
+        }
+        if [&c.reply.result]
+            .into_iter()
+            .chain(c.reply.body_sha256.as_ref())
+            .chain(c.reply.key.as_ref())
+            .any(|p| p.starts_with("header:"))
+        {
+            return Err(("http.reply".into(), "only receipt_id and request_id may come from a header".into()));
         }
         if c.connect_timeout_ms == 0 || c.max_body_bytes == 0 || c.max_body_bytes > 16 * 1024 * 1024 {
             return Err(("http".into(), "connect_timeout_ms > 0 and 0 < max_body_bytes <= 16 MiB".into()));
@@ -245,21 +335,6 @@ impl HttpConfig {
     }
 }
 
-/// The first `{name}` in a path that is not `{key}`.
-fn unknown_placeholder(path: &str) -> Option<&str> {
-    let mut rest = path;
-    while let Some(open) = rest.find('{') {
-        let after = &rest[open + 1..];
-        let close = after.find('}')?;
-        let name = &after[..close];
-        if name != "key" {
-            return Some(name);
-        }
-        rest = &after[close + 1..];
-    }
-    None
-}
-
 /// The `http` adapter factory.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HttpAdapter;
@@ -268,6 +343,39 @@ impl HttpAdapter {
     /// The rules that bind a parsed section to the rest of the contract.
     fn check_parsed(contract: &Contract, c: &HttpConfig) -> Result<(), (String, String)> {
         let d = &contract.downstream;
+        // Every {args.NAME} names an input property; one in the path, a
+        // required one (a path with a hole in it is not the endpoint).
+        let props = contract.input_schema.get("properties");
+        let required: Vec<&str> = contract
+            .input_schema
+            .get("required")
+            .and_then(Value::as_array)
+            .map(|r| r.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        let e = &c.execute;
+        let mut uses: Vec<(String, bool, Vec<http_map::Placeholder>)> = Vec::new();
+        let parsed = |t: &str| http_map::placeholders(t).unwrap_or_default();
+        uses.push(("http.execute.path".into(), true, parsed(&e.path)));
+        uses.extend(e.query.iter().map(|(k, v)| (format!("http.execute.query.{k}"), false, parsed(v))));
+        uses.extend(e.headers.iter().map(|(k, v)| (format!("http.execute.headers.{k}"), false, parsed(v))));
+        if let Some(b) = &e.body {
+            uses.push(("http.execute.body".into(), false, http_map::json_placeholders(b).unwrap_or_default()));
+        }
+        for (field, in_path, found) in uses {
+            for p in found {
+                let http_map::Placeholder::Arg(path) = p else { continue };
+                let name = path[0].as_str();
+                if props.and_then(|p| p.get(name)).is_none() {
+                    return Err((field, format!("{{args.{}}}: {name:?} is not an input property", path.join("."))));
+                }
+                if in_path && !required.contains(&name) {
+                    return Err((
+                        field,
+                        format!("{{args.{name}}} is in the path, so the input schema must require {name:?}"),
+                    ));
+                }
+            }
+        }
         if d.dedupes_keys && c.key_header.is_empty() {
             // It cannot de-duplicate a key it is never sent.
             return Err(("dedupes_keys".into(), "claims key de-duplication but http.key_header is empty".into()));
@@ -357,6 +465,19 @@ impl DownstreamFactory for HttpAdapter {
     }
 }
 
+/// A request as the mapping shaped it.
+struct Mapped {
+    url: String,
+    query: Vec<(String, String)>,
+    headers: Vec<(String, String)>,
+    body: MappedBody,
+}
+
+enum MappedBody {
+    Json(String),
+    Form(Vec<(String, String)>),
+}
+
 /// One HTTP downstream as an engine holds it.
 pub struct HttpDownstream {
     name: String,
@@ -384,9 +505,7 @@ fn encode_segment(s: &str) -> String {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
             out.push(b as char);
         } else {
-            out.push('%');
-            out.push(char::from(b"0123456789ABCDEF"[usize::from(b >> 4)]));
-            out.push(char::from(b"0123456789ABCDEF"[usize::from(b & 15)]));
+            http_map::push_percent(&mut out, b);
         }
     }
     out
@@ -489,20 +608,55 @@ fn pointer<'a>(body: &'a Value, p: &str) -> Option<&'a Value> {
 }
 
 impl HttpDownstream {
-    fn url(&self, path: &str, key: &str) -> String {
-        format!("{}{}", self.base, path.replace("{key}", &encode_segment(key)))
+    /// What execute sends, shaped by the catalog's mapping.
+    fn mapped(&self, key: &str, args: &Value) -> Result<Mapped, String> {
+        let e = &self.cfg.execute;
+        let path = http_map::fill_text(&e.path, key, args, &encode_segment)?
+            .ok_or_else(|| "the path names an argument the call does not have".to_string())?;
+        let plain = |t: &String| http_map::fill_text(t, key, args, &|x| x.to_string());
+        let mut query = Vec::new();
+        for (k, t) in &e.query {
+            if let Some(v) = plain(t)? {
+                query.push((k.clone(), v));
+            }
+        }
+        let mut headers = Vec::new();
+        for (k, t) in &e.headers {
+            if let Some(v) = plain(t)? {
+                headers.push((k.clone(), v));
+            }
+        }
+        let body = match &e.body {
+            None => MappedBody::Json(canonical_string(args)),
+            Some(t) => {
+                let filled = http_map::fill_json(t, key, args)?;
+                if e.form {
+                    MappedBody::Form(http_map::form_fields(&filled)?)
+                } else {
+                    MappedBody::Json(canonical_string(&filled))
+                }
+            }
+        };
+        Ok(Mapped { url: format!("{}{path}", self.base), query, headers, body })
     }
 
     /// A 2xx body as a receipt (`None`: it does not say what the contract needs).
     fn receipt(&self, body: &[u8], headers: Vec<(String, String)>) -> Option<Receipt> {
         let v = parse_strict(body, body.len(), 64).ok()?;
         let p = &self.cfg.reply;
-        let receipt_id = pointer(&v, &p.receipt_id)?.as_str()?.to_string();
+        // `header:NAME`: from a response header instead of the body.
+        let text = |ptr: &str| -> Option<String> {
+            match ptr.strip_prefix("header:") {
+                Some(h) => headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(h)).map(|(_, v)| v.clone()),
+                None => pointer(&v, ptr)?.as_str().map(str::to_string),
+            }
+        };
+        let receipt_id = text(&p.receipt_id)?;
         if receipt_id.is_empty() || receipt_id.len() > 256 {
             return None;
         }
         let request_id = match &p.request_id {
-            Some(rp) => pointer(&v, rp)?.as_str()?.to_string(),
+            Some(rp) => text(rp)?,
             None => String::new(),
         };
         let body_sha256 = match &p.body_sha256 {
@@ -547,16 +701,29 @@ impl Downstream for HttpDownstream {
         }
         let total = Duration::from_millis(req.timeout_ms);
         let connect = Duration::from_millis(self.cfg.connect_timeout_ms.min(req.timeout_ms - CONNECT_MARGIN_MS));
-        let url = self.url(&self.cfg.execute.path, key);
-        let builder = if self.cfg.execute.method == "PUT" { self.agent.put(&url) } else { self.agent.post(&url) };
+        let m = match self.mapped(key, &req.arguments) {
+            Ok(m) => m,
+            // Nothing was sent: the arguments do not fill the catalog's mapping.
+            Err(why) => return Ok(Reply::Rejected { reason: format!("request mapping: {why}"), refusal: None }),
+        };
+        let builder = match self.cfg.execute.method.as_str() {
+            "PUT" => self.agent.put(&m.url),
+            "PATCH" => self.agent.patch(&m.url),
+            _ => self.agent.post(&m.url),
+        };
         let mut builder = builder
             .config()
             .timeout_global(Some(total))
             .timeout_connect(Some(connect))
             .build()
-            .header("Content-Type", "application/json")
             .header(REQUEST_DIGEST_HEADER, &req.request_sha256)
             .header(INTENT_HEADER, &req.intent);
+        for (k, v) in &m.query {
+            builder = builder.query(k, v);
+        }
+        for (h, v) in &m.headers {
+            builder = builder.header(h, v);
+        }
         if !self.cfg.key_header.is_empty() {
             builder = builder.header(&self.cfg.key_header, key);
         }
@@ -567,8 +734,14 @@ impl Downstream for HttpDownstream {
         if fault != Fault::Ok {
             builder = builder.header(FAULT_HEADER, &fault.spec());
         }
-        let body = canonical_string(&req.arguments);
-        let mut resp = match builder.send(body.as_bytes()) {
+        let sent = match &m.body {
+            MappedBody::Json(body) => builder.header("Content-Type", "application/json").send(body.as_bytes()),
+            // Sent as bytes with its length (ureq's `send_form` streams it).
+            MappedBody::Form(fields) => builder
+                .header("Content-Type", "application/x-www-form-urlencoded")
+                .send(http_map::form_encode(fields).as_bytes()),
+        };
+        let mut resp = match sent {
             Ok(r) => r,
             Err(e) => {
                 let reply = not_received(&e).unwrap_or(Reply::TimedOut);
@@ -578,7 +751,12 @@ impl Downstream for HttpDownstream {
         };
         let status = resp.status().as_u16();
         let retry_after = retry_after_ms(header(&resp, "retry-after").as_deref(), std::time::SystemTime::now());
+        let e = &self.cfg.execute;
+        let key_conflict = if e.key_conflict.is_empty() { status == 422 } else { e.key_conflict.contains(&status) };
         Ok(match status {
+            _ if key_conflict => Reply::KeyConflict,
+            // A 2xx the catalog does not list as a commit: it may have committed.
+            200..=299 if !e.success.is_empty() && !e.success.contains(&status) => Reply::ServerError,
             200..=299 => {
                 let headers: Vec<(String, String)> = resp
                     .headers()
@@ -593,7 +771,6 @@ impl Downstream for HttpDownstream {
                 }
             }
             409 => Reply::InProgress { retry_after_ms: retry_after },
-            422 => Reply::KeyConflict,
             429 => Reply::RateLimited { retry_after_ms: retry_after.unwrap_or(0) },
             503 => Reply::Unavailable { retry_after_ms: retry_after },
             500..=599 if self.cfg.server_error_means_not_committed => {
@@ -626,7 +803,11 @@ impl Downstream for HttpDownstream {
             return Ok(Lookup::Unavailable);
         }
         let Some(lookup) = &self.cfg.lookup else { return Ok(Lookup::Unsupported) };
-        let url = self.url(&lookup.path, key);
+        // A lookup's templates hold {key} alone (the catalog's check).
+        let fill = |t: &String, enc: &dyn Fn(&str) -> String| {
+            http_map::fill_text(t, key, &Value::Null, enc).ok().flatten().unwrap_or_default()
+        };
+        let url = format!("{}{}", self.base, fill(&lookup.path, &encode_segment));
         // The whole lookup, body included, within the caller's bound; the
         // connect within it, as for a call.
         let connect = self.cfg.connect_timeout_ms.min(timeout_ms - CONNECT_MARGIN_MS);
@@ -637,6 +818,12 @@ impl Downstream for HttpDownstream {
             .timeout_global(Some(Duration::from_millis(timeout_ms)))
             .timeout_connect(Some(Duration::from_millis(connect)))
             .build();
+        for (k, t) in &lookup.query {
+            builder = builder.query(k, fill(t, &|x| x.to_string()));
+        }
+        for (h, t) in &lookup.headers {
+            builder = builder.header(h, fill(t, &|x| x.to_string()));
+        }
         for (h, v) in &self.secrets {
             builder = builder.header(h, v);
         }

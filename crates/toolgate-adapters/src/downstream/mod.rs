@@ -5,6 +5,7 @@
 //! their own connection; the engine reaches them only through [`Downstream`].
 
 pub mod http;
+pub mod http_map;
 pub mod serve;
 
 use std::sync::Mutex;
