@@ -237,6 +237,13 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The tool catalog: check a directory offline, or print the JSON Schema
+    /// of a catalog file (for an editor).
+    Catalog {
+        /// What to do.
+        #[command(subcommand)]
+        what: CatalogCommand,
+    },
     /// The scenarios of docs/design.md §13 as scripts: list them, or run them on fresh databases.
     Scenario {
         /// What to do.
@@ -548,6 +555,24 @@ pub enum ScenarioCommand {
     },
 }
 
+/// `toolgate catalog ...`.
+#[derive(Debug, Subcommand)]
+pub enum CatalogCommand {
+    /// Load a catalog directory as `--catalog` would, without a ledger, and
+    /// print every problem at once, each with its file and field. Exits 1
+    /// when there is any.
+    Check {
+        /// The catalog directory.
+        dir: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the JSON Schema of one catalog file (its shape; `check` also
+    /// applies the rules that span fields).
+    Schema,
+}
+
 /// A call identity on the command line (`dispatch` and `query`): each part
 /// absent is fresh, so a harness names the parts it needs to retry under.
 #[derive(Debug, Args)]
@@ -796,6 +821,7 @@ impl Command {
             | Command::Counts { .. }
             | Command::Orders { .. }
             | Command::Scenario { .. }
+            | Command::Catalog { .. }
             | Command::Trace(_)
             | Command::Metrics(_)
             | Command::Bench { .. }
@@ -838,6 +864,8 @@ pub(super) fn command_wants_json(c: Option<&Command>) -> bool {
         }) => a.json,
         Some(Command::Ops { what: OpsCommand::List { json, .. } | OpsCommand::Show { json, .. } }) => *json,
         Some(Command::Scenario { what: ScenarioCommand::List { json } | ScenarioCommand::Run { json, .. } }) => *json,
+        Some(Command::Catalog { what: CatalogCommand::Check { json, .. } }) => *json,
+        Some(Command::Catalog { what: CatalogCommand::Schema }) => true,
         Some(Command::Trace(a)) => a.json || a.format == TraceFormatArg::Jsonl,
         Some(Command::Metrics(a)) => a.json || a.format == MetricsFormatArg::Json,
         None => false,

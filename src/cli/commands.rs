@@ -12,8 +12,10 @@ use super::{
     projection, provider_serve_db, read_args, trace_json, Cli, CliError, Command, DispatchArgs, GrantArgs, OpsCommand,
     ProviderCommand, QueryArgs, ResolveArgs, ResolveAs,
 };
+use crate::cli::args::CatalogCommand;
 use crate::downstream::FaultPlan;
 use crate::engine::clock::rfc3339;
+use crate::engine::contracts::ContractError;
 use crate::engine::projection::QUERY_STATUS_TOOL;
 use crate::engine::world::World;
 use crate::engine::{DispatchRequest, Engine, QueryRequest, Resolution, ResolveRequest};
@@ -417,6 +419,54 @@ pub(super) fn work(cli: &Cli, json: bool) -> Result<i32, CliError> {
         }
     }
     Ok(0)
+}
+
+pub(super) fn catalog(what: &CatalogCommand) -> Result<i32, CliError> {
+    match what {
+        CatalogCommand::Schema => {
+            print_json(&crate::tools::catalog_schema());
+            Ok(0)
+        }
+        CatalogCommand::Check { dir, json } => {
+            if !dir.is_dir() {
+                return Err(CliError::new(
+                    "CATALOG_UNREADABLE",
+                    "the catalog directory does not exist or is not a directory",
+                ));
+            }
+            let problems = match crate::tools::load_toolset(Some(dir)) {
+                Ok(t) => {
+                    let tools: Vec<&str> = t.catalog().all().iter().map(|c| c.name.as_str()).collect();
+                    if *json {
+                        print_json(&json!({"ok": true, "tools": tools}));
+                    } else {
+                        outln!("ok: {} tool(s): {}", tools.len(), tools.join(", "));
+                    }
+                    return Ok(0);
+                }
+                Err(ContractError::Unreadable(why)) => return Err(CliError::new("CATALOG_UNREADABLE", why)),
+                Err(e) => e.into_problems(),
+            };
+            let rows: Vec<Value> = problems
+                .iter()
+                .map(|p| match p {
+                    ContractError::Invalid { file, field, reason } => {
+                        json!({"file": file, "field": field, "reason": reason})
+                    }
+                    other => json!({"file": "", "field": "", "reason": other.to_string()}),
+                })
+                .collect();
+            if *json {
+                print_json(&json!({"ok": false, "problems": rows}));
+            } else {
+                for p in &problems {
+                    outln!("{}", crate::display::escape(&p.to_string()));
+                }
+                outln!("{} problem(s)", problems.len());
+            }
+            Ok(1)
+        }
+    }
 }
 
 pub(super) fn bench(cli: &Cli, quick: bool, json: bool, dir: Option<&Path>, http: bool) -> Result<i32, CliError> {

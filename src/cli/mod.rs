@@ -227,6 +227,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Clock { accept, json } => commands::clock(cli, *accept, *json),
         Command::Work { json } => commands::work(cli, *json),
         Command::Scenario { what } => scenario_command(what),
+        Command::Catalog { what } => commands::catalog(what),
         Command::Trace(a) => trace_command(cli, a),
         Command::Metrics(a) => metrics_command(cli, a),
         Command::Bench { quick, json, dir, http } => commands::bench(cli, *quick, *json, dir.as_deref(), *http),

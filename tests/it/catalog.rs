@@ -163,3 +163,84 @@ fn the_loader_reports_every_problem_at_once_with_file_and_field() {
     }
     assert!(!ledger.exists(), "nothing written");
 }
+
+/// Issue 35 §3: `toolgate catalog check DIR` validates a catalog offline
+/// (no ledger, no network) and prints every problem at once; `toolgate
+/// catalog schema` prints the JSON Schema an editor validates a file with,
+/// which accepts every shipped catalog file and refuses a misspelt field.
+#[test]
+fn catalog_check_reports_every_problem_and_catalog_schema_validates_the_shipped_files() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let tg = |args: &[&std::ffi::OsStr]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_toolgate")).args(args).output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let os = |s: &str| std::ffi::OsString::from(s);
+    // A sound catalog: exit 0 and its tools.
+    let http = root.join("assets/catalog-http");
+    let (code, out, err) = tg(&[&os("catalog"), &os("check"), http.as_os_str(), &os("--json")]);
+    assert_eq!(code, Some(0), "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["ok"], true);
+    assert_eq!(v["tools"].as_array().map(Vec::len), Some(3), "{v}");
+    // Two broken files: every problem, by file and field, exit 1, no path.
+    let dir = tempfile::tempdir().unwrap();
+    let read = |f: &str| -> Value { serde_json::from_str(&std::fs::read_to_string(http.join(f)).unwrap()).unwrap() };
+    let mut refund = read("create_refund.json");
+    refund["downstream"]["http"]["execute"]["path"] = "/v1/{args.nope}".into();
+    refund["downstream"]["http"]["reply"]["reciept"] = "/x".into();
+    let mut notify = read("notify_customer.json");
+    notify["effect"] = "bogus".into();
+    std::fs::write(dir.path().join("create_refund.json"), refund.to_string()).unwrap();
+    std::fs::write(dir.path().join("notify_customer.json"), notify.to_string()).unwrap();
+    let (code, out, _) = tg(&[&os("catalog"), &os("check"), dir.path().as_os_str(), &os("--json")]);
+    assert_eq!(code, Some(1), "{out}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let problems = v["problems"].as_array().unwrap();
+    let has = |file: &str, field: &str| problems.iter().any(|p| p["file"] == file && p["field"] == field);
+    assert!(has("create_refund.json", "downstream.http.reply.reciept"), "{v}");
+    assert!(has("notify_customer.json", "effect"), "{v}");
+    assert!(!out.contains(&*dir.path().to_string_lossy()), "no local path: {out}");
+    let (code, text, _) = tg(&[&os("catalog"), &os("check"), dir.path().as_os_str()]);
+    assert_eq!(code, Some(1));
+    assert!(text.contains("problem(s)"), "{text}");
+    // Once the shape is right, the rules that span fields speak (the path's argument).
+    refund["downstream"]["http"]["reply"].as_object_mut().unwrap().remove("reciept");
+    notify["effect"] = "external".into();
+    std::fs::write(dir.path().join("create_refund.json"), refund.to_string()).unwrap();
+    std::fs::write(dir.path().join("notify_customer.json"), notify.to_string()).unwrap();
+    let (code, out, _) = tg(&[&os("catalog"), &os("check"), dir.path().as_os_str()]);
+    assert_eq!(code, Some(1));
+    assert!(out.contains("\"nope\" is not an input property"), "{out}");
+    // A directory that is not there is an error with a stable code.
+    let (code, _, err) = tg(&[&os("catalog"), &os("check"), dir.path().join("missing").as_os_str()]);
+    assert_eq!(code, Some(2));
+    assert!(err.starts_with("error[CATALOG_UNREADABLE]"), "{err}");
+
+    // The schema: every shipped file is valid, a misspelt field is not.
+    let (code, out, err) = tg(&[&os("catalog"), &os("schema")]);
+    assert_eq!(code, Some(0), "{err}");
+    let schema: Value = serde_json::from_str(&out).unwrap();
+    let validator = jsonschema::validator_for(&schema).expect("the printed schema compiles");
+    for sub in ["assets/catalog", "assets/catalog-http"] {
+        for entry in std::fs::read_dir(root.join(sub)).unwrap() {
+            let p = entry.unwrap().path();
+            if p.extension().and_then(|e| e.to_str()) != Some("json") {
+                continue;
+            }
+            let file: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+            let errors: Vec<String> = validator.iter_errors(&file).map(|e| e.to_string()).collect();
+            assert!(errors.is_empty(), "{}: {errors:?}", p.display());
+        }
+    }
+    let mut bad = read("create_refund.json");
+    bad["downstream"]["http"]["execute"]["methd"] = "POST".into();
+    assert!(!validator.is_valid(&bad), "an unknown field inside the http section is refused");
+    let mut bad = read("create_refund.json");
+    bad["downstream"]["lookup"] = serde_json::json!({"by": "guess", "key_retention_ms": 1});
+    assert!(!validator.is_valid(&bad));
+}

@@ -49,6 +49,39 @@ pub fn demo_toolset() -> Arc<Toolset> {
     .clone()
 }
 
+/// The JSON Schema of one catalog file as these adapters read it
+/// (`toolgate catalog schema`, for editors): the engine's file schema with
+/// the `http` adapter's section in place of its open `downstream.http`. The
+/// shape only: the rules that span fields (a `write` tool's downstream
+/// de-duplicates, a path argument is required, ...) are `catalog check`'s.
+pub fn catalog_schema() -> serde_json::Value {
+    use serde_json::{json, Value};
+    let mut file = crate::engine::contracts::catalog_file_schema();
+    let mut http = crate::downstream::http::http_section_schema();
+    // The http schema's own definitions join the file's (the names differ).
+    let http_defs = http.as_object_mut().and_then(|o| o.remove("$defs")).unwrap_or(Value::Null);
+    for k in ["$schema", "title"] {
+        if let Some(o) = http.as_object_mut() {
+            o.remove(k);
+        }
+    }
+    if let Some(defs) = file.get_mut("$defs").and_then(Value::as_object_mut) {
+        if let Value::Object(h) = http_defs {
+            for (k, v) in h {
+                defs.entry(k).or_insert(v);
+            }
+        }
+        defs.insert("HttpConfig".into(), http);
+        if let Some(props) = defs.get_mut("DownstreamRef").and_then(|d| d.get_mut("properties")) {
+            props["http"] = json!({
+                "description": "The http adapter's settings (only with `adapter: http`).",
+                "$ref": "#/$defs/HttpConfig"
+            });
+        }
+    }
+    file
+}
+
 /// `--catalog DIR`: that directory's catalog, served like the demo's; the
 /// built-in demo catalog without it.
 pub fn load_toolset(dir: Option<&Path>) -> Result<Arc<Toolset>, ContractError> {
