@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
-use toolgate::engine::contracts::{Contract, Contracts, DownstreamRef};
+use toolgate::engine::contracts::{Contract, Contracts, DownstreamRef, Effect};
 use toolgate::engine::tool::{
     Downstream, DownstreamContext, DownstreamError, DownstreamFactory, DownstreamRequest, Lookup, Receipt, Reply,
     Toolset,
@@ -100,6 +100,10 @@ impl DownstreamFactory for InvoicingAdapter {
     fn check(&self, c: &Contract) -> Result<(), (String, String)> {
         if c.downstream.http.is_some() {
             return Err(("http".into(), "this adapter takes no http settings".into()));
+        }
+        // It creates invoices: a read tool would be answered by creating one.
+        if c.effect == Effect::Read {
+            return Err(("adapter".into(), "this adapter creates invoices; it answers no read tool".into()));
         }
         Ok(())
     }

@@ -1876,3 +1876,82 @@ fn a_mapping_that_cannot_be_filled_is_refused_when_the_catalog_loads() {
         assert!(err.contains(why), "{why}: {err}");
     }
 }
+
+/// Issue 35 §3: a read tool over HTTP with no Rust code: a mapped GET whose
+/// body is the answer, no key, nothing recorded but the trace, and every
+/// failure safe to report (the contract says nothing was written).
+#[test]
+fn a_read_tool_is_a_mapped_get_answered_by_the_service() {
+    let order = r#"{"order_ref":"ord_1001","currency":"EUR","captured_minor":5000,"refunded_minor":0,"status":"paid"}"#;
+    let ok = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{order}",
+        order.len()
+    );
+    let server = Scripted::start(vec![
+        Then::Raw(ok),
+        Then::Raw("HTTP/1.1 503 X\r\nretry-after: 2\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".into()),
+        Then::Raw("HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}".into()),
+    ]);
+    let fx = HttpFixture::new();
+    let get_order = serde_json::json!({
+        // A new output schema is a new meaning: the revision says so (the ledger checks).
+        "name": "get_order", "description": "Read one order.", "revisions": {"input": 1, "output": 2, "effect": 1},
+        "effect": "read", "risk": "low", "data_classification": "internal", "approval": {"policy": "never"},
+        "retry": {"attempt_timeout_ms": 2000, "deadline_ms": 10000, "backoff_base_ms": 100, "backoff_cap_ms": 2000, "max_attempts": 3},
+        "retention_ms": 0,
+        "downstream": {"name": "orders_api", "adapter": "http", "http": {
+            "base_url": server.url, "key_header": "",
+            "execute": {"method": "GET", "path": "/v1/orders/{args.order_ref}", "query": {"expand": "refunds"}},
+            "lookup": null, "reply": {"result": ""}}},
+        "input_schema": {"type": "object", "additionalProperties": false, "required": ["order_ref"],
+            "properties": {"order_ref": {"type": "string", "pattern": "^ord_[A-Za-z0-9_]{1,60}$"}}},
+        "output_schema": {"type": "object", "required": ["order_ref", "status"],
+            "properties": {"order_ref": {"type": "string"}, "status": {"enum": ["paid", "partially_refunded", "refunded"]}}}
+    });
+    std::fs::write(fx.catalog.join("get_order.json"), get_order.to_string()).unwrap();
+    let mut e = fx.engine();
+    let read = toolgate::engine::DispatchRequest {
+        tenant: "acme".into(),
+        subject: "agent_ana".into(),
+        tool: "get_order".into(),
+        arguments: br#"{"order_ref":"ord_1001"}"#.to_vec(),
+        ..toolgate::engine::DispatchRequest::default()
+    };
+    let env = e.dispatch(&read).unwrap();
+    assert_eq!(env.model_result.status, Status::Succeeded, "{env:?}");
+    assert_eq!(env.model_result.data.as_ref().unwrap()["captured_minor"], 5000);
+    let (head, body) = server.wait_for_request(1);
+    assert!(head.starts_with("GET /v1/orders/ord_1001?expand=refunds "), "{head}");
+    assert!(!head.to_ascii_lowercase().contains("idempotency-key"), "a read sends no key: {head}");
+    assert!(body.is_empty());
+    // Unavailable: TOOL_UNAVAILABLE with the service's retry hint.
+    let env = e.dispatch(&read).unwrap();
+    assert_eq!(env.code(), Some(Code::ToolUnavailable), "{env:?}");
+    assert_eq!(env.model_result.error.as_ref().and_then(|x| x.retry_after_ms), Some(2_000));
+    // An answer outside the output contract is a tool error, never data.
+    let env = e.dispatch(&read).unwrap();
+    assert_eq!(env.code(), Some(Code::ToolError), "{env:?}");
+    assert!(env.model_result.data.is_none());
+    // Reads record no operation.
+    assert!(e.list_operations(None, 10).unwrap().is_empty());
+}
+
+/// A read tool is a GET (and only a read tool is): the catalog refuses the rest.
+#[test]
+fn the_catalog_keeps_gets_for_reads_and_effects_off_gets() {
+    let dir = tempfile::tempdir().unwrap();
+    let refund_as_get = write_catalog_edited(dir.path(), "http://127.0.0.1:9", &|v| {
+        if v["name"] == "create_refund" {
+            v["downstream"]["http"]["execute"]["method"] = "GET".into();
+        }
+    });
+    let err = toolgate::tools::load_toolset(Some(&refund_as_get)).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("a GET must not act"), "{err}");
+    let sim = dir.path().join("sim");
+    std::fs::create_dir_all(&sim).unwrap();
+    let mut read: Value = serde_json::from_str(include_str!("../../assets/catalog/get_order.json")).unwrap();
+    read["downstream"] = serde_json::json!({"name": "payments", "adapter": "simulated", "dedupes_keys": true});
+    std::fs::write(sim.join("get_order.json"), read.to_string()).unwrap();
+    let err = toolgate::tools::load_toolset(Some(&sim)).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("a read tool is answered by `local` or `http`"), "{err}");
+}

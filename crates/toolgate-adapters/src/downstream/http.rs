@@ -19,7 +19,7 @@ use serde_json::Value;
 
 use super::http_map;
 use crate::engine::canonical::{canonical_string, parse_strict};
-use crate::engine::contracts::{Contract, DownstreamRef};
+use crate::engine::contracts::{Contract, DownstreamRef, Effect};
 use crate::engine::faults::Fault;
 use crate::engine::tool::{
     Downstream, DownstreamContext, DownstreamError, DownstreamFactory, DownstreamRequest, Lookup, Receipt, Refusal,
@@ -49,7 +49,8 @@ const MAX_RETRY_AFTER_MS: u64 = 3_600_000;
 #[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Endpoint {
-    /// `POST`, `PUT` or `PATCH` for execute, `GET` for lookup.
+    /// `POST`, `PUT` or `PATCH` for a tool with an effect, `GET` for a read
+    /// tool's execute and for lookup.
     pub method: String,
     /// Path after the base URL, e.g. `/v1/refunds`,
     /// `/channels/{args.channel}/messages` or `/v1/refunds/by-key/{key}`;
@@ -82,8 +83,10 @@ pub struct Endpoint {
 #[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReplyPointers {
-    /// The receipt id (required in a 2xx reply).
-    pub receipt_id: String,
+    /// The receipt id (required in a 2xx reply of a tool with an effect; a
+    /// read tool has none).
+    #[serde(default)]
+    pub receipt_id: Option<String>,
     /// The provider's request id (optional).
     #[serde(default)]
     pub request_id: Option<String>,
@@ -219,8 +222,8 @@ impl HttpConfig {
             (None, Some(e)) if !e.is_empty() => {}
             _ => return Err(("http.base_url".into(), "give exactly one of base_url and base_url_env".into())),
         }
-        if !matches!(c.execute.method.as_str(), "POST" | "PUT" | "PATCH") {
-            return Err(("http.execute.method".into(), "POST, PUT or PATCH".into()));
+        if !matches!(c.execute.method.as_str(), "GET" | "POST" | "PUT" | "PATCH") {
+            return Err(("http.execute.method".into(), "GET (a read tool), or POST, PUT or PATCH".into()));
         }
         if !c.execute.path.starts_with('/') {
             return Err(("http.execute.path".into(), "starts with /".into()));
@@ -297,7 +300,7 @@ impl HttpConfig {
             ));
         }
         let pointers = [
-            Some(&c.reply.receipt_id),
+            c.reply.receipt_id.as_ref(),
             c.reply.request_id.as_ref(),
             Some(&c.reply.result),
             c.reply.body_sha256.as_ref(),
@@ -343,6 +346,29 @@ impl HttpAdapter {
     /// The rules that bind a parsed section to the rest of the contract.
     fn check_parsed(contract: &Contract, c: &HttpConfig) -> Result<(), (String, String)> {
         let d = &contract.downstream;
+        // A read tool is a GET with no key, nothing to look up; a tool with
+        // an effect is never a GET (a GET must not act) and has a receipt.
+        if contract.effect == Effect::Read {
+            if c.execute.method != "GET" {
+                return Err(("http.execute.method".into(), "a read tool is a GET".into()));
+            }
+            if c.execute.body.is_some() || c.execute.form {
+                return Err(("http.execute.body".into(), "a GET sends no body".into()));
+            }
+            if c.lookup.is_some() {
+                return Err(("http.lookup".into(), "a read tool records nothing to look up: \"lookup\": null".into()));
+            }
+        } else {
+            if c.execute.method == "GET" {
+                return Err((
+                    "http.execute.method".into(),
+                    "a tool with an effect is POST, PUT or PATCH (a GET must not act)".into(),
+                ));
+            }
+            if c.reply.receipt_id.is_none() {
+                return Err(("http.reply.receipt_id".into(), "a tool with an effect needs its receipt id".into()));
+            }
+        }
         // Every {args.NAME} names an input property; one in the path, a
         // required one (a path with a hole in it is not the endpoint).
         let props = contract.input_schema.get("properties");
@@ -608,6 +634,45 @@ fn pointer<'a>(body: &'a Value, p: &str) -> Option<&'a Value> {
 }
 
 impl HttpDownstream {
+    /// A request with its timeouts (whole call, connect), the mapped query
+    /// and headers, the key (none for a read), the digest and intent, the
+    /// secrets and a test fault.
+    fn dressed<B>(
+        &self,
+        b: ureq::RequestBuilder<B>,
+        (total, connect): (Duration, Duration),
+        key: &str,
+        req: &DownstreamRequest,
+        m: &Mapped,
+    ) -> ureq::RequestBuilder<B> {
+        let mut b = b
+            .config()
+            .timeout_global(Some(total))
+            .timeout_connect(Some(connect))
+            .build()
+            .header(REQUEST_DIGEST_HEADER, &req.request_sha256);
+        if !req.intent.is_empty() {
+            b = b.header(INTENT_HEADER, &req.intent);
+        }
+        for (k, v) in &m.query {
+            b = b.query(k, v);
+        }
+        for (h, v) in &m.headers {
+            b = b.header(h, v);
+        }
+        if !self.cfg.key_header.is_empty() && !key.is_empty() {
+            b = b.header(&self.cfg.key_header, key);
+        }
+        for (h, v) in &self.secrets {
+            b = b.header(h, v);
+        }
+        let fault = self.faults.lock().map_or(Fault::Ok, |mut f| f.next_fault());
+        if fault != Fault::Ok {
+            b = b.header(FAULT_HEADER, &fault.spec());
+        }
+        b
+    }
+
     /// What execute sends, shaped by the catalog's mapping.
     fn mapped(&self, key: &str, args: &Value) -> Result<Mapped, String> {
         let e = &self.cfg.execute;
@@ -651,8 +716,12 @@ impl HttpDownstream {
                 None => pointer(&v, ptr)?.as_str().map(str::to_string),
             }
         };
-        let receipt_id = text(&p.receipt_id)?;
-        if receipt_id.is_empty() || receipt_id.len() > 256 {
+        // A read tool's answer has no receipt.
+        let receipt_id = match &p.receipt_id {
+            Some(rp) => text(rp)?,
+            None => String::new(),
+        };
+        if (p.receipt_id.is_some() && receipt_id.is_empty()) || receipt_id.len() > 256 {
             return None;
         }
         let request_id = match &p.request_id {
@@ -706,40 +775,25 @@ impl Downstream for HttpDownstream {
             // Nothing was sent: the arguments do not fill the catalog's mapping.
             Err(why) => return Ok(Reply::Rejected { reason: format!("request mapping: {why}"), refusal: None }),
         };
-        let builder = match self.cfg.execute.method.as_str() {
-            "PUT" => self.agent.put(&m.url),
-            "PATCH" => self.agent.patch(&m.url),
-            _ => self.agent.post(&m.url),
-        };
-        let mut builder = builder
-            .config()
-            .timeout_global(Some(total))
-            .timeout_connect(Some(connect))
-            .build()
-            .header(REQUEST_DIGEST_HEADER, &req.request_sha256)
-            .header(INTENT_HEADER, &req.intent);
-        for (k, v) in &m.query {
-            builder = builder.query(k, v);
-        }
-        for (h, v) in &m.headers {
-            builder = builder.header(h, v);
-        }
-        if !self.cfg.key_header.is_empty() {
-            builder = builder.header(&self.cfg.key_header, key);
-        }
-        for (h, v) in &self.secrets {
-            builder = builder.header(h, v);
-        }
-        let fault = self.faults.lock().map_or(Fault::Ok, |mut f| f.next_fault());
-        if fault != Fault::Ok {
-            builder = builder.header(FAULT_HEADER, &fault.spec());
-        }
-        let sent = match &m.body {
-            MappedBody::Json(body) => builder.header("Content-Type", "application/json").send(body.as_bytes()),
-            // Sent as bytes with its length (ureq's `send_form` streams it).
-            MappedBody::Form(fields) => builder
-                .header("Content-Type", "application/x-www-form-urlencoded")
-                .send(http_map::form_encode(fields).as_bytes()),
+        let times = (total, connect);
+        let sent = match (self.cfg.execute.method.as_str(), &m.body) {
+            // A read tool's GET (the catalog allows it for reads alone).
+            ("GET", _) => self.dressed(self.agent.get(&m.url), times, key, req, &m).call(),
+            (method, body) => {
+                let b = match method {
+                    "PUT" => self.agent.put(&m.url),
+                    "PATCH" => self.agent.patch(&m.url),
+                    _ => self.agent.post(&m.url),
+                };
+                let b = self.dressed(b, times, key, req, &m);
+                match body {
+                    MappedBody::Json(text) => b.header("Content-Type", "application/json").send(text.as_bytes()),
+                    // Sent as bytes with its length (ureq's `send_form` streams it).
+                    MappedBody::Form(fields) => b
+                        .header("Content-Type", "application/x-www-form-urlencoded")
+                        .send(http_map::form_encode(fields).as_bytes()),
+                }
+            }
         };
         let mut resp = match sent {
             Ok(r) => r,

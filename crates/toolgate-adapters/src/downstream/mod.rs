@@ -66,6 +66,12 @@ impl DownstreamFactory for SimulatedAdapter {
         let Some(kind) = SimKind::of(&d.name) else {
             return Err(("name".into(), "the simulated adapter serves `payments` and `notifications`".into()));
         };
+        if c.effect == crate::engine::contracts::Effect::Read {
+            return Err((
+                "adapter".into(),
+                "the simulated providers execute payments and notifications; a read tool is answered by `local` or `http`".into(),
+            ));
+        }
         if d.http.is_some() {
             return Err(("http".into(), "only the http adapter takes http settings".into()));
         }

@@ -421,7 +421,9 @@ pub trait DownstreamFactory: Send + Sync {
     /// Checks the tool's downstream section when the toolset is built (the
     /// whole contract: what binds a lookup's answer may be the tool's
     /// `result_echoes`); `Err(field, why)` refuses the catalog
-    /// (`CATALOG_INVALID`), the field relative to `downstream`.
+    /// (`CATALOG_INVALID`), the field relative to `downstream`. A `read` tool
+    /// naming the adapter is answered by its `execute` with an empty key and
+    /// nothing recorded: an adapter that cannot answer reads refuses it here.
     fn check(&self, contract: &Contract) -> Result<(), (String, String)>;
     /// Every problem of the tool's downstream section at once (the loader
     /// reports them together); by default the one [`DownstreamFactory::check`] finds.
@@ -508,13 +510,9 @@ impl ToolsetBuilder {
                 }
                 continue;
             }
-            if c.effect == Effect::Read {
-                invalid(
-                    "downstream.adapter".into(),
-                    "read tools are answered locally by their domain in this version (adapter `local`)".into(),
-                );
-                continue;
-            }
+            // A read tool with another adapter is answered by that adapter's
+            // `execute` (nothing is recorded, nothing queued); the adapter's
+            // check says whether it can answer reads.
             let Some(f) = self.adapters.get(&d.adapter) else {
                 let known: Vec<&str> = self.adapters.keys().map(String::as_str).collect();
                 invalid(
