@@ -1955,3 +1955,170 @@ fn the_catalog_keeps_gets_for_reads_and_effects_off_gets() {
     let err = toolgate::tools::load_toolset(Some(&sim)).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("a read tool is answered by `local` or `http`"), "{err}");
 }
+
+/// A throwaway CA and a certificate it signed for `names` (PEM, key PEM).
+fn ca_and_leaf(names: &[&str]) -> (rcgen::Certificate, rcgen::KeyPair, String, String) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let leaf_key = rcgen::KeyPair::generate().unwrap();
+    let leaf = rcgen::CertificateParams::new(names.iter().map(|n| (*n).to_string()).collect::<Vec<_>>())
+        .unwrap()
+        .signed_by(&leaf_key, &ca, &ca_key)
+        .unwrap();
+    (ca, ca_key, leaf.pem(), leaf_key.serialize_pem())
+}
+
+/// A TLS server with a certificate from a private CA, optionally requiring a
+/// client certificate from `client_ca`; it answers each request with a
+/// receipt. Returns its URL and how many requests reached it through TLS.
+fn tls_server_of_a_private_ca(
+    server_pem: &str,
+    server_key_pem: &str,
+    client_ca: Option<&rcgen::Certificate>,
+) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let chain: Vec<rustls::pki_types::CertificateDer<'static>> =
+        rustls::pki_types::pem::PemObject::pem_slice_iter(server_pem.as_bytes()).map(Result::unwrap).collect();
+    let key = <rustls::pki_types::PrivateKeyDer as rustls::pki_types::pem::PemObject>::from_pem_slice(
+        server_key_pem.as_bytes(),
+    )
+    .unwrap();
+    let builder = rustls::ServerConfig::builder();
+    let config = match client_ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            roots.add(ca.der().clone()).unwrap();
+            let verifier = rustls::server::WebPkiClientVerifier::builder(Arc::new(roots)).build().unwrap();
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let config = Arc::new(config.with_single_cert(chain, key).unwrap());
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("https://localhost:{}", listener.local_addr().unwrap().port());
+    let requests = Arc::new(AtomicUsize::new(0));
+    let seen = requests.clone();
+    std::thread::spawn(move || {
+        for tcp in listener.incoming() {
+            let Ok(tcp) = tcp else { break };
+            tcp.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+            let mut tls = rustls::StreamOwned::new(rustls::ServerConnection::new(config.clone()).unwrap(), tcp);
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                match tls.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+            }
+            let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
+            // Read the body too: a socket closed with unread bytes resets,
+            // and the reset could reach the client before the reply.
+            let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0)))
+                .unwrap_or(0);
+            while got.len() < end + 4 + len {
+                match tls.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+            }
+            seen.fetch_add(1, Ordering::SeqCst);
+            let body =
+                r#"{"receipt_id":"rcpt_tls_1","request_id":"req_1","result":{},"key":"dk-tls-1","body_sha256":"abcd"}"#;
+            let _ = write!(
+                tls,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = tls.flush();
+            tls.conn.send_close_notify();
+            let _ = tls.flush();
+        }
+    });
+    (url, requests)
+}
+
+/// Issue 35 §4: a service behind a private CA is trusted through
+/// `tls.ca_file` (beside the platform's roots), and one that requires a
+/// client certificate gets it from `tls.client_cert_file` / `client_key_file`.
+/// Without them the handshake fails and nothing is received (retried with the
+/// same key); with them the call commits.
+#[test]
+fn a_private_ca_and_a_client_certificate_come_from_files() {
+    use std::sync::atomic::Ordering;
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, _ca_key, server_pem, server_key) = ca_and_leaf(&["localhost"]);
+    let (client_ca, client_ca_key, _, _) = ca_and_leaf(&["unused"]);
+    let client_key = rcgen::KeyPair::generate().unwrap();
+    let client = rcgen::CertificateParams::new(vec!["agent-gateway".to_string()])
+        .unwrap()
+        .signed_by(&client_key, &client_ca, &client_ca_key)
+        .unwrap();
+    let files = dir.path().join("pki");
+    std::fs::create_dir_all(&files).unwrap();
+    let write = |name: &str, text: &str| {
+        let p = files.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_string_lossy().into_owned()
+    };
+    let ca_file = write("ca.pem", &ca.pem());
+    let cert_file = write("client.pem", &client.pem());
+    let key_file = write("client.key", &client_key.serialize_pem());
+    let adapter = |url: &str, tls: Option<Value>, sub: &str| {
+        let catalog = write_catalog_edited(&dir.path().join(sub), url, &|v| {
+            if let (Some(t), "create_refund") = (&tls, v["name"].as_str().unwrap_or_default()) {
+                v["downstream"]["http"]["tls"] = t.clone();
+            }
+        });
+        adapter_for(&catalog, "create_refund")
+    };
+    let req = request("abcd");
+    // A private CA: not trusted by default, trusted with ca_file.
+    let (url, reached) = tls_server_of_a_private_ca(&server_pem, &server_key, None);
+    let mut plain = adapter(&url, None, "a");
+    assert_eq!(plain.execute("dk-tls-1", &req).unwrap(), Reply::Unavailable { retry_after_ms: None });
+    assert_eq!(reached.load(Ordering::SeqCst), 0, "the handshake failed: nothing was received");
+    let mut trusted = adapter(&url, Some(serde_json::json!({"ca_file": ca_file})), "b");
+    let r = trusted.execute("dk-tls-1", &req).unwrap();
+    assert!(matches!(r, Reply::Committed(_)), "{r:?}");
+    assert_eq!(reached.load(Ordering::SeqCst), 1);
+    // mTLS: without a client certificate refused in the handshake, with one committed.
+    let (url, reached) = tls_server_of_a_private_ca(&server_pem, &server_key, Some(&client_ca));
+    let mut anonymous = adapter(&url, Some(serde_json::json!({"ca_file": ca_file})), "c");
+    assert_eq!(anonymous.execute("dk-tls-1", &req).unwrap(), Reply::Unavailable { retry_after_ms: None });
+    assert_eq!(reached.load(Ordering::SeqCst), 0);
+    let mtls = serde_json::json!({"ca_file": ca_file, "client_cert_file": cert_file, "client_key_file": key_file});
+    let mut known = adapter(&url, Some(mtls), "d");
+    let r = known.execute("dk-tls-1", &req).unwrap();
+    assert!(matches!(r, Reply::Committed(_)), "{r:?}");
+    assert_eq!(reached.load(Ordering::SeqCst), 1);
+    // A file that is not there: a setup error naming the field, not the path.
+    let missing = serde_json::json!({"ca_file": files.join("nope.pem")});
+    let catalog = write_catalog_edited(&dir.path().join("e"), &url, &|v| {
+        if v["name"] == "create_refund" {
+            v["downstream"]["http"]["tls"] = missing.clone();
+        }
+    });
+    let ctx_err = toolgate::downstream::http::HttpAdapter
+        .open(
+            &toolgate::tools::load_toolset(Some(&catalog)).unwrap().catalog().get("create_refund").unwrap().downstream,
+            &DownstreamContext {
+                ledger_path: &dir.path().join("unused.db"),
+                clock: Arc::new(ManualClock::new(T0)) as Arc<dyn Clock>,
+                faults: Arc::new(Mutex::new(FaultPlan::none())),
+                sync: Sync::Normal,
+                ids: toolgate::engine::ids::Ids::default(),
+                read_only: false,
+            },
+        )
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(ctx_err.contains("http.tls.ca_file cannot be read"), "{ctx_err}");
+    assert!(!ctx_err.contains("nope.pem"), "no path: {ctx_err}");
+}

@@ -156,6 +156,25 @@ pub struct HttpConfig {
     /// Headers with secret values.
     #[serde(default)]
     pub secret_headers: Vec<SecretHeader>,
+    /// TLS for an `https` base URL beyond the defaults (Mozilla's roots).
+    #[serde(default)]
+    pub tls: Option<TlsSettings>,
+}
+
+/// `downstream.http.tls`: a private CA and a client certificate (mTLS),
+/// read from files when an engine opens the downstream.
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSettings {
+    /// PEM file of CA certificates trusted beside the platform's own roots.
+    #[serde(default)]
+    pub ca_file: Option<String>,
+    /// PEM file of the client certificate chain (mTLS), with `client_key_file`.
+    #[serde(default)]
+    pub client_cert_file: Option<String>,
+    /// PEM file of the client certificate's private key, with `client_cert_file`.
+    #[serde(default)]
+    pub client_key_file: Option<String>,
 }
 
 fn default_key_header() -> String {
@@ -326,6 +345,17 @@ impl HttpConfig {
         if c.connect_timeout_ms == 0 || c.max_body_bytes == 0 || c.max_body_bytes > 16 * 1024 * 1024 {
             return Err(("http".into(), "connect_timeout_ms > 0 and 0 < max_body_bytes <= 16 MiB".into()));
         }
+        if let Some(t) = &c.tls {
+            if t.client_cert_file.is_some() != t.client_key_file.is_some() {
+                return Err(("http.tls".into(), "give client_cert_file and client_key_file together".into()));
+            }
+            if t.ca_file.is_none() && t.client_cert_file.is_none() {
+                return Err(("http.tls".into(), "give ca_file, or client_cert_file with client_key_file".into()));
+            }
+            if c.base_url.as_deref().is_some_and(|u| u.starts_with("http://")) {
+                return Err(("http.tls".into(), "the base URL is plain http://: TLS settings would be ignored".into()));
+            }
+        }
         for (i, s) in c.secret_headers.iter().enumerate() {
             if s.env.is_some() == s.file.is_some() {
                 return Err((format!("http.secret_headers[{i}]"), "give exactly one of env and file".into()));
@@ -480,7 +510,11 @@ impl DownstreamFactory for HttpAdapter {
             };
             secrets.push((s.header.clone(), format!("{}{value}", s.prefix)));
         }
-        let agent: ureq::Agent = ureq::Agent::config_builder()
+        let mut config = ureq::Agent::config_builder();
+        if let Some(t) = &cfg.tls {
+            config = config.tls_config(tls_config(t).map_err(setup)?);
+        }
+        let agent: ureq::Agent = config
             .http_status_as_error(false)
             .max_redirects(0)
             .max_idle_connections(0)
@@ -522,6 +556,53 @@ impl std::fmt::Debug for HttpDownstream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HttpDownstream").field("name", &self.name).field("base", &self.base).finish_non_exhaustive()
     }
+}
+
+/// The TLS configuration of `downstream.http.tls`: the platform's roots plus
+/// the CA file's, and the client certificate. Errors name the field and the
+/// kind of failure, never the path.
+fn tls_config(t: &TlsSettings) -> Result<ureq::tls::TlsConfig, String> {
+    use ureq::tls::{Certificate, ClientCert, PemItem, PrivateKey, RootCerts, TlsConfig};
+    let pem = |field: &str, path: &str| -> Result<Vec<PemItem<'static>>, String> {
+        let bytes = std::fs::read(path).map_err(|e| format!("http.tls.{field} cannot be read ({})", e.kind()))?;
+        ureq::tls::parse_pem(&bytes).collect::<Result<Vec<_>, _>>().map_err(|_| format!("http.tls.{field} is not PEM"))
+    };
+    let certs = |field: &str, items: Vec<PemItem<'static>>| -> Result<Vec<Certificate<'static>>, String> {
+        let out: Vec<Certificate<'static>> = items
+            .into_iter()
+            .filter_map(|i| match i {
+                PemItem::Certificate(c) => Some(c),
+                _ => None,
+            })
+            .collect();
+        if out.is_empty() {
+            return Err(format!("http.tls.{field} holds no certificate"));
+        }
+        Ok(out)
+    };
+    let mut b = TlsConfig::builder();
+    if let Some(ca) = &t.ca_file {
+        let mut roots = certs("ca_file", pem("ca_file", ca)?)?;
+        // The platform's trust store too: a private CA is added, not the only one.
+        let native = rustls_native_certs::load_native_certs();
+        if !native.errors.is_empty() {
+            tracing::warn!(errors = native.errors.len(), "some of the platform's root certificates could not be read");
+        }
+        roots.extend(native.certs.into_iter().map(|c| Certificate::from_der(c.as_ref()).to_owned()));
+        b = b.root_certs(RootCerts::new_with_certs(&roots));
+    }
+    if let (Some(cf), Some(kf)) = (&t.client_cert_file, &t.client_key_file) {
+        let chain = certs("client_cert_file", pem("client_cert_file", cf)?)?;
+        let key: PrivateKey<'static> = pem("client_key_file", kf)?
+            .into_iter()
+            .find_map(|i| match i {
+                PemItem::PrivateKey(k) => Some(k),
+                _ => None,
+            })
+            .ok_or_else(|| "http.tls.client_key_file holds no private key".to_string())?;
+        b = b.client_cert(Some(ClientCert::new_with_certs(&chain, key)));
+    }
+    Ok(b.build())
 }
 
 /// Percent-encodes a key for a URL path segment (RFC 3986 unreserved kept).
@@ -572,6 +653,14 @@ fn not_received(e: &ureq::Error) -> Option<Reply> {
         ureq::Error::Io(io)
             if matches!(io.kind(), std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::AddrNotAvailable) =>
         {
+            Some(Reply::Unavailable { retry_after_ms: None })
+        }
+        // A write refused because the peer had already closed: part of the
+        // request never left, so the server never had all of it (an error
+        // reading the reply after a complete write is a reset, not this).
+        // Also how a server that refuses the client certificate shows under
+        // TLS 1.3, where the client writes before it hears the refusal.
+        ureq::Error::Io(io) if io.kind() == std::io::ErrorKind::BrokenPipe => {
             Some(Reply::Unavailable { retry_after_ms: None })
         }
         // TLS set-up refused before the handshake completed (a certificate
@@ -933,6 +1022,7 @@ mod tests {
         check(ureq::Error::Timeout(ureq::Timeout::Connect), &Some(Reply::ConnectTimeout));
         check(ureq::Error::ConnectionFailed, &unavailable);
         check(ureq::Error::Io(IoError::from(ErrorKind::ConnectionRefused)), &unavailable);
+        check(ureq::Error::Io(IoError::from(ErrorKind::BrokenPipe)), &unavailable);
         // Anything later may have reached the server: not "not received".
         for t in [ureq::Timeout::Global, ureq::Timeout::SendBody, ureq::Timeout::RecvResponse, ureq::Timeout::RecvBody]
         {
