@@ -571,6 +571,43 @@ pub enum CatalogCommand {
     /// Print the JSON Schema of one catalog file (its shape; `check` also
     /// applies the rules that span fields).
     Schema,
+    /// Read an MCP server's tools (`tools/list`) and write one catalog file
+    /// per tool into DIR, for a person to review before use: the schemas as
+    /// the server gives them, the effect class proposed from its annotations
+    /// (`readOnlyHint`: read; anything else external, unless --key-argument
+    /// says the server de-duplicates by that argument). The server is a
+    /// command after `--` (stdio, started now and stopped after) or --url.
+    ImportMcp {
+        /// Where to write the files (made if missing).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// A streamable HTTP server instead of a command.
+        #[arg(long, value_name = "URL")]
+        url: Option<String>,
+        /// The environment variable holding the server's bearer token (with --url).
+        #[arg(long, value_name = "VAR", requires = "url")]
+        bearer_env: Option<String>,
+        /// Downstream names are PREFIX_TOOL.
+        #[arg(long, value_name = "PREFIX", default_value = "mcp")]
+        prefix: String,
+        /// The argument by which the server de-duplicates calls: tools that
+        /// take it become `write` (toolgate fills it with its downstream key
+        /// and asks an unknown outcome by re-sending).
+        #[arg(long, value_name = "NAME")]
+        key_argument: Option<String>,
+        /// How long the server remembers a key (with --key-argument).
+        #[arg(long, value_name = "MS", default_value_t = 86_400_000)]
+        key_retention_ms: u64,
+        /// Replace files that exist.
+        #[arg(long)]
+        force: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// The server's command and arguments (stdio), after `--`.
+        #[arg(last = true, value_name = "COMMAND")]
+        command: Vec<String>,
+    },
 }
 
 /// A call identity on the command line (`dispatch` and `query`): each part
@@ -866,6 +903,7 @@ pub(super) fn command_wants_json(c: Option<&Command>) -> bool {
         Some(Command::Scenario { what: ScenarioCommand::List { json } | ScenarioCommand::Run { json, .. } }) => *json,
         Some(Command::Catalog { what: CatalogCommand::Check { json, .. } }) => *json,
         Some(Command::Catalog { what: CatalogCommand::Schema }) => true,
+        Some(Command::Catalog { what: CatalogCommand::ImportMcp { json, .. } }) => *json,
         Some(Command::Trace(a)) => a.json || a.format == TraceFormatArg::Jsonl,
         Some(Command::Metrics(a)) => a.json || a.format == MetricsFormatArg::Json,
         None => false,

@@ -423,6 +423,27 @@ pub(super) fn work(cli: &Cli, json: bool) -> Result<i32, CliError> {
 
 pub(super) fn catalog(what: &CatalogCommand) -> Result<i32, CliError> {
     match what {
+        CatalogCommand::ImportMcp {
+            out,
+            url,
+            bearer_env,
+            prefix,
+            key_argument,
+            key_retention_ms,
+            force,
+            json,
+            command,
+        } => import_mcp(&ImportMcp {
+            out,
+            url: url.as_deref(),
+            bearer_env: bearer_env.as_deref(),
+            prefix,
+            key_argument: key_argument.as_deref(),
+            key_retention_ms: *key_retention_ms,
+            force: *force,
+            json: *json,
+            command,
+        }),
         CatalogCommand::Schema => {
             print_json(&crate::tools::catalog_schema());
             Ok(0)
@@ -467,6 +488,91 @@ pub(super) fn catalog(what: &CatalogCommand) -> Result<i32, CliError> {
             Ok(1)
         }
     }
+}
+
+struct ImportMcp<'a> {
+    out: &'a Path,
+    url: Option<&'a str>,
+    bearer_env: Option<&'a str>,
+    prefix: &'a str,
+    key_argument: Option<&'a str>,
+    key_retention_ms: u64,
+    force: bool,
+    json: bool,
+    command: &'a [String],
+}
+
+/// `catalog import-mcp`: the server's tools as catalog files, then the files
+/// loaded as `--catalog` would (what was written is known to load).
+fn import_mcp(a: &ImportMcp<'_>) -> Result<i32, CliError> {
+    use toolgate_adapters::downstream::mcp;
+    let section = match (a.url, a.command.is_empty()) {
+        (Some(u), true) => {
+            let mut s = json!({"url": u});
+            if let Some(v) = a.bearer_env {
+                s["bearer_env"] = json!(v);
+            }
+            s
+        }
+        (None, false) => json!({"command": a.command}),
+        _ => return Err(CliError::new("USAGE", "give the server as a command after -- or as --url URL (one of them)")),
+    };
+    let tools = mcp::list_tools(&section, 30_000).map_err(|why| CliError::new("MCP_SERVER_UNREACHABLE", why))?;
+    if tools.is_empty() {
+        return Err(CliError::new("MCP_NO_TOOLS", "the server lists no tools"));
+    }
+    let opts = mcp::ImportOptions {
+        section,
+        prefix: a.prefix.to_string(),
+        key_argument: a.key_argument.map(str::to_string),
+        key_retention_ms: a.key_retention_ms,
+    };
+    let files: Vec<_> = tools.iter().map(|t| mcp::catalog_file(t, &opts)).collect();
+    let mut names = std::collections::BTreeSet::new();
+    for (file, _, _) in &files {
+        if !names.insert(file) {
+            return Err(CliError::new(
+                "MCP_NAME_CLASH",
+                format!("two of the server's tools are both named {file} here"),
+            ));
+        }
+        if !a.force && a.out.join(file).exists() {
+            return Err(CliError::new(
+                "CATALOG_FILE_EXISTS",
+                format!("{file} exists in the directory (--force replaces it)"),
+            ));
+        }
+    }
+    std::fs::create_dir_all(a.out)
+        .map_err(|e| CliError::new("CATALOG_UNWRITABLE", format!("the directory cannot be made ({})", e.kind())))?;
+    for (file, value, _) in &files {
+        let text = serde_json::to_string_pretty(value).unwrap_or_default() + "\n";
+        std::fs::write(a.out.join(file), text)
+            .map_err(|e| CliError::new("CATALOG_UNWRITABLE", format!("{file} cannot be written ({})", e.kind())))?;
+    }
+    let problems = match crate::tools::load_toolset(Some(a.out)) {
+        Ok(_) => Vec::new(),
+        Err(e) => e.into_problems().iter().map(ToString::to_string).collect(),
+    };
+    if a.json {
+        let rows: Vec<Value> = files
+            .iter()
+            .map(|(file, v, notes)| json!({"file": file, "tool": v["name"], "effect": v["effect"], "notes": notes}))
+            .collect();
+        print_json(&json!({"ok": problems.is_empty(), "files": rows, "problems": problems}));
+    } else {
+        for (file, v, notes) in &files {
+            outln!("{file:<32} {}", v["effect"].as_str().unwrap_or(""));
+            for n in notes {
+                outln!("    {}", crate::display::escape(n));
+            }
+        }
+        outln!("wrote {} file(s): review them (the effect class above all) before use", files.len());
+        for p in &problems {
+            outln!("{}", crate::display::escape(p));
+        }
+    }
+    Ok(i32::from(!problems.is_empty()))
 }
 
 pub(super) fn bench(cli: &Cli, quick: bool, json: bool, dir: Option<&Path>, http: bool) -> Result<i32, CliError> {

@@ -103,10 +103,17 @@ fn direct_dependencies() -> BTreeMap<String, BTreeSet<String>> {
 /// Every crate `krate` links on this platform, through any path (`cargo tree
 /// -e normal`: no dev or build dependencies).
 fn linked(krate: &str) -> BTreeSet<String> {
-    let out = cargo()
-        .args(["tree", "--offline", "-e", "normal", "--prefix", "none", "--format", "{p}", "-p", krate])
-        .output()
-        .unwrap();
+    linked_with(krate, &[])
+}
+
+/// The same, with these features of `krate` on.
+fn linked_with(krate: &str, features: &[&str]) -> BTreeSet<String> {
+    let mut cmd = cargo();
+    cmd.args(["tree", "--offline", "-e", "normal", "--prefix", "none", "--format", "{p}", "-p", krate]);
+    if !features.is_empty() {
+        cmd.args(["--features", &features.join(",")]);
+    }
+    let out = cmd.output().unwrap();
     assert!(out.status.success(), "cargo tree: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -140,6 +147,13 @@ fn the_core_pulls_in_no_terminal_http_server_mcp_or_cli_crate() {
         for bad in *never {
             assert!(!linked.contains(*bad), "{krate} pulls in {bad}");
         }
+    }
+    // The adapters' `mcp` feature (the binary's) brings the MCP client, and
+    // nothing of a server or a terminal: the MCP server stays toolgate-server's.
+    let with_mcp = linked_with("toolgate-adapters", &["mcp"]);
+    assert!(with_mcp.contains("rmcp"), "{with_mcp:?}");
+    for bad in ["ratatui", "crossterm", "axum", "clap", "tracing-subscriber", "mimalloc"] {
+        assert!(!with_mcp.contains(bad), "toolgate-adapters with mcp pulls in {bad}");
     }
 }
 

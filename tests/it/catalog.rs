@@ -7,6 +7,7 @@ use std::path::Path;
 use assert_cmd::Command;
 use serde_json::Value;
 use toolgate::downstream::http::http_section_schema;
+use toolgate::downstream::mcp::mcp_section_schema;
 use toolgate::engine::contracts::catalog_file_schema;
 
 /// Resolves a schemars subschema, as the loader does.
@@ -29,6 +30,12 @@ fn fields(root: &Value, schema: &Value, prefix: &str, out: &mut Vec<(String, boo
             // The http adapter's own section, with its own derived schema.
             let http = http_section_schema();
             fields(&http, &http, &path, out);
+            continue;
+        }
+        if path == "downstream.mcp" {
+            // The mcp adapter's own section, likewise.
+            let mcp = mcp_section_schema();
+            fields(&mcp, &mcp, &path, out);
             continue;
         }
         let sub = resolve(root, sub);

@@ -14,6 +14,7 @@ mod crash;
 mod demo;
 mod dispatch;
 mod failpoints;
+mod gateway;
 mod holds;
 mod hostile;
 mod http;

@@ -376,6 +376,9 @@ impl HttpAdapter {
     /// The rules that bind a parsed section to the rest of the contract.
     fn check_parsed(contract: &Contract, c: &HttpConfig) -> Result<(), (String, String)> {
         let d = &contract.downstream;
+        if d.mcp.is_some() {
+            return Err(("mcp".into(), "only the mcp adapter takes mcp settings".into()));
+        }
         // A read tool is a GET with no key, nothing to look up; a tool with
         // an effect is never a GET (a GET must not act) and has a receipt.
         if contract.effect == Effect::Read {

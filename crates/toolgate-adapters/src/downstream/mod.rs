@@ -6,6 +6,8 @@
 
 pub mod http;
 pub mod http_map;
+#[cfg(feature = "mcp")]
+pub mod mcp;
 pub mod serve;
 
 use std::sync::Mutex;
@@ -74,6 +76,9 @@ impl DownstreamFactory for SimulatedAdapter {
         }
         if d.http.is_some() {
             return Err(("http".into(), "only the http adapter takes http settings".into()));
+        }
+        if d.mcp.is_some() {
+            return Err(("mcp".into(), "only the mcp adapter takes mcp settings".into()));
         }
         if d.dedupes_keys != kind.honours_keys() {
             return Err((

@@ -29,13 +29,22 @@ pub fn demo_catalog() -> Result<Contracts, ContractError> {
     Contracts::from_texts(DEMO_CATALOG.iter().map(|(f, t)| (*f, *t)))
 }
 
-/// A catalog served by the demo domain and the `simulated` and `http` adapters.
+/// A catalog served by the demo domain and the `simulated`, `http` and (with
+/// the `mcp` feature, as the binary builds it) `mcp` adapters: the toolset's
+/// MCP servers are shared by every engine it opens.
+///
+/// The demo domain's rules (an order's capture, its world sections) apply to
+/// the demo's tool names, but never to a tool an MCP server runs: a server's
+/// `get_order` is its own, not the demo's.
 pub fn toolset_for(catalog: Arc<Contracts>) -> Result<Toolset, ContractError> {
-    Toolset::builder(catalog)
+    let demo_tools: Vec<&str> =
+        demo::TOOLS.iter().copied().filter(|t| catalog.get(t).is_none_or(|c| c.downstream.adapter != "mcp")).collect();
+    let builder = Toolset::builder(catalog)
         .adapter("simulated", Arc::new(SimulatedAdapter))
-        .adapter("http", Arc::new(HttpAdapter))
-        .domain(&demo::TOOLS, &(Arc::new(demo::DemoDomain) as Arc<dyn ToolDomain>))
-        .build()
+        .adapter("http", Arc::new(HttpAdapter));
+    #[cfg(feature = "mcp")]
+    let builder = builder.adapter("mcp", Arc::new(crate::downstream::mcp::McpAdapter::default()));
+    builder.domain(&demo_tools, &(Arc::new(demo::DemoDomain) as Arc<dyn ToolDomain>)).build()
 }
 
 /// The demo catalog with its domain and the simulated providers.
@@ -51,32 +60,45 @@ pub fn demo_toolset() -> Arc<Toolset> {
 
 /// The JSON Schema of one catalog file as these adapters read it
 /// (`toolgate catalog schema`, for editors): the engine's file schema with
-/// the `http` adapter's section in place of its open `downstream.http`. The
+/// the `http` and `mcp` adapters' sections in place of its open
+/// `downstream.http` and `downstream.mcp`. The
 /// shape only: the rules that span fields (a `write` tool's downstream
 /// de-duplicates, a path argument is required, ...) are `catalog check`'s.
 pub fn catalog_schema() -> serde_json::Value {
     use serde_json::{json, Value};
     let mut file = crate::engine::contracts::catalog_file_schema();
-    let mut http = crate::downstream::http::http_section_schema();
-    // The http schema's own definitions join the file's (the names differ).
-    let http_defs = http.as_object_mut().and_then(|o| o.remove("$defs")).unwrap_or(Value::Null);
-    for k in ["$schema", "title"] {
-        if let Some(o) = http.as_object_mut() {
-            o.remove(k);
-        }
-    }
-    if let Some(defs) = file.get_mut("$defs").and_then(Value::as_object_mut) {
-        if let Value::Object(h) = http_defs {
-            for (k, v) in h {
-                defs.entry(k).or_insert(v);
+    #[cfg_attr(not(feature = "mcp"), allow(unused_mut))]
+    let mut sections = vec![(
+        "http",
+        "HttpConfig",
+        crate::downstream::http::http_section_schema(),
+        "The http adapter's settings (only with `adapter: http`).",
+    )];
+    #[cfg(feature = "mcp")]
+    sections.push((
+        "mcp",
+        "McpConfig",
+        crate::downstream::mcp::mcp_section_schema(),
+        "The mcp adapter's settings (only with `adapter: mcp`): the MCP server that runs the tool.",
+    ));
+    for (field, def, mut section, description) in sections {
+        // The section schema's own definitions join the file's (the names differ).
+        let own_defs = section.as_object_mut().and_then(|o| o.remove("$defs")).unwrap_or(Value::Null);
+        for k in ["$schema", "title"] {
+            if let Some(o) = section.as_object_mut() {
+                o.remove(k);
             }
         }
-        defs.insert("HttpConfig".into(), http);
-        if let Some(props) = defs.get_mut("DownstreamRef").and_then(|d| d.get_mut("properties")) {
-            props["http"] = json!({
-                "description": "The http adapter's settings (only with `adapter: http`).",
-                "$ref": "#/$defs/HttpConfig"
-            });
+        if let Some(defs) = file.get_mut("$defs").and_then(Value::as_object_mut) {
+            if let Value::Object(h) = own_defs {
+                for (k, v) in h {
+                    defs.entry(k).or_insert(v);
+                }
+            }
+            defs.insert(def.into(), section);
+            if let Some(props) = defs.get_mut("DownstreamRef").and_then(|d| d.get_mut("properties")) {
+                props[field] = json!({ "description": description, "$ref": format!("#/$defs/{def}") });
+            }
         }
     }
     file

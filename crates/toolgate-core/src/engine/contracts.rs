@@ -51,7 +51,7 @@ pub struct DownstreamRef {
     /// Name: the circuit breaker is per name, and tools naming one downstream share it.
     pub name: String,
     /// The adapter that reaches it: `local` (answered by the tool's domain),
-    /// `simulated` (the demo providers) or `http`.
+    /// `simulated` (the demo providers), `http` or `mcp`.
     pub adapter: String,
     /// Whether the downstream de-duplicates by key (same key → the same effect).
     /// A `write` tool needs it, an `external` tool must not claim it.
@@ -60,6 +60,10 @@ pub struct DownstreamRef {
     /// The HTTP adapter's settings (only with `adapter: http`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub http: Option<Value>,
+    /// The MCP adapter's settings (only with `adapter: mcp`): the MCP server
+    /// that runs the tool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mcp: Option<Value>,
     /// How long after a commit its receipt may take to become visible to a
     /// lookup (replication lag, a provider's queue). Default
     /// [`DEFAULT_RECEIPT_VISIBLE_WITHIN_MS`]; at most
@@ -148,7 +152,12 @@ impl DownstreamRef {
     /// re-check may use. A re-send is not one of those.
     pub fn looks_up_by_key(&self) -> bool {
         self.lookup.is_none()
-            && !(self.adapter == "http" && self.http.as_ref().and_then(|h| h.get("lookup")).is_some_and(Value::is_null))
+            && match self.adapter.as_str() {
+                "http" => !self.http.as_ref().and_then(|h| h.get("lookup")).is_some_and(Value::is_null),
+                // MCP has no "what happened under this key": only a re-send asks.
+                "mcp" => false,
+                _ => true,
+            }
     }
 
     /// How long the downstream remembers a key, when a status query re-sends

@@ -214,7 +214,8 @@ impl std::fmt::Debug for Receipt {
 /// operator why, without a packet capture.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refusal {
-    /// The HTTP status.
+    /// The HTTP status; 0 when the downstream is not HTTP (an MCP tool's
+    /// `isError` result, its text content as the body).
     pub status: u16,
     /// SHA-256 of the whole body as received (hex).
     pub body_sha256: String,

@@ -123,7 +123,13 @@ fn refusal_of(f: &Map<String, Value>) -> Option<String> {
     let status = r.get("status").and_then(Value::as_u64).unwrap_or(0);
     let sha = r.get("body_sha256").and_then(Value::as_str).unwrap_or("");
     let excerpt = r.get("excerpt").and_then(Value::as_str).unwrap_or("");
-    Some(format!("downstream said HTTP {status}, body sha256 {}…: {excerpt:?}", sha.get(..12).unwrap_or(sha)))
+    let sha = sha.get(..12).unwrap_or(sha);
+    Some(if status == 0 {
+        // Not HTTP: an MCP tool's isError result, its content as the body.
+        format!("the MCP tool answered isError, content sha256 {sha}…: {excerpt:?}")
+    } else {
+        format!("downstream said HTTP {status}, body sha256 {sha}…: {excerpt:?}")
+    })
 }
 
 fn human_us(us: i64) -> String {
