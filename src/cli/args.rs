@@ -923,6 +923,11 @@ pub struct LoadArgs {
     /// database: a console on it can change it live). Default: the database's.
     #[arg(long, value_name = "SPEC")]
     pub fault_rate: Option<String>,
+    /// Before the referee counts, wait this long, then run the outbox and the
+    /// workers' status queries (re-sends of `lookup.by = resend` tools) once
+    /// more, so retries and unknown outcomes still waiting get their turn.
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    pub settle_ms: u64,
     /// Seed of the agents' choices and faults.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,

@@ -163,6 +163,7 @@ pub(super) fn load_command(cli: &Cli, a: &LoadArgs) -> Result<i32, CliError> {
         toolset: engine_options(cli)?.toolset,
         provider_db: a.provider_db.clone(),
         urls: a.urls.clone(),
+        settle_ms: a.settle_ms,
         ..crate::load::LoadOptions::default()
     };
     let bar = std::io::stderr().is_terminal();

@@ -28,8 +28,23 @@ fn faketime(offset: &str) -> Option<Command> {
         eprintln!("*** clock tests SKIPPED: faketime is not installed (apt-get install faketime) ***");
         return None;
     }
-    let mut c = Command::new("faketime");
-    c.env("FAKETIME_DONT_FAKE_MONOTONIC", "1").args(["-f", offset, env!("CARGO_BIN_EXE_toolgate")]);
+    // The library itself when it is where Debian puts it: the `faketime`
+    // program forks toolgate and waits, so killing it (a served replica's
+    // Drop) would leave toolgate running, orphaned.
+    let lib = ["x86_64-linux-gnu", "aarch64-linux-gnu", ""]
+        .iter()
+        .map(|arch| Path::new("/usr/lib").join(arch).join("faketime/libfaketime.so.1"))
+        .find(|p| p.exists());
+    let mut c = if let Some(lib) = lib {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_toolgate"));
+        c.env("LD_PRELOAD", lib).env("FAKETIME", offset);
+        c
+    } else {
+        let mut c = Command::new("faketime");
+        c.args(["-f", offset, env!("CARGO_BIN_EXE_toolgate")]);
+        c
+    };
+    c.env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
     Some(c)
 }
 

@@ -31,6 +31,7 @@ const WORLD: &str = r#"{
   "grants": [
     {"tenant": "acme", "subject": "agent_ana", "tool": "send_email"},
     {"tenant": "acme", "subject": "agent_ana", "tool": "create_charge"},
+    {"tenant": "acme", "subject": "agent_ana", "tool": "charge_by_meta"},
     {"tenant": "acme", "subject": "agent_ana", "tool": "get_order"}
   ]
 }"#;
@@ -527,4 +528,195 @@ fn the_catalog_refuses_an_mcp_section_that_would_claim_what_the_server_cannot_do
         let err = toolgate::tools::load_toolset(Some(&sub)).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains(why), "{why}: {err}");
     }
+}
+
+/// One intent of the gateway load run, as its agent saw it.
+struct Carried {
+    tool: &'static str,
+    body: Value,
+    env: Envelope,
+}
+
+/// Issue 35 §5: agents drive the wrapped server under faults (its reply lost
+/// after a commit, crashes before and after a commit that take every call in
+/// flight with them, isError, slow calls cancelled at their timeout), replay
+/// and conflict as models do; then the worker settles. The referee counts the
+/// server's own effects per intent. `TOOLGATE_SOAK=1`: 4 agents × 100 intents
+/// (CI: 2 × 12).
+#[test]
+fn a_load_run_through_the_gateway_under_faults_makes_no_duplicate_and_nothing_silently_wrong() {
+    use rand::{Rng, SeedableRng};
+    let soak = std::env::var_os("TOOLGATE_SOAK").is_some();
+    let (agents, per_agent) = if soak { (4, 100) } else { (2, 12) };
+    let fx = McpFixture::new(Backend::Sqlite);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(35);
+    let faults: Vec<&str> = (0..agents * per_agent * 3)
+        .map(|_| match rng.gen_range(0..100) {
+            0..=7 => "close_stdout_after_commit",
+            8..=15 => "crash_after_commit",
+            16..=21 => "crash_before_commit",
+            22..=31 => "is_error",
+            32..=35 => "slow:4000",
+            _ => "ok",
+        })
+        .collect();
+    std::fs::write(fx.effects.with_extension("db.faults"), faults.join("\n") + "\n").unwrap();
+    let started = std::time::Instant::now();
+    let (replays, conflicts) = (std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0));
+    let (mismatches, masked) = (std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0));
+    let carried: Vec<Carried> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..agents)
+            .map(|a| {
+                let (fx, replays, conflicts, mismatches, masked) = (&fx, &replays, &conflicts, &mismatches, &masked);
+                s.spawn(move || {
+                    use std::sync::atomic::Ordering::Relaxed;
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(100 + a as u64);
+                    let mut e = fx.engine();
+                    let mut out = Vec::new();
+                    for i in 0..per_agent {
+                        let key = format!("gw-load-{a}-{i:04}");
+                        let (tool, body, req) = if i % 3 == 0 {
+                            let to = format!("u{a}_{i}@example.com");
+                            let r = email(&key, &to);
+                            ("send_email", json!({"to": to, "subject": "your refund"}), r)
+                        } else {
+                            let order = format!("ord_{a}_{i}");
+                            let amount = 100 + i64::from(i);
+                            let mut r = charge(&key, amount);
+                            r.arguments = json!({"order_ref": order, "amount_minor": amount}).to_string().into_bytes();
+                            ("create_charge", json!({"order_ref": order, "amount_minor": amount}), r)
+                        };
+                        // A careful harness: a retryable answer with a hint is
+                        // retried under the same key once the hint has passed.
+                        let mut env = e.dispatch(&req).unwrap();
+                        for _ in 0..5 {
+                            let Some(err) = env.model_result.error.as_ref() else { break };
+                            let Some(ms) = err.retry_after_ms.filter(|_| err.retryable) else { break };
+                            fx.clock.advance(ms as i64);
+                            std::thread::sleep(std::time::Duration::from_millis(20));
+                            env = e.dispatch(&req).unwrap();
+                        }
+                        // The model replays a finished call: the ledger's answer must be the first.
+                        if env.model_result.status == Status::Succeeded && rng.gen_ratio(1, 4) {
+                            replays.fetch_add(1, Relaxed);
+                            let again = e.dispatch(&req).unwrap();
+                            if again.model_result.data != env.model_result.data {
+                                mismatches.fetch_add(1, Relaxed);
+                            }
+                        }
+                        // A confused model re-sends the key with another amount.
+                        if tool == "create_charge" && rng.gen_ratio(1, 10) {
+                            conflicts.fetch_add(1, Relaxed);
+                            let mut other = req.clone();
+                            other.arguments =
+                                json!({"order_ref": body["order_ref"], "amount_minor": 1}).to_string().into_bytes();
+                            if e.dispatch(&other).unwrap().model_result.status == Status::Succeeded {
+                                masked.fetch_add(1, Relaxed);
+                            }
+                        }
+                        out.push(Carried { tool, body, env });
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    // The worker's passes: due retries, then the re-sends of what is unknown.
+    let mut e = fx.engine();
+    for _ in 0..6 {
+        fx.clock.advance(10_000);
+        e.work(10_000).unwrap();
+        e.settle_unknown(10_000).unwrap();
+    }
+    // The referee: the server's effects per intent (each intent's body is its own).
+    let c = fx.db();
+    // As the server's json.dumps(body, sort_keys=True, separators=(",", ":")).
+    let digest = |b: &Value| toolgate::engine::canonical::sha256_hex(serde_json::to_string(b).unwrap().as_bytes());
+    let effects_of = |tool: &str, b: &Value| -> i64 {
+        c.query_row("SELECT COUNT(*) FROM effects WHERE tool = ?1 AND body = ?2", [tool, &digest(b)], |r| r.get(0))
+            .unwrap()
+    };
+    let mut states: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::default();
+    let mut reasons: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::default();
+    let (mut duplicates, mut wrong, mut effects) = (0, 0, 0);
+    for it in &carried {
+        let n = effects_of(it.tool, &it.body);
+        effects += n;
+        if n > 1 {
+            duplicates += 1;
+        }
+        let Some(id) = it.env.protected_audit.operation_id.clone() else {
+            // Refused before an operation existed (nothing can have been sent).
+            assert_eq!(n, 0, "{:?}", it.env);
+            *states.entry(format!("{} refused: {:?}", it.tool, it.env.code())).or_default() += 1;
+            continue;
+        };
+        let op = e.operation_detail(&id).unwrap().unwrap().operation;
+        let state = op.state.to_string();
+        // Succeeded with no effect, or failed with one: wrong and looking right.
+        if (state == "succeeded" && n != 1) || (state == "failed" && n != 0) {
+            wrong += 1;
+        }
+        if state == "needs_review" {
+            *reasons.entry(op.code.clone().unwrap_or_default()).or_default() += 1;
+        }
+        *states.entry(format!("{} {state}", it.tool)).or_default() += 1;
+    }
+    let acted: Vec<String> = fx.events();
+    let mut seen: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::default();
+    for a in &acted {
+        *seen.entry(a.clone()).or_default() += 1;
+    }
+    let wrong = wrong
+        + mismatches.load(std::sync::atomic::Ordering::Relaxed)
+        + masked.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!(
+        "gateway load: {agents} agents x {per_agent} intents in {:.1} s; replays {}, conflicting re-sends {}",
+        started.elapsed().as_secs_f64(),
+        replays.into_inner(),
+        conflicts.into_inner()
+    );
+    eprintln!("  what the server acted out (tool:fault): {seen:?}");
+    eprintln!("  operations at the end: {states:?}");
+    eprintln!("  needs_review by reason: {reasons:?}");
+    eprintln!("  effects {effects}, duplicates {duplicates}, silently wrong {wrong}");
+    assert_eq!(duplicates, 0);
+    assert_eq!(wrong, 0);
+    assert!(!states.keys().any(|k| k.ends_with(" unknown")), "every unknown settled or parked: {states:?}");
+    assert!(reasons.keys().all(|r| !r.is_empty()), "each parked with its reason: {reasons:?}");
+    // The faults did happen (the run proves something).
+    assert!(acted.iter().any(|a| a.ends_with(":crash_after_commit") || a.ends_with(":close_stdout_after_commit")));
+}
+
+#[test]
+fn a_server_that_reads_the_key_in_meta_is_asked_by_resending_with_one_effect() {
+    let fx = McpFixture::new(Backend::Sqlite);
+    // The operator says the server de-duplicates by a _meta entry (the
+    // import cannot see that in a schema).
+    let file = fx.catalog.join("charge_by_meta.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(v["effect"], "external", "no key argument: external until a person says otherwise");
+    // A changed meaning is a new revision (the ledger refuses it otherwise).
+    v["effect"] = json!("write");
+    v["revisions"]["effect"] = json!(2);
+    v["downstream"]["dedupes_keys"] = json!(true);
+    v["downstream"]["mcp"]["key_meta"] = json!("io.example/idempotency-key");
+    v["downstream"]["lookup"] = json!({"by": "resend", "key_retention_ms": KEY_RETENTION_MS});
+    std::fs::write(&file, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    let opts = EngineOptions {
+        clock: Arc::new(fx.clock.clone()),
+        ..EngineOptions::new(toolgate::tools::load_toolset(Some(&fx.catalog)).unwrap())
+    };
+    let mut e = Engine::open(&fx.ledger, opts).unwrap();
+    let mut req = charge("gw-meta-000001", 800);
+    req.tool = "charge_by_meta".into();
+    fx.fault("crash_after_commit");
+    let env = e.dispatch(&req).unwrap();
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown), "{env:?}");
+    assert_eq!(state(&mut e, &env).0, "unknown");
+    fx.clock.advance(4_001);
+    assert_eq!(e.settle_unknown(16).unwrap(), 1);
+    assert_eq!(state(&mut e, &env).0, "succeeded");
+    assert_eq!(fx.effects("charge_by_meta"), 1, "the re-send carried the same key in _meta");
 }

@@ -193,3 +193,70 @@ fn the_catalog_refuses_a_resend_that_would_be_a_blind_retry() {
         assert!(err.contains(why), "{why}: {err}");
     }
 }
+
+/// Issue 35 §5: the load generator against a served provider that loses one
+/// reply in three (and refuses, rate-limits, stalls), its create_refund asked
+/// by re-sending and its notifications by key, both settled by the workers:
+/// no duplicate, nothing silently wrong, no unknown left, every operation
+/// parked for a person with its reason.
+#[test]
+fn a_load_run_on_a_resend_service_under_faults_leaves_no_unknown_and_no_duplicate() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = crate::http::ProviderServer::start(dir.path(), &["--faults", "random(0.3,seed=3)"]);
+    let catalog = crate::http::write_catalog_edited(dir.path(), &server.url(), &|v| {
+        if v["name"] == "create_refund" {
+            v["downstream"]["http"]["lookup"] = Value::Null;
+            v["downstream"]["lookup"] = json!({"by": "resend", "key_retention_ms": DAY_MS});
+        }
+        if v["name"] != "get_order" {
+            v["downstream"]["auto_query"] = json!(true);
+            v["downstream"]["receipt_visible_within_ms"] = json!(1_000);
+            v["retry"]["attempt_timeout_ms"] = json!(1_000);
+        }
+    });
+    let ledger = dir.path().join("ledger.db");
+    let toolgate = |args: &[&str]| {
+        std::process::Command::new(assert_cmd::cargo::cargo_bin("toolgate"))
+            .arg("--db")
+            .arg(&ledger)
+            .arg("--catalog")
+            .arg(&catalog)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    assert_eq!(toolgate(&["init"]).status.code(), Some(0));
+    let db = server.db.to_string_lossy().into_owned();
+    let out = toolgate(&[
+        "load",
+        "--agents",
+        "2",
+        "--ops",
+        "40",
+        "--seed",
+        "4",
+        "--settle-ms",
+        "5000",
+        "--json",
+        "--provider-db",
+        &db,
+    ]);
+    let report: Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!(out.status.code(), Some(0), "{report}");
+    assert_eq!((report["duplicates"].as_i64(), report["silently_wrong"].as_i64()), (Some(0), Some(0)), "{report}");
+    assert_eq!(report["effects"].as_i64().unwrap(), server.effects(), "{report}");
+    let states = report["final_states"].as_object().unwrap();
+    // The re-sent tool's unknown outcomes are all settled by the workers; a
+    // notification the provider has no receipt of stays for a person (never
+    // "no effect" by itself), asked, with what the provider said.
+    for why in report["unknown_reasons"].as_object().unwrap().keys() {
+        assert!(why.starts_with("notify_customer ") && !why.ends_with("never asked"), "{why}: {report}");
+    }
+    assert!(states.get("succeeded").and_then(Value::as_i64).unwrap_or(0) > 0, "{report}");
+    // Parked ones carry the code that says why.
+    let parked: i64 = report["review_reasons"].as_object().unwrap().values().filter_map(Value::as_i64).sum();
+    assert_eq!(parked, states.get("needs_review").and_then(Value::as_i64).unwrap_or(0), "{report}");
+    // The faults did lose replies, and the workers settled them.
+    assert!(report["answers"]["OUTCOME_UNKNOWN"].as_u64().unwrap_or(0) > 0, "{report}");
+}

@@ -81,8 +81,10 @@ pub struct LoadOptions {
     pub restart_percent: u32,
     /// Percent of intents that are customer notifications (the rest: refunds).
     pub notify_percent: u32,
-    /// Before the referee's final count, wait this long (on the clock) and run
-    /// the outbox once more, so retries still queued get their chance.
+    /// Before the referee's final count, run a worker's passes (the reaper,
+    /// the outbox, the status queries of `auto_query` tools) every half second
+    /// for this long (on the clock), so retries still queued and unknown
+    /// outcomes whose query met a fault get their chance.
     pub settle_ms: u64,
     /// A background outbox worker (reaper + due retries) polls this often, in
     /// wall-clock ms, as a dispatcher deployment's worker loop does. None: no
@@ -228,6 +230,17 @@ pub struct LoadReport {
     /// The above: results that are wrong and look right (each order paid
     /// above its capture counts once).
     pub silently_wrong: u64,
+    /// The run's operations by state at the end (after the settle): every
+    /// `unknown` left is one nobody asked yet.
+    pub final_states: BTreeMap<String, i64>,
+    /// The run's operations parked for a person (`needs_review`), by tool
+    /// and the code that says why (`create_refund STATUS_CONFLICT`).
+    pub review_reasons: BTreeMap<String, u64>,
+    /// The run's operations still `unknown` at the end, by tool and what
+    /// their last status query answered (`notify_customer not_found`: the
+    /// downstream has no receipt, which toolgate never takes for "no effect"
+    /// by itself: a person resolves it), or `never asked`.
+    pub unknown_reasons: BTreeMap<String, u64>,
     /// Dispatcher restarts.
     pub restarts: u64,
     /// Calls that could not reach their target (a killed replica, a
@@ -803,6 +816,9 @@ fn spawn_worker(shared: &Arc<Shared>) -> Result<Option<std::thread::JoinHandle<R
             }
             engine.reap()?;
             engine.work_background(256)?;
+            // As `serve`'s worker: unknown outcomes of a downstream asked by
+            // re-sending are settled without a person (downstream.auto_query).
+            engine.settle_unknown(64)?;
             std::thread::sleep(Duration::from_millis(interval));
         }
         Ok(())
@@ -910,6 +926,8 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) -> Result<LoadReport, EngineError> {
     let started = Instant::now();
     let mut referee = Engine::open(path, engine_options(opts))?;
+    let states_before = referee.counts()?.operations;
+    let run_started_at = opts.clock.now_ms();
     let before = effect_counts(&mut referee, opts.provider_db.as_deref())?;
     let money_before = money(&mut referee, opts.provider_db.as_deref())?;
     let stats = Arc::new(LoadStats::default());
@@ -962,10 +980,20 @@ pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) 
         }
     }
     // Settle: let queued retries run, then count.
+    // A worker's passes for settle_ms (every half second, and one at its end):
+    // an unknown outcome whose status query met a fault is asked again.
     if opts.settle_ms > 0 {
-        opts.clock.sleep_ms(opts.settle_ms);
-        referee.reap()?;
-        referee.work(100_000)?;
+        let until = opts.clock.now_ms().saturating_add(opts.settle_ms as i64);
+        loop {
+            let left = until - opts.clock.now_ms();
+            opts.clock.sleep_ms(u64::try_from(left.clamp(0, 500)).unwrap_or(0));
+            referee.reap()?;
+            referee.work(100_000)?;
+            referee.settle_unknown(100_000)?;
+            if opts.clock.now_ms() >= until {
+                break;
+            }
+        }
     }
     let mut wrong_beliefs = 0;
     for (tenant, subject, tool, key) in &total.believed_failed {
@@ -974,6 +1002,25 @@ pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) 
         }
     }
     let after = effect_counts(&mut referee, opts.provider_db.as_deref())?;
+    let mut final_states = referee.counts()?.operations;
+    for (state, n) in &states_before {
+        *final_states.entry(state.clone()).or_default() -= n;
+    }
+    final_states.retain(|_, n| *n != 0);
+    let mut review_reasons = BTreeMap::new();
+    for op in referee.list_operations(Some(crate::store::OpState::NeedsReview), 1_000_000)? {
+        if op.created_at >= run_started_at {
+            let why = op.code.unwrap_or_else(|| "-".into());
+            *review_reasons.entry(format!("{} {why}", op.tool)).or_default() += 1;
+        }
+    }
+    let mut unknown_reasons = BTreeMap::new();
+    for op in referee.list_operations(Some(crate::store::OpState::Unknown), 1_000_000)? {
+        if op.created_at >= run_started_at {
+            let why = op.last_query_result.unwrap_or_else(|| "never asked".into());
+            *unknown_reasons.entry(format!("{} {why}", op.tool)).or_default() += 1;
+        }
+    }
     let over_captured = over_captured(&money_before, &money(&mut referee, opts.provider_db.as_deref())?);
     let fault_bp = referee.lab_controls()?.1;
     if let Some(t) = &shared.tokens {
@@ -1004,6 +1051,9 @@ pub fn run(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(Progress)) 
         over_captured: over_captured.values().sum(),
         silently_wrong: masked + mismatches + wrong_beliefs + over_captured.len() as u64,
         over_captured_by_order: over_captured,
+        final_states,
+        review_reasons,
+        unknown_reasons,
         restarts: stats.restarts.load(Ordering::Relaxed),
         transport_errors: stats.transport_errors.load(Ordering::Relaxed),
         latency: Latency {
@@ -1070,6 +1120,19 @@ pub fn render(r: &LoadReport) -> String {
     );
     for (order, above) in &r.over_captured_by_order {
         let _ = writeln!(s, "    {order:<32} {above:>8}");
+    }
+    if !r.final_states.is_empty() {
+        let _ = writeln!(s, "\n  {:<34} {:>8}", "operations at the end, by state", "count");
+        for (k, v) in &r.final_states {
+            let _ = writeln!(s, "  {k:<34} {v:>8}");
+        }
+        for (k, v) in &r.review_reasons {
+            let _ = writeln!(s, "    {:<32} {v:>8}", format!("needs_review: {k}"));
+        }
+        for (k, v) in &r.unknown_reasons {
+            let _ = writeln!(s, "    {:<32} {v:>8}", format!("unknown, last asked: {k}"));
+        }
+        let _ = writeln!(s);
     }
     let _ = writeln!(s, "  {:<34} {:>8}", "dispatcher restarts", r.restarts);
     let _ = writeln!(s, "  {:<34} {:>8}", "calls made again after a transport error", r.transport_errors);
