@@ -36,7 +36,7 @@ const NEVER: &[(&str, &[&str])] = &[
             "rmcp",
             "clap",
             "ureq",
-            "rustls",
+            // (rustls is the store's: TLS to PostgreSQL, sslmode=verify-full.)
             "tracing-subscriber",
             "mimalloc",
         ],

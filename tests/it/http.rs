@@ -1957,7 +1957,7 @@ fn the_catalog_keeps_gets_for_reads_and_effects_off_gets() {
 }
 
 /// A throwaway CA and a certificate it signed for `names` (PEM, key PEM).
-fn ca_and_leaf(names: &[&str]) -> (rcgen::Certificate, rcgen::KeyPair, String, String) {
+pub(crate) fn ca_and_leaf(names: &[&str]) -> (rcgen::Certificate, rcgen::KeyPair, String, String) {
     let ca_key = rcgen::KeyPair::generate().unwrap();
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);

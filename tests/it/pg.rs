@@ -34,9 +34,15 @@ struct OwnCluster {
 
 impl OwnCluster {
     fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// With these environment variables for `.ci/pg-start` (`PG_SSL_CERT`, ...).
+    fn start_with(env: &[(&str, &Path)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let out = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.ci/pg-start"))
             .arg(dir.path().join("pg"))
+            .envs(env.iter().map(|(k, v)| (*k, *v)))
             .output()
             .unwrap();
         assert!(out.status.success(), "pg-start: {}", String::from_utf8_lossy(&out.stderr));
@@ -508,4 +514,151 @@ fn connections_a_restart_dropped_are_replaced_before_a_transaction_begins() {
     assert_eq!(next.model_result.status, Status::Succeeded, "{next:?}");
     assert_eq!(e.counts().unwrap().downstream_effects, 2);
     assert!(e.list_operations(Some(toolgate::store::OpState::Unknown), 10).unwrap().is_empty());
+}
+
+/// Issue 36 §3: TLS to PostgreSQL with libpq's words in the URL, against a
+/// cluster of this test's own with `ssl = on` and a certificate from a
+/// throwaway CA, for `localhost` only.
+#[test]
+fn tls_verify_full_accepts_the_right_server_and_refuses_a_wrong_name_or_ca() {
+    if crate::support::pg_base().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, _ca_key, leaf_pem, leaf_key_pem) = crate::http::ca_and_leaf(&["localhost"]);
+    let (other_ca, _, _, _) = crate::http::ca_and_leaf(&["localhost"]);
+    let write = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let (cert, key) = (write("server.crt", &leaf_pem), write("server.key", &leaf_key_pem));
+    let (ca_file, other_file) = (write("ca.pem", &ca.pem()), write("other.pem", &other_ca.pem()));
+    let cluster = OwnCluster::start_with(&[("PG_SSL_CERT", &cert), ("PG_SSL_KEY", &key)]);
+    postgres::Client::connect(&cluster.url, postgres::NoTls).unwrap().batch_execute("CREATE DATABASE ledger").unwrap();
+    let port = cluster.url.rsplit_once(':').unwrap().1.split('/').next().unwrap().to_string();
+    let url = |host: &str, query: &str| format!("postgres://toolgate@{host}:{port}/ledger?{query}");
+    let root = |p: &Path| format!("sslrootcert={}", p.display());
+    // How the server sees toolgate's connections (application_name toolgate).
+    let encrypted = || -> Vec<bool> {
+        let mut admin = postgres::Client::connect(&cluster.url, postgres::NoTls).unwrap();
+        admin
+            .query(
+                "SELECT s.ssl FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) WHERE a.application_name = 'toolgate'",
+                &[],
+            )
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    };
+    let open = |u: &str| Engine::create(Path::new(u), opts(&ManualClock::new(T0), "tls"));
+
+    // verify-full with the right CA and name: the ledger works, encrypted.
+    let good = url("localhost", &format!("sslmode=verify-full&{}", root(&ca_file)));
+    let mut e = open(&good).unwrap_or_else(|e| panic!("{e}"));
+    e.load_world(&toolgate::engine::world::World::parse(toolgate::engine::world::DEMO_WORLD.as_bytes()).unwrap())
+        .unwrap();
+    let env = e.dispatch(&crate::support::refund("tls-refund-0001", 300)).unwrap();
+    assert_eq!(env.model_result.status, Status::Succeeded, "{env:?}");
+    let seen = encrypted();
+    assert!(!seen.is_empty() && seen.iter().all(|s| *s), "{seen:?}");
+    assert!(toolgate::store::Location::of(Path::new(&good)).label().ends_with("(TLS verify-full)"));
+    drop(e);
+
+    // The same CA, another name than the certificate's: refused by verify-full, taken by verify-ca.
+    let wrong_name = url("127.0.0.1", &format!("sslmode=verify-full&{}", root(&ca_file)));
+    let Err(err) = open(&wrong_name) else { panic!("a name the certificate does not carry was taken") };
+    let err = err.to_string();
+    assert!(!err.contains(&ca_file.display().to_string()), "no path in {err}");
+    assert!(open(&url("127.0.0.1", &format!("sslmode=verify-ca&{}", root(&ca_file)))).is_ok());
+    // Another CA: refused by verify-full and verify-ca (and by require with a root, as libpq).
+    for mode in ["verify-full", "verify-ca", "require"] {
+        let u = url("localhost", &format!("sslmode={mode}&{}", root(&other_file)));
+        assert!(open(&u).is_err(), "{mode} with another CA must be refused");
+    }
+    // A bare require encrypts without checking; no sslmode is a plain connection.
+    let e = open(&url("127.0.0.1", "sslmode=require")).unwrap();
+    assert!(encrypted().iter().all(|s| *s));
+    drop(e);
+    let e = open(&url("127.0.0.1", "application_name=x")).unwrap();
+    assert!(encrypted().iter().any(|s| !*s), "a URL without sslmode stays plain");
+    drop(e);
+    // A root file that is missing or not PEM is a clear error naming the field.
+    let missing =
+        open(&url("localhost", "sslmode=verify-full&sslrootcert=/nonexistent/ca.pem")).err().unwrap().to_string();
+    assert!(missing.contains("sslrootcert") && !missing.contains("/nonexistent"), "{missing}");
+}
+
+/// Issue 36 §2: a host that hangs inside the accept transaction (stopped:
+/// its socket open, the scope's row locks held) loses its locks when the
+/// server ends its session (`idle_in_transaction_session_timeout`, here 2 s
+/// through the URL's options, 60 s by default); another host with the same
+/// key proceeds, and when the hung host wakes its commit fails: one effect.
+#[test]
+fn a_host_that_hangs_holding_row_locks_loses_them_and_the_others_proceed() {
+    if crate::support::pg_base().is_none() {
+        return;
+    }
+    let fx = crate::support::Fixture::on(crate::support::Backend::Postgres);
+    let url = fx.path().to_str().unwrap().to_string();
+    let short = format!("{url}?options=-c%20idle_in_transaction_session_timeout%3D2s");
+    let key = "hang-refund-0001";
+    let hung = Command::new(env!("CARGO_BIN_EXE_toolgate"))
+        .args(["--db", &short, "dispatch", "--json", "--tenant", "acme", "--subject", "agent_ana"])
+        .args(["--tool", "create_refund", "--key", key, "--args", &refund_args("ord_1001", 400)])
+        .env("TOOLGATE_FAILPOINT", "inside_accept:stop")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until it is stopped inside the transaction.
+    let stat = format!("/proc/{}/stat", hung.id());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(&stat).is_ok_and(|s| s.split_whitespace().nth(2) == Some("T")) {
+        assert!(Instant::now() < deadline, "the dispatcher never reached inside_accept");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Another host, the same intent: it waits on the hung host's uncommitted
+    // row only until the server ends that session, then accepts it itself.
+    let mut e = fx.engine();
+    let started = Instant::now();
+    let env = e.dispatch(&crate::support::refund(key, 400)).unwrap();
+    let waited = started.elapsed();
+    assert_eq!(env.model_result.status, Status::Succeeded, "{env:?}");
+    assert!(waited < Duration::from_secs(60), "blocked {waited:?} behind a hung host");
+    // The hung host wakes: its transaction is gone, nothing of it commits.
+    let _ = Command::new("kill").args(["-CONT", &hung.id().to_string()]).status();
+    let out = hung.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_ne!(out.status.code(), Some(0), "the hung host's accept must not succeed: {text}");
+    assert!(text.contains("DB_UNAVAILABLE") || text.contains("DB_BUSY"), "{text}");
+    assert_eq!(crate::support::effects(&mut e), 1);
+    assert_eq!(crate::support::duplicates(&mut e), 0);
+    // Its retry with the same key is the other host's answer.
+    let again = e.dispatch(&crate::support::refund(key, 400)).unwrap();
+    assert_eq!(again.model_result.data, env.model_result.data);
+}
+
+/// Issue 36 §2: a call blocked by a lock nobody releases is answered within
+/// `lock_timeout` (`DB_BUSY`: retry with the same key, nothing happened), not
+/// held for ever; once the lock is gone the same key runs once.
+#[test]
+fn a_call_behind_a_stuck_lock_is_answered_db_busy_not_held() {
+    if crate::support::pg_base().is_none() {
+        return;
+    }
+    let fx = crate::support::Fixture::on(crate::support::Backend::Postgres);
+    let mut holder = postgres::Client::connect(fx.path().to_str().unwrap(), postgres::NoTls).unwrap();
+    holder.batch_execute("BEGIN; LOCK TABLE operations IN ACCESS EXCLUSIVE MODE").unwrap();
+    let mut e = fx.engine();
+    let started = Instant::now();
+    let err = e.dispatch(&crate::support::refund("stuck-refund-0001", 250)).err().map(|e| e.code().to_string());
+    let waited = started.elapsed();
+    assert_eq!(err.as_deref(), Some("DB_BUSY"), "after {waited:?}");
+    assert!(waited < Duration::from_secs(60), "held {waited:?}");
+    holder.batch_execute("ROLLBACK").unwrap();
+    let env = e.dispatch(&crate::support::refund("stuck-refund-0001", 250)).unwrap();
+    assert_eq!(env.model_result.status, Status::Succeeded, "{env:?}");
+    assert_eq!(crate::support::effects(&mut e), 1);
 }

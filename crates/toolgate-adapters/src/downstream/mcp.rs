@@ -403,6 +403,10 @@ impl Server {
                     // The process's TLS provider (ring, as everywhere in
                     // toolgate): the HTTP client builds its TLS settings even
                     // for http:// and has none of its own.
+                    // (Deprecated from rustls 0.23.48 for want of post-quantum
+                    // key exchange; ring is what ureq and the rest of toolgate
+                    // use, and they move to another provider together.)
+                    #[allow(deprecated)]
                     let _ = rustls::crypto::ring::default_provider().install_default();
                 }
                 let mut config = StreamableHttpClientTransportConfig::with_uri(url.as_str());

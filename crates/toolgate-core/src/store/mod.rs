@@ -18,6 +18,7 @@ mod holds;
 pub mod latency_bucket;
 mod ops;
 mod pg;
+pub mod pg_tls;
 mod provider;
 mod resilience;
 mod trace;
@@ -252,15 +253,21 @@ impl<'a> Location<'a> {
     pub fn label(&self) -> String {
         match self {
             Location::File(p) => p.file_name().map_or_else(|| "ledger".into(), |n| n.to_string_lossy().into_owned()),
-            Location::Postgres(url) => url.parse::<postgres::Config>().map_or_else(
+            Location::Postgres(url) => pg_tls::parse(url).map_or_else(
                 |_| "postgres".into(),
-                |c| {
+                |u| {
+                    let c = &u.config;
                     let host = match c.get_hosts().first() {
                         Some(postgres::config::Host::Tcp(h)) => h.clone(),
                         Some(postgres::config::Host::Unix(p)) => p.display().to_string(),
                         None => "localhost".into(),
                     };
-                    format!("postgres {host}/{}", c.get_dbname().unwrap_or("postgres"))
+                    // Whether the connection is encrypted, and how it is checked.
+                    let tls = match u.mode {
+                        pg_tls::SslMode::Off => String::new(),
+                        m => format!(" (TLS {})", m.as_str()),
+                    };
+                    format!("postgres {host}/{}{tls}", c.get_dbname().unwrap_or("postgres"))
                 },
             ),
         }

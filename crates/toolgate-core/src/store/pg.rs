@@ -15,6 +15,7 @@
 //! - reads are `REPEATABLE READ READ ONLY`: one snapshot, as a SQLite read
 //!   transaction is, and they never abort.
 
+use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use super::group::Writer;
@@ -41,6 +42,35 @@ pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
 /// How long a connection attempt may take when the URL does not say.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connection that cannot reach its server is noticed within bounds, on
+/// both ends (README, "PostgreSQL", "Bounds"):
+/// - the client's socket: TCP keepalives after 10 s idle, every 2 s, 3 lost
+///   probes; and `tcp_user_timeout` 15 s for data sent and never acknowledged
+///   (the URL's own `keepalives_*` / `tcp_user_timeout` win);
+/// - the server's end of the session (a host partitioned while holding row
+///   locks loses them): the same keepalives and user timeout for the server's
+///   socket, and `idle_in_transaction_session_timeout` 60 s (toolgate never
+///   waits inside a transaction: its statements follow one another);
+/// - `lock_timeout` 10 s (a lock held longer is a stuck holder: the call is
+///   answered DB_BUSY, retried with the same key, instead of waiting on it)
+///   and `statement_timeout` 120 s (the longest call deadline's order; the
+///   audit and the purge work in batches well under it).
+///
+/// A server setting given in the URL's `options` (`-c lock_timeout=5s`) wins.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+const KEEPALIVE_RETRIES: u32 = 3;
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(15);
+const SESSION_BOUNDS: [(&str, &str); 7] = [
+    ("statement_timeout", "'120s'"),
+    ("lock_timeout", "'10s'"),
+    ("idle_in_transaction_session_timeout", "'60s'"),
+    ("tcp_keepalives_idle", "10"),
+    ("tcp_keepalives_interval", "2"),
+    ("tcp_keepalives_count", "3"),
+    ("tcp_user_timeout", "15000"),
+];
 
 /// Lock key that serializes migrations of one database across processes.
 const MIGRATION_LOCK: i64 = 0x746f_6f6c_6761_7465; // "toolgate"
@@ -89,15 +119,34 @@ pub(crate) fn open(url: &str, sync: Sync, read_only: bool) -> R<Conn> {
 /// Connects with the session settings, touching no schema.
 pub(crate) fn connect(url: &str, sync: Sync, read_only: bool) -> R<PgConn> {
     // The URL may carry a password: no error here repeats it.
-    let mut config: postgres::Config = url
-        .parse()
-        .map_err(|_| StoreError::Open("the PostgreSQL URL is not valid (postgres://USER@HOST/DB?...)".into()))?;
+    let parsed = super::pg_tls::parse(url)?;
+    let connector = super::pg_tls::Connector::for_url(&parsed)?;
+    let mut config = parsed.config;
     if config.get_connect_timeout().is_none() {
         config.connect_timeout(CONNECT_TIMEOUT);
     }
+    // The driver's defaults are the kernel's (two hours of silence).
+    if config.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {
+        config.keepalives(true).keepalives_idle(KEEPALIVE_IDLE);
+    }
+    if config.get_keepalives_interval().is_none() {
+        config.keepalives_interval(KEEPALIVE_INTERVAL);
+    }
+    if config.get_keepalives_retries().is_none() {
+        config.keepalives_retries(KEEPALIVE_RETRIES);
+    }
+    if config.get_tcp_user_timeout().is_none() {
+        config.tcp_user_timeout(TCP_USER_TIMEOUT);
+    }
     config.application_name("toolgate");
-    let mut client = config.connect(postgres::NoTls).map_err(|e| connect_error(&e))?;
+    let mut client = connector.connect(&config).map_err(|e| connect_error(&e))?;
     let mut session = String::from("SET client_min_messages = warning;");
+    let given = config.get_options().unwrap_or("").to_string();
+    for (name, value) in SESSION_BOUNDS {
+        if !given.contains(name) {
+            let _ = write!(session, "SET {name} = {value};");
+        }
+    }
     if sync == Sync::Normal {
         session.push_str("SET synchronous_commit = off;");
     }
@@ -107,7 +156,7 @@ pub(crate) fn connect(url: &str, sync: Sync, read_only: bool) -> R<PgConn> {
         session.push_str(SLOT_CLAIM);
     }
     client.batch_execute(&session).map_err(|e| pg_error(&e))?;
-    Ok(PgConn::new(client, config, session))
+    Ok(PgConn::new(client, config, connector, session))
 }
 
 fn connect_error(e: &postgres::Error) -> StoreError {
@@ -304,9 +353,7 @@ impl ScratchDatabase {
     /// any database on it).
     pub fn create(server: &str, label: &str) -> R<Self> {
         let name = format!("toolgate_{label}_{}_{:08x}", std::process::id(), rand::random::<u32>());
-        let config: postgres::Config =
-            server.parse().map_err(|_| StoreError::Open("the PostgreSQL URL is not valid".into()))?;
-        let mut admin = config.connect(postgres::NoTls).map_err(|e| connect_error(&e))?;
+        let mut admin = admin_client(server)?;
         admin.batch_execute(&format!("CREATE DATABASE {name}")).map_err(|e| pg_error(&e))?;
         let url = match server.split_once('?') {
             Some((base, query)) => format!("{}/{name}?{query}", base.rsplit_once('/').map_or(base, |(b, _)| b)),
@@ -321,9 +368,16 @@ impl ScratchDatabase {
     }
 }
 
+/// A connection to `server` as its URL says (TLS included), for administration.
+fn admin_client(server: &str) -> R<postgres::Client> {
+    let parsed = super::pg_tls::parse(server)?;
+    let connector = super::pg_tls::Connector::for_url(&parsed)?;
+    connector.connect(&parsed.config).map_err(|e| connect_error(&e))
+}
+
 impl Drop for ScratchDatabase {
     fn drop(&mut self) {
-        if let Ok(mut admin) = postgres::Client::connect(&self.admin, postgres::NoTls) {
+        if let Ok(mut admin) = admin_client(&self.admin) {
             let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name));
         }
     }

@@ -35,6 +35,7 @@ pub(crate) struct PgConn {
     /// How to connect again after the server went away, and the session
     /// settings to restore.
     config: postgres::Config,
+    connector: super::pg_tls::Connector,
     session: String,
     cache: RefCell<HashMap<String, postgres::Statement>>,
     /// A statement of the open transaction failed: PostgreSQL has aborted
@@ -62,10 +63,16 @@ pub(crate) enum Failed {
 }
 
 impl PgConn {
-    pub(crate) fn new(client: postgres::Client, config: postgres::Config, session: String) -> Self {
+    pub(crate) fn new(
+        client: postgres::Client,
+        config: postgres::Config,
+        connector: super::pg_tls::Connector,
+        session: String,
+    ) -> Self {
         Self {
             client: RefCell::new(client),
             config,
+            connector,
             session,
             cache: RefCell::new(HashMap::new()),
             failed: Cell::new(None),
@@ -84,7 +91,7 @@ impl PgConn {
     /// Replaces the connection whatever the client believes: a server that
     /// restarted is noticed only when a statement fails.
     pub(crate) fn reconnect(&self) -> R<()> {
-        let mut client = self.config.connect(postgres::NoTls).map_err(|_| StoreError::Unavailable)?;
+        let mut client = self.connector.connect(&self.config).map_err(|_| StoreError::Unavailable)?;
         client.batch_execute(&self.session).map_err(|e| pg_error(&e))?;
         *self.client.borrow_mut() = client;
         self.cache.borrow_mut().clear();
@@ -133,7 +140,9 @@ pub(crate) fn pg_error(e: &postgres::Error) -> StoreError {
     let code = db.code();
     // Class 08 (connection exception) and 57 (operator intervention: the
     // server is shutting down, crashed, or not accepting connections yet).
-    if code.code().starts_with("08") || code.code().starts_with("57P") {
+    // And 25P03: the server ended a session left idle inside a transaction
+    // (a host that hung holding locks): nothing of it committed.
+    if code.code().starts_with("08") || code.code().starts_with("57P") || code.code() == "25P03" {
         return StoreError::Unavailable;
     }
     if *code == SqlState::T_R_SERIALIZATION_FAILURE || *code == SqlState::T_R_DEADLOCK_DETECTED {
