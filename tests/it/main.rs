@@ -23,6 +23,7 @@ mod lab;
 mod late;
 mod mcp;
 mod observability;
+mod partition;
 mod pg;
 mod props;
 mod race;

@@ -18,6 +18,7 @@ mod holds;
 pub mod latency_bucket;
 mod ops;
 mod pg;
+mod pg_client;
 pub mod pg_tls;
 mod provider;
 mod resilience;
@@ -258,8 +259,8 @@ impl<'a> Location<'a> {
                 |u| {
                     let c = &u.config;
                     let host = match c.get_hosts().first() {
-                        Some(postgres::config::Host::Tcp(h)) => h.clone(),
-                        Some(postgres::config::Host::Unix(p)) => p.display().to_string(),
+                        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+                        Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
                         None => "localhost".into(),
                     };
                     // Whether the connection is encrypted, and how it is checked.

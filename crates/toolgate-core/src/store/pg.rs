@@ -19,6 +19,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use super::group::Writer;
+use super::pg_client::PgClient;
 use super::sql::{pg_error, Conn, Failed, PgConn};
 use super::{Mode, StoreError, Sync, Tx, BEGIN_RETRY_BUDGET};
 
@@ -57,11 +58,18 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 ///   and `statement_timeout` 120 s (the longest call deadline's order; the
 ///   audit and the purge work in batches well under it).
 ///
+/// - and the client's own bound on every round trip (`pg_client`): the
+///   statement timeout plus 5 s, for a path that acknowledges and never
+///   delivers (a hung proxy), which no kernel timer notices.
+///
 /// A server setting given in the URL's `options` (`-c lock_timeout=5s`) wins.
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
 const KEEPALIVE_RETRIES: u32 = 3;
 const TCP_USER_TIMEOUT: Duration = Duration::from_secs(15);
+/// The session's `statement_timeout` unless the URL's options say another
+/// (also the base of the client's own bound on a round trip, `pg_client`).
+const STATEMENT_TIMEOUT: Duration = Duration::from_secs(120);
 const SESSION_BOUNDS: [(&str, &str); 7] = [
     ("statement_timeout", "'120s'"),
     ("lock_timeout", "'10s'"),
@@ -97,8 +105,8 @@ END $$;";
 /// Connects, checks the ledger's schema, and migrates it unless `read_only`.
 pub(crate) fn open(url: &str, sync: Sync, read_only: bool) -> R<Conn> {
     let pg = connect(url, sync, read_only)?;
-    let mut client = pg.client.borrow_mut();
-    let version = schema_version(&mut client)?;
+    let client = pg.client.borrow_mut();
+    let version = schema_version(&client)?;
     if version > SCHEMA_VERSION {
         return Err(StoreError::SchemaTooNew { found: version, supported: SCHEMA_VERSION });
     }
@@ -110,7 +118,7 @@ pub(crate) fn open(url: &str, sync: Sync, read_only: bool) -> R<Conn> {
             return Err(StoreError::SchemaOld { found: version, supported: SCHEMA_VERSION });
         }
     } else {
-        migrate(&mut client, version)?;
+        migrate(&client, version)?;
     }
     drop(client);
     Ok(Conn::Pg(pg))
@@ -139,9 +147,10 @@ pub(crate) fn connect(url: &str, sync: Sync, read_only: bool) -> R<PgConn> {
         config.tcp_user_timeout(TCP_USER_TIMEOUT);
     }
     config.application_name("toolgate");
-    let mut client = connector.connect(&config).map_err(|e| connect_error(&e))?;
-    let mut session = String::from("SET client_min_messages = warning;");
     let given = config.get_options().unwrap_or("").to_string();
+    let bound = super::pg_client::bound_for(&given, STATEMENT_TIMEOUT);
+    let client = super::pg_client::PgClient::connect(&config, &connector, bound).map_err(|e| connect_error(&e))?;
+    let mut session = String::from("SET client_min_messages = warning;");
     for (name, value) in SESSION_BOUNDS {
         if !given.contains(name) {
             let _ = write!(session, "SET {name} = {value};");
@@ -156,10 +165,10 @@ pub(crate) fn connect(url: &str, sync: Sync, read_only: bool) -> R<PgConn> {
         session.push_str(SLOT_CLAIM);
     }
     client.batch_execute(&session).map_err(|e| pg_error(&e))?;
-    Ok(PgConn::new(client, config, connector, session))
+    Ok(PgConn::new(client, config, connector, bound, session))
 }
 
-fn connect_error(e: &postgres::Error) -> StoreError {
+fn connect_error(e: &super::pg_client::PgError) -> StoreError {
     match e.as_db_error() {
         // The server's own words (a missing database, a refused login).
         Some(db) => StoreError::Open(db.message().to_string()),
@@ -168,70 +177,83 @@ fn connect_error(e: &postgres::Error) -> StoreError {
     }
 }
 
+/// A row's column, its error as the store's.
+fn col<'a, T: postgres::types::FromSql<'a>>(r: &'a postgres::Row, i: usize) -> R<T> {
+    r.try_get(i).map_err(|e| pg_error(&e.into()))
+}
+
 /// The applied version: 0 for an empty database, an error for a database that
 /// holds someone else's tables.
-fn schema_version(client: &mut postgres::Client) -> R<i64> {
-    let has_meta: bool = client
-        .query_one("SELECT to_regclass('meta') IS NOT NULL", &[])
-        .and_then(|r| r.try_get(0))
-        .map_err(|e| pg_error(&e))?;
+fn schema_version(client: &PgClient) -> R<i64> {
+    let has_meta: bool =
+        col(&client.query_one("SELECT to_regclass('meta') IS NOT NULL", &[]).map_err(|e| pg_error(&e))?, 0)?;
     if !has_meta {
-        let tables: i64 = client
+        let row = client
             .query_one("SELECT count(*) FROM pg_tables WHERE schemaname = current_schema()", &[])
-            .and_then(|r| r.try_get(0))
             .map_err(|e| pg_error(&e))?;
+        let tables: i64 = col(&row, 0)?;
         return if tables > 0 { Err(StoreError::NotToolgate) } else { Ok(0) };
     }
     let v: Option<String> = client
         .query_opt("SELECT value FROM meta WHERE key = 'schema_version'", &[])
         .map_err(|e| pg_error(&e))?
-        .map(|r| r.try_get(0))
-        .transpose()
-        .map_err(|e| pg_error(&e))?;
+        .map(|r| col(&r, 0))
+        .transpose()?;
     match v.as_deref().map(str::parse::<i64>) {
         Some(Ok(n)) if n > 0 => Ok(n),
         _ => Err(StoreError::NotToolgate),
     }
 }
 
-fn migrate(client: &mut postgres::Client, from: i64) -> R<()> {
+fn migrate(client: &PgClient, from: i64) -> R<()> {
     for (i, sql) in MIGRATIONS.iter().enumerate().skip(from as usize) {
-        let mut tx = client.transaction().map_err(|e| pg_error(&e))?;
-        // One migrator at a time; re-check under the lock (another process may
-        // have migrated meanwhile).
-        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).map_err(|e| pg_error(&e))?;
-        let has_meta: bool = tx
-            .query_one("SELECT to_regclass('meta') IS NOT NULL", &[])
-            .and_then(|r| r.try_get(0))
-            .map_err(|e| pg_error(&e))?;
-        let now: i64 = if has_meta {
-            tx.query_opt("SELECT value FROM meta WHERE key = 'schema_version'", &[])
-                .map_err(|e| pg_error(&e))?
-                .and_then(|r| r.try_get::<_, String>(0).ok())
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0)
-        } else {
-            0
-        };
-        if now > i as i64 {
-            tx.commit().map_err(|e| pg_error(&e))?;
-            continue;
-        }
-        // Transactional DDL: a failure rolls the migration back whole.
-        tx.batch_execute(sql).map_err(|e| match pg_error(&e) {
-            StoreError::Other(reason) | StoreError::Constraint(reason) => {
-                StoreError::Migration { number: i + 1, found: from, reason }
+        client.batch_execute("BEGIN").map_err(|e| pg_error(&e))?;
+        let step = migrate_one(client, i, sql, from);
+        match step {
+            Ok(()) => client.batch_execute("COMMIT").map_err(|e| pg_error(&e))?,
+            Err(e) => {
+                let _ = client.batch_execute("ROLLBACK");
+                return Err(e);
             }
-            other => other,
-        })?;
-        tx.execute(
+        }
+    }
+    Ok(())
+}
+
+/// Migration `i + 1`, inside its own transaction.
+fn migrate_one(client: &PgClient, i: usize, sql: &str, from: i64) -> R<()> {
+    // One migrator at a time; re-check under the lock (another process may
+    // have migrated meanwhile).
+    client.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).map_err(|e| pg_error(&e))?;
+    let has_meta: bool =
+        col(&client.query_one("SELECT to_regclass('meta') IS NOT NULL", &[]).map_err(|e| pg_error(&e))?, 0)?;
+    let now: i64 = if has_meta {
+        client
+            .query_opt("SELECT value FROM meta WHERE key = 'schema_version'", &[])
+            .map_err(|e| pg_error(&e))?
+            .and_then(|r| r.try_get::<_, String>(0).ok())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    } else {
+        0
+    };
+    if now > i as i64 {
+        return Ok(());
+    }
+    // Transactional DDL: a failure rolls the migration back whole.
+    client.batch_execute(sql).map_err(|e| match pg_error(&e) {
+        StoreError::Other(reason) | StoreError::Constraint(reason) => {
+            StoreError::Migration { number: i + 1, found: from, reason }
+        }
+        other => other,
+    })?;
+    client
+        .execute(
             "INSERT INTO meta (key, value) VALUES ('schema_version', $1)
              ON CONFLICT (key) DO UPDATE SET value = excluded.value",
             &[&(i as i64 + 1).to_string()],
         )
         .map_err(|e| pg_error(&e))?;
-        tx.commit().map_err(|e| pg_error(&e))?;
-    }
     Ok(())
 }
 
@@ -318,7 +340,7 @@ pub(crate) fn transaction<T, E: From<StoreError>>(
 }
 
 /// `COMMIT`, with the client's borrow released before the caller reacts.
-fn commit(pg: &PgConn) -> Result<(), postgres::Error> {
+fn commit(pg: &PgConn) -> Result<(), super::pg_client::PgError> {
     pg.client.borrow_mut().batch_execute("COMMIT")
 }
 
@@ -336,7 +358,7 @@ pub(crate) fn data_version(pg: &PgConn) -> R<i64> {
         .borrow_mut()
         .query_one("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint", &[])
         .map_err(|e| pg_error(&e))?;
-    row.try_get(0).map_err(|e| pg_error(&e))
+    col(&row, 0)
 }
 
 /// A database of its own on a PostgreSQL server, made for one run (the bench's
@@ -353,7 +375,7 @@ impl ScratchDatabase {
     /// any database on it).
     pub fn create(server: &str, label: &str) -> R<Self> {
         let name = format!("toolgate_{label}_{}_{:08x}", std::process::id(), rand::random::<u32>());
-        let mut admin = admin_client(server)?;
+        let admin = admin_client(server)?;
         admin.batch_execute(&format!("CREATE DATABASE {name}")).map_err(|e| pg_error(&e))?;
         let url = match server.split_once('?') {
             Some((base, query)) => format!("{}/{name}?{query}", base.rsplit_once('/').map_or(base, |(b, _)| b)),
@@ -369,15 +391,16 @@ impl ScratchDatabase {
 }
 
 /// A connection to `server` as its URL says (TLS included), for administration.
-fn admin_client(server: &str) -> R<postgres::Client> {
+fn admin_client(server: &str) -> R<PgClient> {
     let parsed = super::pg_tls::parse(server)?;
     let connector = super::pg_tls::Connector::for_url(&parsed)?;
-    connector.connect(&parsed.config).map_err(|e| connect_error(&e))
+    let bound = super::pg_client::bound_for(parsed.config.get_options().unwrap_or(""), STATEMENT_TIMEOUT);
+    PgClient::connect(&parsed.config, &connector, bound).map_err(|e| connect_error(&e))
 }
 
 impl Drop for ScratchDatabase {
     fn drop(&mut self) {
-        if let Ok(mut admin) = admin_client(&self.admin) {
+        if let Ok(admin) = admin_client(&self.admin) {
             let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name));
         }
     }

@@ -56,7 +56,7 @@ impl SslMode {
 /// A PostgreSQL URL split into what the `postgres` crate reads and the TLS
 /// settings it does not.
 pub(crate) struct PgUrl {
-    pub(crate) config: postgres::Config,
+    pub(crate) config: tokio_postgres::Config,
     pub(crate) mode: SslMode,
     root_cert: Option<String>,
 }
@@ -89,7 +89,7 @@ pub(crate) fn parse(url: &str) -> R<PgUrl> {
         }
     }
     let rest = if kept.is_empty() { base.to_string() } else { format!("{base}?{}", kept.join("&")) };
-    let mut config: postgres::Config = rest.parse().map_err(|_| bad())?;
+    let mut config: tokio_postgres::Config = rest.parse().map_err(|_| bad())?;
     if mode == SslMode::Require && root_cert.is_some() {
         // libpq: a root certificate given makes `require` verify the chain.
         mode = SslMode::VerifyCa;
@@ -150,13 +150,6 @@ impl Connector {
             }
         };
         Ok(Connector::Tls(tokio_postgres_rustls::MakeRustlsConnect::new(config)))
-    }
-
-    pub(crate) fn connect(&self, config: &postgres::Config) -> Result<postgres::Client, postgres::Error> {
-        match self {
-            Connector::Plain => config.connect(postgres::NoTls),
-            Connector::Tls(t) => config.connect(t.clone()),
-        }
     }
 }
 

@@ -31,11 +31,13 @@ pub enum Backend {
 
 /// A PostgreSQL connection with its statement cache.
 pub(crate) struct PgConn {
-    pub(crate) client: RefCell<postgres::Client>,
+    pub(crate) client: RefCell<super::pg_client::PgClient>,
     /// How to connect again after the server went away, and the session
     /// settings to restore.
-    config: postgres::Config,
+    config: tokio_postgres::Config,
     connector: super::pg_tls::Connector,
+    /// The bound on one round trip (`pg_client`).
+    bound: std::time::Duration,
     session: String,
     cache: RefCell<HashMap<String, postgres::Statement>>,
     /// A statement of the open transaction failed: PostgreSQL has aborted
@@ -64,15 +66,17 @@ pub(crate) enum Failed {
 
 impl PgConn {
     pub(crate) fn new(
-        client: postgres::Client,
-        config: postgres::Config,
+        client: super::pg_client::PgClient,
+        config: tokio_postgres::Config,
         connector: super::pg_tls::Connector,
+        bound: std::time::Duration,
         session: String,
     ) -> Self {
         Self {
             client: RefCell::new(client),
             config,
             connector,
+            bound,
             session,
             cache: RefCell::new(HashMap::new()),
             failed: Cell::new(None),
@@ -91,7 +95,8 @@ impl PgConn {
     /// Replaces the connection whatever the client believes: a server that
     /// restarted is noticed only when a statement fails.
     pub(crate) fn reconnect(&self) -> R<()> {
-        let mut client = self.connector.connect(&self.config).map_err(|_| StoreError::Unavailable)?;
+        let client = super::pg_client::PgClient::connect(&self.config, &self.connector, self.bound)
+            .map_err(|_| StoreError::Unavailable)?;
         client.batch_execute(&self.session).map_err(|e| pg_error(&e))?;
         *self.client.borrow_mut() = client;
         self.cache.borrow_mut().clear();
@@ -99,7 +104,7 @@ impl PgConn {
     }
 
     /// Records a failure of a statement of the open transaction and maps it.
-    fn fail(&self, e: &postgres::Error) -> StoreError {
+    fn fail(&self, e: &super::pg_client::PgError) -> StoreError {
         let err = pg_error(e);
         let now = if matches!(err, StoreError::Conflict) {
             Failed::Serialization
@@ -128,7 +133,13 @@ impl PgConn {
 
 /// Maps a PostgreSQL error to a backend-neutral one: never the statement text,
 /// never connection parameters (the server's message names schema objects only).
-pub(crate) fn pg_error(e: &postgres::Error) -> StoreError {
+pub(crate) fn pg_error(e: &super::pg_client::PgError) -> StoreError {
+    use super::pg_client::PgError;
+    let e = match e {
+        PgError::Pg(e) => e,
+        // No answer within the bound: the path to the server is broken.
+        PgError::TimedOut | PgError::Io(_) => return StoreError::Unavailable,
+    };
     let Some(db) = e.as_db_error() else {
         if e.is_closed() || std::error::Error::source(e).is_some_and(<dyn std::error::Error>::is::<std::io::Error>) {
             return StoreError::Unavailable;
