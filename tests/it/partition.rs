@@ -100,3 +100,67 @@ fn a_blackhole_before_accept_is_db_unavailable_within_the_bound_and_the_retry_ru
     assert_eq!(crate::support::effects(&mut direct_engine), 2);
     assert_eq!(crate::support::duplicates(&mut direct_engine), 0);
 }
+
+/// The PostgreSQL URL `direct` through the proxy, with a 1 s statement
+/// timeout (a 6 s bound on each round trip).
+fn through(proxy: &Proxy, direct: &str) -> String {
+    let (head, tail) = direct.split_once('@').unwrap();
+    let (_, db) = tail.split_once('/').unwrap();
+    format!("{head}@127.0.0.1:{}/{db}?options=-c%20statement_timeout%3D1s", proxy.port)
+}
+
+/// The network goes dark while the downstream (an HTTP provider, reachable)
+/// executes the call: its reply cannot be recorded. The caller is answered
+/// OUTCOME_UNKNOWN with its status_ref within the bound, not a database error
+/// as if nothing had happened; once the ledger is reachable, the attempt's
+/// lease runs out and the status query settles it from the provider's
+/// receipt: one effect.
+#[test]
+fn a_blackhole_between_send_and_persist_answers_outcome_unknown_and_the_query_settles_it() {
+    if crate::support::pg_base().is_none() {
+        return;
+    }
+    let fx = crate::http::HttpFixture::with_catalog_on(crate::support::Backend::Postgres, &|_| {});
+    let direct = fx.ledger.to_str().unwrap().to_string();
+    let hostport = direct.split_once('@').unwrap().1.split_once('/').unwrap().0.to_string();
+    let proxy = Proxy::start(hostport);
+    let proxied = through(&proxy, &direct);
+    let mut e = Engine::open(std::path::Path::new(&proxied), fx.opts()).unwrap();
+    // The provider takes 3 s; the network goes dark 1 s into it.
+    e.set_faults(toolgate::downstream::FaultPlan::parse("latency(3000)").unwrap());
+    let dark = std::thread::spawn({
+        let bh = proxy.blackhole.clone();
+        move || {
+            std::thread::sleep(Duration::from_secs(1));
+            bh.store(true, Ordering::SeqCst);
+        }
+    });
+    let started = Instant::now();
+    let env = e.dispatch(&refund("part-persist-0001", 300)).unwrap();
+    let waited = started.elapsed();
+    dark.join().unwrap();
+    eprintln!("blackhole between send and persist: {:?} after {waited:?}", env.code());
+    assert_eq!(env.model_result.status, Status::Unknown, "{env:?}");
+    assert_eq!(env.code(), Some(toolgate::engine::envelope::Code::OutcomeUnknown));
+    let status_ref = env.protected_audit.downstream.status_ref.clone().expect("a status_ref to ask by");
+    assert!(waited < Duration::from_secs(45), "answered after {waited:?}");
+    assert_eq!(fx.server.effects(), 1, "the provider committed");
+    // The network heals. The ledger still holds the attempt in flight: its
+    // lease runs out, the reaper takes it, and the status query settles it.
+    proxy.set_blackhole(false);
+    let mut d = Engine::open(&fx.ledger, fx.opts()).unwrap();
+    fx.clock.advance(60_000);
+    d.reap().unwrap();
+    let q = d
+        .query_operation_status(&toolgate::engine::QueryRequest {
+            tenant: "acme".into(),
+            subject: "agent_ana".into(),
+            status_ref,
+            expected_request_sha256: env.protected_audit.binding.request_sha256.clone().unwrap(),
+            ..toolgate::engine::QueryRequest::default()
+        })
+        .unwrap();
+    assert_eq!(q.model_result.status, Status::Succeeded, "{q:?}");
+    assert_eq!(fx.server.effects(), 1);
+    assert_eq!(fx.server.duplicates(), 0);
+}

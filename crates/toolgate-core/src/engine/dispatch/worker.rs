@@ -191,7 +191,27 @@ impl Engine {
             let step = self.store.write(|tx| persist(tx, &pctx, reply.clone()));
             // The send is over: its slot is free before any backoff wait.
             drop(slot);
-            match step? {
+            let step = match step {
+                Ok(step) => step,
+                // The downstream was called and the ledger cannot be reached
+                // to record what it answered (the database went away, a
+                // partition, a disk): the caller is told what is known, an
+                // unknown outcome with the status_ref to ask by, never a
+                // database error as if nothing had happened. The ledger still
+                // holds the attempt in flight; its lease runs out and the
+                // reaper takes it from there (docs/design.md §8).
+                Err(EngineError::Store(e)) => {
+                    tracing::error!(op = op_id, attempt, error = %e, "the reply could not be recorded");
+                    return Ok(crate::engine::operation::op_envelope(
+                        &op,
+                        Delivery::Fresh,
+                        pref.clone(),
+                        Some(Code::OutcomeUnknown.as_str()),
+                    ));
+                }
+                Err(e) => return Err(e),
+            };
+            match step {
                 Persisted::Done(env) => return Ok(env),
                 Persisted::RetryAfter(ms) => self.clock.sleep_ms(ms),
                 Persisted::Late(env) => {
