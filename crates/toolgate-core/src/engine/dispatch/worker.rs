@@ -199,7 +199,7 @@ impl Engine {
                 // unknown outcome with the status_ref to ask by, never a
                 // database error as if nothing had happened. The ledger still
                 // holds the attempt in flight; its lease runs out and the
-                // reaper takes it from there (docs/design.md §8).
+                // reaper takes it from there (docs/design.md §6, §8).
                 Err(EngineError::Store(e)) => {
                     tracing::error!(op = op_id, attempt, error = %e, "the reply could not be recorded");
                     return Ok(crate::engine::operation::op_envelope(
