@@ -356,13 +356,16 @@ pub(super) fn orders(cli: &Cli, json: bool) -> Result<i32, CliError> {
 pub(super) fn reap(cli: &Cli, json: bool) -> Result<i32, CliError> {
     let mut engine = open(cli)?;
     let r = engine.reap()?;
-    let p = engine.purge_expired()?;
+    // Ctrl-C stops the purge between two batches (each its own transaction).
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    stop_on_interrupt(&stop);
+    let p = engine.purge_expired_until(&stop)?;
     let paused = r.clock_paused.clone().or_else(|| p.clock_paused.clone());
     if json {
         print_json(&json!({
             "requeued_unsent": r.requeued_unsent, "requeued_same_key": r.requeued_same_key,
             "parked_unknown": r.parked_unknown, "purged": p.purged, "kept_for_audit": p.kept_for_audit,
-            "clock_paused": paused,
+            "clock_paused": paused, "interrupted": p.interrupted,
         }));
     } else if let Some(why) = &paused {
         outln!("reap paused, nothing done: {why}");
@@ -372,8 +375,31 @@ pub(super) fn reap(cli: &Cli, json: bool) -> Result<i32, CliError> {
             r.requeued_unsent, r.requeued_same_key, r.parked_unknown, p.purged, p.kept_for_audit
         );
     }
+    if p.interrupted {
+        eprintln!("reap: interrupted between batches; {} purged, the rest waits for the next pass", p.purged);
+        return Ok(130);
+    }
     // A pass that could not act is not a success a script may ignore.
     Ok(i32::from(paused.is_some()))
+}
+
+/// Sets `stop` at the first SIGINT (Ctrl-C) or SIGTERM, from a thread of its
+/// own; the work checks it at its next safe point.
+fn stop_on_interrupt(stop: &std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    let stop = stop.clone();
+    std::thread::spawn(move || {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+        rt.block_on(async {
+            let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) else {
+                return;
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        });
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
 }
 
 pub(super) fn clock(cli: &Cli, accept: bool, json: bool) -> Result<i32, CliError> {

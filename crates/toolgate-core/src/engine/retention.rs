@@ -36,6 +36,9 @@ pub struct PurgeReport {
     pub purged: usize,
     /// Terminal operations past their retention kept because a person acted on them.
     pub kept_for_audit: i64,
+    /// Stopped between batches (Ctrl-C): what is left waits for the next pass.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub interrupted: bool,
     /// Why nothing was purged: the ledger's clock cannot be trusted here (see
     /// [`super::ledger_clock`]); a purge judged on a wrong clock deletes live rows.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -70,11 +73,23 @@ impl Engine {
     /// Purges terminal operations whose retention has passed since they became
     /// terminal and that no person acted on, leaving a tombstone for each.
     pub fn purge_expired(&mut self) -> Result<PurgeReport, EngineError> {
+        self.purge_expired_until(&std::sync::atomic::AtomicBool::new(false))
+    }
+
+    /// [`Engine::purge_expired`], stopping between batches once `stop` is set
+    /// (`toolgate reap` on Ctrl-C). Each batch is its own short write
+    /// transaction, chosen and deleted by index (schema 18), so writers wait
+    /// at most one batch.
+    pub fn purge_expired_until(&mut self, stop: &std::sync::atomic::AtomicBool) -> Result<PurgeReport, EngineError> {
         if let Some(why) = self.clock_check()? {
             return Ok(PurgeReport { clock_paused: Some(why), ..PurgeReport::default() });
         }
         let mut report = PurgeReport::default();
         loop {
+            if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                report.interrupted = true;
+                break;
+            }
             let now = self.clock.now_ms();
             let n = self.store.write(|tx| -> Result<usize, EngineError> {
                 let mut n = 0;

@@ -57,7 +57,7 @@ pub use views::{
 pub use world::{Access, Principal};
 
 /// Migrations, in order. The schema version is the number applied (`PRAGMA user_version`).
-const MIGRATIONS: [&str; 17] = [
+const MIGRATIONS: [&str; 18] = [
     include_str!("migrations/0001_ledger.sql"),
     include_str!("migrations/0002_observability.sql"),
     include_str!("migrations/0003_counters.sql"),
@@ -75,6 +75,7 @@ const MIGRATIONS: [&str; 17] = [
     include_str!("migrations/0015_scope_downstream_key.sql"),
     include_str!("migrations/0016_operator_token_tenants.sql"),
     include_str!("migrations/0017_audit_anchor.sql"),
+    include_str!("migrations/0018_purge_indexes.sql"),
 ];
 
 /// The schema version this build writes.

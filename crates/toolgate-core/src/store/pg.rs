@@ -27,7 +27,7 @@ type R<T> = Result<T, StoreError>;
 
 /// PostgreSQL migrations, in order (numbered on their own: PostgreSQL 0001 is
 /// the shape of SQLite schema 9). The version applied is meta `schema_version`.
-const MIGRATIONS: [&str; 8] = [
+const MIGRATIONS: [&str; 9] = [
     include_str!("pg/0001_ledger.sql"),
     include_str!("pg/0002_api_tokens.sql"),
     include_str!("pg/0003_sort_indexes.sql"),
@@ -36,6 +36,7 @@ const MIGRATIONS: [&str; 8] = [
     include_str!("pg/0006_scope_downstream_key.sql"),
     include_str!("pg/0007_operator_token_tenants.sql"),
     include_str!("pg/0008_audit_anchor.sql"),
+    include_str!("pg/0009_purge_indexes.sql"),
 ];
 
 /// The PostgreSQL schema version this build writes.
