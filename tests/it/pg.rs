@@ -662,3 +662,43 @@ fn a_call_behind_a_stuck_lock_is_answered_db_busy_not_held() {
     assert_eq!(env.model_result.status, Status::Succeeded, "{env:?}");
     assert_eq!(crate::support::effects(&mut e), 1);
 }
+
+/// Issue 40: a PostgreSQL ledger at schema 8 migrates to 9 (the purge's
+/// indexes), takes calls and audits clean.
+#[test]
+fn a_schema_8_ledger_migrates_to_the_purge_indexes() {
+    if crate::support::pg_base().is_none() {
+        return;
+    }
+    let db = crate::support::PgDb::new().unwrap();
+    let mut c = db.client();
+    for sql in [
+        include_str!("../../crates/toolgate-core/src/store/pg/0001_ledger.sql"),
+        include_str!("../../crates/toolgate-core/src/store/pg/0002_api_tokens.sql"),
+        include_str!("../../crates/toolgate-core/src/store/pg/0003_sort_indexes.sql"),
+        include_str!("../../crates/toolgate-core/src/store/pg/0004_rollup_slots.sql"),
+        include_str!("../../crates/toolgate-core/src/store/pg/0005_holds.sql"),
+        include_str!("../../crates/toolgate-core/src/store/pg/0006_scope_downstream_key.sql"),
+        include_str!("../../crates/toolgate-core/src/store/pg/0007_operator_token_tenants.sql"),
+        include_str!("../../crates/toolgate-core/src/store/pg/0008_audit_anchor.sql"),
+    ] {
+        c.batch_execute(sql).unwrap();
+    }
+    c.batch_execute("INSERT INTO meta (key, value) VALUES ('schema_version', '8')").unwrap();
+    drop(c);
+    let path = PathBuf::from(&db.url);
+    let clock = ManualClock::new(crate::support::T0);
+    let mut e = Engine::open(&path, opts(&clock, "migrated")).unwrap();
+    e.load_world(&toolgate::engine::world::World::parse(toolgate::engine::world::DEMO_WORLD.as_bytes()).unwrap())
+        .unwrap();
+    let env = e.dispatch(&crate::support::refund("pg9-refund-0001", 100)).unwrap();
+    assert_eq!(env.model_result.status, Status::Succeeded, "{env:?}");
+    assert!(e.audit().unwrap().is_empty(), "{:?}", e.audit().unwrap());
+    let mut c = db.client();
+    for index in ["audit_log_operation", "receipts_operation", "call_identities_operation"] {
+        let found: bool = c.query_one("SELECT to_regclass($1) IS NOT NULL", &[&index]).unwrap().get(0);
+        assert!(found, "{index}");
+    }
+    let v: String = c.query_one("SELECT value FROM meta WHERE key = 'schema_version'", &[]).unwrap().get(0);
+    assert_eq!(v, "9");
+}
