@@ -2844,3 +2844,34 @@ fn a_walkthrough_measures_its_scratch_database_on_the_scenarios_clock() {
     app.update(Action::Tick(NOW + 2_000));
     assert_eq!(app.now_ms, NOW + 2_000, "no scenario: the wall clock");
 }
+
+/// Issue 40: a pane's title counts the whole list, not the page: with 31
+/// operations and 15 rows visible the Ledger reads `(15 of 31) · page 1 of
+/// 3`, then `page 2 of 3` on the next page.
+#[test]
+fn a_panes_title_counts_the_whole_list_and_says_page_k_of_n() {
+    let mut d = demo();
+    for i in 0..20 {
+        let env = d.engine.dispatch(&crate::support::refund(&format!("title-count-{i:04}"), 1)).unwrap();
+        assert!(env.protected_audit.operation_id.is_some(), "{env:?}");
+    }
+    let mut app = app_on(&mut d, Pane::Ledger, 120, 24);
+    assert_eq!(app.visible_rows(), 15);
+    let screen = text(&draw(&app, 120, 24));
+    assert!(screen.contains("Idempotency ledger (15 of 31)") && screen.contains("page 1 of 3"), "{screen}");
+    let Some(Request::Fetch { .. }) = press(&mut app, KeyCode::PageDown) else { panic!("a fetch of the next page") };
+    let rows = d
+        .engine
+        .ops_page(
+            OpsView::All,
+            &toolgate::store::Filter::default(),
+            toolgate::tui::app::default_order(Pane::Ledger),
+            app.cursor.as_ref(),
+            15,
+        )
+        .unwrap();
+    let header = d.engine.header_counts().unwrap();
+    app.update(Action::Engine(EngineEvent::Page { pane: Pane::Ledger, rows: Rows::Ops(rows), header }));
+    let screen = text(&draw(&app, 120, 24));
+    assert!(screen.contains("(15 of 31)") && screen.contains("page 2 of 3"), "{screen}");
+}

@@ -805,6 +805,23 @@ impl App {
     }
 
     /// How many table rows fit.
+    /// How many rows the current pane's whole list holds, when the header's
+    /// counts say it (no filter set: a filter's total is not counted).
+    pub fn pane_total(&self) -> Option<i64> {
+        if !self.filter.is_empty() {
+            return None;
+        }
+        let state = |names: &[&str]| -> i64 {
+            self.header.by_state.iter().filter(|(s, _)| names.contains(&s.as_str())).map(|(_, n)| *n).sum()
+        };
+        match self.pane {
+            Pane::Unknown => Some(state(&["unknown", "needs_review"])),
+            Pane::Approvals => Some(self.header.pending_approvals),
+            Pane::Ledger => Some(self.header.by_state.iter().map(|(_, n)| *n).sum()),
+            _ => None,
+        }
+    }
+
     pub fn visible_rows(&self) -> i64 {
         i64::from(self.size.1.saturating_sub(CHROME_ROWS).max(1))
     }

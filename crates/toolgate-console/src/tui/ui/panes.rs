@@ -119,7 +119,7 @@ fn table<'a>(
     let widths: Vec<Constraint> = widths.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(w, _)| w).collect();
     let rows: Vec<Row<'a>> = rows.into_iter().map(pick).collect();
     let empty = rows.is_empty();
-    let page = if app.page_stack.is_empty() { String::new() } else { format!(" · page {}", app.page_stack.len() + 1) };
+    let page = page_label(app);
     let tail = format!("{page}{} ", sort.map(|l| format!(" · sort {l}")).unwrap_or_default());
     // The title gives way first: the page and the sort stay readable at any width.
     let room = usize::from(width).saturating_sub(tail.chars().count() + 4);
@@ -134,6 +134,27 @@ fn table<'a>(
         state.select(Some(app.selected));
     }
     (table, state)
+}
+
+/// ` · page k of n` (or ` · page k` when the list's total is not known, and
+/// nothing on the only page).
+fn page_label(app: &App) -> String {
+    let k = app.page_stack.len() + 1;
+    let per = app.visible_rows().max(1);
+    match app.pane_total() {
+        Some(total) if total > per => format!(" · page {k} of {}", (total + per - 1) / per),
+        _ if k > 1 => format!(" · page {k}"),
+        _ => String::new(),
+    }
+}
+
+/// A pane's row count for its title: `15 of 25` when the page shows part of
+/// the whole list, else the count.
+fn shown_of(app: &App, shown: usize) -> String {
+    match app.pane_total() {
+        Some(total) if total > shown as i64 => format!("{shown} of {total}"),
+        _ => shown.to_string(),
+    }
 }
 
 /// An id cell `w` columns wide (`…` when cut): a marked row's id starts with `*`.
@@ -278,7 +299,7 @@ fn ledger(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         .collect();
     let (tb, mut st) = table(
         app,
-        "Idempotency ledger",
+        &format!("Idempotency ledger ({})", shown_of(app, rows.len())),
         vec!["operation", "scope tenant/subject", "tool", "key#", "digest", "state", "result ref / code", "kept"],
         body,
         widths,
@@ -331,7 +352,7 @@ fn approvals(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
             // Expiry is exclusive: a request at or past it no longer counts as pending.
             let expired = rows.iter().filter(|a| app.now_ms >= a.expires_at).count();
             if expired == 0 {
-                format!("Pending approvals ({})", rows.len())
+                format!("Pending approvals ({})", shown_of(app, rows.len()))
             } else {
                 format!(
                     "Pending approvals ({}; {expired} expired, shown until the agent asks again)",
@@ -400,7 +421,7 @@ fn unknown(app: &App, frame: &mut Frame, area: Rect, t: Theme) {
         .collect();
     let (tb, mut st) = table(
         app,
-        &format!("Outcome unknown: leaves only by a status query or a human decision ({})", rows.len()),
+        &format!("Outcome unknown: leaves only by a status query or a human decision ({})", shown_of(app, rows.len())),
         vec!["operation", "tool", "state", "since", "why", "code", "status_ref", "last query"],
         body,
         widths,
