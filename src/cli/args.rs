@@ -218,6 +218,15 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Rewrite a SQLite ledger into the least space and set it to give space
+    /// back after each purge from then on (a ledger made before schema 18
+    /// needs this once; it holds the database while it runs). PostgreSQL:
+    /// refused, its autovacuum does this.
+    Vacuum {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// The ledger's one clock: where ledger time comes from, this host's
     /// offset to it, and whether reaping and purging are paused.
     Clock {
@@ -835,6 +844,7 @@ impl Command {
             | Command::Grant(_)
             | Command::Revoke(_)
             | Command::Reap { .. }
+            | Command::Vacuum { .. }
             | Command::Work { .. }
             | Command::Tenant { .. }
             | Command::Subject { .. }
@@ -877,6 +887,7 @@ pub(super) fn command_wants_json(c: Option<&Command>) -> bool {
             | Command::Counts { json }
             | Command::Orders { json }
             | Command::Reap { json }
+            | Command::Vacuum { json }
             | Command::Clock { json, .. }
             | Command::Work { json }
             | Command::Audit { json, .. }

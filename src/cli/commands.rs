@@ -364,7 +364,7 @@ pub(super) fn reap(cli: &Cli, json: bool) -> Result<i32, CliError> {
     if json {
         print_json(&json!({
             "requeued_unsent": r.requeued_unsent, "requeued_same_key": r.requeued_same_key,
-            "parked_unknown": r.parked_unknown, "purged": p.purged, "kept_for_audit": p.kept_for_audit,
+            "parked_unknown": r.parked_unknown, "purged": p.purged, "kept_for_audit": p.kept_for_audit, "bytes_reclaimed": p.bytes_reclaimed,
             "clock_paused": paused, "interrupted": p.interrupted,
         }));
     } else if let Some(why) = &paused {
@@ -381,6 +381,22 @@ pub(super) fn reap(cli: &Cli, json: bool) -> Result<i32, CliError> {
     }
     // A pass that could not act is not a success a script may ignore.
     Ok(i32::from(paused.is_some()))
+}
+
+pub(super) fn vacuum(cli: &Cli, json: bool) -> Result<i32, CliError> {
+    let mut engine = open(cli)?;
+    let (before, after) = engine.vacuum()?;
+    if json {
+        print_json(
+            &json!({"bytes_before": before, "bytes_after": after, "bytes_reclaimed": before.saturating_sub(after)}),
+        );
+    } else {
+        outln!(
+            "vacuumed: {before} bytes -> {after} bytes ({} given back); space comes back after each purge from now on",
+            before.saturating_sub(after)
+        );
+    }
+    Ok(0)
 }
 
 /// Sets `stop` at the first SIGINT (Ctrl-C) or SIGTERM, from a thread of its

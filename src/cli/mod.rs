@@ -224,6 +224,7 @@ fn run(cli: &Cli) -> Result<i32, CliError> {
         Command::Grant(g) | Command::Revoke(g) => commands::grant_or_revoke(cli, g, command),
         Command::Orders { json } => commands::orders(cli, *json),
         Command::Reap { json } => commands::reap(cli, *json),
+        Command::Vacuum { json } => commands::vacuum(cli, *json),
         Command::Clock { accept, json } => commands::clock(cli, *accept, *json),
         Command::Work { json } => commands::work(cli, *json),
         Command::Scenario { what } => scenario_command(what),

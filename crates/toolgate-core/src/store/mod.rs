@@ -160,6 +160,9 @@ pub enum StoreError {
     /// retry the call with the same key once the server is back.
     #[error("the database server is unreachable or restarting; retry the call with the same idempotency key")]
     Unavailable,
+    /// What this backend does not do (the message says what does it).
+    #[error("not on this backend: {0}")]
+    Unsupported(String),
     /// Any other database error: its description only (never SQL text or a path).
     #[error("database error: {0}")]
     Other(String),
@@ -201,6 +204,7 @@ impl crate::Coded for StoreError {
             StoreError::Migration { .. } => "DB_MIGRATION_FAILED",
             StoreError::Constraint(_) => "DB_CONSTRAINT",
             StoreError::Unavailable => "DB_UNAVAILABLE",
+            StoreError::Unsupported(_) => "DB_UNSUPPORTED",
             StoreError::Other(_) => "DB_ERROR",
         }
     }
@@ -577,6 +581,11 @@ impl Store {
         if version > SCHEMA_VERSION {
             return Err(StoreError::SchemaTooNew { found: version, supported: SCHEMA_VERSION });
         }
+        if version == 0 {
+            // A new ledger gives space back in steps (the reaper's, after a
+            // purge): it can only be chosen before the first table exists.
+            conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL")?;
+        }
         let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") && !mode.eq_ignore_ascii_case("memory") {
             return Err(StoreError::Open(format!("could not enable WAL (journal_mode={mode})")));
@@ -708,6 +717,48 @@ impl Store {
     /// SQLite), all time: `toolgate bench` reports them per call.
     pub fn write_retries(&self) -> u64 {
         self.writer.retries()
+    }
+
+    /// Gives free pages back to the file system, at most `max_pages` in this
+    /// step (one short write; SQLite with `auto_vacuum = INCREMENTAL`, which a
+    /// ledger has from creation or from [`Store::vacuum`]). Returns the bytes
+    /// given back (0 elsewhere: PostgreSQL's autovacuum reuses its space).
+    pub fn reclaim_space(&mut self, max_pages: u32) -> Result<u64, StoreError> {
+        let Conn::Lite(conn) = &self.conn else { return Ok(0) };
+        let incremental: i64 = conn.query_row("PRAGMA auto_vacuum", [], |r| r.get(0))?;
+        if incremental != 2 {
+            return Ok(0);
+        }
+        let page: i64 = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+        let before: i64 = conn.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;
+        if before == 0 {
+            return Ok(0);
+        }
+        conn.execute_batch(&format!("PRAGMA incremental_vacuum({max_pages})"))?;
+        let after: i64 = conn.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;
+        Ok(u64::try_from((before - after).max(0) * page).unwrap_or(0))
+    }
+
+    /// Rewrites a SQLite ledger into the least space, and sets it to give
+    /// space back in steps from then on (`auto_vacuum = INCREMENTAL`): an
+    /// operator's maintenance command (it holds the database for its whole
+    /// run). Returns (bytes before, bytes after). PostgreSQL: refused, its
+    /// autovacuum (or the server's own `VACUUM`) does this.
+    pub fn vacuum(&mut self) -> Result<(u64, u64), StoreError> {
+        let Conn::Lite(conn) = &self.conn else {
+            return Err(StoreError::Unsupported(
+                "PostgreSQL reuses purged space through its autovacuum; VACUUM FULL is the server's own tool".into(),
+            ));
+        };
+        let size = |c: &rusqlite::Connection| -> Result<u64, StoreError> {
+            let pages: i64 = c.query_row("PRAGMA page_count", [], |r| r.get(0))?;
+            let page: i64 = c.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+            Ok(u64::try_from(pages * page).unwrap_or(0))
+        };
+        let before = size(conn)?;
+        conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL; VACUUM;")?;
+        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+        Ok((before, size(conn)?))
     }
 
     /// Folds the write-ahead log into the main file (SQLite; PostgreSQL
