@@ -415,6 +415,12 @@ fn stop_on_interrupt(stop: &std::sync::Arc<std::sync::atomic::AtomicBool>) {
             }
         });
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        // A second one ends the process at once (the work may be waiting on
+        // the database).
+        rt.block_on(async {
+            let _ = tokio::signal::ctrl_c().await;
+        });
+        std::process::exit(130);
     });
 }
 

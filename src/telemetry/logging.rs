@@ -92,10 +92,11 @@ impl RotatingFile {
 
 impl std::io::Write for RotatingFile {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        if self.written > 0 && self.written + buf.len() as u64 > self.max {
-            // A rotation that fails (a read-only directory) keeps appending:
-            // diagnostics never stop the ledger.
-            let _ = self.rotate();
+        if self.written > 0 && self.written + buf.len() as u64 > self.max && self.rotate().is_err() {
+            // A rotation that fails (a read-only directory) keeps appending,
+            // and is tried again only after another `max` bytes: diagnostics
+            // never stop the ledger.
+            self.written = 0;
         }
         let n = self.file.write(buf)?;
         self.written += n as u64;

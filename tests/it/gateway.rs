@@ -328,22 +328,56 @@ fn a_crash_before_the_commit_is_unknown_and_the_resend_runs_it_once() {
     assert_eq!(fx.effects("create_charge"), 1);
 }
 
+/// An isError result may come after the tool acted (an exception after the
+/// email went out is one too): an unknown outcome with its content as the
+/// evidence, never "no effect", unless the catalog says the server's tools
+/// fail before they act.
 #[test]
-fn is_error_is_a_tool_failure_with_its_content_kept_as_evidence() {
+fn is_error_is_an_unknown_outcome_with_its_content_kept_as_evidence() {
     let fx = McpFixture::new(Backend::Sqlite);
     let mut e = fx.engine();
     fx.fault("is_error");
     let env = e.dispatch(&email("gw-error-00001", "d@example.com")).unwrap();
-    assert_eq!(env.model_result.status, Status::Failed, "{env:?}");
-    assert_eq!(env.code(), Some(Code::BusinessRuleViolation));
+    assert_eq!(env.code(), Some(Code::OutcomeUnknown), "{env:?}");
     let id = env.protected_audit.operation_id.clone().unwrap();
     let d = e.operation_detail(&id).unwrap().unwrap();
-    assert_eq!(d.operation.state.to_string(), "failed");
+    assert_eq!(d.operation.state.to_string(), "needs_review", "external: a person looks");
     let said: Vec<String> = d.trace.iter().filter_map(toolgate::telemetry::export::refusal).collect();
     assert!(
         said.iter().any(|s| s.contains("isError") && s.contains("mailbox unavailable")),
         "the content is the evidence: {said:?}"
     );
+    assert_eq!(fx.effects("send_email"), 0);
+    // A tool asked by re-sending: unknown, and the worker's re-send runs it once.
+    fx.fault("is_error");
+    let charge_env = e.dispatch(&charge("gw-error-00002", 500)).unwrap();
+    assert_eq!(state(&mut e, &charge_env), ("unknown".into(), Some("OUTCOME_UNKNOWN".into())));
+    fx.clock.advance(4_001);
+    assert_eq!(e.settle_unknown(16).unwrap(), 1);
+    assert_eq!(state(&mut e, &charge_env).0, "succeeded");
+    assert_eq!(fx.effects("create_charge"), 1);
+    // A re-send answered isError again goes to a person (another could act).
+    fx.fault("is_error");
+    let twice = e.dispatch(&charge("gw-error-00003", 600)).unwrap();
+    fx.fault("is_error");
+    fx.clock.advance(4_001);
+    assert_eq!(e.settle_unknown(16).unwrap(), 1);
+    assert_eq!(state(&mut e, &twice), ("needs_review".into(), Some("STATUS_CONFLICT".into())));
+    // The server documents that its tools fail before they act: failed.
+    edit_catalog(&fx.catalog, &|v| {
+        if v["name"] == "send_email" {
+            v["downstream"]["mcp"]["is_error_means_not_committed"] = json!(true);
+        }
+    });
+    let opts = EngineOptions {
+        clock: Arc::new(fx.clock.clone()),
+        ..EngineOptions::new(toolgate::tools::load_toolset(Some(&fx.catalog)).unwrap())
+    };
+    let mut e2 = Engine::open(&fx.ledger, opts).unwrap();
+    fx.fault("is_error");
+    let failed = e2.dispatch(&email("gw-error-00004", "e@example.com")).unwrap();
+    assert_eq!(failed.model_result.status, Status::Failed, "{failed:?}");
+    assert_eq!(failed.code(), Some(Code::BusinessRuleViolation));
     assert_eq!(fx.effects("send_email"), 0);
 }
 

@@ -17,7 +17,7 @@
 //! | the server is not running and cannot be started; the transport was closed before the request was queued; a stdio write failed (the server never got the line whole) | not received (`Unavailable`): retried within the deadline |
 //! | the server died or closed its stdout after the request was written; a streamable HTTP send failed | reply lost (`TimedOut`) |
 //! | no answer within the attempt timeout | reply lost; the request is cancelled (`notifications/cancelled`) |
-//! | `isError: true` | a tool failure (`Rejected`), its content kept as the refusal's evidence |
+//! | `isError: true` | the tool failed, maybe after acting (`ToolFailed`: unknown), its content kept as evidence; `Rejected` (no effect) when the catalog says `is_error_means_not_committed` |
 //! | JSON-RPC "method not found" or "invalid params" | refused before acting (`Rejected`) |
 //! | another JSON-RPC error | may have acted (`ServerError`) |
 //! | a result | `Committed`: `structuredContent` (or `{"content": [...]}`) as the result |
@@ -73,8 +73,9 @@ pub struct McpConfig {
     /// `Authorization: Bearer ...`; never stored, traced or logged).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bearer_env: Option<String>,
-    /// A file that holds the bearer token for `url` (read when an engine
-    /// opens the downstream; a trailing newline is dropped).
+    /// A file that holds the bearer token for `url` (read once per process,
+    /// when the first engine opens the downstream; a trailing newline is
+    /// dropped).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bearer_file: Option<String>,
     /// The server's name for the tool. Default: the catalog tool's name.
@@ -94,6 +95,13 @@ pub struct McpConfig {
     /// digest of the key, the request and the result.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub receipt_id: Option<String>,
+    /// The server documents that its tools fail before they act: an
+    /// `isError` result is then a definitive failure, no effect (failed,
+    /// BUSINESS_RULE_VIOLATION). Default false: a tool may fail after it acted
+    /// (an exception after the email went out is also `isError`), so the
+    /// outcome is unknown, its content kept as evidence.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub is_error_means_not_committed: bool,
     /// How long starting a stdio server (or opening the HTTP session) and its
     /// `initialize` handshake may take, in ms (default 10000). A call that
     /// finds no server within it was never sent.
@@ -511,12 +519,18 @@ impl Mcp {
             CallOutcome::Protocol(..) => Reply::ServerError,
             CallOutcome::Result(r) if r.is_error == Some(true) => {
                 // A tool failure: its content is the evidence (digest and a
-                // redacted excerpt traced, as an HTTP refusal's body).
+                // redacted excerpt traced, as an HTTP refusal's body). It may
+                // have acted before it failed, unless the catalog says the
+                // server's tools fail before acting.
                 let content = serde_json::to_vec(&r.content).unwrap_or_default();
                 let text: Vec<String> = r.content.iter().filter_map(|c| c.as_text().map(|t| t.text.clone())).collect();
                 let mut refusal = Refusal::of_body(0, text.join(" ").as_bytes(), &[]);
                 refusal.body_sha256 = sha256_hex(&content);
-                Reply::Rejected { reason: text.join(" "), refusal: Some(refusal) }
+                if self.cfg.is_error_means_not_committed {
+                    Reply::Rejected { reason: text.join(" "), refusal: Some(refusal) }
+                } else {
+                    Reply::ToolFailed(refusal)
+                }
             }
             CallOutcome::Result(r) => {
                 let result = match r.structured_content {
@@ -694,7 +708,9 @@ pub fn catalog_file(t: &ListedTool, o: &ImportOptions) -> (String, Value, Vec<St
         section["key_argument"] = Value::String(arg.clone());
     }
     let effect = if t.read_only {
-        notes.push("read: the server marks it readOnlyHint (a read is sent no key and records nothing)".into());
+        notes.push(
+            "read: the server marks it readOnlyHint, a hint the server gives: check that it acts on nothing (a read is sent no key and records nothing)".into(),
+        );
         "read"
     } else if keyed {
         notes.push(format!(

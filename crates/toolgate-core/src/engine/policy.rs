@@ -96,7 +96,9 @@ pub(crate) fn health(reply: &Result<Reply, String>) -> Health {
             | Reply::Rejected { .. }
             | Reply::RateLimited { .. }
             | Reply::InProgress { .. }
-            | Reply::KeyConflict,
+            | Reply::KeyConflict
+            // The downstream answered: its tool failed, the service did not.
+            | Reply::ToolFailed(_),
         ) => Health::Healthy,
         Ok(
             Reply::Unavailable { .. }

@@ -544,6 +544,11 @@ impl Engine {
                 "the downstream holds another request under this key (key in use with another body)".into(),
             ),
             // Its words stay out of the trace (they may echo the arguments).
+            // Asked again, the tool fails again: another re-send could act
+            // each time it is tried; a person looks at what it said.
+            Reply::ToolFailed(_) => Lookup::Conflict(
+                "the downstream's tool reported an error when the request was re-sent: a person decides".into(),
+            ),
             Reply::Rejected { .. } => Lookup::Conflict(
                 "the downstream refused the request re-sent under its key: a person confirms it had no effect".into(),
             ),

@@ -300,6 +300,10 @@ pub enum Reply {
     TimedOut,
     /// A server error after the request was sent: it may have committed.
     ServerError,
+    /// The tool ran and reported an error (an MCP `isError` result): it may
+    /// have acted before it failed, so nothing is decided from it; what it
+    /// said is the evidence (traced as the refusal is).
+    ToolFailed(Refusal),
     /// The provider says the same key is still being processed: received, not
     /// finished; ask again later.
     InProgress {

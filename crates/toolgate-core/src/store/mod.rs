@@ -734,7 +734,13 @@ impl Store {
         if before == 0 {
             return Ok(0);
         }
-        conn.execute_batch(&format!("PRAGMA incremental_vacuum({max_pages})"))?;
+        // The pragma frees one page per row it returns: step it to the end
+        // (one statement, one commit).
+        let mut st = conn.prepare(&format!("PRAGMA incremental_vacuum({max_pages})"))?;
+        let mut rows = st.query([])?;
+        while rows.next()?.is_some() {}
+        drop(rows);
+        drop(st);
         let after: i64 = conn.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;
         Ok(u64::try_from((before - after).max(0) * page).unwrap_or(0))
     }

@@ -81,6 +81,9 @@ const SESSION_BOUNDS: [(&str, &str); 7] = [
     ("tcp_user_timeout", "15000"),
 ];
 
+/// How long one migration's statements may take (an index on a large ledger).
+const MIGRATION_BOUND: Duration = Duration::from_secs(60 * 60);
+
 /// Lock key that serializes migrations of one database across processes.
 const MIGRATION_LOCK: i64 = 0x746f_6f6c_6761_7465; // "toolgate"
 
@@ -241,8 +244,11 @@ fn migrate_one(client: &PgClient, i: usize, sql: &str, from: i64) -> R<()> {
     if now > i as i64 {
         return Ok(());
     }
-    // Transactional DDL: a failure rolls the migration back whole.
-    client.batch_execute(sql).map_err(|e| match pg_error(&e) {
+    // Transactional DDL: a failure rolls the migration back whole. An index
+    // on a large ledger takes as long as it takes: no statement timeout for
+    // it, and the client's bound stretched to an hour.
+    client.batch_execute("SET LOCAL statement_timeout = 0").map_err(|e| pg_error(&e))?;
+    client.batch_execute_within(sql, MIGRATION_BOUND).map_err(|e| match pg_error(&e) {
         StoreError::Other(reason) | StoreError::Constraint(reason) => {
             StoreError::Migration { number: i + 1, found: from, reason }
         }

@@ -105,15 +105,23 @@ impl PgClient {
     }
 
     fn run<T>(&self, call: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>) -> Result<T, PgError> {
+        self.run_within(call, self.bound)
+    }
+
+    fn run_within<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+        bound: Duration,
+    ) -> Result<T, PgError> {
         if self.timed_out.get() {
             return Err(PgError::TimedOut);
         }
-        if let Ok(r) = self.rt.block_on(async { tokio::time::timeout(self.bound, call).await }) {
+        if let Ok(r) = self.rt.block_on(async { tokio::time::timeout(bound, call).await }) {
             return r.map_err(PgError::Pg);
         }
         self.timed_out.set(true);
         tracing::warn!(
-            bound_ms = self.bound.as_millis() as u64,
+            bound_ms = bound.as_millis() as u64,
             "PostgreSQL did not answer within the bound; the connection is given up"
         );
         Err(PgError::TimedOut)
@@ -126,6 +134,11 @@ impl PgClient {
 
     pub(crate) fn batch_execute(&self, sql: &str) -> Result<(), PgError> {
         self.run(self.client.batch_execute(sql))
+    }
+
+    /// [`PgClient::batch_execute`] with a bound of its own (a migration).
+    pub(crate) fn batch_execute_within(&self, sql: &str, bound: Duration) -> Result<(), PgError> {
+        self.run_within(self.client.batch_execute(sql), bound)
     }
 
     pub(crate) fn prepare(&self, sql: &str) -> Result<Statement, PgError> {
@@ -181,10 +194,12 @@ fn parse_duration(v: &str) -> Option<Duration> {
     let digits = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
     let n: u64 = v[..digits].parse().ok()?;
     Some(match v[digits..].trim() {
+        "us" => Duration::from_micros(n),
         "" | "ms" => Duration::from_millis(n),
         "s" => Duration::from_secs(n),
-        "min" => Duration::from_secs(n * 60),
-        "h" => Duration::from_secs(n * 3600),
+        "min" => Duration::from_secs(n.checked_mul(60)?),
+        "h" => Duration::from_secs(n.checked_mul(3_600)?),
+        "d" => Duration::from_secs(n.checked_mul(86_400)?),
         _ => return None,
     })
 }

@@ -247,6 +247,16 @@ pub(super) fn persist(tx: &Tx<'_>, c: &PersistCtx<'_>, reply: Result<Reply, Stri
             Some("response"),
             "server error after the request was sent: may have committed".into(),
         ),
+        Ok(Reply::ToolFailed(refusal)) => {
+            ev.refusal = Some((&refusal).into());
+            unknown(
+                &mut op,
+                Code::OutcomeUnknown,
+                &mut ev,
+                Some("response"),
+                "the tool reported an error while it ran: it may have acted".into(),
+            )
+        }
         Ok(Reply::InProgress { retry_after_ms }) => {
             // Received and not finished: never re-sent blindly; a status query settles it.
             let done = unknown(

@@ -193,15 +193,23 @@ impl Engine {
             drop(slot);
             let step = match step {
                 Ok(step) => step,
-                // The downstream was called and the ledger cannot be reached
-                // to record what it answered (the database went away, a
-                // partition, a disk): the caller is told what is known, an
-                // unknown outcome with the status_ref to ask by, never a
-                // database error as if nothing had happened. The ledger still
-                // holds the attempt in flight; its lease runs out and the
-                // reaper takes it from there (docs/design.md §6, §8).
+                // The downstream was called and what it answered could not be
+                // recorded (the database went away, a partition, a disk, or
+                // the row changed under this attempt): the caller is told what
+                // is known, an unknown outcome with the status_ref to ask by,
+                // never a database error as if nothing had happened. The
+                // ledger holds the attempt as it last recorded it; a lease
+                // that runs out goes to the reaper (docs/design.md §6, §8),
+                // and a status query settles it from the downstream.
                 Err(EngineError::Store(e)) => {
-                    tracing::error!(op = op_id, attempt, error = %e, "the reply could not be recorded");
+                    // The receipt's ids are evidence a person can look up.
+                    let (receipt, request) = match &reply {
+                        Ok(crate::engine::tool::Reply::Committed(r)) => {
+                            (Some(r.receipt_id.clone()), Some(r.request_id.clone()))
+                        }
+                        _ => (None, None),
+                    };
+                    tracing::error!(op = op_id, attempt, error = %e, receipt = ?receipt, downstream_request = ?request, "the reply could not be recorded");
                     return Ok(crate::engine::operation::op_envelope(
                         &op,
                         Delivery::Fresh,
