@@ -428,11 +428,21 @@ impl Server {
         }
     }
 
-    async fn call(&self, params: CallToolRequestParams, timeout: Duration) -> CallOutcome {
+    async fn call(
+        &self,
+        params: CallToolRequestParams,
+        timeout: Duration,
+        abandoned: &std::sync::atomic::AtomicBool,
+    ) -> CallOutcome {
         let peer = match self.peer().await {
             Ok(p) => p,
             Err(why) => return CallOutcome::NotSent(why),
         };
+        // The engine stopped waiting (a server slow to start): it holds the
+        // call as unknown already, and it is not sent after that.
+        if abandoned.load(std::sync::atomic::Ordering::SeqCst) {
+            return CallOutcome::NotSent("the caller stopped waiting before it was sent".into());
+        }
         let stdio = matches!(self.transport, Transport::Stdio { .. });
         let req = ClientRequest::CallToolRequest(CallToolRequest::new(params));
         let handle = match peer.send_cancellable_request(req, PeerRequestOptions::with_timeout(timeout)).await {
@@ -570,13 +580,21 @@ impl Downstream for Mcp {
         let timeout = Duration::from_millis(req.timeout_ms.max(1));
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let server = self.server.clone();
+        let abandoned = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = abandoned.clone();
         self.server.handle.spawn(async move {
-            let _ = tx.send(server.call(params, timeout).await);
+            let _ = tx.send(server.call(params, timeout, &flag).await);
         });
-        // The call is bounded by its own timeout inside; this bound only
-        // guards against a runtime that stopped (then: the reply is lost).
+        // The call is bounded by its own timeout once sent, and its server's
+        // start by start_timeout; this bound guards against a runtime that
+        // stopped or a queue behind a restart. Past it the call counts as
+        // lost (it may have been sent); one still waiting for its server is
+        // not sent after that.
         let bound = timeout + self.server.start_timeout + Duration::from_secs(5);
-        let sent = rx.recv_timeout(bound).unwrap_or(CallOutcome::Lost);
+        let sent = rx.recv_timeout(bound).unwrap_or_else(|_| {
+            abandoned.store(true, std::sync::atomic::Ordering::SeqCst);
+            CallOutcome::Lost
+        });
         Ok(self.reply(key, req, sent))
     }
 
