@@ -519,6 +519,17 @@ pub enum OpsCommand {
         /// Only this state.
         #[arg(long)]
         state: Option<String>,
+        /// Only this tool (the console's `tool:` filter).
+        #[arg(long)]
+        tool: Option<String>,
+        /// Order by this column, newest or largest first (`updated`,
+        /// `operation`, `since`, `created`, `tool`, `scope`, `state`: the
+        /// console's sort columns, index-backed).
+        #[arg(long, value_name = "COLUMN")]
+        sort: Option<String>,
+        /// With --sort: smallest or oldest first.
+        #[arg(long, requires = "sort")]
+        asc: bool,
         /// At most this many.
         #[arg(long, default_value_t = 50)]
         limit: i64,

@@ -692,7 +692,7 @@ pub(super) fn audit(cli: &Cli, log: bool, json: bool) -> Result<i32, CliError> {
 
 pub(super) fn ops(cli: &Cli, what: &OpsCommand) -> Result<i32, CliError> {
     match what {
-        OpsCommand::List { state, limit, json } => {
+        OpsCommand::List { state, tool, sort, asc, limit, json } => {
             let mut engine = open_read(cli)?;
             let state = match state.as_deref() {
                 None => None,
@@ -701,7 +701,26 @@ pub(super) fn ops(cli: &Cli, what: &OpsCommand) -> Result<i32, CliError> {
                     CliError::new("BAD_STATE", format!("unknown state {s:?} (one of: {})", all.join(", ")))
                 })?),
             };
-            let rows = engine.list_operations(state, (*limit).clamp(1, 10_000))?;
+            let limit = (*limit).clamp(1, 10_000);
+            let rows = if tool.is_none() && sort.is_none() {
+                engine.list_operations(state, limit)?
+            } else {
+                // The console's filter and sort, one page of them.
+                let column = match sort.as_deref() {
+                    None => 0,
+                    Some(name) => crate::store::OPS_SORT.iter().position(|c| c.name == name).ok_or_else(|| {
+                        let all: Vec<&str> = crate::store::OPS_SORT.iter().map(|c| c.name).collect();
+                        CliError::new("BAD_SORT", format!("unknown column {name:?} (one of: {})", all.join(", ")))
+                    })?,
+                };
+                let filter = crate::store::Filter {
+                    tool: tool.clone(),
+                    states: state.map(|s| vec![s.as_str().to_string()]).unwrap_or_default(),
+                    ..crate::store::Filter::default()
+                };
+                let order = crate::store::Order { column, desc: !*asc };
+                engine.ops_page(crate::store::OpsView::All, &filter, order, None, limit)?
+            };
             if *json {
                 print_json(&json!({"operations": rows}));
             } else {

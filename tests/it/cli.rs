@@ -878,3 +878,29 @@ fn the_console_refuses_now_instead_of_ignoring_it() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("INVALID_ARGUMENTS") && err.contains("wall clock"), "{err}");
 }
+
+/// Issue 40: `ops list` takes the console's tool filter and sort columns
+/// (index-backed), and an unknown column is a clear error with the list.
+#[test]
+fn ops_list_filters_by_tool_and_state_and_sorts_like_the_console() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("demo.db");
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("demo.db"), &db).unwrap();
+    let list = |args: &[&str]| -> (i32, Value) {
+        let out = tg().arg("--db").arg(&db).args(["ops", "list", "--json"]).args(args).output().unwrap();
+        (out.status.code().unwrap_or(-1), serde_json::from_slice(&out.stdout).unwrap())
+    };
+    let (code, v) = list(&["--tool", "create_refund", "--state", "unknown"]);
+    assert_eq!(code, 0);
+    let ops = v["operations"].as_array().unwrap();
+    assert!(!ops.is_empty() && ops.iter().all(|o| o["tool"] == "create_refund" && o["state"] == "unknown"), "{v}");
+    let (_, all) = list(&["--sort", "tool", "--asc"]);
+    let tools: Vec<&str> = all["operations"].as_array().unwrap().iter().map(|o| o["tool"].as_str().unwrap()).collect();
+    let mut sorted = tools.clone();
+    sorted.sort_unstable();
+    assert_eq!(tools, sorted);
+    assert_eq!(tools.len(), 11);
+    let (code, err) = list(&["--sort", "nope"]);
+    assert_eq!((code, err["error"]["code"].as_str()), (2, Some("BAD_SORT")));
+    assert!(err["error"]["message"].as_str().unwrap().contains("updated"), "{err}");
+}
