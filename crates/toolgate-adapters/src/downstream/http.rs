@@ -610,15 +610,9 @@ fn tls_config(t: &TlsSettings) -> Result<ureq::tls::TlsConfig, String> {
 
 /// Percent-encodes a key for a URL path segment (RFC 3986 unreserved kept).
 fn encode_segment(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            http_map::push_percent(&mut out, b);
-        }
-    }
-    out
+    const SEGMENT: &percent_encoding::AsciiSet =
+        &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'.').remove(b'~');
+    percent_encoding::utf8_percent_encode(s, SEGMENT).to_string()
 }
 
 /// Retry-After as delta-seconds or an HTTP date (RFC 9110 §10.2.3), in ms, bounded.

@@ -184,29 +184,14 @@ pub fn form_fields(body: &Value) -> Result<Vec<(String, String)>, String> {
         .collect()
 }
 
-/// Appends `%XX` for a byte (upper-case hex, as RFC 3986 recommends).
-pub(crate) fn push_percent(out: &mut String, b: u8) {
-    const HEX: &[u8; 16] = b"0123456789ABCDEF";
-    out.push('%');
-    out.push(char::from(HEX[usize::from(b >> 4)]));
-    out.push(char::from(HEX[usize::from(b & 15)]));
-}
-
 /// Form fields as `application/x-www-form-urlencoded` text (the WHATWG
 /// rules: `*-._` and alphanumerics kept, space as `+`, the rest `%XX`).
 pub fn form_encode(fields: &[(String, String)]) -> String {
-    let enc = |s: &str| {
-        let mut out = String::with_capacity(s.len());
-        for b in s.bytes() {
-            match b {
-                b' ' => out.push('+'),
-                b if b.is_ascii_alphanumeric() || matches!(b, b'*' | b'-' | b'.' | b'_') => out.push(char::from(b)),
-                b => push_percent(&mut out, b),
-            }
-        }
-        out
-    };
-    fields.iter().map(|(k, v)| format!("{}={}", enc(k), enc(v))).collect::<Vec<_>>().join("&")
+    let mut out = form_urlencoded::Serializer::new(String::new());
+    for (k, v) in fields {
+        out.append_pair(k, v);
+    }
+    out.finish()
 }
 
 #[cfg(test)]

@@ -12,10 +12,10 @@
 //! | `verify-ca` | TLS; the chain must lead to `sslrootcert` (default: the platform's roots); any host name |
 //! | `verify-full` | TLS; the chain as above and the host name must match |
 //!
-//! The two verifiers below that skip a check (the host name for
-//! `verify-ca`, everything for a bare `require`) are written by hand: no
-//! crate offers libpq's exact semantics over rustls, and each still checks
-//! the handshake's signatures with the provider's algorithms.
+//! The verifier below that skips a check (the host name for `verify-ca`,
+//! everything for a bare `require`) is written by hand: no crate offers
+//! libpq's exact semantics over rustls; it still checks the handshake's
+//! signatures with the provider's algorithms.
 
 use std::sync::Arc;
 
@@ -103,20 +103,7 @@ pub(crate) fn parse(url: &str) -> R<PgUrl> {
 }
 
 fn percent_decode(s: &str) -> Option<String> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' {
-            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
+    percent_encoding::percent_decode_str(s).decode_utf8().ok().map(std::borrow::Cow::into_owned)
 }
 
 /// How a connection is made (kept for reconnecting).
@@ -136,17 +123,18 @@ impl Connector {
         let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
             .map_err(|e| StoreError::Open(format!("TLS: {e}")))?;
+        let libpq = |chain| Arc::new(Libpq { chain, provider: provider.clone() });
         let config = if u.mode == SslMode::Require {
-            builder.dangerous().with_custom_certificate_verifier(Arc::new(NoVerify(provider))).with_no_client_auth()
+            builder.dangerous().with_custom_certificate_verifier(libpq(None)).with_no_client_auth()
         } else {
             let roots = Arc::new(roots(u.root_cert.as_deref())?);
-            let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(roots.clone(), provider)
-                .build()
-                .map_err(|e| StoreError::Open(format!("TLS: the root certificates cannot be used ({e})")))?;
-            if u.mode == SslMode::VerifyCa {
-                builder.dangerous().with_custom_certificate_verifier(Arc::new(AnyName(webpki))).with_no_client_auth()
-            } else {
+            if u.mode == SslMode::VerifyFull {
                 builder.with_root_certificates(roots).with_no_client_auth()
+            } else {
+                let chain = rustls::client::WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
+                    .build()
+                    .map_err(|e| StoreError::Open(format!("TLS: the root certificates cannot be used ({e})")))?;
+                builder.dangerous().with_custom_certificate_verifier(libpq(Some(chain))).with_no_client_auth()
             }
         };
         Ok(Connector::Tls(tokio_postgres_rustls::MakeRustlsConnect::new(config)))
@@ -188,11 +176,17 @@ fn roots(root_cert: Option<&str>) -> R<rustls::RootCertStore> {
     Ok(store)
 }
 
-/// `verify-ca`: the chain is verified, the host name is not (libpq's meaning).
+/// libpq's two checks rustls has no setting for: `verify-ca` (`chain`: the
+/// chain verified, any host name) and a bare `require` (no chain: the
+/// server's certificate not checked). Either way the handshake's signatures
+/// are checked with the provider's algorithms.
 #[derive(Debug)]
-struct AnyName(Arc<rustls::client::WebPkiServerVerifier>);
+struct Libpq {
+    chain: Option<Arc<rustls::client::WebPkiServerVerifier>>,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+}
 
-impl ServerCertVerifier for AnyName {
+impl ServerCertVerifier for Libpq {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -201,7 +195,8 @@ impl ServerCertVerifier for AnyName {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        match self.0.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now) {
+        let Some(chain) = &self.chain else { return Ok(ServerCertVerified::assertion()) };
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now) {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
             )) => Ok(ServerCertVerified::assertion()),
@@ -215,7 +210,7 @@ impl ServerCertVerifier for AnyName {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
     }
 
     fn verify_tls13_signature(
@@ -224,51 +219,11 @@ impl ServerCertVerifier for AnyName {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
-    }
-}
-
-/// A bare `require`: encrypted, the server's certificate not checked (libpq's
-/// meaning); the handshake's signatures still are.
-#[derive(Debug)]
-struct NoVerify(Arc<rustls::crypto::CryptoProvider>);
-
-impl ServerCertVerifier for NoVerify {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
+        self.provider.signature_verification_algorithms.supported_schemes()
     }
 }
 
