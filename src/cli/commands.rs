@@ -405,15 +405,16 @@ fn stop_on_interrupt(stop: &std::sync::Arc<std::sync::atomic::AtomicBool>) {
     let stop = stop.clone();
     std::thread::spawn(move || {
         let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
-        rt.block_on(async {
-            let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) else {
-                return;
-            };
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
+        // The servers' own signal (SIGINT or SIGTERM); none to wait for if it
+        // cannot be registered.
+        let signalled = rt.block_on(async {
+            let Ok(signal) = toolgate_server::shutdown::shutdown_signal() else { return false };
+            signal.await;
+            true
         });
+        if !signalled {
+            return;
+        }
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
         // A second one ends the process at once (the work may be waiting on
         // the database).

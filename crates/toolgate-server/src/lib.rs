@@ -15,7 +15,7 @@
 pub mod api;
 pub mod mcp;
 pub mod pool;
-mod shutdown;
+pub mod shutdown;
 pub mod status;
 
 /// Largest request body: the engine's own limit on a call's arguments.

@@ -1,9 +1,9 @@
-//! How a server learns to stop: the signal both `toolgate serve` and
-//! `toolgate mcp` wait for.
+//! How a server learns to stop: the signal `toolgate serve` and
+//! `toolgate mcp` wait for (and `toolgate reap`, between its batches).
 
 /// SIGTERM or SIGINT (Ctrl-C). Registered when called, not when first polled.
 #[cfg(unix)]
-pub(crate) fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+pub fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
@@ -17,7 +17,7 @@ pub(crate) fn shutdown_signal() -> std::io::Result<impl std::future::Future<Outp
 
 /// Ctrl-C.
 #[cfg(not(unix))]
-pub(crate) fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+pub fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
     Ok(async {
         let _ = tokio::signal::ctrl_c().await;
     })
